@@ -1,0 +1,93 @@
+"""Input validation shared by the public ops: every error says what was expected and what came."""
+
+from __future__ import annotations
+
+import torch
+
+_FLOAT = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def check_linear_inputs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, bias: torch.Tensor | None
+) -> None:
+    for name, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if hidden.dim() not in (2, 3):
+        raise ValueError(f"hidden must be [N, H] or [B, T, H], got shape {tuple(hidden.shape)}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be [V, H], got shape {tuple(weight.shape)}")
+    H = hidden.shape[-1]
+    if weight.shape[1] != H:
+        raise ValueError(
+            f"weight must be [V, H] with H = hidden.shape[-1] = {H}, got weight shape {tuple(weight.shape)}"
+        )
+    if weight.shape[0] == 0:
+        raise ValueError("weight has an empty vocabulary (V = 0)")
+    if tuple(targets.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(
+            f"targets must have hidden's leading shape {tuple(hidden.shape[:-1])}, got {tuple(targets.shape)}"
+        )
+    if targets.dtype.is_floating_point or targets.dtype == torch.bool or targets.is_complex():
+        raise TypeError(f"targets must be an integer tensor (int64), got {targets.dtype}")
+    if hidden.dtype not in _FLOAT:
+        raise TypeError(f"hidden must be float32, bfloat16, float16 or float64, got {hidden.dtype}")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(
+            f"weight and hidden must share a dtype, got hidden {hidden.dtype} and weight {weight.dtype} "
+            "(cast one of them, e.g. both to float32 for an fp32 LM head)"
+        )
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+        if tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"bias must be [V] = [{weight.shape[0]}], got shape {tuple(bias.shape)}")
+        if bias.dtype != hidden.dtype:
+            raise TypeError(f"bias must have hidden's dtype {hidden.dtype}, got {bias.dtype}")
+    devices = {("hidden", hidden.device), ("weight", weight.device), ("targets", targets.device)}
+    if bias is not None:
+        devices.add(("bias", bias.device))
+    if len({d for _, d in devices}) > 1:
+        where = ", ".join(f"{n} on {d}" for n, d in sorted(devices, key=lambda x: x[0]))
+        raise ValueError(f"all inputs must be on one device, got {where}")
+
+
+def check_targets(targets: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """Targets must be in [0, V) or equal ignore_index; name the first bad position."""
+    bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab))
+    if bool(bad.any()):
+        idx = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"target id out of range at position {idx}: got {int(targets[idx])}, expected an id in "
+            f"[0, {vocab}) or ignore_index={ignore_index}"
+        )
+
+
+def check_finite_outputs(
+    logp: torch.Tensor,  # [N]
+    entropy: torch.Tensor | None,  # [N]
+    active: torch.Tensor,  # [N] bool
+    hidden: torch.Tensor,  # [N, H]
+    lead_shape: tuple[int, ...],
+) -> None:
+    """Raise if a non-ignored token's log-prob or entropy is not finite, saying which input holds inf/nan.
+
+    Checked on the O(N) outputs; only the offending hidden row is inspected to tell hidden from weight.
+    """
+    bad = ~torch.isfinite(logp)
+    if entropy is not None:
+        bad |= ~torch.isfinite(entropy)
+    bad &= active
+    if not bool(bad.any()):
+        return
+    n = int(bad.nonzero()[0, 0])
+    pos = tuple(int(i) for i in torch.unravel_index(torch.tensor(n), lead_shape)) if len(lead_shape) > 1 else (n,)
+    what = "log-prob" if not torch.isfinite(logp[n]) else "entropy"
+    if not bool(torch.isfinite(hidden[n]).all()):
+        culprit = f"hidden{list(pos)} holds inf/nan"
+    else:
+        culprit = "hidden at that token is finite, so weight (or bias) holds inf/nan, or the logits overflow"
+    raise FloatingPointError(
+        f"non-finite {what} at token {pos} (value {float(logp[n] if what == 'log-prob' else entropy[n])}): "
+        f"{culprit}. Pass check_finite=False to skip this check."
+    )

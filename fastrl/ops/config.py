@@ -1,0 +1,51 @@
+"""The scalar options of the logits transform, carried as one frozen object."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["LogitTransform"]
+
+
+@dataclass(frozen=True)
+class LogitTransform:
+    """``z = softcap(logit_scale * (h W^T + b)) / temperature``; softcap ``c tanh(x / c)`` when set."""
+
+    temperature: float = 1.0
+    logit_scale: float = 1.0
+    softcap: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("temperature", "logit_scale"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+        if self.softcap is not None and (
+            not isinstance(self.softcap, (int, float)) or not math.isfinite(self.softcap) or self.softcap <= 0
+        ):
+            raise ValueError(f"softcap must be None or a finite number > 0, got {self.softcap!r}")
+
+    @property
+    def inv_temp(self) -> float:
+        return 1.0 / float(self.temperature)
+
+    def apply_(self, y: torch.Tensor) -> torch.Tensor:
+        """In place on a float32 logits block: y <- softcap(scale * y) / T."""
+        if self.logit_scale != 1.0:
+            y.mul_(self.logit_scale)
+        if self.softcap is not None:
+            y.div_(self.softcap).tanh_().mul_(self.softcap)
+        if self.temperature != 1.0:
+            y.mul_(self.inv_temp)
+        return y
+
+    def dz_dy(self, z: torch.Tensor) -> torch.Tensor | float:
+        """Derivative of the transform at transformed logits z: scale / T * (1 - tanh^2)."""
+        k = float(self.logit_scale) * self.inv_temp
+        if self.softcap is None:
+            return k
+        th = z / (float(self.softcap) * self.inv_temp)
+        return k * (1.0 - th * th)

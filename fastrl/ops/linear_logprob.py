@@ -1,0 +1,242 @@
+"""Fused linear -> per-token log-prob and entropy: the autograd Function and the public function.
+
+Paths (DESIGN.md): with gradients, path A (forward: one fused pass of online statistics; backward:
+recompute each vocabulary slice's logits, form ``G = dL/dy`` and run the two gradient GEMMs);
+without, path C (the forward pass alone, no autograd state kept).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fastrl.ops import torch_backend
+from fastrl.ops._checks import check_finite_outputs, check_linear_inputs, check_targets
+from fastrl.ops.backend import resolve_backend
+from fastrl.ops.config import LogitTransform
+
+__all__ = ["fused_logprobs", "linear_stats"]
+
+# columns of the backward's [N, V_blk] gradient tile on the Triton backend: N * V_blk <= 2^26 elements
+_TRITON_TILE_ELEMS = 1 << 26
+
+
+@dataclass(frozen=True)
+class _Options:
+    tf: LogitTransform
+    backend: str
+    with_entropy: bool
+    vocab_chunk: int | None
+
+
+def linear_stats(
+    hidden: torch.Tensor,  # [N, H]
+    weight: torch.Tensor,  # [V, H]
+    bias: torch.Tensor | None,  # [V]
+    targets: torch.Tensor,  # [N] int64
+    tf: LogitTransform,
+    backend: str,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # lse [N], target logit [N], entropy [N]
+    """Row statistics of the transformed logits on the chosen backend (no autograd)."""
+    N = hidden.shape[0]
+    if N == 0:
+        e = hidden.new_zeros((0,), dtype=torch_backend.acc_dtype(hidden.dtype))
+        return e, e, (e if with_entropy else None)
+    if backend == "triton":
+        from fastrl.kernels.linear_logprob import linear_stats as triton_stats
+
+        return triton_stats(
+            hidden, weight, bias, targets, logit_scale=tf.logit_scale, softcap=tf.softcap,
+            temperature=tf.temperature, with_entropy=with_entropy,
+        )
+    return torch_backend.linear_stats(hidden, weight, bias, targets, tf, with_entropy=with_entropy)
+
+
+def _addmm_acc(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` into a float32/float64 accumulator without rounding the product to bf16 first."""
+    if a.dtype == acc.dtype and b.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif acc.device.type == "cuda" and acc.dtype == torch.float32:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+
+
+def linear_backward(
+    hidden: torch.Tensor,  # [N, H]
+    weight: torch.Tensor,  # [V, H]
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,  # [N]
+    lse: torch.Tensor,  # [N]
+    entropy: torch.Tensor | None,  # [N]
+    grad_logp: torch.Tensor | None,  # [N] compute dtype, zero where no gradient flows
+    grad_entropy: torch.Tensor | None,  # [N]
+    opts: _Options,
+    need: tuple[bool, bool, bool],  # (hidden, weight, bias)
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Gradients of ``sum(grad_logp * logp + grad_entropy * entropy)`` w.r.t. hidden, weight, bias.
+
+    Vocabulary-sliced: each slice's ``G = dL/dy`` [N, V_blk] is formed once, then
+    ``grad_W[slice] = G^T h`` (one GEMM over all tokens, float32 accumulation inside it, written once)
+    and ``grad_h += G W[slice]`` into a float32 [N, H] accumulator. No [V, H] float32 buffer is needed,
+    and the weight-gradient GEMM is skipped entirely when the weight is frozen.
+    """
+    need_h, need_w, need_b = need
+    N, H = hidden.shape
+    V = weight.shape[0]
+    tf = opts.tf
+    cdt = torch_backend.acc_dtype(hidden.dtype)
+    has_grad = torch.zeros(N, dtype=torch.bool, device=hidden.device)
+    if grad_logp is not None:
+        has_grad |= grad_logp != 0
+    if grad_entropy is not None:
+        has_grad |= grad_entropy != 0
+    grad_h = torch.zeros((N, H), dtype=cdt, device=hidden.device) if need_h else None
+    grad_w = torch.empty_like(weight) if need_w else None
+    grad_b = torch.empty((V,), dtype=cdt, device=hidden.device) if need_b else None
+
+    if opts.backend == "triton":
+        from fastrl.kernels import linear_logprob as K
+
+        cols = opts.vocab_chunk or max(K.BLOCK_V, (_TRITON_TILE_ELEMS // max(N, 1)) // K.BLOCK_V * K.BLOCK_V)
+        cols = min(cols, V)
+        buf = torch.empty((N, cols), dtype=hidden.dtype, device=hidden.device)
+        h_mm = hidden
+    else:
+        cols = torch_backend.tile_columns(N, V, opts.vocab_chunk)
+        h_mm = torch_backend._f32(hidden)
+
+    for v0 in range(0, V, cols):
+        v1 = min(v0 + cols, V)
+        b_blk = bias[v0:v1] if bias is not None else None
+        if opts.backend == "triton":
+            G = buf[:, : v1 - v0]
+            if N > 0:
+                K.linear_grad_block(
+                    hidden, weight[v0:v1], b_blk, targets, v0, lse, entropy, grad_logp, grad_entropy, G,
+                    logit_scale=tf.logit_scale, softcap=tf.softcap, temperature=tf.temperature,
+                )
+            w_mm = weight[v0:v1]
+        else:
+            G = torch_backend.grad_block(
+                h_mm, weight, bias, targets, v0, v1, lse, entropy, grad_logp, grad_entropy, has_grad, tf
+            )
+            w_mm = torch_backend._f32(weight[v0:v1])
+        if need_w:
+            grad_w[v0:v1] = torch.mm(G.T, h_mm)
+        if need_h:
+            _addmm_acc(grad_h, G, w_mm)
+        if need_b:
+            grad_b[v0:v1] = G.sum(0, dtype=cdt)
+    return (
+        grad_h.to(hidden.dtype) if need_h else None,
+        grad_w,
+        grad_b.to(bias.dtype) if need_b else None,
+    )
+
+
+class LinearLogprobFunction(torch.autograd.Function):
+    """(hidden [N,H], weight [V,H], bias [V]|None, targets [N], active [N]) -> (logp [N], entropy [N]|None)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, active, opts: _Options):
+        lse, zt, ent = linear_stats(hidden, weight, bias, targets, opts.tf, opts.backend, opts.with_entropy)
+        zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
+        logp = torch.where(active, zt - lse, zero)
+        if ent is not None:
+            ent = torch.where(active, ent, zero)
+        ctx.save_for_backward(hidden, weight, bias, targets, active, lse, ent)
+        ctx.opts = opts
+        ctx.set_materialize_grads(False)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_ent):
+        hidden, weight, bias, targets, active, lse, ent = ctx.saved_tensors
+        opts: _Options = ctx.opts
+        need = tuple(ctx.needs_input_grad[:3])
+        if grad_logp is None and grad_ent is None or not any(need):
+            return None, None, None, None, None, None
+        cdt = lse.dtype
+        zero = torch.zeros((), dtype=cdt, device=lse.device)
+        if grad_logp is not None:
+            grad_logp = torch.where(active, grad_logp.to(cdt), zero).contiguous()
+        if grad_ent is not None:
+            grad_ent = torch.where(active, grad_ent.to(cdt), zero).contiguous()
+        gh, gw, gb = linear_backward(hidden, weight, bias, targets, lse, ent, grad_logp, grad_ent, opts, need)
+        return gh, gw, gb, None, None, None
+
+
+def fused_logprobs(
+    hidden: torch.Tensor,  # [N, H] or [B, T, H]
+    weight: torch.Tensor,  # [V, H]
+    targets: torch.Tensor,  # [N] or [B, T] int64
+    *,
+    bias: torch.Tensor | None = None,  # [V]
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    with_entropy: bool = True,
+    ignore_index: int = -100,
+    check_finite: bool = True,
+    backend: str | None = None,
+    vocab_chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probabilities of ``targets`` and entropies under the LM head, without materialising logits.
+
+    The distribution is ``softmax(softcap(logit_scale * (hidden @ weight.T + bias)) / temperature)``
+    (softcap ``c * tanh(x / c)`` only when set; temperature divides last, as TRL does).
+
+    Returns ``(logprobs, entropy)`` with ``targets``' shape, float32 (float64 for float64 inputs);
+    ``entropy`` is None when ``with_entropy=False``. Differentiable w.r.t. hidden, weight and bias
+    through both outputs; gradients are accumulated in float32 and logits are never rounded to the
+    input dtype. Under ``torch.no_grad()`` (or when no input needs grad) this is the forward-only path
+    and keeps no autograd state.
+
+    Targets equal to ``ignore_index`` give log-prob 0, entropy 0 and no gradient; any other target
+    outside ``[0, V)`` raises ``ValueError`` naming the first bad position. With ``check_finite`` (the
+    default) a non-finite log-prob or entropy raises ``FloatingPointError`` naming the token and
+    whether hidden or weight holds inf/nan (checked on the O(N) outputs only).
+
+    ``backend``: "triton" or "torch" (default: triton on CUDA, torch on CPU; env ``FASTRL_BACKEND``).
+    ``vocab_chunk``: vocabulary columns per backward tile (default: bounded automatically); smaller
+    uses less memory, larger gives the GEMMs more work per call.
+    """
+    check_linear_inputs(hidden, weight, targets, bias)
+    tf = LogitTransform(temperature=temperature, logit_scale=logit_scale, softcap=softcap)
+    if not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    if vocab_chunk is not None and (not isinstance(vocab_chunk, int) or vocab_chunk <= 0):
+        raise ValueError(f"vocab_chunk must be None or a positive int, got {vocab_chunk!r}")
+    V = weight.shape[0]
+    check_targets(targets, V, ignore_index)
+    name = resolve_backend(hidden.device, backend)
+    if name == "triton" and hidden.dtype == torch.float64:
+        raise TypeError("the triton backend computes from float32, bfloat16 or float16 inputs; use backend='torch' for float64")
+
+    lead = tuple(targets.shape)
+    h = hidden.reshape(-1, hidden.shape[-1])
+    t = targets.reshape(-1).to(torch.int64).contiguous()
+    active = t != ignore_index
+    opts = _Options(tf=tf, backend=name, with_entropy=with_entropy, vocab_chunk=vocab_chunk)
+
+    needs_grad = torch.is_grad_enabled() and (
+        hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
+    if needs_grad:
+        logp, ent = LinearLogprobFunction.apply(h, weight, bias, t, active, opts)
+    else:
+        # path C: forward only, nothing saved
+        with torch.no_grad():
+            lse, zt, ent = linear_stats(h, weight, bias, t, tf, name, with_entropy)
+            zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
+            logp = torch.where(active, zt - lse, zero)
+            if ent is not None:
+                ent = torch.where(active, ent, zero)
+    if check_finite:
+        check_finite_outputs(logp.detach(), None if ent is None else ent.detach(), active, h, lead)
+    logp = logp.reshape(lead)
+    ent = ent.reshape(lead) if ent is not None else None
+    return logp, ent

@@ -1,0 +1,129 @@
+"""The ``torch`` backend: the same algorithm as the Triton kernels, in chunked PyTorch.
+
+Online statistics over vocabulary blocks, so memory beyond inputs and outputs is O(N) plus one
+``[N, V_blk]`` float32 tile whose size is bounded (``tile_columns``). Low-precision inputs are computed
+in float32: logits are never rounded to bf16/fp16.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastrl.ops.config import LogitTransform
+
+# elements of one [N, V_blk] float32 tile: 16 MB, a few of which are alive at once
+TILE_ELEMS = 1 << 22
+
+
+def tile_columns(n_rows: int, vocab: int, requested: int | None = None, multiple: int = 128) -> int:
+    """Vocabulary columns per tile: the requested number, else the largest that keeps the tile bounded."""
+    if requested is not None:
+        return max(1, min(int(requested), vocab))
+    cols = max(multiple, (TILE_ELEMS // max(n_rows, 1)) // multiple * multiple)
+    return min(cols, vocab)
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Compute dtype: float32 for float32/bf16/fp16 inputs, float64 for float64 ones."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    """Upcast to the compute dtype (a no-op for float32 and float64)."""
+    return x.to(acc_dtype(x.dtype))
+
+
+def logits_block(
+    h32: torch.Tensor,  # [N, H] in the compute dtype (acc_dtype)
+    weight: torch.Tensor,  # [V, H]
+    bias: torch.Tensor | None,  # [V]
+    v0: int,
+    v1: int,
+    tf: LogitTransform,
+) -> torch.Tensor:  # [N, v1 - v0] float32, transformed
+    y = torch.mm(h32, _f32(weight[v0:v1]).T)
+    if bias is not None:
+        y += _f32(bias[v0:v1])
+    return tf.apply_(y)
+
+
+def linear_stats(
+    hidden: torch.Tensor,  # [N, H]
+    weight: torch.Tensor,  # [V, H]
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,  # [N] int64
+    tf: LogitTransform,
+    *,
+    with_entropy: bool,
+    columns: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # lse [N], target z [N], entropy [N]
+    N = hidden.shape[0]
+    V = weight.shape[0]
+    dev = hidden.device
+    h32 = _f32(hidden)
+    dt = h32.dtype
+    m = torch.full((N,), float("-inf"), dtype=dt, device=dev)
+    s = torch.zeros(N, dtype=dt, device=dev)
+    u = torch.zeros(N, dtype=dt, device=dev) if with_entropy else None
+    zt = torch.zeros(N, dtype=dt, device=dev)
+    step = tile_columns(N, V, columns)
+    for v0 in range(0, V, step):
+        v1 = min(v0 + step, V)
+        z = logits_block(h32, weight, bias, v0, v1, tf)
+        local = targets - v0
+        inside = (local >= 0) & (local < v1 - v0)
+        zt += torch.where(inside, z.gather(1, local.clamp(0, v1 - v0 - 1)[:, None]).squeeze(1), 0.0)
+        m_new = torch.maximum(m, z.amax(dim=1))
+        m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
+        alpha = torch.exp(m - m_safe)
+        z.sub_(m_safe[:, None])  # z now holds d = z - m
+        p = torch.exp(z)
+        if with_entropy:
+            shift = torch.where(s > 0, (m - m_safe) * s, torch.zeros_like(s))
+            s_blk = p.sum(1)
+            u = alpha * (u + shift) + p.mul_(z).sum(1)
+            s = alpha * s + s_blk
+        else:
+            s = alpha * s + p.sum(1)
+        m = m_new
+        del z, p
+    m_safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    lse = m_safe + torch.log(s)
+    entropy = torch.log(s) - u / s if with_entropy else None
+    return lse, zt, entropy
+
+
+def grad_block(
+    h32: torch.Tensor,  # [N, H] in the compute dtype (acc_dtype)
+    weight: torch.Tensor,  # [V, H]
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,  # [N]
+    v0: int,
+    v1: int,
+    lse: torch.Tensor,  # [N] float32
+    entropy: torch.Tensor | None,
+    grad_logp: torch.Tensor | None,  # [N] float32, zero on ignored rows
+    grad_entropy: torch.Tensor | None,
+    has_grad: torch.Tensor,  # [N] bool
+    tf: LogitTransform,
+) -> torch.Tensor:  # [N, v1 - v0] float32: dL/dy for the slice
+    z = logits_block(h32, weight, bias, v0, v1, tf)
+    dzdy = tf.dz_dy(z)  # a float, or a tensor when softcap is set (taken before z is reused)
+    p = torch.exp(z - lse[:, None])
+    if grad_entropy is not None:
+        # d H / d z_j = -p_j (z_j - lse + H); built in z's storage
+        g = z.sub_(lse[:, None]).add_(entropy[:, None]).mul_(p).mul_(-grad_entropy[:, None])
+        if grad_logp is not None:
+            g.sub_(p.mul_(grad_logp[:, None]))
+    else:
+        g = p.mul_(-grad_logp[:, None])
+    if grad_logp is not None:
+        # d logp / d z_j = 1[j = t] - p_j: add the indicator part
+        local = targets - v0
+        rows = ((local >= 0) & (local < v1 - v0) & has_grad).nonzero().squeeze(1)
+        g.index_put_((rows, local[rows]), grad_logp[rows], accumulate=True)
+    if not isinstance(dzdy, float) or dzdy != 1.0:
+        g.mul_(dzdy)
+    # rows without upstream gradient are exactly zero even where their logits are not finite
+    g.masked_fill_(~has_grad[:, None], 0.0)
+    return g
