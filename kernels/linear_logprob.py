@@ -61,7 +61,7 @@ def _logits_tile(
     # Meta-parameters
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     """Transformed logits z for rows offs_n and columns offs_v, float32 [BLOCK_N, BLOCK_V]."""
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
@@ -78,6 +78,11 @@ def _logits_tile(
             w_ptr + offs_v[None, :] * stride_wv + offs_h[:, None] * stride_wh,
             mask=v_ok & h_ok[:, None], other=0.0,
         )
+        if DOT_UPCAST:
+            # Triton's interpreter multiplies bf16 tiles as raw integers (numpy has no bf16). bf16 x bf16
+            # products are exact in float32, so upcasting is the same arithmetic the tensor cores do.
+            h_tile = h_tile.to(tl.float32)
+            w_tile = w_tile.to(tl.float32)
         # float32 inputs use IEEE products: TF32 would be less accurate than PyTorch's fp32 matmul
         acc = tl.dot(h_tile, w_tile, acc, input_precision=DOT_PRECISION)
     if HAS_BIAS:
@@ -99,7 +104,7 @@ def _stats_fwd_kernel(
     # Meta-parameters
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ENTROPY: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -121,7 +126,7 @@ def _stats_fwd_kernel(
             h_ptr, w_ptr, b_ptr, offs_n, offs_v, N, V, H,
             stride_hn, stride_hh, stride_wv, stride_wh,
             logit_scale, softcap, inv_temp,
-            HAS_BIAS, HAS_SOFTCAP, BLOCK_N, BLOCK_V, BLOCK_H, DOT_PRECISION,
+            HAS_BIAS, HAS_SOFTCAP, BLOCK_N, BLOCK_V, BLOCK_H, DOT_PRECISION, DOT_UPCAST,
         )
         v_ok = offs_v[None, :] < v_end
         z = tl.where(v_ok, z, float("-inf"))
@@ -136,7 +141,8 @@ def _stats_fwd_kernel(
         if HAS_ENTROPY:
             # re-base u from the old max to the new one: u' = alpha (u + (m - m_new) s);
             # padded columns have p = 0 and d = -inf, so zero d there before the product
-            shift = tl.where(s > 0, (m - m_safe) * s, 0.0)
+            # (rows with s = 0 still have m = -inf: shift by 0 there rather than multiply -inf by 0)
+            shift = (tl.where(s > 0, m, m_safe) - m_safe) * s
             u = alpha * (u + shift) + tl.sum(p * tl.where(p > 0, d, 0.0), axis=1)
         s = alpha * s + tl.sum(p, axis=1)
         m = m_new
@@ -151,6 +157,10 @@ def _stats_fwd_kernel(
 
 def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _dot_upcast(dtype: torch.dtype) -> bool:
+    return INTERPRET and dtype == torch.bfloat16
 
 
 def _num_splits(n_blocks: int, v_blocks: int, device: torch.device) -> int:
@@ -194,7 +204,7 @@ def linear_stats(
         float(logit_scale), float(softcap or 1.0), 1.0 / float(temperature),
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, HAS_ENTROPY=with_entropy,
         BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_H=BLOCK_H,
-        DOT_PRECISION=_dot_precision(hidden.dtype),
+        DOT_PRECISION=_dot_precision(hidden.dtype), DOT_UPCAST=_dot_upcast(hidden.dtype),
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     return merge_partial_stats(m, s, u if with_entropy else None, zt)
@@ -232,7 +242,7 @@ def _grad_block_kernel(
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_GLOGP: tl.constexpr, HAS_GENT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     """G[n, j] = dL/dy[n, v_offset + j] for one vocabulary slice (w_ptr/b_ptr already point at it)."""
     pid_n = tl.program_id(0)
@@ -244,7 +254,7 @@ def _grad_block_kernel(
         h_ptr, w_ptr, b_ptr, offs_n, offs_v, N, V_blk, H,
         stride_hn, stride_hh, stride_wv, stride_wh,
         logit_scale, softcap, inv_temp,
-        HAS_BIAS, HAS_SOFTCAP, BLOCK_N, BLOCK_V, BLOCK_H, DOT_PRECISION,
+        HAS_BIAS, HAS_SOFTCAP, BLOCK_N, BLOCK_V, BLOCK_H, DOT_PRECISION, DOT_UPCAST,
     )
     lse = tl.load(lse_ptr + offs_n, mask=n_ok, other=0.0)
     # unused gradients point at lse (a valid buffer); their terms are compiled out below
@@ -313,7 +323,7 @@ def linear_grad_block(
         HAS_BIAS=bias_blk is not None, HAS_SOFTCAP=softcap is not None,
         HAS_GLOGP=grad_logp is not None, HAS_GENT=grad_entropy is not None,
         BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_H=BLOCK_H,
-        DOT_PRECISION=_dot_precision(hidden.dtype),
+        DOT_PRECISION=_dot_precision(hidden.dtype), DOT_UPCAST=_dot_upcast(hidden.dtype),
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     return out
