@@ -1,11 +1,47 @@
 """fastrl: fused LM-head kernels for RL fine-tuning (log-probs, entropy, KL, clipped policy losses).
 
 ``import fastrl`` needs only torch: Triton kernels are imported when a Triton backend first runs, and
-trainer classes (which need TRL) are imported on first attribute access.
+the trainer classes (which need TRL) are imported on first attribute access.
 """
+
+from __future__ import annotations
+
+import importlib
 
 from fastrl.ops.linear_logprob import fused_logprobs
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "fused_logprobs"]
+# public name -> module that defines it, imported on first access (keeps `import fastrl` light)
+_LAZY = {
+    "PolicyLossConfig": "fastrl.losses.config",
+    "policy_loss": "fastrl.losses.policy",
+    "FusedPolicyLoss": "fastrl.losses.policy",
+    "value_loss": "fastrl.losses.value",
+    "GRPOTrainer": "fastrl.trainers.grpo",
+    "GRPOConfig": "fastrl.trainers.grpo",
+    "patch_trainer": "fastrl.trainers.patch",
+    "PPOTrainer": "fastrl.trainers.ppo",
+    "PPOConfig": "fastrl.trainers.ppo_config",
+    "TrainingHealthCallback": "fastrl.trainers.health",
+}
+
+__all__ = ["__version__", "fused_logprobs", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        try:
+            module = importlib.import_module(_LAZY[name])
+        except ModuleNotFoundError as e:
+            if e.name != _LAZY[name]:
+                raise  # a dependency is missing (e.g. trl): say so, not "no attribute"
+            raise AttributeError(f"fastrl.{name} is not available in this build ({e.name} missing)") from e
+        value = getattr(module, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'fastrl' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(__all__)
