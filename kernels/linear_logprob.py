@@ -98,11 +98,12 @@ def _logits_tile(
 def _stats_fwd_kernel(
     h_ptr, w_ptr, b_ptr, t_ptr,
     m_ptr, s_ptr, u_ptr, zt_ptr,  # partial statistics, each [SPLITS, N] float32
+    z_ptr,  # [N, V] float32 transformed logits, written only when STORE_Z (one-pass loss chunks)
     N, V, H, v_per_split,
-    stride_hn, stride_hh, stride_wv, stride_wh,
+    stride_hn, stride_hh, stride_wv, stride_wh, stride_zn,
     logit_scale, softcap, inv_temp,
     # Meta-parameters
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ENTROPY: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ENTROPY: tl.constexpr, STORE_Z: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
@@ -129,6 +130,8 @@ def _stats_fwd_kernel(
             HAS_BIAS, HAS_SOFTCAP, BLOCK_N, BLOCK_V, BLOCK_H, DOT_PRECISION, DOT_UPCAST,
         )
         v_ok = offs_v[None, :] < v_end
+        if STORE_Z:
+            tl.store(z_ptr + offs_n[:, None] * stride_zn + offs_v[None, :], z, mask=n_ok[:, None] & v_ok)
         z = tl.where(v_ok, z, float("-inf"))
         zt += tl.sum(tl.where(offs_v[None, :] == tgt[:, None], z, 0.0), axis=1)
 
@@ -182,8 +185,13 @@ def linear_stats(
     temperature: float,
     with_entropy: bool,
     splits: int | None = None,
+    z_out: torch.Tensor | None = None,  # [N, V] float32: also store the transformed logits here
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # lse [N], target z [N], entropy [N] or None
-    """Row statistics of the transformed logits in one fused pass: log-sum-exp, target logit, entropy."""
+    """Row statistics of the transformed logits in one fused pass: log-sum-exp, target logit, entropy.
+
+    With ``z_out`` the logits are also written (float32), for the one-pass loss, whose gradient needs
+    each row's statistics before it can be formed.
+    """
     N, H = hidden.shape
     V = weight.shape[0]
     n_blocks = triton.cdiv(N, BLOCK_N)
@@ -198,11 +206,13 @@ def linear_stats(
     m, s, u, zt = part.unbind(0)
     _stats_fwd_kernel[(n_blocks, splits)](
         hidden, weight, bias if bias is not None else hidden, targets,
-        m, s, u, zt,
+        m, s, u, zt, z_out if z_out is not None else m,
         N, V, H, v_per_split,
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+        z_out.stride(0) if z_out is not None else 0,
         float(logit_scale), float(softcap or 1.0), 1.0 / float(temperature),
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, HAS_ENTROPY=with_entropy,
+        STORE_Z=z_out is not None,
         BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_H=BLOCK_H,
         DOT_PRECISION=_dot_precision(hidden.dtype), DOT_UPCAST=_dot_upcast(hidden.dtype),
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
@@ -231,6 +241,47 @@ def merge_partial_stats(
 
 
 @triton.jit
+def _grad_epilogue(
+    z, offs_n, offs_v, n_ok,
+    t_ptr, lse_ptr, ent_ptr, glogp_ptr, gent_ptr, v_offset,
+    logit_scale, softcap, inv_temp,
+    HAS_SOFTCAP: tl.constexpr, HAS_GLOGP: tl.constexpr, HAS_GENT: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """dL/dy for a tile of transformed logits z, from the rows' lse/entropy and upstream gradients."""
+    lse = tl.load(lse_ptr + offs_n, mask=n_ok, other=0.0)
+    # unused gradients point at lse (a valid buffer); their terms are compiled out below
+    glogp = tl.load(glogp_ptr + offs_n, mask=n_ok, other=0.0)
+    gent = tl.load(gent_ptr + offs_n, mask=n_ok, other=0.0)
+    p = tl.exp(z - lse[:, None])
+    g = tl.zeros_like(z)
+    if HAS_GLOGP:
+        # d logp / d z_j = 1[j = t] - p_j
+        tgt = tl.load(t_ptr + offs_n, mask=n_ok, other=-1) - v_offset
+        onehot = tl.where(offs_v[None, :] == tgt[:, None], 1.0, 0.0)
+        g += glogp[:, None] * (onehot - p)
+    if HAS_GENT:
+        # d H / d z_j = -p_j (z_j - lse + H)
+        ent = tl.load(ent_ptr + offs_n, mask=n_ok, other=0.0)
+        g -= gent[:, None] * p * (z - lse[:, None] + ent[:, None])
+    # chain through z = softcap(scale * y) / T: dz/dy = scale / T * (1 - tanh^2)
+    dzdy = logit_scale * inv_temp
+    if HAS_SOFTCAP:
+        th = z / (softcap * inv_temp)
+        g = g * (dzdy * (1.0 - th * th))
+    else:
+        g = g * dzdy
+    # rows with no upstream gradient (ignored targets) are exactly zero, even where their logits
+    # are not finite (padding), so nothing leaks into the weight gradient
+    has_grad = tl.zeros((BLOCK_N,), dtype=tl.int1)
+    if HAS_GLOGP:
+        has_grad = has_grad | (glogp != 0)
+    if HAS_GENT:
+        has_grad = has_grad | (gent != 0)
+    g = tl.where((has_grad & n_ok)[:, None], g, 0.0)
+    return g
+
+
+@triton.jit
 def _grad_block_kernel(
     h_ptr, w_ptr, b_ptr, t_ptr,
     lse_ptr, ent_ptr, glogp_ptr, gent_ptr,  # [N] float32 each
@@ -256,36 +307,10 @@ def _grad_block_kernel(
         logit_scale, softcap, inv_temp,
         HAS_BIAS, HAS_SOFTCAP, BLOCK_N, BLOCK_V, BLOCK_H, DOT_PRECISION, DOT_UPCAST,
     )
-    lse = tl.load(lse_ptr + offs_n, mask=n_ok, other=0.0)
-    # unused gradients point at lse (a valid buffer); their terms are compiled out below
-    glogp = tl.load(glogp_ptr + offs_n, mask=n_ok, other=0.0)
-    gent = tl.load(gent_ptr + offs_n, mask=n_ok, other=0.0)
-    p = tl.exp(z - lse[:, None])
-    g = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
-    if HAS_GLOGP:
-        # d logp / d z_j = 1[j = t] - p_j
-        tgt = tl.load(t_ptr + offs_n, mask=n_ok, other=-1) - v_offset
-        onehot = tl.where(offs_v[None, :] == tgt[:, None], 1.0, 0.0)
-        g += glogp[:, None] * (onehot - p)
-    if HAS_GENT:
-        # d H / d z_j = -p_j (z_j - lse + H)
-        ent = tl.load(ent_ptr + offs_n, mask=n_ok, other=0.0)
-        g -= gent[:, None] * p * (z - lse[:, None] + ent[:, None])
-    # chain through z = softcap(scale * y) / T: dz/dy = scale / T * (1 - tanh^2)
-    dzdy = logit_scale * inv_temp
-    if HAS_SOFTCAP:
-        th = z / (softcap * inv_temp)
-        g = g * (dzdy * (1.0 - th * th))
-    else:
-        g = g * dzdy
-    # rows with no upstream gradient (ignored targets) are exactly zero, even where their logits
-    # are not finite (padding), so nothing leaks into the weight gradient
-    has_grad = tl.zeros((BLOCK_N,), dtype=tl.int1)
-    if HAS_GLOGP:
-        has_grad = has_grad | (glogp != 0)
-    if HAS_GENT:
-        has_grad = has_grad | (gent != 0)
-    g = tl.where((has_grad & n_ok)[:, None], g, 0.0)
+    g = _grad_epilogue(
+        z, offs_n, offs_v, n_ok, t_ptr, lse_ptr, ent_ptr, glogp_ptr, gent_ptr, v_offset,
+        logit_scale, softcap, inv_temp, HAS_SOFTCAP, HAS_GLOGP, HAS_GENT, BLOCK_N,
+    )
     g_mask = n_ok[:, None] & (offs_v[None, :] < V_blk)
     tl.store(g_ptr + offs_n[:, None] * stride_gn + offs_v[None, :], g.to(g_ptr.dtype.element_ty), mask=g_mask)
 
@@ -325,5 +350,64 @@ def linear_grad_block(
         BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_H=BLOCK_H,
         DOT_PRECISION=_dot_precision(hidden.dtype), DOT_UPCAST=_dot_upcast(hidden.dtype),
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )
+    return out
+
+
+@triton.jit
+def _grad_from_z_kernel(
+    z_ptr,  # [N, V] float32 stored transformed logits
+    t_ptr, lse_ptr, ent_ptr, glogp_ptr, gent_ptr,  # [N]
+    g_ptr,  # [N, V] out (may alias z_ptr when both are float32)
+    N, V,
+    stride_zn, stride_gn,
+    logit_scale, softcap, inv_temp,
+    # Meta-parameters
+    HAS_SOFTCAP: tl.constexpr, HAS_GLOGP: tl.constexpr, HAS_GENT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """One-pass loss: G = dL/dy from logits stored by the stats kernel; one read, one write per element."""
+    pid_n = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_v = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+    n_ok = offs_n < N
+    mask = n_ok[:, None] & (offs_v[None, :] < V)
+    z = tl.load(z_ptr + offs_n[:, None] * stride_zn + offs_v[None, :], mask=mask, other=0.0)
+    g = _grad_epilogue(
+        z, offs_n, offs_v, n_ok, t_ptr, lse_ptr, ent_ptr, glogp_ptr, gent_ptr, 0,
+        logit_scale, softcap, inv_temp, HAS_SOFTCAP, HAS_GLOGP, HAS_GENT, BLOCK_N,
+    )
+    tl.store(g_ptr + offs_n[:, None] * stride_gn + offs_v[None, :], g.to(g_ptr.dtype.element_ty), mask=mask)
+
+
+def grad_from_logits(
+    z: torch.Tensor,  # [N, V] float32 transformed logits (from linear_stats(..., z_out=z))
+    targets: torch.Tensor,  # [N] int64
+    lse: torch.Tensor,  # [N] float32
+    entropy: torch.Tensor | None,
+    grad_logp: torch.Tensor | None,  # [N] float32, zero on rows without gradient
+    grad_entropy: torch.Tensor | None,
+    out: torch.Tensor,  # [N, V], may be z itself
+    *,
+    logit_scale: float,
+    softcap: float | None,
+    temperature: float,
+) -> torch.Tensor:
+    N, V = z.shape
+    assert z.stride(1) == 1 and out.stride(1) == 1 and out.shape == z.shape
+    if N == 0:
+        return out
+    # elementwise over the tile: a wide V block keeps the loads coalesced
+    block_n, block_v = 16, 256
+    grid = (triton.cdiv(N, block_n), triton.cdiv(V, block_v))
+    _grad_from_z_kernel[grid](
+        z, targets, lse, entropy if entropy is not None else lse,
+        grad_logp if grad_logp is not None else lse,
+        grad_entropy if grad_entropy is not None else lse,
+        out, N, V, z.stride(0), out.stride(0),
+        float(logit_scale), float(softcap or 1.0), 1.0 / float(temperature),
+        HAS_SOFTCAP=softcap is not None, HAS_GLOGP=grad_logp is not None, HAS_GENT=grad_entropy is not None,
+        BLOCK_N=block_n, BLOCK_V=block_v, num_warps=4,
     )
     return out

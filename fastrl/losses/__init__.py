@@ -1,0 +1,1 @@
+"""Policy and value losses built on the fused ops (GRPO family, PPO)."""

@@ -93,6 +93,82 @@ def linear_stats(
     return lse, zt, entropy
 
 
+def stats_from_logits(
+    z: torch.Tensor,  # [N, V] transformed logits, compute dtype (left unchanged)
+    targets: torch.Tensor,  # [N]; ids outside [0, V) give target logit 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # lse [N], target z [N], entropy [N]
+    """Row statistics of a stored logits chunk (the one-pass loss path)."""
+    V = z.shape[1]
+    m = z.amax(dim=1)
+    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    d = z - m[:, None]
+    p = torch.exp(d)
+    s = p.sum(1)
+    u = d.mul_(p).sum(1)
+    del d, p
+    inside = (targets >= 0) & (targets < V)
+    zt = torch.where(inside, z.gather(1, targets.clamp(0, V - 1)[:, None]).squeeze(1), 0.0)
+    log_s = torch.log(s)
+    return m + log_s, zt, log_s - u / s
+
+
+def chunk_logits(
+    hidden: torch.Tensor,  # [N, H]
+    weight: torch.Tensor,  # [V, H]
+    bias: torch.Tensor | None,
+    tf: LogitTransform,
+    out: torch.Tensor,  # [N, V] compute dtype
+    columns: int | None = None,
+) -> torch.Tensor:
+    """Transformed logits of a token chunk, in vocabulary blocks (bounded float32 copies of the weight)."""
+    h32 = _f32(hidden)
+    V = weight.shape[0]
+    if weight.dtype == out.dtype:
+        torch.mm(h32, weight.T, out=out)
+    else:
+        step = tile_columns(hidden.shape[0], V, columns)
+        for v0 in range(0, V, step):
+            v1 = min(v0 + step, V)
+            out[:, v0:v1] = torch.mm(h32, _f32(weight[v0:v1]).T)
+    if bias is not None:
+        out += _f32(bias)
+    return tf.apply_(out)
+
+
+def grad_from_logits_(
+    z: torch.Tensor,  # [N, V_blk] transformed logits of a vocabulary slice, compute dtype; overwritten with G
+    targets: torch.Tensor,  # [N] global ids
+    v0: int,  # global id of the slice's first column
+    lse: torch.Tensor,  # [N]
+    entropy: torch.Tensor | None,
+    grad_logp: torch.Tensor | None,  # [N], zero on ignored rows
+    grad_entropy: torch.Tensor | None,
+    has_grad: torch.Tensor,  # [N] bool
+    tf: LogitTransform,
+) -> torch.Tensor:  # G = dL/dy, in z's storage
+    v1 = v0 + z.shape[1]
+    dzdy = tf.dz_dy(z)  # a float, or a tensor when softcap is set (taken before z is reused)
+    p = torch.exp(z - lse[:, None])
+    if grad_entropy is not None:
+        # d H / d z_j = -p_j (z_j - lse + H)
+        g = z.sub_(lse[:, None]).add_(entropy[:, None]).mul_(p).mul_(-grad_entropy[:, None])
+        if grad_logp is not None:
+            g.sub_(p.mul_(grad_logp[:, None]))
+    else:
+        g = z.copy_(p).mul_(-grad_logp[:, None])
+    del p
+    if grad_logp is not None:
+        # d logp / d z_j = 1[j = t] - p_j: add the indicator part
+        local = targets - v0
+        rows = ((local >= 0) & (local < v1 - v0) & has_grad).nonzero().squeeze(1)
+        g.index_put_((rows, local[rows]), grad_logp[rows], accumulate=True)
+    if not isinstance(dzdy, float) or dzdy != 1.0:
+        g.mul_(dzdy)
+    # rows without upstream gradient are exactly zero even where their logits are not finite
+    g.masked_fill_(~has_grad[:, None], 0.0)
+    return g
+
+
 def grad_block(
     h32: torch.Tensor,  # [N, H] in the compute dtype (acc_dtype)
     weight: torch.Tensor,  # [V, H]
@@ -107,23 +183,6 @@ def grad_block(
     has_grad: torch.Tensor,  # [N] bool
     tf: LogitTransform,
 ) -> torch.Tensor:  # [N, v1 - v0] float32: dL/dy for the slice
+    """Recompute one vocabulary slice's logits and turn them into G (path A's backward)."""
     z = logits_block(h32, weight, bias, v0, v1, tf)
-    dzdy = tf.dz_dy(z)  # a float, or a tensor when softcap is set (taken before z is reused)
-    p = torch.exp(z - lse[:, None])
-    if grad_entropy is not None:
-        # d H / d z_j = -p_j (z_j - lse + H); built in z's storage
-        g = z.sub_(lse[:, None]).add_(entropy[:, None]).mul_(p).mul_(-grad_entropy[:, None])
-        if grad_logp is not None:
-            g.sub_(p.mul_(grad_logp[:, None]))
-    else:
-        g = p.mul_(-grad_logp[:, None])
-    if grad_logp is not None:
-        # d logp / d z_j = 1[j = t] - p_j: add the indicator part
-        local = targets - v0
-        rows = ((local >= 0) & (local < v1 - v0) & has_grad).nonzero().squeeze(1)
-        g.index_put_((rows, local[rows]), grad_logp[rows], accumulate=True)
-    if not isinstance(dzdy, float) or dzdy != 1.0:
-        g.mul_(dzdy)
-    # rows without upstream gradient are exactly zero even where their logits are not finite
-    g.masked_fill_(~has_grad[:, None], 0.0)
-    return g
+    return grad_from_logits_(z, targets, v0, lse, entropy, grad_logp, grad_entropy, has_grad, tf)
