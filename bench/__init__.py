@@ -1,0 +1,7 @@
+"""fastrl benchmarks: the CLI (``python -m bench``) and the pytest-benchmark files (``pytest bench --benchmark-only``).
+
+Modules: ``workloads`` (W1-W4, C1, sweeps, FLOP and byte counts), ``providers`` (fastrl and the tools people
+use instead), ``measure`` (CPU and CUDA timing and memory, accuracy against float64), ``worker`` (one
+measurement in a fresh process), ``runner`` (all measurements, with progress), ``report`` (JSON, CSV, plots,
+the summary table). Importing this package imports nothing heavy.
+"""

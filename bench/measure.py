@@ -1,0 +1,267 @@
+"""Timing, peak memory and accuracy of one op, on CPU or CUDA (DESIGN.md, "Measuring").
+
+CPU: wall time of each phase with ``time.perf_counter``; peak memory as the process's peak RSS
+(``resource.getrusage``) minus the RSS just before the measured call. The peak is reset before every
+repetition (``/proc/self/clear_refs``), so warm-up work (torch.compile, lazy imports) is not counted; the RSS
+right after the inputs were allocated is recorded too. Each op runs in a fresh process (``bench.worker``),
+so one provider's allocator state never leaks into another's numbers.
+
+CUDA: ``triton.testing.do_bench`` (warm-up, L2 flushed before every call) over several input sets in
+rotation; the backward alone is timed with CUDA events around ``autograd.grad`` after an untimed forward.
+Memory is ``torch.cuda.max_memory_allocated()`` minus what the inputs and the outputs hold.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import itertools
+import os
+import resource
+import statistics
+import time
+
+import torch
+
+from bench.providers import Op
+from bench.workloads import ENTROPY_COEF, Workload
+
+__all__ = ["measure_cpu", "measure_cuda", "accuracy", "summarize"]
+
+MB = 1024.0 * 1024.0
+
+
+def summarize(samples_ms: list[float]) -> dict:
+    """Median with its spread: min, max and the inter-quartile range."""
+    if not samples_ms:
+        return {}
+    xs = sorted(samples_ms)
+    q = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else [xs[0]] * 3
+    return {"median": statistics.median(xs), "min": xs[0], "max": xs[-1], "q25": q[0], "q75": q[2], "n": len(xs)}
+
+
+# ---------------------------------------------------------------------------------------------------
+# CPU
+# ---------------------------------------------------------------------------------------------------
+
+def _rss_mb() -> float:
+    """Resident set size now."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / MB
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
+
+
+def _reset_peak() -> bool:
+    """Reset the kernel's peak-RSS mark to the current RSS (Linux >= 4.0); False if that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _trim() -> None:
+    """Collect garbage and hand freed heap pages back to the OS, so the RSS baseline is live data only."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _step(op: Op, st: dict):
+    out = op.forward(st)
+    grads = torch.autograd.grad(out["loss"], st["wrt"]) if op.needs_grad else None
+    return out, grads
+
+
+def _keep(out: dict, grads, rows: int) -> dict:
+    """The first ``rows`` tokens of an op's outputs, copied (for the accuracy check after timing)."""
+    kept = {}
+    for k in ("logp", "entropy"):
+        if out.get(k) is not None:
+            kept[k] = out[k].detach().reshape(-1)[:rows].clone()
+    if out.get("loss") is not None:
+        kept["loss"] = float(out["loss"].detach())
+    if grads is not None:
+        kept["grad_h"] = grads[0].detach().reshape(-1, grads[0].shape[-1])[:rows].clone()
+    return kept
+
+
+def measure_cpu(op: Op, states: list[dict], reps: int, warmup: int, keep_rows: int) -> dict:
+    rss_inputs = _rss_mb()
+    with torch.set_grad_enabled(op.needs_grad):
+        for i in range(warmup):
+            out, grads = _step(op, states[i % len(states)])
+            del out, grads
+        fwd_ms, bwd_ms, tot_ms, fwd_mb, tot_mb, bases = [], [], [], [], [], []
+        kept = {}
+        reset_ok = True
+        for r in range(reps):
+            st = states[r % len(states)]
+            _trim()
+            base = _rss_mb()
+            reset_ok &= _reset_peak()
+            t0 = time.perf_counter()
+            out = op.forward(st)
+            t1 = time.perf_counter()
+            peak_f = _peak_rss_mb()
+            grads = torch.autograd.grad(out["loss"], st["wrt"]) if op.needs_grad else None
+            t2 = time.perf_counter()
+            peak_t = _peak_rss_mb()
+            fwd_ms.append((t1 - t0) * 1e3)
+            tot_ms.append((t2 - t0) * 1e3)
+            if op.needs_grad:
+                bwd_ms.append((t2 - t1) * 1e3)
+            bases.append(base)
+            fwd_mb.append(peak_f - base)
+            tot_mb.append(peak_t - base)
+            if r == 0:
+                kept = _keep(out, grads, keep_rows)
+            del out, grads
+    return {
+        "fwd_ms": summarize(fwd_ms),
+        "bwd_ms": summarize(bwd_ms),
+        "total_ms": summarize(tot_ms),
+        # the largest of the repetitions' peaks: memory is a limit, not an average
+        "peak_extra_fwd_mb": max(fwd_mb),
+        "peak_extra_mb": max(tot_mb),
+        "rss_after_inputs_mb": rss_inputs,
+        "rss_baseline_mb": statistics.median(bases),
+        "peak_reset": reset_ok,
+        "memory_method": "peak RSS (getrusage) minus RSS before the call, peak reset per repetition"
+        if reset_ok else "peak RSS since process start minus RSS before the call (could not reset the peak)",
+    }, kept
+
+
+# ---------------------------------------------------------------------------------------------------
+# CUDA
+# ---------------------------------------------------------------------------------------------------
+
+def _nbytes(*objs) -> int:
+    n = 0
+    for o in objs:
+        if isinstance(o, torch.Tensor):
+            n += o.numel() * o.element_size()
+        elif isinstance(o, dict):
+            n += _nbytes(*o.values())
+        elif isinstance(o, (list, tuple)):
+            n += _nbytes(*o)
+    return n
+
+
+def _do_bench_all(fn, warmup_ms: int, rep_ms: int) -> list[float]:
+    """Per-call times (ms) from triton.testing.do_bench; quantiles where return_mode='all' is missing."""
+    from triton.testing import do_bench
+
+    try:
+        times = do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="all")
+        if isinstance(times, (list, tuple)):
+            return [float(t) for t in times]
+    except (TypeError, AssertionError, ValueError):
+        pass
+    qs = do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.0, 0.25, 0.5, 0.75, 1.0])
+    return [float(t) for t in qs]
+
+
+def _flush_l2():
+    """A callable that evicts the L2 cache (as do_bench does between calls)."""
+    try:
+        from triton import runtime
+
+        cache = runtime.driver.active.get_empty_cache_for_benchmark()
+        return lambda: runtime.driver.active.clear_cache(cache)
+    except (ImportError, AttributeError):
+        buf = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
+        return buf.zero_
+
+
+def measure_cuda(op: Op, states: list[dict], reps: int, warmup: int, keep_rows: int, rep_ms: int = 2000) -> dict:
+    dev = torch.device("cuda")
+    with torch.set_grad_enabled(op.needs_grad):
+        for i in range(max(1, warmup)):  # compile, autotune, allocator warm-up
+            out, grads = _step(op, states[i % len(states)])
+            del out, grads
+        torch.cuda.synchronize()
+
+        # memory first, on a clean peak: inputs are allocated already, outputs are subtracted
+        gc.collect()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        out = op.forward(states[0])
+        torch.cuda.synchronize()
+        peak_f = torch.cuda.max_memory_allocated(dev) - base - _nbytes(out)
+        grads = torch.autograd.grad(out["loss"], states[0]["wrt"]) if op.needs_grad else None
+        torch.cuda.synchronize()
+        peak_t = torch.cuda.max_memory_allocated(dev) - base - _nbytes(out, grads)
+        kept = _keep(out, grads, keep_rows)
+        del out, grads
+
+        cycle = itertools.cycle(states)
+        fwd = _do_bench_all(lambda: op.forward(next(cycle)), 200, rep_ms)
+        res = {"fwd_ms": summarize(fwd)}
+        if op.needs_grad:
+            tot = _do_bench_all(lambda: _step(op, next(cycle)), 200, rep_ms)
+            # backward alone: an untimed forward, an L2 flush, then events around autograd.grad
+            flush = _flush_l2()
+            n = max(5, min(100, int(rep_ms / max(summarize(tot)["median"], 1e-3))))
+            bwd = []
+            for _ in range(n):
+                st = next(cycle)
+                out = op.forward(st)
+                flush()
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                g = torch.autograd.grad(out["loss"], st["wrt"])
+                b.record()
+                torch.cuda.synchronize()
+                bwd.append(a.elapsed_time(b))
+                del out, g
+            res["total_ms"] = summarize(tot)
+            res["bwd_ms"] = summarize(bwd)
+        else:
+            res["total_ms"] = res["fwd_ms"]
+            res["bwd_ms"] = {}
+    res.update({
+        "peak_extra_fwd_mb": peak_f / MB,
+        "peak_extra_mb": peak_t / MB,
+        "inputs_mb": base / MB,
+        "memory_method": "torch.cuda.max_memory_allocated() minus inputs and outputs",
+    })
+    return res, kept
+
+
+# ---------------------------------------------------------------------------------------------------
+# Accuracy against float64, on the first rows
+# ---------------------------------------------------------------------------------------------------
+
+def accuracy(op: Op, wl: Workload, inp, kept: dict, rows: int) -> dict:
+    """Max abs error of log-prob, entropy and grad_h on the first ``rows`` tokens against float64.
+
+    Each token's log-prob and entropy depend on its own row only, and the logprob workloads' loss is a sum
+    over tokens, so the first rows' grad_h can be checked without the float64 logits of every token.
+    """
+    if wl.kind not in ("logprob", "forward") or "logp" not in kept:
+        return {}
+    from fastrl.reference import logprobs_reference
+
+    H = wl.H
+    h64 = inp.hidden.detach().reshape(-1, H)[:rows].to(torch.float64).requires_grad_(wl.kind == "logprob")
+    w64 = inp.weight.detach().to(torch.float64)
+    t = inp.targets.reshape(-1)[:rows]
+    with torch.enable_grad():
+        logp, ent = logprobs_reference(h64, w64, t)
+        err = {"logp_max_abs_err": (kept["logp"].double() - logp.detach()).abs().max().item()}
+        if "entropy" in kept:
+            err["entropy_max_abs_err"] = (kept["entropy"].double() - ent.detach()).abs().max().item()
+        if "grad_h" in kept:
+            loss = logp.sum() + (ENTROPY_COEF * ent.sum() if op.has_entropy else 0.0)
+            (gh,) = torch.autograd.grad(loss, h64)
+            err["grad_h_max_abs_err"] = (kept["grad_h"].double() - gh).abs().max().item()
+    err["accuracy_rows"] = rows
+    return err

@@ -1,0 +1,447 @@
+"""Who computes each workload: fastrl's paths and the tools people would pick instead.
+
+Every provider answers two questions:
+
+* ``unavailable(wl, device)``: cheap, in the parent process, without importing heavy libraries: a reason
+  (``("n/a", why)`` when the provider does not compute this kind of thing, ``("skipped", why)`` when it
+  cannot run here), or None;
+* ``build(wl, device, opts)``: in the measuring process, an ``Op`` whose ``prepare(inputs)`` makes the
+  provider's arguments (outside the timed region) and whose ``forward(state)`` runs the timed forward and
+  returns ``{"loss": scalar | None, "logp": [N] | None, "entropy": [N] | None}``. The backward is always
+  ``torch.autograd.grad(loss, state["wrt"])``, run by the measuring code, so every provider's backward
+  is timed the same way.
+
+A provider that fails at run time (an import error on the GPU machine, torch.compile failing on a CPU)
+becomes a row that says why; nothing disappears from the table.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from bench.workloads import ENTROPY_COEF, Workload
+
+__all__ = ["Inputs", "Op", "Provider", "PROVIDERS", "get", "make_inputs", "ProviderUnavailable"]
+
+# TRL 1.16 calls ChunkedLogProbFunction with 32768 vocabulary columns per tile
+# (trl/trainer/utils.py: _CHUNKED_LOGPROB_CHUNK_SIZE) and 4096 tokens per tile (its TOKEN_CHUNK_SIZE).
+TRL_CHUNK_SIZE = 32768
+# GRPO loss settings shared by every loss provider (DESIGN.md W1: dapo, beta 0.04 with k3 KL, entropy)
+LOSS_TYPE = "dapo"
+BETA = 0.04
+KL_ESTIMATOR = "k3"
+EPSILON = 0.2
+USE_BIAS_CORRECTION_KL = True  # TRL 1.16's default (GRPOConfig.use_bias_correction_kl); Liger's is False
+
+
+class ProviderUnavailable(RuntimeError):
+    """Raised while building an op: the provider cannot run here; the message says why."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Inputs: random, never zero, reproducible from a seed
+# ---------------------------------------------------------------------------------------------------
+
+@dataclass
+class Inputs:
+    hidden: torch.Tensor  # [N, H], or [B, T, H] for loss workloads
+    weight: torch.Tensor  # [V, H]
+    targets: torch.Tensor  # [N] or [B, T] int64
+    advantages: torch.Tensor | None = None  # [B] float32
+    mask: torch.Tensor | None = None  # [B, T] int64 completion mask
+    old_logprobs: torch.Tensor | None = None  # [B, T] float32
+    ref_logprobs: torch.Tensor | None = None  # [B, T] float32
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in vars(self).values() if isinstance(t, torch.Tensor)]
+
+
+def make_inputs(wl: Workload, device: torch.device, seed: int) -> Inputs:
+    """Random inputs for one workload: logits ``h W^T`` have unit scale, as an LM head's roughly do."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    dt = getattr(torch, wl.dtype)
+    grad = wl.kind in ("logprob", "loss")
+    lead = (wl.batch, wl.T) if wl.kind == "loss" else (wl.N,)
+    hidden = torch.randn(*lead, wl.H, generator=g).to(device=device, dtype=dt).requires_grad_(grad)
+    weight = (torch.randn(wl.V, wl.H, generator=g) * wl.H ** -0.5).to(device=device, dtype=dt).requires_grad_(grad)
+    targets = torch.randint(0, wl.V, lead, generator=g).to(device)
+    inp = Inputs(hidden, weight, targets)
+    if wl.kind == "loss":
+        B, T = lead
+        # completions of T/2..T tokens, right-padded, as a GRPO batch looks after generation
+        lengths = torch.randint(T // 2, T + 1, (B,), generator=g)
+        inp.mask = (torch.arange(T)[None, :] < lengths[:, None]).to(torch.int64).to(device)
+        inp.advantages = torch.randn(B, generator=g).to(device)
+        # old / reference log-probs near what a random head gives (about -log V), so ratios and k3 stay O(1)
+        base = -torch.log(torch.tensor(float(wl.V)))
+        inp.old_logprobs = (base + 0.5 * torch.randn(B, T, generator=g)).to(device)
+        inp.ref_logprobs = (inp.old_logprobs.cpu() + 0.1 * torch.randn(B, T, generator=g)).to(device)
+    return inp
+
+
+# ---------------------------------------------------------------------------------------------------
+# Ops
+# ---------------------------------------------------------------------------------------------------
+
+@dataclass
+class Op:
+    """What the measuring code runs: ``forward(prepare(inputs))``, then autograd on ``state['wrt']``."""
+
+    forward: Callable[[dict], dict]
+    prepare: Callable[[Inputs], dict]
+    needs_grad: bool
+    has_entropy: bool = True  # the op's loss / outputs include the entropy (accuracy compares like with like)
+    path: str = "materialised"  # cost model: "materialised" | "one-pass" | "two-pass" | "forward"
+    notes: list[str] = field(default_factory=list)
+
+
+def _default_prepare(inp: Inputs) -> dict:
+    return {"inp": inp, "wrt": (inp.hidden, inp.weight)}
+
+
+def _logprob_loss(logp: torch.Tensor, entropy: torch.Tensor | None) -> torch.Tensor:
+    """The logprob workloads' scalar: ``sum(logp) + 0.01 * sum(entropy)`` (C1's definition)."""
+    loss = logp.sum()
+    if entropy is not None:
+        loss = loss + ENTROPY_COEF * entropy.sum()
+    return loss
+
+
+def _out(loss=None, logp=None, entropy=None) -> dict:
+    return {"loss": loss, "logp": logp, "entropy": entropy}
+
+
+def _has_fastrl(name: str) -> bool:
+    """``hasattr(fastrl, name)`` for fastrl's lazy exports, where a half-built module may raise anything."""
+    import fastrl
+
+    try:
+        return hasattr(fastrl, name)
+    except Exception:  # noqa: BLE001 - an export that fails to import is not there
+        return False
+
+
+def have_policy_loss(fused: bool) -> tuple[bool, str]:
+    """Whether fastrl has the loss API a loss provider needs (``fused``: fastrl.policy_loss too); else what is missing."""
+    import fastrl.reference as ref
+
+    missing = [n for n in (("policy_loss",) if fused else ()) + ("PolicyLossConfig",) if not _has_fastrl(n)]
+    if not hasattr(ref, "policy_loss_from_logprobs"):
+        missing.append("reference.policy_loss_from_logprobs")
+    return (not missing, "fastrl." + ", fastrl.".join(missing) + " not built yet" if missing else "")
+
+
+def loss_config():
+    """The one PolicyLossConfig every loss provider uses (W1/W2 of DESIGN.md)."""
+    import fastrl
+
+    return fastrl.PolicyLossConfig(
+        loss_type=LOSS_TYPE, beta=BETA, kl_estimator=KL_ESTIMATOR, entropy_coef=ENTROPY_COEF,
+        epsilon_low=EPSILON, epsilon_high=EPSILON, use_bias_correction_kl=USE_BIAS_CORRECTION_KL,
+    )
+
+
+def _reference_loss(logp, entropy, inp: Inputs, config) -> torch.Tensor:
+    """TRL 1.16's loss math on per-token tensors, as fastrl.reference defines it."""
+    from fastrl.reference import policy_loss_from_logprobs
+
+    loss, _metrics = policy_loss_from_logprobs(
+        logp, entropy, inp.advantages, inp.mask, config=config,
+        old_logprobs=inp.old_logprobs, ref_logprobs=inp.ref_logprobs,
+    )
+    return loss
+
+
+# ---------------------------------------------------------------------------------------------------
+# Providers
+# ---------------------------------------------------------------------------------------------------
+
+@dataclass
+class Provider:
+    name: str
+    label: str
+    kinds: tuple[str, ...]  # workload kinds it computes
+    builder: Callable[[Workload, torch.device, dict], Op]
+    needs: tuple[str, ...] = ()  # importable modules it needs
+    cuda_only: str = ""  # non-empty: why it cannot run off CUDA
+    not_for: dict = field(default_factory=dict)  # kind -> why it does not apply
+    compile_fails_skip: bool = False  # a failure while compiling is a "skipped" row, not an "error"
+    loss_api: str = "reference"  # what of fastrl's loss API its loss op needs: "fused", "reference" or "none"
+
+    def unavailable(self, wl: Workload, device: str) -> tuple[str, str] | None:
+        if wl.kind == "trainer":
+            if self.name != "fastrl":
+                return ("n/a", "W4 is a trainer step; see the fastrl row")
+            if not _has_fastrl("GRPOTrainer"):
+                return ("skipped", "stub: needs fastrl.GRPOTrainer (not yet built)")
+            return ("skipped", "stub: fastrl.GRPOTrainer exists but the W4 step benchmark is not written yet")
+        if wl.kind not in self.kinds:
+            return ("n/a", self.not_for.get(wl.kind, f"does not compute {wl.kind} workloads"))
+        for mod in self.needs:
+            if importlib.util.find_spec(mod) is None:
+                return ("skipped", f"not available: `import {mod}` fails (not installed)")
+        if self.cuda_only and not device.startswith("cuda"):
+            return ("skipped", f"not available on {device}: {self.cuda_only}")
+        if wl.kind == "loss" and self.loss_api != "none":
+            ok, why = have_policy_loss(fused=self.loss_api == "fused")
+            if not ok:
+                return ("skipped", f"not available: {why}")
+        return None
+
+    def build(self, wl: Workload, device: torch.device, opts: dict) -> Op:
+        return self.builder(wl, device, opts)
+
+
+# --- fastrl -------------------------------------------------------------------------------------------
+
+def _build_fastrl(wl: Workload, device: torch.device, opts: dict) -> Op:
+    import fastrl
+
+    backend = opts.get("fastrl_backend")  # None: fastrl's own choice (triton on CUDA, torch on CPU)
+    if wl.kind == "logprob":
+        def fwd(st):
+            i = st["inp"]
+            logp, ent = fastrl.fused_logprobs(i.hidden, i.weight, i.targets, backend=backend)
+            return _out(_logprob_loss(logp, ent), logp, ent)
+        return Op(fwd, _default_prepare, needs_grad=True, path="two-pass", notes=["path A"])
+    if wl.kind == "forward":
+        def fwd(st):
+            i = st["inp"]
+            logp, _ = fastrl.fused_logprobs(i.hidden, i.weight, i.targets, with_entropy=False, backend=backend)
+            return _out(None, logp, None)
+        return Op(fwd, _default_prepare, needs_grad=False, has_entropy=False, path="forward", notes=["path C"])
+    if wl.kind == "loss":
+        cfg = loss_config()
+
+        def fwd(st):
+            i = st["inp"]
+            logp, ent = fastrl.fused_logprobs(i.hidden, i.weight, i.targets, backend=backend)
+            return _out(_reference_loss(logp, ent, i, cfg), logp, ent)
+        return Op(fwd, _default_prepare, needs_grad=True, path="two-pass",
+                  notes=["path A log-probs + reference loss math"])
+    raise ProviderUnavailable(f"fastrl: no {wl.kind} op")
+
+
+def _build_fastrl_fused(wl: Workload, device: torch.device, opts: dict) -> Op:
+    import fastrl
+
+    if not hasattr(fastrl, "policy_loss"):
+        raise ProviderUnavailable("not available: fastrl.policy_loss not built yet")
+    cfg = loss_config()
+
+    def fwd(st):
+        i = st["inp"]
+        loss, _metrics = fastrl.policy_loss(
+            i.hidden, i.weight, i.targets, i.advantages, i.mask, config=cfg,
+            old_logprobs=i.old_logprobs, ref_logprobs=i.ref_logprobs,
+        )
+        return _out(loss)
+    return Op(fwd, _default_prepare, needs_grad=True, path="one-pass", notes=["fused loss"])
+
+
+# --- materialised torch (eager and compiled) ------------------------------------------------------------
+
+def _torch_fns(wl: Workload):
+    """The materialised computations, in the input dtype, as plain functions (so torch.compile can take them)."""
+    from fastrl.reference import logits_reference, logprobs_reference
+
+    def logprob(h, w, t):  # [N,H], [V,H], [N] -> scalar, logp, entropy
+        logp, ent = logprobs_reference(h, w, t)
+        return _logprob_loss(logp, ent), logp, ent
+
+    def forward(h, w, t):  # what a trainer writes for reference log-probs: log_softmax + gather, no entropy
+        z = logits_reference(h, w)
+        return torch.log_softmax(z, dim=-1).gather(-1, t[:, None]).squeeze(-1)
+
+    def loss(h, w, t, adv, mask, old, ref, cfg):
+        logp, ent = logprobs_reference(h, w, t)
+        from fastrl.reference import policy_loss_from_logprobs
+
+        loss, _ = policy_loss_from_logprobs(logp, ent, adv, mask, config=cfg, old_logprobs=old, ref_logprobs=ref)
+        return loss, logp, ent
+
+    return {"logprob": logprob, "forward": forward, "loss": loss}
+
+
+def _build_torch(wl: Workload, device: torch.device, opts: dict, compile_: bool = False) -> Op:
+    fn = _torch_fns(wl)[wl.kind]
+    notes = ["materialised logits, input dtype"]
+    if compile_:
+        fn = torch.compile(fn, dynamic=False)
+        notes.append("torch.compile(dynamic=False)")
+    if wl.kind == "logprob":
+        def fwd(st):
+            i = st["inp"]
+            loss, logp, ent = fn(i.hidden, i.weight, i.targets)
+            return _out(loss, logp, ent)
+        return Op(fwd, _default_prepare, needs_grad=True, notes=notes)
+    if wl.kind == "forward":
+        def fwd(st):
+            i = st["inp"]
+            return _out(None, fn(i.hidden, i.weight, i.targets), None)
+        return Op(fwd, _default_prepare, needs_grad=False, has_entropy=False, path="forward", notes=notes)
+    cfg = loss_config()
+
+    def fwd(st):
+        i = st["inp"]
+        loss, logp, ent = fn(i.hidden, i.weight, i.targets, i.advantages, i.mask, i.old_logprobs, i.ref_logprobs, cfg)
+        return _out(loss, logp, ent)
+    return Op(fwd, _default_prepare, needs_grad=True, notes=notes + ["reference loss math"])
+
+
+# --- TRL 1.16 ------------------------------------------------------------------------------------------
+
+def _build_trl(wl: Workload, device: torch.device, opts: dict) -> Op:
+    try:
+        from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+    except ImportError as e:  # on the GPU machine TRL may be absent
+        raise ProviderUnavailable(f"not available: cannot import trl.kernels.chunked_logprob ({e})") from e
+
+    def chunked(h, w, t, outputs):
+        # ChunkedLogProbFunction.apply(hidden, weight, bias, targets, temperature, chunk_size,
+        #                              final_logit_softcapping, logit_scale, outputs), as add_fused_lm_head calls it
+        return ChunkedLogProbFunction.apply(h, w, None, t, 1.0, TRL_CHUNK_SIZE, None, 1.0, outputs)
+
+    notes = ["ChunkedLogProbFunction, chunk 4096 x 32768"]
+    if wl.kind == "logprob":
+        def fwd(st):
+            i = st["inp"]
+            logp, ent, *_ = chunked(i.hidden, i.weight, i.targets, ("log_probs", "entropy"))
+            return _out(_logprob_loss(logp, ent), logp, ent)
+        return Op(fwd, _default_prepare, needs_grad=True, path="two-pass", notes=notes)
+    if wl.kind == "forward":
+        def fwd(st):
+            i = st["inp"]
+            logp, *_ = chunked(i.hidden, i.weight, i.targets, ("log_probs",))
+            return _out(None, logp, None)
+        return Op(fwd, _default_prepare, needs_grad=False, has_entropy=False, path="forward", notes=notes)
+    cfg = loss_config()
+    # On Triton devices TRL scores only the completion tokens (hidden_states[mask]) and scatters back
+    compact = device.type in ("cuda", "xpu")
+
+    def fwd(st):
+        i = st["inp"]
+        H = i.hidden.shape[-1]
+        m = i.mask.bool()
+        if compact:
+            logp_c, ent_c, *_ = chunked(i.hidden[m], i.weight, i.targets[m], ("log_probs", "entropy"))
+            logp = logp_c.new_zeros(m.shape).masked_scatter(m, logp_c)
+            ent = ent_c.new_zeros(m.shape).masked_scatter(m, ent_c)
+        else:
+            logp, ent, *_ = chunked(i.hidden.reshape(-1, H), i.weight, i.targets.reshape(-1), ("log_probs", "entropy"))
+            logp = logp.view(m.shape).masked_fill(~m, 0)
+            ent = ent.view(m.shape).masked_fill(~m, 0)
+        return _out(_reference_loss(logp, ent, i, cfg), logp, ent)
+    return Op(fwd, _default_prepare, needs_grad=True, path="two-pass", notes=notes + ["TRL loss math (reference)"])
+
+
+# --- Liger-Kernel 0.8.5 ----------------------------------------------------------------------------------
+
+def _build_liger_fused(wl: Workload, device: torch.device, opts: dict) -> Op:
+    try:
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+    except ImportError as e:
+        raise ProviderUnavailable(f"not available: cannot import liger_kernel.chunked_loss ({e})") from e
+    compiled = opts.get("liger_compiled", True)
+    loss_fn = LigerFusedLinearGRPOLoss(
+        beta=BETA, compiled=compiled, use_ref_model=True, epsilon_low=EPSILON, epsilon_high=EPSILON,
+        loss_type=LOSS_TYPE, use_bias_correction_kl=USE_BIAS_CORRECTION_KL,
+    )
+
+    def fwd(st):
+        i = st["inp"]
+        loss, _metrics = loss_fn(
+            i.hidden, i.weight, i.targets, i.mask, i.advantages,
+            ref_per_token_logps=i.ref_logprobs, old_per_token_logps=i.old_logprobs,
+        )
+        return _out(loss)
+    notes = ["LigerFusedLinearGRPOLoss, no entropy term", f"compiled={compiled}"]
+    return Op(fwd, _default_prepare, needs_grad=True, has_entropy=False, path="one-pass", notes=notes)
+
+
+def _build_liger_triton(wl: Workload, device: torch.device, opts: dict) -> Op:
+    try:
+        from liger_kernel.transformers.grpo_loss import triton_grpo_loss
+    except ImportError as e:
+        raise ProviderUnavailable(f"not available: cannot import liger_kernel.transformers.grpo_loss ({e})") from e
+
+    def prepare(inp: Inputs) -> dict:
+        # triton_grpo_loss takes logits [B, T+1, V] and drops the last position, as a causal LM's output has one
+        # more position than completion tokens: append one hidden row per sequence (outside the timed region)
+        h = torch.cat([inp.hidden.detach(), inp.hidden.detach()[:, -1:]], dim=1).requires_grad_(True)
+        return {"inp": inp, "h_pad": h, "wrt": (h, inp.weight)}
+
+    def fwd(st):
+        i = st["inp"]
+        logits = torch.matmul(st["h_pad"], i.weight.T)  # [B, T+1, V] materialised, input dtype
+        loss, _metrics = triton_grpo_loss(
+            logits, i.old_logprobs, i.ref_logprobs, i.targets, i.advantages, i.mask,
+            temperature=1.0, beta=BETA, eps_low=EPSILON, eps_high=EPSILON, inplace=True,
+            loss_type=LOSS_TYPE, reduce=True, use_bias_correction_kl=USE_BIAS_CORRECTION_KL,
+        )
+        return _out(loss)
+    return Op(fwd, prepare, needs_grad=True, has_entropy=False, path="materialised",
+              notes=["triton_grpo_loss on materialised logits, inplace, no entropy term"])
+
+
+# --- Cut Cross-Entropy ---------------------------------------------------------------------------------
+
+def _build_cce(wl: Workload, device: torch.device, opts: dict) -> Op:
+    try:
+        from cut_cross_entropy import linear_cross_entropy
+    except ImportError as e:
+        raise ProviderUnavailable(f"not available: `import cut_cross_entropy` fails ({e})") from e
+
+    def fwd(st):
+        i = st["inp"]
+        # reduction="none" gives -logp per token; CCE has no entropy
+        logp = -linear_cross_entropy(i.hidden, i.weight, i.targets, reduction="none")
+        return _out(logp.sum() if wl.kind == "logprob" else None, logp, None)
+    return Op(fwd, _default_prepare, needs_grad=wl.kind == "logprob", has_entropy=False,
+              path="forward" if wl.kind == "forward" else "two-pass",
+              notes=["linear_cross_entropy, log-prob only (no entropy)", "default gradient filtering"])
+
+
+_NO_LOGPROBS = "returns a GRPO loss only, not per-token log-probs or entropy"
+_CUDA_TRITON = "a Triton kernel that needs CUDA"
+
+PROVIDERS: dict[str, Provider] = {
+    p.name: p
+    for p in [
+        Provider("fastrl", "fastrl (path A fwd+bwd / path C fwd; backend auto)", ("logprob", "forward", "loss"),
+                 _build_fastrl),
+        Provider("fastrl-fused", "fastrl.policy_loss (fused loss)", ("loss",), _build_fastrl_fused, loss_api="fused",
+                 not_for={k: "fastrl.policy_loss is the loss workloads' fused path" for k in ("logprob", "forward")}),
+        Provider("torch", "materialised torch eager (input dtype)", ("logprob", "forward", "loss"), _build_torch),
+        Provider("torch-compile", "torch.compile of the materialised reference", ("logprob", "forward", "loss"),
+                 lambda wl, d, o: _build_torch(wl, d, o, compile_=True), compile_fails_skip=True),
+        Provider("trl", "TRL 1.16 ChunkedLogProbFunction", ("logprob", "forward", "loss"), _build_trl,
+                 needs=("trl",)),
+        Provider("liger-fused", "Liger 0.8.5 LigerFusedLinearGRPOLoss", ("loss",), _build_liger_fused,
+                 needs=("liger_kernel",), loss_api="none", not_for={"logprob": _NO_LOGPROBS, "forward": _NO_LOGPROBS}),
+        Provider("liger-triton", "Liger 0.8.5 triton_grpo_loss on materialised logits", ("loss",),
+                 _build_liger_triton, needs=("liger_kernel", "triton"), cuda_only=_CUDA_TRITON, loss_api="none",
+                 not_for={"logprob": _NO_LOGPROBS, "forward": _NO_LOGPROBS}),
+        Provider("cce", "Cut Cross-Entropy linear_cross_entropy", ("logprob", "forward"), _build_cce,
+                 needs=("cut_cross_entropy",), cuda_only="its Triton kernels need CUDA",
+                 not_for={"loss": "computes cross-entropy only: no entropy, no GRPO loss"}),
+    ]
+}
+
+
+def get(name: str) -> Provider:
+    try:
+        return PROVIDERS[name]
+    except KeyError:
+        raise ValueError(f"unknown provider {name!r}; known: {', '.join(PROVIDERS)}") from None
+
+
+def select(spec: str | None) -> list[Provider]:
+    """Providers named in a comma list (default: all)."""
+    if not spec:
+        return list(PROVIDERS.values())
+    return [get(n.strip()) for n in spec.split(",") if n.strip()]

@@ -1,0 +1,296 @@
+"""Where results go: environment record, JSON, CSV, PNG plots and the summary table printed last."""
+
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+__all__ = ["environment", "device_slug", "write_json", "write_csv", "plot", "print_table", "console"]
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def console() -> Console:
+    """A rich console; wide when not a terminal, so piped tables are not squeezed into 80 columns."""
+    c = Console()
+    if not c.is_terminal:
+        c = Console(width=220)
+    return c
+
+
+def _slug(s: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", s.lower()).strip("-")
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(0)
+    return f"{_cpu_name()} ({os.cpu_count()} cores)"
+
+
+def device_slug(device: str) -> str:
+    """'nvidia-h100-80gb-hbm3', or 'cpu-amd-epyc-2c': the default results folder name."""
+    if device.startswith("cuda"):
+        return _slug(torch.cuda.get_device_name(0))
+    name = _slug(_cpu_name())
+    for noise in ("-processor", "-cpu"):
+        name = name.replace(noise, "")
+    return f"cpu-{name}-{os.cpu_count()}c"
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _driver(device: str) -> str:
+    if not device.startswith("cuda"):
+        return "n/a (CPU)"
+    if shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=20).stdout.strip().splitlines()
+            if out:
+                return out[0].strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return f"unknown (CUDA runtime {torch.version.cuda})"
+
+
+def _git() -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                             text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "fastrl", "kernels"], cwd=REPO_ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return sha + (" (fastrl/ or kernels/ modified)" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def environment(device: str) -> dict:
+    """Everything needed to know where a number came from."""
+    import fastrl
+
+    return {
+        "device": device_name(device),
+        "device_slug": device_slug(device),
+        "device_type": "cuda" if device.startswith("cuda") else "cpu",
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "driver": _driver(device),
+        "cuda_runtime": torch.version.cuda or "n/a (CPU build)",
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_threads": torch.get_num_threads(),
+        "fastrl": getattr(fastrl, "__version__", "?"),
+        "fastrl_git": _git(),
+        "trl": _version("trl"),
+        "liger_kernel": _version("liger-kernel"),
+        "cut_cross_entropy": _version("cut-cross-entropy"),
+        "transformers": _version("transformers"),
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------
+# Files
+# ---------------------------------------------------------------------------------------------------
+
+def write_json(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1, default=str)
+
+
+CSV_COLUMNS = [
+    "workload", "group", "kind", "provider", "status", "reason", "N", "H", "V", "B", "dtype",
+    "fwd_ms_median", "fwd_ms_min", "fwd_ms_max", "bwd_ms_median", "bwd_ms_min", "bwd_ms_max",
+    "total_ms_median", "total_ms_min", "total_ms_max", "total_ms_q25", "total_ms_q75", "total_ms_n",
+    "peak_extra_fwd_mb", "peak_extra_mb", "time_vs_torch", "mem_vs_torch", "tflops", "tflops_fwd", "tflops_bwd",
+    "floor_tflops", "floor_fraction", "flops_useful", "flops_executed", "bytes_inputs_outputs", "bytes_logits",
+    "logp_max_abs_err", "entropy_max_abs_err", "grad_h_max_abs_err", "loss_value", "path", "notes",
+    "device", "torch", "triton", "driver",
+]
+
+
+def write_csv(path: Path, rows: list[dict], env: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            flat = dict(r)
+            for ph in ("fwd_ms", "bwd_ms", "total_ms"):
+                for k, v in (r.get(ph) or {}).items():
+                    flat[f"{ph}_{k}"] = v
+            flat.update({k: env[k] for k in ("device", "torch", "triton", "driver")})
+            w.writerow(flat)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Plots
+# ---------------------------------------------------------------------------------------------------
+
+_XLABEL = {"sweep-tokens": "tokens N", "sweep-vocab": "vocabulary V", "sweep-hidden": "hidden size H"}
+
+
+def plot(rows: list[dict], out_dir: Path, prefix: str, env: dict) -> list[Path]:
+    """One PNG per sweep (time and memory against the swept size, a line per provider), one for the rest."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r["status"] == "ok" and r["group"] != "floor"]
+    written: list[Path] = []
+    title_dev = f"{env['device']} | torch {env['torch']}"
+    for group in sorted({r["group"] for r in ok if r["group"].startswith("sweep")}):
+        rs = [r for r in ok if r["group"] == group]
+        fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.5))
+        for prov in dict.fromkeys(r["provider"] for r in rs):
+            pts = sorted((r for r in rs if r["provider"] == prov), key=lambda r: r["sweep_value"])
+            x = [r["sweep_value"] for r in pts]
+            med = [r["total_ms"]["median"] for r in pts]
+            lo = [r["total_ms"]["median"] - r["total_ms"]["min"] for r in pts]
+            hi = [r["total_ms"]["max"] - r["total_ms"]["median"] for r in pts]
+            ax_t.errorbar(x, med, yerr=[lo, hi], marker="o", capsize=3, label=prov)
+            ax_m.plot(x, [max(r["peak_extra_mb"], 1e-3) for r in pts], marker="o", label=prov)
+        r0 = rs[0]
+        fixed = {"sweep-tokens": f"H={r0['H']} V={r0['V']}", "sweep-vocab": f"N={r0['N']} H={r0['H']}",
+                 "sweep-hidden": f"N={r0['N']} V={r0['V']}"}[group]
+        for ax, ylab in ((ax_t, "fwd+bwd time, ms (median, min-max)"), (ax_m, "peak extra memory, MB")):
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel(_XLABEL[group])
+            ax.set_ylabel(ylab)
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.suptitle(f"{group}: {fixed} {r0['dtype']}, log-prob + entropy fwd+bwd\n{title_dev}", fontsize=9)
+        fig.tight_layout()
+        p = out_dir / f"{prefix}-{group}.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        written.append(p)
+
+    core = [r for r in ok if not r["group"].startswith("sweep")]
+    if core:
+        wls = list(dict.fromkeys(r["workload"] for r in core))
+        provs = list(dict.fromkeys(r["provider"] for r in core))
+        fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(max(8, 2.2 * len(wls) + 4), 4.5))
+        width = 0.8 / max(1, len(provs))
+        for j, prov in enumerate(provs):
+            xs, ts, errs, ms = [], [], [[], []], []
+            for i, w in enumerate(wls):
+                r = next((r for r in core if r["workload"] == w and r["provider"] == prov), None)
+                if r is None:
+                    continue
+                t = r["total_ms"]
+                xs.append(i + (j - (len(provs) - 1) / 2) * width)
+                ts.append(t["median"])
+                errs[0].append(t["median"] - t["min"])
+                errs[1].append(t["max"] - t["median"])
+                ms.append(r["peak_extra_mb"])
+            ax_t.bar(xs, ts, width, yerr=errs, capsize=2, label=prov)
+            ax_m.bar(xs, ms, width, label=prov)
+        for ax, ylab in ((ax_t, "time, ms (median, min-max)"), (ax_m, "peak extra memory, MB")):
+            ax.set_xticks(range(len(wls)))
+            ax.set_xticklabels(wls)
+            ax.set_ylabel(ylab)
+            ax.grid(True, axis="y", alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.suptitle(f"workloads (fwd+bwd; forward-only for forward workloads)\n{title_dev}", fontsize=9)
+        fig.tight_layout()
+        p = out_dir / f"{prefix}-workloads.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        written.append(p)
+    return written
+
+
+# ---------------------------------------------------------------------------------------------------
+# Table
+# ---------------------------------------------------------------------------------------------------
+
+def _ms(d: dict | None, spread: bool = False) -> str:
+    if not d:
+        return ""
+    s = f"{d['median']:.1f}" if d["median"] < 1e4 else f"{d['median']:.0f}"
+    if spread and d.get("n", 1) > 1:
+        s += f" [{d['min']:.1f}-{d['max']:.1f}]" if d["max"] < 1e4 else f" [{d['min']:.0f}-{d['max']:.0f}]"
+    return s
+
+
+def _f(x, fmt: str) -> str:
+    return "" if x is None else format(x, fmt)
+
+
+def print_table(con: Console, rows: list[dict], title: str, sweeps_compact: bool = True) -> None:
+    """The summary: measured rows, then the rows that could not run (collapsed to one line per reason in sweeps)."""
+    t = Table(title=title, show_lines=False, header_style="bold")
+    for col, just in (("workload", "left"), ("provider", "left"), ("fwd ms", "right"), ("bwd ms", "right"),
+                      ("fwd+bwd ms [min-max]", "right"), ("extra MB", "right"), ("x torch time", "right"),
+                      ("x torch mem", "right"), ("TFLOP/s", "right"), ("% floor", "right"),
+                      ("max|dlogp|", "right"), ("max|dH|", "right"), ("max|dgrad_h|", "right"),
+                      ("notes", "left")):
+        t.add_column(col, justify=just, overflow="fold")
+    collapsed: dict[tuple[str, str, str], list[str]] = {}
+    last_wl = None
+    for r in rows:
+        if r["group"] == "floor":
+            continue
+        if r["status"] == "n/a" or (sweeps_compact and r["status"] == "skipped" and r["group"].startswith("sweep")):
+            collapsed.setdefault((r["provider"], r["status"], r["reason"]), []).append(r["workload"])
+            continue
+        if last_wl is not None and r["workload"] != last_wl:
+            t.add_section()
+        last_wl = r["workload"]
+        wl = f"{r['workload']}\n[dim]N={r['N']} H={r['H']} V={r['V']} {r['dtype']}[/dim]" if r["kind"] != "trainer" \
+            else r["workload"]
+        if r["status"] != "ok":
+            style = "red" if r["status"] == "error" else "yellow"
+            t.add_row(wl, r["provider"], *[""] * 11, f"[{style}]{r['status']}: {escape(r['reason'])}[/{style}]")
+            continue
+        fwd_only = r["kind"] == "forward"
+        t.add_row(
+            wl, r["provider"],
+            _ms(r.get("fwd_ms")), "" if fwd_only else _ms(r.get("bwd_ms")),
+            "(fwd only)" if fwd_only else _ms(r.get("total_ms"), spread=True),
+            _f(r.get("peak_extra_mb"), ".1f"),
+            _f(r.get("time_vs_torch"), ".2f"), _f(r.get("mem_vs_torch"), ".3f"),
+            _f(r.get("tflops"), ".3f" if r.get("tflops", 0) < 10 else ".0f"),
+            _f(100 * r["floor_fraction"] if "floor_fraction" in r else None, ".0f"),
+            _f(r.get("logp_max_abs_err"), ".1e"), _f(r.get("entropy_max_abs_err"), ".1e"),
+            _f(r.get("grad_h_max_abs_err"), ".1e"),
+            escape(r.get("notes", "")),
+        )
+    con.print(t)
+    for (prov, status, reason), wls in collapsed.items():
+        where = ", ".join(wls) if len(wls) <= 4 else f"{len(wls)} workloads ({wls[0]} ... {wls[-1]})"
+        con.print(f"[dim]{status:>7} {prov}: {escape(reason)}  {escape('[' + where + ']')}[/dim]")

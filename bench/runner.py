@@ -1,0 +1,222 @@
+"""Run a list of workloads x providers: one fresh ``bench.worker`` process per measurement, rich progress.
+
+Rows come back as flat dicts (one per workload and provider, whatever happened): ``status`` is "ok",
+"skipped" (cannot run here; ``reason`` says why), "n/a" (does not compute this kind of thing) or "error".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from bench import providers as P
+from bench.workloads import Workload, bytes_moved, flops, flops_executed
+
+__all__ = ["RunConfig", "run", "floor_workload", "add_ratios"]
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class RunConfig:
+    command: str  # "run" | "c1" | "gpu"
+    device: str  # "cpu" | "cuda"
+    reps: int = 3  # timed repetitions per provider on CPU (on CUDA do_bench picks its own count)
+    warmup: int = 1  # untimed full steps first
+    n_sets: int = 2  # input sets rotated through the repetitions
+    accuracy_rows: int = 256  # tokens checked against float64
+    rep_ms: int = 2000  # do_bench's timing budget per measurement (CUDA)
+    timeout_s: int = 3600  # per worker process
+    seed: int = 1234
+    threads: int = 0  # CPU threads in the workers (0: torch's default)
+    options: dict = field(default_factory=dict)  # passed to the providers (fastrl_backend, liger_compiled)
+    # provider -> reason, for providers this mode leaves out on purpose (e.g. torch.compile in --smoke);
+    # `compile_only` names the workloads where torch.compile still runs in --quick
+    leave_out: dict = field(default_factory=dict)
+    compile_only: tuple = ()
+    floor_shape: tuple = (2048, 2048, 2048)
+    mode: str = ""  # "quick" | "smoke" | "" (recorded with the results)
+    jobs: int = 1  # measuring processes at once; above 1 they compete for the cores (smoke only)
+
+
+def floor_workload(dtype: str, shape: tuple) -> Workload:
+    m, k, n = shape
+    return Workload(f"matmul-{dtype}", "forward", m, k, n, dtype, group="floor",
+                    note=f"plain [{m},{k}] @ [{k},{n}] GEMM: the floor every FLOP rate is compared with")
+
+
+def _spawn(spec: dict, timeout_s: int) -> dict:
+    """Run one measurement in a fresh interpreter and return its result (or an error row)."""
+    with tempfile.TemporaryDirectory(prefix="fastrl-bench-") as tmp:
+        spec_path, res_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "result.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-m", "bench.worker", spec_path, res_path],
+                cwd=REPO_ROOT, env=env, timeout=timeout_s, capture_output=True, text=True,
+            )
+        except subprocess.TimeoutExpired:
+            return {"status": "error", "reason": f"timed out after {timeout_s} s (worker killed)"}
+        if os.path.exists(res_path):
+            with open(res_path) as f:
+                res = json.load(f)
+        else:
+            tail = [ln for ln in (proc.stderr or "").strip().splitlines() if ln.strip()][-1:] or ["no output"]
+            sig = f"killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exit code {proc.returncode}"
+            res = {"status": "error", "reason": f"worker died ({sig}): {tail[0][:300]}"}
+        res["process_s"] = time.perf_counter() - t0
+        return res
+
+
+def _row(wl: Workload, provider: str, label: str, status: str, reason: str = "") -> dict:
+    return {
+        "workload": wl.name, "group": wl.group, "kind": wl.kind, "provider": provider, "label": label,
+        "status": status, "reason": reason, "N": wl.N, "H": wl.H, "V": wl.V, "B": wl.batch, "dtype": wl.dtype,
+        "sweep_value": wl.sweep_value, "workload_note": wl.note,
+    }
+
+
+def _finish_row(row: dict, wl: Workload, res: dict, floor: dict) -> dict:
+    row.update({k: v for k, v in res.items() if k not in ("traceback",)})
+    if res.get("traceback"):
+        row["traceback"] = res["traceback"]
+    if row["status"] != "ok":
+        return row
+    row["flops_useful"] = flops(wl, "total")
+    row["flops_executed"] = flops_executed(wl, res.get("path", "materialised"))
+    row.update(bytes_moved(wl))
+    tot = res["total_ms"]["median"]
+    row["tflops"] = row["flops_useful"] / (tot * 1e-3) / 1e12
+    if res.get("fwd_ms"):
+        row["tflops_fwd"] = flops(wl, "fwd") / (res["fwd_ms"]["median"] * 1e-3) / 1e12
+    if res.get("bwd_ms"):
+        row["tflops_bwd"] = flops(wl, "bwd") / (res["bwd_ms"]["median"] * 1e-3) / 1e12
+    f = floor.get(wl.dtype)
+    if f:
+        row["floor_tflops"] = f
+        row["floor_ms"] = row["flops_useful"] / (f * 1e12) * 1e3
+        row["floor_fraction"] = row["floor_ms"] / tot
+    return row
+
+
+def add_ratios(rows: list[dict], reference: str = "torch") -> None:
+    """Time and peak-memory ratios against the materialised torch row of the same workload (same run)."""
+    ref = {r["workload"]: r for r in rows if r["provider"] == reference and r["status"] == "ok"}
+    for r in rows:
+        base = ref.get(r["workload"])
+        if r["status"] != "ok" or base is None:
+            continue
+        r["time_vs_torch"] = r["total_ms"]["median"] / base["total_ms"]["median"]
+        if base["peak_extra_mb"] > 0:
+            r["mem_vs_torch"] = r["peak_extra_mb"] / base["peak_extra_mb"]
+
+
+def _one_line(row: dict) -> str:
+    if row["status"] != "ok":
+        return f"[dim]{row['workload']:>14} {row['provider']:<14} {row['status']}: {escape(row['reason'])}[/dim]"
+    t = row["total_ms"]
+    err = f"  |dlogp| {row['logp_max_abs_err']:.1e}" if "logp_max_abs_err" in row else ""
+    return (f"{row['workload']:>14} {row['provider']:<14} {t['median']:10.1f} ms [{t['min']:.1f}-{t['max']:.1f}]"
+            f"  {row['peak_extra_mb']:9.1f} MB{err}")
+
+
+def run(workloads: list[Workload], provs: list[P.Provider], cfg: RunConfig, console: Console) -> tuple[list[dict], dict]:
+    """Measure every (workload, provider); returns (rows, floor TFLOP/s by dtype)."""
+    plan: list[tuple[Workload, P.Provider | None, dict | None]] = []
+    rows: list[dict] = []
+    dtypes = sorted({w.dtype for w in workloads if w.kind != "trainer"})
+    floors = [floor_workload(dt, cfg.floor_shape) for dt in dtypes]
+    for fw in floors:
+        plan.append((fw, None, None))
+    for wl in workloads:
+        for p in provs:
+            why = p.unavailable(wl, cfg.device)
+            if why is None and p.name in cfg.leave_out:
+                why = ("skipped", cfg.leave_out[p.name])
+            if why is None and p.name == "torch-compile" and cfg.compile_only and wl.name not in cfg.compile_only:
+                why = ("skipped", f"left out by --quick: torch.compile runs on {', '.join(cfg.compile_only)} only "
+                                  "(inductor compiles every shape afresh; tens of seconds each on CPU)")
+            if why is not None:
+                rows.append(_row(wl, p.name, p.label, *why))
+            else:
+                plan.append((wl, p, None))
+
+    floor: dict[str, float] = {}
+    floor_rows: list[dict] = []
+    cols = (SpinnerColumn(), TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("elapsed"), TimeElapsedColumn())
+    loads: list[float] = []
+
+    def spec_for(wl: Workload, name: str, is_floor: bool) -> dict:
+        return {
+            "workload": wl.to_dict(), "provider": name, "device": cfg.device,
+            "reps": max(cfg.reps, 5) if is_floor else cfg.reps, "warmup": max(cfg.warmup, 1) if is_floor else cfg.warmup,
+            "n_sets": cfg.n_sets, "seed": cfg.seed, "accuracy_rows": cfg.accuracy_rows, "rep_ms": cfg.rep_ms,
+            "threads": cfg.threads, "options": cfg.options,
+        }
+
+    def measure(wl: Workload, p: P.Provider | None) -> dict:
+        loads.append(os.getloadavg()[0])
+        res = _spawn(spec_for(wl, p.name if p else "matmul", p is None), cfg.timeout_s)
+        loads.append(os.getloadavg()[0])
+        return res
+
+    with Progress(*cols, console=console, transient=False) as prog:
+        task = prog.add_task("starting", total=len(plan))
+        # the floor first and alone: every row's "% floor" needs it
+        for wl, p, _ in [x for x in plan if x[1] is None]:
+            prog.update(task, description=f"{wl.name} | floor")
+            res = measure(wl, None)
+            row = _row(wl, "matmul", "plain GEMM (floor)", res.get("status", "error"), res.get("reason", ""))
+            row.update({k: v for k, v in res.items() if k != "traceback"})
+            if row["status"] == "ok":
+                f = flops(wl, "fwd") / (res["fwd_ms"]["median"] * 1e-3) / 1e12
+                row["tflops"] = f
+                floor[wl.dtype] = f
+                prog.console.print(f"{'floor':>14} matmul {wl.dtype:<9} {res['fwd_ms']['median']:9.1f} ms "
+                                   f"-> {f * 1e3:.1f} GFLOP/s")
+            else:
+                prog.console.print(f"[red]floor matmul failed: {escape(row['reason'])}[/red]")
+            floor_rows.append(row)
+            prog.advance(task)
+        work = [(wl, p) for wl, p, _ in plan if p is not None]
+        with ThreadPoolExecutor(max_workers=max(1, cfg.jobs)) as pool:
+            futs = {}
+            for wl, p in work:
+                futs[pool.submit(measure, wl, p)] = (wl, p)
+            for fut in as_completed(futs) if cfg.jobs > 1 else futs:
+                wl, p = futs[fut]
+                if cfg.jobs == 1:
+                    prog.update(task, description=f"{wl.name} | {p.name}")
+                res = fut.result()
+                row = _finish_row(_row(wl, p.name, p.label, res.get("status", "error"), res.get("reason", "")),
+                                  wl, res, floor)
+                rows.append(row)
+                prog.console.print(_one_line(row))
+                prog.advance(task)
+        prog.update(task, description="done")
+    if loads and max(loads) > (os.cpu_count() or 1):
+        console.print(f"[yellow]load average reached {max(loads):.1f} on {os.cpu_count()} cores during this run: "
+                      f"other processes competed for the CPU, so times are noisier than usual[/yellow]")
+
+    order = {w.name: i for i, w in enumerate(workloads)}
+    porder = {p.name: i for i, p in enumerate(provs)}
+    rows.sort(key=lambda r: (order.get(r["workload"], 1 << 20), porder.get(r["provider"], 1 << 20)))
+    add_ratios(rows)
+    return floor_rows + rows, {"floor_tflops": floor, "loadavg_max": max(loads) if loads else None,
+                               "loadavg_min": min(loads) if loads else None}

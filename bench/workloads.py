@@ -1,0 +1,226 @@
+"""Workloads (DESIGN.md: W1-W4, C1), the token / vocabulary / hidden-size sweeps, and their cost model.
+
+A workload is a shape, a dtype and a kind of work:
+
+* ``logprob``: per-token log-prob and entropy, forward + backward, loss ``sum(logp) + 0.01 * sum(entropy)``
+  (path A on fastrl's side);
+* ``loss``: a GRPO policy loss (dapo, beta 0.04 with k3 KL, entropy bonus), forward + backward;
+* ``forward``: log-probs only, no gradient (reference / old policy; path C);
+* ``trainer``: one TRL GRPOTrainer step (W4), measured elsewhere once fastrl.GRPOTrainer exists.
+
+GPU-sized shapes cannot run on a CPU (W1's float32 logits alone are 10 GB), so CPU runs use the same
+workloads scaled down by fixed factors; every scaled workload says so in its ``note``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+__all__ = [
+    "Workload",
+    "KINDS",
+    "C1",
+    "gpu_workloads",
+    "cpu_workloads",
+    "smoke_workloads",
+    "select",
+    "flops",
+    "bytes_moved",
+    "tiny",
+]
+
+KINDS = ("logprob", "loss", "forward", "trainer")
+ENTROPY_COEF = 0.01  # weight of the entropy term in the logprob workloads' loss and in the GRPO loss
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str  # "W1", "C1", "tokens-4096", ...
+    kind: str  # one of KINDS
+    N: int  # tokens (B * T for loss workloads)
+    H: int  # hidden size
+    V: int  # vocabulary
+    dtype: str  # "bfloat16" | "float32"
+    batch: int = 1  # sequences B (loss workloads: hidden is [B, T, H] with T = N // B)
+    group: str = "core"  # "core" | "sweep-tokens" | "sweep-vocab" | "sweep-hidden"
+    note: str = ""  # what this is, and how it was scaled from the GPU definition
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"workload kind must be one of {KINDS}, got {self.kind!r}")
+        if self.kind != "trainer" and (self.N <= 0 or self.H <= 0 or self.V <= 0 or self.N % self.batch):
+            raise ValueError(f"{self.name}: need N, H, V > 0 and N divisible by batch, got {self}")
+
+    @property
+    def T(self) -> int:
+        return self.N // self.batch
+
+    @property
+    def sweep_value(self) -> int:
+        """The swept variable of a sweep workload (tokens, vocabulary or hidden size)."""
+        return {"sweep-tokens": self.N, "sweep-vocab": self.V, "sweep-hidden": self.H}.get(self.group, self.N)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict) -> "Workload":
+        return Workload(**d)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Cost model. N tokens, hidden H, vocab V; the LM-head GEMM is 2NHV FLOPs per pass over the logits.
+#   forward               y = h W^T                      2NHV
+#   backward              grad_h = G W, grad_W = G^T h    4NHV   (two GEMMs of 2NHV each)
+#   one-pass (path B)     gradients formed in the forward 6NHV
+#   two-pass (path A)     forward, recompute, 2 grads     8NHV
+# Throughput is always reported on the *useful* count (2NHV forward, 4NHV backward, 6NHV both), so a
+# path that recomputes the logits pays for it in TFLOP/s; `flops_executed` records what it really ran.
+# Bytes: a fused path must at least read h [N,H] and W [V,H] and write grad_h and grad_W; a materialising
+# path additionally writes and re-reads the [N, V] logits (and their gradient) at least once each.
+# ---------------------------------------------------------------------------------------------------
+
+def flops(wl: Workload, phase: str) -> float:
+    """Useful FLOPs of one phase: 'fwd' 2NHV, 'bwd' 4NHV, 'total' 6NHV (forward-only: 2NHV total)."""
+    nhv = float(wl.N) * wl.H * wl.V
+    if wl.kind == "forward":
+        return {"fwd": 2 * nhv, "bwd": 0.0, "total": 2 * nhv}[phase]
+    return {"fwd": 2 * nhv, "bwd": 4 * nhv, "total": 6 * nhv}[phase]
+
+
+def flops_executed(wl: Workload, path: str) -> float:
+    """FLOPs a provider actually runs: 'materialised' / 'one-pass' 6NHV, 'two-pass' 8NHV, 'forward' 2NHV."""
+    nhv = float(wl.N) * wl.H * wl.V
+    if wl.kind == "forward":
+        return 2 * nhv
+    return {"materialised": 6 * nhv, "one-pass": 6 * nhv, "two-pass": 8 * nhv}.get(path, 6 * nhv)
+
+
+def dtype_bytes(dtype: str) -> int:
+    return {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}[dtype]
+
+
+def bytes_moved(wl: Workload) -> dict[str, float]:
+    """Lower bounds on memory traffic: inputs + outputs for a fused path, plus the logits for a materialising one."""
+    s = dtype_bytes(wl.dtype)
+    io = (wl.N * wl.H + wl.V * wl.H) * s  # read h and W
+    if wl.kind != "forward":
+        io *= 2  # and write grad_h, grad_W of the same sizes
+    logits = float(wl.N) * wl.V * s * (1 if wl.kind == "forward" else 2)  # logits (+ their gradient)
+    return {"bytes_inputs_outputs": float(io), "bytes_logits": logits}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Definitions
+# ---------------------------------------------------------------------------------------------------
+
+# GPU shapes (DESIGN.md). Loss workloads split 16384 tokens into 16 sequences of 1024.
+_W1 = Workload("W1", "loss", 16384, 4096, 151936, "bfloat16", batch=16,
+               note="GRPO loss dapo, beta 0.04 k3 KL, entropy 0.01; fwd+bwd")
+_W2 = Workload("W2", "loss", 16384, 896, 151936, "bfloat16", batch=16,
+               note="as W1, Qwen2.5-0.5B head")
+_W1_LP = replace(_W1, name="W1-lp", kind="logprob", note="W1 shapes, log-prob + entropy fwd+bwd (path A)")
+_W2_LP = replace(_W2, name="W2-lp", kind="logprob", note="W2 shapes, log-prob + entropy fwd+bwd (path A)")
+_W3 = Workload("W3", "forward", 16384, 4096, 151936, "bfloat16", note="forward-only log-probs (path C)")
+_W4 = Workload("W4", "trainer", 0, 896, 151936, "bfloat16",
+               note="one TRL GRPOTrainer step, Qwen2.5-0.5B random init, 8 completions of 4k-16k tokens")
+C1 = Workload("C1", "logprob", 4096, 512, 32768, "float32",
+              note="CPU: log-prob + entropy fwd+bwd, loss sum(logp) + 0.01 sum(entropy)")
+
+SWEEP_TOKENS = (1024, 2048, 4096, 8192, 16384, 32768)
+SWEEP_VOCAB = (32000, 128256, 151936)  # Llama-2, Llama-3, Qwen2.5
+SWEEP_HIDDEN = (896, 2048, 4096)  # Qwen2.5-0.5B, Llama-3.2-1B, Llama-3-8B
+
+
+def _sweeps(n_base: int, h_base: int, v_base: int, dtype: str, tokens, vocab, hidden, note: str) -> list[Workload]:
+    out = [Workload(f"tokens-{n}", "logprob", n, h_base, v_base, dtype, group="sweep-tokens", note=note)
+           for n in tokens]
+    out += [Workload(f"vocab-{v}", "logprob", n_base, h_base, v, dtype, group="sweep-vocab", note=note)
+            for v in vocab]
+    out += [Workload(f"hidden-{h}", "logprob", n_base, h, v_base, dtype, group="sweep-hidden", note=note)
+            for h in hidden]
+    return out
+
+
+def gpu_workloads() -> list[Workload]:
+    """Everything at the GPU sizes of DESIGN.md: W1-W4 and the three sweeps (bf16)."""
+    sweeps = _sweeps(16384, 4096, 151936, "bfloat16", SWEEP_TOKENS, SWEEP_VOCAB, SWEEP_HIDDEN,
+                     note="log-prob + entropy fwd+bwd")
+    return [_W1, _W1_LP, _W2, _W2_LP, _W3, _W4] + sweeps
+
+
+def _r8(x: float) -> int:
+    return max(8, int(round(x / 8)) * 8)
+
+
+def _scaled(wl: Workload, fn: int, fh: int, fv: int, batch: int | None = None) -> Workload:
+    """``wl`` with N/fn, H/fh, V/fv tokens in float32, and a note saying so."""
+    if wl.kind == "trainer":
+        return wl
+    n = _r8(wl.N / fn)
+    b = batch if batch is not None else wl.batch
+    return replace(
+        wl, N=n, H=_r8(wl.H / fh), V=_r8(wl.V / fv), dtype="float32", batch=b,
+        note=f"{wl.note}; scaled down for CPU from N={wl.N} H={wl.H} V={wl.V} {wl.dtype} (N/{fn} H/{fh} V/{fv}, float32)",
+    )
+
+
+def cpu_workloads(quick: bool) -> list[Workload]:
+    """C1 and CPU-sized versions of W1-W4 and the sweeps (quick: smaller still, fewer sweep points)."""
+    fn, fh, fv = (16, 16, 8) if quick else (4, 8, 4)
+    core = [_scaled(w, fn, fh, fv, batch=4 if quick else 8) for w in (_W1, _W2, _W3)] + [_W4]
+    if quick:
+        c1 = replace(C1, name="C1-quick", N=1024, note=C1.note + "; quick: N=1024 instead of 4096")
+        sweep = _sweeps(512, 256, 16384, "float32", (256, 512, 1024, 2048), (4000, 16032, 18992), (112, 256, 512),
+                        note="log-prob + entropy fwd+bwd; CPU quick sizes (GPU sweep / 8-16)")
+    else:
+        c1 = C1
+        sweep = _sweeps(2048, 512, 37984, "float32", (512, 1024, 2048, 4096, 8192), (8000, 32064, 37984),
+                        (112, 256, 512), note="log-prob + entropy fwd+bwd; CPU sizes (GPU sweep / 4-8)")
+    return [c1] + core + sweep
+
+
+def smoke_workloads() -> list[Workload]:
+    """Tiny shapes for CI: every kind once, and a two-point token sweep so a plot is drawn."""
+    note = "smoke test: tiny shapes, numbers mean nothing"
+    return [
+        Workload("C1-smoke", "logprob", 128, 32, 512, "float32", note=note),
+        Workload("W1-smoke", "loss", 128, 32, 512, "float32", batch=4, note=note),
+        Workload("W3-smoke", "forward", 128, 32, 512, "float32", note=note),
+        _W4,
+        Workload("tokens-64", "logprob", 64, 32, 512, "float32", group="sweep-tokens", note=note),
+        Workload("tokens-256", "logprob", 256, 32, 512, "float32", group="sweep-tokens", note=note),
+    ]
+
+
+def select(workloads: list[Workload], spec: str | None) -> list[Workload]:
+    """Filter by a comma list of names, name prefixes ending in '*', or groups ('core', 'sweep-tokens', 'sweeps')."""
+    if not spec:
+        return workloads
+    keys = [k.strip() for k in spec.split(",") if k.strip()]
+    out = []
+    for wl in workloads:
+        for k in keys:
+            kl = k.lower()
+            if (
+                wl.name.lower() == kl
+                or (kl.endswith("*") and wl.name.lower().startswith(kl[:-1]))
+                or wl.group == kl
+                or (kl == "sweeps" and wl.group.startswith("sweep"))
+                or wl.name.lower().split("-")[0] == kl and wl.group == "core"
+            ):
+                out.append(wl)
+                break
+    if not out:
+        names = ", ".join(w.name for w in workloads)
+        raise SystemExit(f"--workload {spec!r} matches none of: {names} (or groups core, sweeps, sweep-tokens, ...)")
+    return out
+
+
+def tiny(wl: Workload) -> Workload:
+    """A smoke-test version of any workload: same name and kind (suffix '-smoke'), tiny float32 shapes."""
+    if wl.kind == "trainer":
+        return wl
+    b = min(wl.batch, 4)
+    return replace(wl, name=f"{wl.name}-smoke", N=128, H=32, V=512, dtype="float32", batch=b,
+                   note="smoke test: tiny shapes, numbers mean nothing")
