@@ -23,6 +23,7 @@ __all__ = [
     "tiny_qwen2",
     "toy_prompts",
     "toy_prompt_dataset",
+    "save_for_reference",
 ]
 
 PAD_ID, EOS_ID, BOS_ID = 0, 1, 2
@@ -120,3 +121,12 @@ def toy_prompt_dataset(tokenizer=None, n: int = 16, prompt_len: int = 4, vocab_s
     if vocab_size is None:
         vocab_size = len(tokenizer) if tokenizer is not None else 256
     return Dataset.from_dict({"prompt": toy_prompts(n, prompt_len, vocab_size, seed)})
+
+
+def save_for_reference(model, path) -> str:
+    """Save ``model`` to ``path`` and point its config there, so TRL (which builds the reference model for
+    ``beta != 0`` from the policy's ``name_or_path``) loads the same weights offline. Returns the path."""
+    path = str(path)
+    model.save_pretrained(path)
+    model.config._name_or_path = path
+    return path

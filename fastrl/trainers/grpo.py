@@ -1,0 +1,381 @@
+"""Drop-in ``GRPOTrainer`` / ``GRPOConfig`` for TRL 1.16: change one import, keep everything else.
+
+    from fastrl import GRPOConfig, GRPOTrainer   # instead of: from trl import GRPOConfig, GRPOTrainer
+
+What changes, and nothing else:
+
+* The LM head. TRL scores completions through ``model(..., labels=..., fused_lm_head=True)``; fastrl patches that
+  call (``fastrl.trainers._lm_head``) so the body runs as before and the head goes through
+  ``fastrl.fused_logprobs``: no ``[batch, completion, vocab]`` logits, float32 statistics, no weight-gradient GEMM
+  for a frozen head, forward-only for reference / old log-probs (they are computed under ``torch.no_grad``).
+* The policy loss. When the loss options allow it (``PolicyLossConfig.one_pass_granularity`` is not None: no
+  ``top_entropy_quantile`` < 1; every loss type, token or sequence importance sampling, delta, KL, entropy bonus,
+  off-policy mask, vLLM IS ratios) and ``fastrl.policy_loss`` exists, the loss is computed in one fused pass from
+  the hidden states (``_compute_loss_one_pass``); until then, and for the other options, TRL's own
+  ``_compute_loss`` runs on fastrl's log-probs and entropies. Both give TRL's numbers and TRL's metric names.
+* ``TrainingHealthCallback`` is attached (``health_checks=False`` turns it off).
+
+The one-pass path reproduces the trainer-level parts of TRL's ``_compute_loss`` around the per-token math of
+``fastrl.reference.policy_loss_from_logprobs`` (which is TRL's arithmetic with gradient accumulation 1 on one
+process): the gradient-accumulation / ``num_processes`` / ``steps_per_generation`` normalisers, the adaptive entropy
+controller, the MoE aux loss and the cross-process metric reductions. Scaling: with ``n' = num_items_in_batch /
+(num_processes * steps_per_generation)`` (train; eval: ``/ num_processes``) every loss type's TRL value is
+``policy_loss_from_logprobs(..., num_items_in_batch=n') / gradient_accumulation_steps`` (eval: ``/ 1``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+import trl
+from trl.trainer.utils import nanmax, nanmin
+
+from fastrl.trainers._lm_head import (
+    add_fastrl_lm_head,
+    head_precision,
+    head_settings_from_config,
+    unwrap_causal_lm,
+)
+
+__all__ = ["GRPOConfig", "GRPOTrainer", "fastrl_loss_fn", "install_fastrl_head", "one_pass_config"]
+
+# TRL inputs that make the forward multimodal; the one-pass path passes only input_ids / attention_mask
+_MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
+                    "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+# metrics fastrl's loss adds for PPO-style logging; TRL's GRPOTrainer does not log them
+_FASTRL_ONLY_METRICS = ("policy/approxkl_avg", "policy/clipfrac_avg", "policy/entropy_avg", "val/ratio",
+                        "val/ratio_var")
+
+
+@dataclass
+class GRPOConfig(trl.GRPOConfig):
+    """TRL 1.16's ``GRPOConfig`` plus fastrl's own options (every TRL option keeps its meaning).
+
+    Args (fastrl only):
+        fused_loss (`bool`, defaults to `True`): compute log-probs, entropies and the policy loss with fastrl.
+            `False` gives stock TRL (its chunked LM head and loss), health checks aside.
+        one_pass_loss (`bool`, defaults to `True`): use the one-pass fused policy loss (`fastrl.policy_loss`)
+            when the loss options allow it; `False` always runs TRL's loss math on fastrl's log-probs.
+        fastrl_backend (`str` or `None`, defaults to `None`): `"triton"` or `"torch"`; `None` lets fastrl pick
+            (Triton on CUDA, chunked PyTorch on CPU; env `FASTRL_BACKEND` overrides).
+        fastrl_vocab_chunk (`int` or `None`, defaults to `None`): vocabulary columns per backward tile; `None`
+            bounds the tile automatically (about 16 MB on CPU, 2^26 elements on GPU). Smaller uses less memory.
+        health_checks (`bool`, defaults to `True`): attach `fastrl.TrainingHealthCallback`, which warns in plain
+            words when KL, ratios, clip fractions, truncation or NaNs look wrong.
+    """
+
+    fused_loss: bool = field(default=True, metadata={"help": "Compute log-probs, entropies and the loss with fastrl."})
+    one_pass_loss: bool = field(
+        default=True, metadata={"help": "Use the one-pass fused policy loss when the loss options allow it."}
+    )
+    fastrl_backend: str | None = field(
+        default=None, metadata={"help": "fastrl backend: 'triton', 'torch' or None (automatic)."}
+    )
+    fastrl_vocab_chunk: int | None = field(
+        default=None, metadata={"help": "Vocabulary columns per fastrl backward tile (None: automatic)."}
+    )
+    health_checks: bool = field(default=True, metadata={"help": "Attach fastrl.TrainingHealthCallback."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.fastrl_backend not in (None, "triton", "torch"):
+            raise ValueError(f"fastrl_backend must be None, 'triton' or 'torch', got {self.fastrl_backend!r}")
+        if self.fastrl_vocab_chunk is not None and (
+            not isinstance(self.fastrl_vocab_chunk, int) or self.fastrl_vocab_chunk <= 0
+        ):
+            raise ValueError(f"fastrl_vocab_chunk must be None or a positive int, got {self.fastrl_vocab_chunk!r}")
+
+
+def _opt(args, name: str, default):
+    """A fastrl option from ``args`` (a stock ``trl.GRPOConfig`` has none: use fastrl's default)."""
+    return getattr(args, name, default)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Installing the head on a trainer (shared with fastrl.patch_trainer)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def install_fastrl_head(trainer, *, backend: str | None = None, vocab_chunk: int | None = None) -> None:
+    """Patch the policy (PEFT: its base model) and the reference model of a TRL trainer to score with fastrl."""
+    args = trainer.args
+    for model in (trainer.model, getattr(trainer, "ref_model", None)):
+        if model is None:
+            continue
+        base = unwrap_causal_lm(trainer.accelerator.unwrap_model(model) if hasattr(trainer, "accelerator") else model)
+        settings = head_settings_from_config(
+            base,
+            temperature=float(getattr(trainer, "temperature", getattr(args, "temperature", 1.0))),
+            cast_lm_head_to_fp32=bool(getattr(args, "cast_lm_head_to_fp32", False)),
+            backend=backend,
+            vocab_chunk=vocab_chunk,
+        )
+        add_fastrl_lm_head(base, settings)
+    trainer._fastrl_installed = True
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The one-pass policy loss
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _two_pass_policy_loss(hidden, weight, targets, advantages, mask, *, config, old_logprobs=None,
+                          ref_logprobs=None, bias=None, importance_weights=None, num_items_in_batch=None,
+                          sampling_logprobs=None, logit_scale=1.0, softcap=None, backend=None, vocab_chunk=None):
+    """``fastrl.policy_loss``'s contract, as ``fused_logprobs`` + ``policy_loss_from_logprobs`` (two passes)."""
+    from fastrl import fused_logprobs
+    from fastrl.reference import policy_loss_from_logprobs
+
+    mask_b = mask.bool()
+    logp, ent = fused_logprobs(
+        hidden, weight, targets.masked_fill(~mask_b, -100), bias=bias, temperature=config.temperature,
+        logit_scale=logit_scale, softcap=softcap, with_entropy=True, backend=backend, vocab_chunk=vocab_chunk,
+    )
+    return policy_loss_from_logprobs(
+        logp, ent, advantages, mask_b, config=config, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+        importance_weights=importance_weights, num_items_in_batch=num_items_in_batch,
+        sampling_logprobs=sampling_logprobs,
+    )
+
+
+def fastrl_loss_fn():
+    """``fastrl.policy_loss`` (one pass) when this build has it; otherwise its two-pass equivalent."""
+    import fastrl
+
+    try:
+        return fastrl.policy_loss
+    except AttributeError:
+        return _two_pass_policy_loss
+
+
+def _accepts(fn, name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def one_pass_config(trainer, entropy_coef: float):
+    """TRL's loss options on ``trainer`` as a ``PolicyLossConfig`` (``entropy_coef``: the one applied this step)."""
+    from fastrl.losses.config import CLIPPED_LOSS_TYPES, PolicyLossConfig
+
+    a = trainer.args
+    return PolicyLossConfig(
+        loss_type=trainer.loss_type,
+        epsilon_low=trainer.epsilon_low,
+        epsilon_high=trainer.epsilon_high,
+        delta=a.delta if trainer.loss_type in CLIPPED_LOSS_TYPES else None,  # TRL reads it only there
+        beta=trainer.beta,
+        kl_estimator="k3",
+        use_bias_correction_kl=bool(a.use_bias_correction_kl),
+        entropy_coef=float(entropy_coef),
+        importance_sampling_level=trainer.importance_sampling_level,
+        temperature=float(trainer.temperature),
+        max_completion_length=trainer.max_completion_length,
+        sapo_temperature_neg=a.sapo_temperature_neg,
+        sapo_temperature_pos=a.sapo_temperature_pos,
+        vespo_k_pos=a.vespo_k_pos,
+        vespo_lambda_pos=a.vespo_lambda_pos,
+        vespo_k_neg=a.vespo_k_neg,
+        vespo_lambda_neg=a.vespo_lambda_neg,
+        top_entropy_quantile=trainer.top_entropy_quantile,
+        off_policy_mask_threshold=trainer.off_policy_mask_threshold,
+    )
+
+
+def _applied_entropy_coef(trainer) -> float:
+    # TRL: the coefficient and gate from the end of the previous optimizer step
+    if not trainer._entropy_bonus_enabled:
+        return 0.0
+    if trainer.use_adaptive_entropy:
+        return trainer.entropy_coef if trainer._last_world_entropy <= trainer.args.entropy_target else 0.0
+    return trainer.entropy_coef
+
+
+def one_pass_reason(trainer, inputs) -> str | None:
+    """Why this batch cannot take the one-pass path (None: it can)."""
+    if not _opt(trainer.args, "fused_loss", True) or not _opt(trainer.args, "one_pass_loss", True):
+        return "disabled in the config"
+    if not getattr(trainer, "_fastrl_installed", False):
+        return "fastrl's head is not installed"
+    if any(inputs.get(k) is not None for k in _MULTIMODAL_KEYS):
+        return "multimodal inputs"
+    if trainer.top_entropy_quantile < 1.0:
+        return "top_entropy_quantile < 1 couples every sequence of the batch"
+    fn = fastrl_loss_fn()
+    settings = unwrap_causal_lm(trainer.accelerator.unwrap_model(trainer.model))._fastrl_head_settings
+    if (settings.logit_scale != 1.0 and not _accepts(fn, "logit_scale")) or (
+        settings.softcap is not None and not _accepts(fn, "softcap")
+    ):
+        return "the model's logit scale / softcap is not supported by fastrl.policy_loss"
+    if trainer.off_policy_mask_threshold is not None and inputs.get("sampling_per_token_logps") is not None \
+            and not _accepts(fn, "sampling_logprobs"):
+        return "off-policy mask on sampling log-probs is not supported by fastrl.policy_loss"
+    isr = inputs.get("importance_sampling_ratio")
+    if trainer.loss_type == "vespo" and isr is not None and isr.shape[-1] == 1:
+        return "vespo with sequence-level IS ratios"
+    return None
+
+
+def _compute_loss_one_pass(trainer, model, inputs):
+    """TRL 1.16's ``_compute_loss`` with the per-token part fused into the LM head (see the module docstring)."""
+    prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+    completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    K = completion_ids.size(1)
+    mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+    B = completion_ids.size(0)
+    mode = "train" if trainer.model.training else "eval"
+    acc = trainer.accelerator
+    ga = trainer.current_gradient_accumulation_steps if mode == "train" else 1
+
+    apply_coef = _applied_entropy_coef(trainer)
+    config = one_pass_config(trainer, apply_coef)
+    n_items = inputs["num_items_in_batch"].clamp(min=1.0) / acc.num_processes
+    if mode == "train":
+        n_items = n_items / trainer.args.steps_per_generation
+    advantages = inputs["advantages"]
+    isr = None
+    if (trainer.use_vllm and trainer.vllm_importance_sampling_correction) or trainer.loss_type == "vespo":
+        isr = inputs.get("importance_sampling_ratio")
+        if isr is not None and isr.dim() == 2 and isr.shape[1] == 1 and K != 1:
+            isr = isr.squeeze(1)  # TRL's sequence-level ratio is [B, 1]; fastrl takes [B]
+    kwargs = dict(
+        config=config,
+        old_logprobs=inputs.get("old_per_token_logps"),
+        ref_logprobs=inputs.get("ref_per_token_logps") if trainer.beta != 0.0 else None,
+        importance_weights=isr,
+        num_items_in_batch=n_items,
+    )
+    fn = fastrl_loss_fn()
+    base = unwrap_causal_lm(acc.unwrap_model(trainer.model))
+    st = base._fastrl_head_settings
+    extras = {"logit_scale": st.logit_scale if st.logit_scale != 1.0 else None, "softcap": st.softcap,
+              "backend": st.backend, "vocab_chunk": st.vocab_chunk}
+    if trainer.off_policy_mask_threshold is not None:
+        extras["sampling_logprobs"] = inputs.get("sampling_per_token_logps")
+    for name, value in extras.items():
+        if value is not None and _accepts(fn, name):
+            kwargs[name] = value
+    keys: list[str] = []
+
+    def head_fn(hidden, weight, bias):  # hidden [B, K, H]; runs inside the model's forward, head gathered
+        with head_precision(hidden, weight, bias, st) as (h, w, b):
+            loss, metrics = fn(h, w, completion_ids, advantages, mask, bias=b, **kwargs)
+        keys[:] = sorted(metrics)
+        return (loss, *[metrics[k] for k in keys])
+
+    forward_kwargs = {"output_router_logits": True} if trainer.aux_loss_enabled else {}
+    with acc.autocast():
+        out = model(input_ids=input_ids, attention_mask=attention_mask, fused_lm_head=True, logits_to_keep=K,
+                    fastrl_head_fn=head_fn, **forward_kwargs)
+    loss, *values = out.head_outputs
+    metrics = {k: v.detach() for k, v in zip(keys, values)}
+    loss = loss / ga
+    store = trainer._metrics[mode]
+
+    # TRL's `policy_loss` (logged when the entropy bonus is on): dapo/cispo/vespo's already includes the
+    # accumulation factor, the other loss types' does not
+    policy_loss = metrics.get("policy_loss", None)
+    if policy_loss is None:
+        policy_loss = loss.detach() * ga
+    if trainer.loss_type in ("cispo", "dapo", "vespo"):
+        policy_loss = policy_loss / ga
+
+    m = mask.to(torch.float32)
+    n_tok = m.sum()
+    if trainer._entropy_bonus_enabled:
+        store["policy_loss"].append(acc.gather(policy_loss.float()).nanmean().item())
+        if trainer.use_adaptive_entropy and mode == "train":
+            # window-global entropy statistics, from the masked mean entropy and the token count
+            stats = torch.stack([metrics["entropy"].float() * n_tok, n_tok]).detach()
+            trainer._entropy_window_stats = stats if trainer._entropy_window_stats is None \
+                else trainer._entropy_window_stats + stats
+            if acc.sync_gradients:
+                window = acc.reduce(trainer._entropy_window_stats, reduction="sum")
+                world_entropy = (window[0] / window[1].clamp(min=1.0)).item()
+                a = trainer.args
+                if world_entropy <= a.entropy_target:
+                    trainer.entropy_coef = min(trainer.entropy_coef + a.entropy_coef_delta, a.entropy_coef_max)
+                else:
+                    trainer.entropy_coef = max(trainer.entropy_coef - a.entropy_coef_delta, a.entropy_coef_min)
+                trainer._last_world_entropy = world_entropy
+                trainer._entropy_window_stats = None
+        if mode == "train" and acc.sync_gradients:
+            store["entropy_coef"].append(trainer.entropy_coef)
+
+    if trainer.aux_loss_enabled:
+        aux_loss = out.aux_loss
+        loss = loss + trainer.router_aux_loss_coef * aux_loss / ga
+        store["aux_loss"].append(acc.gather_for_metrics(aux_loss).mean().item())
+
+    seq_level = trainer.importance_sampling_level == "sequence"
+
+    def global_mean(name: str, count):
+        # TRL: reduce (sum, count) over processes; fastrl gives the local mean
+        local = metrics[name].float()
+        count = torch.as_tensor(count, dtype=torch.float32, device=local.device)
+        totals = acc.reduce(torch.stack([local * count, count]), reduction="sum")
+        return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+    if trainer.beta != 0.0:
+        store["kl"].append(global_mean("kl", n_tok))
+    store["entropy"].append(global_mean("entropy", n_tok))
+    if trainer.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+        count = float(B) if seq_level and K > 1 else n_tok
+        for name in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
+            store[name].append(global_mean(name, count))
+        store["clip_ratio/low_min"].append(nanmin(acc.gather(metrics["clip_ratio/low_min"].float().reshape(1))).item())
+        store["clip_ratio/high_max"].append(
+            nanmax(acc.gather(metrics["clip_ratio/high_max"].float().reshape(1))).item()
+        )
+    elif trainer.loss_type == "cispo":
+        store["cispo_clip_ratio"].append(global_mean("cispo_clip_ratio", float(B) if seq_level and K > 1 else n_tok))
+    elif trainer.loss_type == "vespo":
+        store["vespo/phi_seq_mean"].append(global_mean("vespo/phi_seq_mean", float(B)))
+    return loss
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The trainer
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class GRPOTrainer(trl.GRPOTrainer):
+    """TRL 1.16's ``GRPOTrainer`` with fastrl's LM head and fused policy loss (see the module docstring).
+
+    Same constructor, datasets, reward functions, callbacks and logging as ``trl.GRPOTrainer``. ``args`` may be
+    a ``fastrl.GRPOConfig`` (for fastrl's options) or a stock ``trl.GRPOConfig`` (fastrl's defaults).
+    """
+
+    _tag_names = [*getattr(trl.GRPOTrainer, "_tag_names", []), "fastrl"]
+
+    def __init__(self, model, reward_funcs=None, args=None, *pargs, **kwargs):
+        if args is None:
+            from trl.trainer.utils import get_config_model_id
+
+            name = model if isinstance(model, str) else get_config_model_id(model.config)
+            args = GRPOConfig(f"{name.split('/')[-1]}-GRPO")
+        super().__init__(model, reward_funcs, args, *pargs, **kwargs)
+        if _opt(self.args, "fused_loss", True):
+            install_fastrl_head(
+                self, backend=_opt(self.args, "fastrl_backend", None),
+                vocab_chunk=_opt(self.args, "fastrl_vocab_chunk", None),
+            )
+        if _opt(self.args, "health_checks", True):
+            from fastrl.trainers.health import TrainingHealthCallback
+
+            self.add_callback(TrainingHealthCallback())
+
+    def _compute_loss(self, model, inputs):
+        # which path the last loss took ("one_pass" or "trl"), for tests and debugging
+        if one_pass_reason(self, inputs) is None:
+            self._fastrl_last_path = "one_pass"
+            return _compute_loss_one_pass(self, model, inputs)
+        self._fastrl_last_path = "trl"
+        return super()._compute_loss(model, inputs)
+
