@@ -55,6 +55,7 @@ class HeadSettings:
     cast_lm_head_to_fp32: bool = False
     backend: str | None = None  # None: fastrl's dispatcher (triton on CUDA, torch on CPU)
     vocab_chunk: int | None = None  # None: fastrl's bounded default
+    chunk_tokens: int | None = None  # tokens per one-pass policy-loss chunk; None: fastrl's default
 
 
 @dataclass

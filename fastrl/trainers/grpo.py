@@ -60,8 +60,11 @@ class GRPOConfig(trl.GRPOConfig):
             when the loss options allow it; `False` always runs TRL's loss math on fastrl's log-probs.
         fastrl_backend (`str` or `None`, defaults to `None`): `"triton"` or `"torch"`; `None` lets fastrl pick
             (Triton on CUDA, chunked PyTorch on CPU; env `FASTRL_BACKEND` overrides).
-        fastrl_vocab_chunk (`int` or `None`, defaults to `None`): vocabulary columns per backward tile; `None`
-            bounds the tile automatically (about 16 MB on CPU, 2^26 elements on GPU). Smaller uses less memory.
+        fastrl_vocab_chunk (`int` or `None`, defaults to `None`): vocabulary columns per backward tile of the
+            log-prob op; `None` bounds the tile automatically (16 MB on CPU, 2^26 elements on GPU).
+        fastrl_chunk_tokens (`int` or `None`, defaults to `None`): tokens per chunk of the one-pass policy loss;
+            `None` sizes a `[chunk, V]` float32 tile of 16 MB on CPU, 512 MB on GPU (whole sequences when the
+            loss couples a sequence's tokens). Smaller uses less memory.
         health_checks (`bool`, defaults to `True`): attach `fastrl.TrainingHealthCallback`, which warns in plain
             words when KL, ratios, clip fractions, truncation or NaNs look wrong.
     """
@@ -76,16 +79,19 @@ class GRPOConfig(trl.GRPOConfig):
     fastrl_vocab_chunk: int | None = field(
         default=None, metadata={"help": "Vocabulary columns per fastrl backward tile (None: automatic)."}
     )
+    fastrl_chunk_tokens: int | None = field(
+        default=None, metadata={"help": "Tokens per one-pass fused-loss chunk (None: automatic)."}
+    )
     health_checks: bool = field(default=True, metadata={"help": "Attach fastrl.TrainingHealthCallback."})
 
     def __post_init__(self):
         super().__post_init__()
         if self.fastrl_backend not in (None, "triton", "torch"):
             raise ValueError(f"fastrl_backend must be None, 'triton' or 'torch', got {self.fastrl_backend!r}")
-        if self.fastrl_vocab_chunk is not None and (
-            not isinstance(self.fastrl_vocab_chunk, int) or self.fastrl_vocab_chunk <= 0
-        ):
-            raise ValueError(f"fastrl_vocab_chunk must be None or a positive int, got {self.fastrl_vocab_chunk!r}")
+        for name in ("fastrl_vocab_chunk", "fastrl_chunk_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ValueError(f"{name} must be None or a positive int, got {value!r}")
 
 
 def _opt(args, name: str, default):
@@ -98,7 +104,8 @@ def _opt(args, name: str, default):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def install_fastrl_head(trainer, *, backend: str | None = None, vocab_chunk: int | None = None) -> None:
+def install_fastrl_head(trainer, *, backend: str | None = None, vocab_chunk: int | None = None,
+                        chunk_tokens: int | None = None) -> None:
     """Patch the policy (PEFT: its base model) and the reference model of a TRL trainer to score with fastrl."""
     args = trainer.args
     for model in (trainer.model, getattr(trainer, "ref_model", None)):
@@ -111,6 +118,7 @@ def install_fastrl_head(trainer, *, backend: str | None = None, vocab_chunk: int
             cast_lm_head_to_fp32=bool(getattr(args, "cast_lm_head_to_fp32", False)),
             backend=backend,
             vocab_chunk=vocab_chunk,
+            chunk_tokens=chunk_tokens,
         )
         add_fastrl_lm_head(base, settings)
     trainer._fastrl_installed = True
@@ -255,7 +263,7 @@ def _compute_loss_one_pass(trainer, model, inputs):
     base = unwrap_causal_lm(acc.unwrap_model(trainer.model))
     st = base._fastrl_head_settings
     extras = {"logit_scale": st.logit_scale if st.logit_scale != 1.0 else None, "softcap": st.softcap,
-              "backend": st.backend, "vocab_chunk": st.vocab_chunk}
+              "backend": st.backend, "vocab_chunk": st.vocab_chunk, "chunk_tokens": st.chunk_tokens}
     if trainer.off_policy_mask_threshold is not None:
         extras["sampling_logprobs"] = inputs.get("sampling_per_token_logps")
     for name, value in extras.items():
@@ -365,6 +373,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             install_fastrl_head(
                 self, backend=_opt(self.args, "fastrl_backend", None),
                 vocab_chunk=_opt(self.args, "fastrl_vocab_chunk", None),
+                chunk_tokens=_opt(self.args, "fastrl_chunk_tokens", None),
             )
         if _opt(self.args, "health_checks", True):
             from fastrl.trainers.health import TrainingHealthCallback
