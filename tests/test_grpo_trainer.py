@@ -11,6 +11,7 @@ option once. Then short real training runs (generation, rewards, optimizer steps
 from __future__ import annotations
 
 import math
+import os
 from collections import defaultdict
 
 import pytest
@@ -43,7 +44,7 @@ def make_trainer(cls, cfg_cls, tmp_path, *, model=None, train_dataset=None, rewa
     tok = tiny_tokenizer(V)
     if model is None:
         model = tiny_qwen2(V, H, 1, seed=0)
-    if overrides.get("beta", 0.0) != 0.0 and peft_config is None:
+    if overrides.get("beta", 0.0) != 0.0 and peft_config is None and not os.path.isdir(model.config._name_or_path):
         save_for_reference(model, tmp_path / f"ref-{cls.__module__}")
     kw = dict(
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4, max_completion_length=C,
