@@ -97,15 +97,22 @@ def stats_from_logits(
     z: torch.Tensor,  # [N, V] transformed logits, compute dtype (left unchanged)
     targets: torch.Tensor,  # [N]; ids outside [0, V) give target logit 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # lse [N], target z [N], entropy [N]
-    """Row statistics of a stored logits chunk (the one-pass loss path)."""
-    V = z.shape[1]
+    """Row statistics of a stored logits chunk (the one-pass loss path).
+
+    Walks the chunk in vocabulary blocks so the temporaries stay one bounded tile, not two more chunks.
+    """
+    N, V = z.shape
     m = z.amax(dim=1)
     m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
-    d = z - m[:, None]
-    p = torch.exp(d)
-    s = p.sum(1)
-    u = d.mul_(p).sum(1)
-    del d, p
+    s = torch.zeros_like(m)
+    u = torch.zeros_like(m)
+    step = tile_columns(N, V)
+    for v0 in range(0, V, step):
+        d = z[:, v0 : v0 + step] - m[:, None]
+        p = torch.exp(d)
+        s += p.sum(1)
+        u += d.mul_(p).sum(1)
+        del d, p
     inside = (targets >= 0) & (targets < V)
     zt = torch.where(inside, z.gather(1, targets.clamp(0, V - 1)[:, None]).squeeze(1), 0.0)
     log_s = torch.log(s)
@@ -136,6 +143,25 @@ def chunk_logits(
 
 
 def grad_from_logits_(
+    z: torch.Tensor,  # [N, V] transformed logits, compute dtype; overwritten with G
+    targets: torch.Tensor,  # [N] global ids
+    v0: int,  # global id of z's first column
+    lse: torch.Tensor,  # [N]
+    entropy: torch.Tensor | None,
+    grad_logp: torch.Tensor | None,  # [N], zero on ignored rows
+    grad_entropy: torch.Tensor | None,
+    has_grad: torch.Tensor,  # [N] bool
+    tf: LogitTransform,
+) -> torch.Tensor:  # G = dL/dy, in z's storage
+    """G in place over a stored logits chunk, one bounded vocabulary block at a time."""
+    step = tile_columns(z.shape[0], z.shape[1])
+    for c0 in range(0, z.shape[1], step):
+        _grad_from_logits_block_(z[:, c0 : c0 + step], targets, v0 + c0, lse, entropy, grad_logp, grad_entropy,
+                                 has_grad, tf)
+    return z
+
+
+def _grad_from_logits_block_(
     z: torch.Tensor,  # [N, V_blk] transformed logits of a vocabulary slice, compute dtype; overwritten with G
     targets: torch.Tensor,  # [N] global ids
     v0: int,  # global id of the slice's first column
@@ -161,7 +187,8 @@ def grad_from_logits_(
         # d logp / d z_j = 1[j = t] - p_j: add the indicator part
         local = targets - v0
         rows = ((local >= 0) & (local < v1 - v0) & has_grad).nonzero().squeeze(1)
-        g.index_put_((rows, local[rows]), grad_logp[rows], accumulate=True)
+        if rows.numel():
+            g[rows, local[rows]] += grad_logp[rows]
     if not isinstance(dzdy, float) or dzdy != 1.0:
         g.mul_(dzdy)
     # rows without upstream gradient are exactly zero even where their logits are not finite
@@ -185,4 +212,4 @@ def grad_block(
 ) -> torch.Tensor:  # [N, v1 - v0] float32: dL/dy for the slice
     """Recompute one vocabulary slice's logits and turn them into G (path A's backward)."""
     z = logits_block(h32, weight, bias, v0, v1, tf)
-    return grad_from_logits_(z, targets, v0, lse, entropy, grad_logp, grad_entropy, has_grad, tf)
+    return _grad_from_logits_block_(z, targets, v0, lse, entropy, grad_logp, grad_entropy, has_grad, tf)
