@@ -22,7 +22,7 @@ TOLERANCES = {
 }
 
 
-def make_inputs(N, H, V, dtype, bias=True, scale=3.0, seed=0, lead=None):
+def make_inputs(N, H, V, dtype, bias=True, scale=3.0, seed=0, lead=None, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(N, H, generator=g)
     weight = torch.randn(V, H, generator=g) * (scale / H**0.5)
@@ -30,14 +30,16 @@ def make_inputs(N, H, V, dtype, bias=True, scale=3.0, seed=0, lead=None):
     targets = torch.randint(0, V, (N,), generator=g)
     if lead is not None:
         hidden, targets = hidden.reshape(*lead, H), targets.reshape(lead)
-    ins = [hidden.to(dtype).requires_grad_(), weight.to(dtype).requires_grad_()]
-    ins.append(b.to(dtype).requires_grad_() if bias else None)
-    return ins[0], ins[1], ins[2], targets
+    ins = [hidden.to(device, dtype).requires_grad_(), weight.to(device, dtype).requires_grad_()]
+    ins.append(b.to(device, dtype).requires_grad_() if bias else None)
+    return ins[0], ins[1], ins[2], targets.to(device)
 
 
-def loss_weights(shape, seed=1):
+def loss_weights(shape, seed=1, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g, dtype=torch.float64), torch.randn(shape, generator=g, dtype=torch.float64)
+    a = torch.randn(shape, generator=g, dtype=torch.float64)
+    c = torch.randn(shape, generator=g, dtype=torch.float64)
+    return a.to(device), c.to(device)
 
 
 def grads(logp, ent, a, c, params):
@@ -53,10 +55,10 @@ def rel_err(x, y):
     return max_err(x, y) / max(y.double().abs().max().item(), 1e-30)
 
 
-def check_against_float64(backend, dtype, N, H, V, bias=True, lead=None, **tf):
-    hidden, weight, b, targets = make_inputs(N, H, V, dtype, bias=bias, lead=lead)
+def check_against_float64(backend, dtype, N, H, V, bias=True, lead=None, device="cpu", **tf):
+    hidden, weight, b, targets = make_inputs(N, H, V, dtype, bias=bias, lead=lead, device=device)
     params = [p for p in (hidden, weight, b) if p is not None]
-    a, c = loss_weights(targets.shape)
+    a, c = loss_weights(targets.shape, device=device)
 
     logp, ent = fastrl.fused_logprobs(hidden, weight, targets, bias=b, backend=backend, **tf)
     assert logp.shape == targets.shape and ent.shape == targets.shape
