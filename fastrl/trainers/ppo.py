@@ -157,6 +157,11 @@ class PolicyAndValueWrapper(nn.Module):
         super().__init__()
         self.policy = policy
         self.value_model = value_model
+        # FSDP's transformer-based auto wrap reads the layer classes from here
+        no_split = []
+        for m in (unwrap_causal_lm(policy), value_model):
+            no_split += [c for c in (getattr(m, "_no_split_modules", None) or []) if c not in no_split]
+        self._no_split_modules = no_split
 
     @property
     def critic_backbone(self) -> nn.Module:
@@ -172,7 +177,8 @@ class PolicyAndValueWrapper(nn.Module):
             out = self.critic_backbone(
                 input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
             )
-            values = self.value_model.score(out.last_hidden_state[:, context_length - 1 : -1]).squeeze(-1)
+            values = self.value_model.score(out.last_hidden_state[:, context_length - 1 : -1])
+            values = values.squeeze(-1).clone()  # not a view: FSDP2 warns about views returned by a forward
         return head_out, values
 
     # TRL's generation helpers toggle activation checkpointing on the unwrapped model around generate().
@@ -617,7 +623,10 @@ class PPOTrainer(Trainer):
                     ids, mask, pos, context_length=context_length, head_fn=head, with_values=False
                 )
             return logprob
-        logprob, _ = _fused_head_outputs(_unwrap_engine(self.ref_model), ids, mask, pos, context_length, head)
+        # the policy's forward runs under the accelerator's autocast (mixed precision); the reference must
+        # be computed the same way, or the KL between two identical models is not 0
+        with self.accelerator.autocast():
+            logprob, _ = _fused_head_outputs(_unwrap_engine(self.ref_model), ids, mask, pos, context_length, head)
         return logprob
 
     @torch.no_grad()
