@@ -243,6 +243,38 @@ def test_k3_kl_never_negative(tmp_path):
     assert bool((batch["non_score_reward"] <= 0).all())
 
 
+def test_minibatches_reward_whitening_and_non_eos_penalty(tmp_path):
+    trainer = make_trainer(
+        tmp_path, num_mini_batches=2, whiten_rewards=True, stop_token=None, missing_eos_penalty=None,
+        non_eos_penalty=True, penalty_reward_value=-2.0,
+    )
+    args = trainer.args
+    # TRL's sizes: 4 per device x 2 accumulation x 2 minibatches; one optimizer step per minibatch
+    assert (args.local_batch_size, args.local_mini_batch_size, args.batch_size, args.num_total_batches) == (16, 8, 16, 1)
+    steps = []
+    step = trainer.optimizer.optimizer.step
+    trainer.optimizer.optimizer.step = lambda *a, **k: (steps.append(1), step(*a, **k))[1]
+    trainer.train()
+    assert len(steps) == args.num_ppo_epochs * args.num_mini_batches
+    log = updates(trainer)[0]
+    assert all(math.isfinite(log[k]) for k in DOCUMENTED_METRICS)
+    torch.manual_seed(3)
+    batch = trainer._rollout(trainer._queries(0))
+    # no stop token: nothing is truncated; responses without EOS get exactly penalty_reward_value
+    assert torch.equal(batch["postprocessed_responses"], batch["responses"])
+    no_eos = ~(batch["responses"] == EOS_ID).any(1)
+    assert no_eos.any() and bool((batch["scores"][no_eos] == -2.0).all())
+
+
+def test_bf16_autocast_policy_and_reference_agree(tmp_path):
+    trainer = make_trainer(tmp_path, bf16=True, use_cpu=True, total_episodes=8)
+    trainer.train()
+    log = updates(trainer)[0]
+    # the reference is computed under the same autocast as the policy: identical models, KL exactly 0
+    assert log["objective/kl"] == 0.0
+    assert all(math.isfinite(log[k]) for k in DOCUMENTED_METRICS)
+
+
 def _weights(trainer) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model_wrapped).named_parameters()}
 
@@ -336,3 +368,75 @@ def test_example_script_runs(tmp_path):
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
     assert "objective/scores" in proc.stdout + proc.stderr
     assert "model response" in proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DDP: two gloo processes on CPU
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _ddp_worker(out_dir: str) -> None:
+    import json
+    import tempfile
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    tmp = Path(tempfile.mkdtemp())
+    kw = dict(total_episodes=32, save_strategy="steps", save_steps=1, output_dir=str(Path(out_dir) / "run"))
+    trainer = make_trainer(tmp, **kw)
+    acc = trainer.accelerator
+    assert acc.num_processes == 2, acc.num_processes
+    assert isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel), type(trainer.model_wrapped)
+    queries = trainer._queries(0)
+    trainer.train()
+
+    def flat(t):
+        return torch.cat([p.detach().reshape(-1) for p in t.accelerator.unwrap_model(t.model_wrapped).parameters()])
+
+    params = flat(trainer)
+    rank0 = params.clone()
+    dist.broadcast(rank0, src=0)
+    acc.wait_for_everyone()
+    # resume from the first checkpoint: both ranks reload their own RNG state and continue the same run
+    resumed = make_trainer(tmp / "resumed", **{**kw, "output_dir": str(tmp / "resumed_out")})
+    resumed.train(resume_from_checkpoint=str(Path(out_dir) / "run" / "checkpoint-1"))
+    result = {
+        "rank": acc.process_index,
+        "queries": queries.tolist(),
+        "param_max_diff_vs_rank0": (params - rank0).abs().max().item(),
+        "resumed_max_diff": (flat(resumed) - params).abs().max().item(),
+        "logs": updates(trainer),
+        "resumed_logs": updates(resumed),
+    }
+    with open(os.path.join(out_dir, f"rank{acc.process_index}.json"), "w") as f:
+        json.dump(result, f)
+
+
+def test_ddp_two_processes_shard_prompts_and_stay_in_sync(tmp_path):
+    import json
+
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "ACCELERATE_USE_CPU": "true"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(29700 + os.getpid() % 1000), str(Path(__file__).resolve()), "--ppo-ddp-worker", str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=str(ROOT / "tests"))
+    assert proc.returncode == 0, f"DDP workers failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    q0, q1 = ({tuple(row) for row in r["queries"]} for r in (r0, r1))
+    assert not q0 & q1, "both processes drew the same prompts"
+    for r in (r0, r1):
+        assert r["param_max_diff_vs_rank0"] == 0.0, "the processes' weights diverged"
+        assert r["resumed_max_diff"] == 0.0, f"rank {r['rank']}: resuming under DDP did not reproduce the run"
+        assert [log["episode"] for log in r["logs"]] == [16, 32]  # batch_size = 2 processes x 8 prompts
+        for log in r["logs"]:
+            assert all(math.isfinite(log[k]) for k in DOCUMENTED_METRICS)
+    for k in DOCUMENTED_METRICS:  # metrics are gathered: every process logs the same numbers
+        if k != "eps":
+            assert r0["logs"][-1][k] == pytest.approx(r1["logs"][-1][k], rel=1e-6), k
+            assert r0["logs"][-1][k] == pytest.approx(r0["resumed_logs"][-1][k], rel=1e-6, abs=1e-7), k
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--ppo-ddp-worker":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    _ddp_worker(sys.argv[2])
