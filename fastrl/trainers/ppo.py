@@ -787,11 +787,11 @@ class PPOTrainer(Trainer):
         max_steps = args.num_total_batches
         stateful = [cb for cb in self.callback_handler.callbacks + [self.control] if isinstance(cb, ExportableState)]
         self.state = OnlineTrainerState(stateful_callbacks=stateful)
-        self.state.compute_steps(args, max_steps)
         if resume_from_checkpoint is not None:
             self._resume(resume_from_checkpoint)
         else:
             set_seed(self.local_seed)
+        self.state.compute_steps(args, max_steps)  # this run's logging / save intervals, also when resuming
         self.state.init_training_references(self, max_steps, args.total_episodes / self.train_dataset_len, None)
         self.state.num_train_epochs = args.total_episodes / self.train_dataset_len
         for attr in ("model", "optimizer", "lr_scheduler"):
