@@ -1,9 +1,15 @@
-"""DDP with two gloo processes on CPU: fastrl.GRPOTrainer against stock TRL through DistributedDataParallel.
+"""DDP and FSDP2 with two gloo processes on CPU.
+
+DDP: fastrl.GRPOTrainer against stock TRL through DistributedDataParallel.
 
 The test launches this file with ``torch.distributed.run --nproc_per_node 2``. Each rank builds a stock and a
 fastrl trainer on the same tiny model, wraps both models with ``accelerator.prepare_model`` (DDP over gloo), feeds
 each its rank's own batch, and compares the all-reduced gradients, the loss and the cross-process metrics; then it
 runs two real training steps with fastrl and checks that the ranks' parameters stay identical.
+
+FSDP2: ``fully_shard`` on a tiny model (the LM head sharded on its own, so it is a ``DTensor`` when fastrl's head
+reads it, and with the root only); fastrl's ``fused_lm_head`` forward gives the unsharded model's log-probs and
+entropies, and the gathered gradients of every parameter equal the unsharded model's.
 """
 
 from __future__ import annotations
@@ -74,14 +80,77 @@ def _worker(out_dir: str) -> None:
         json.dump(result, f)
 
 
-def test_ddp_two_gloo_processes(tmp_path):
-    pytest.importorskip("trl")
+def _fsdp_worker(out_dir: str) -> None:
+    sys.path.insert(0, str(HERE))
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    for separate_head in (True, False):
+        _fsdp_case(out_dir, separate_head)
+    dist.destroy_process_group()
+
+
+def _fsdp_case(out_dir: str, separate_head: bool) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from fastrl.trainers._lm_head import HeadSettings, add_fastrl_lm_head
+    from tiny import tiny_qwen2
+
+    rank = dist.get_rank()
+    V, H = 160, 32
+    ref, model = tiny_qwen2(V, H, 2, seed=0), tiny_qwen2(V, H, 2, seed=0)
+    for m in (ref, model):
+        add_fastrl_lm_head(m, HeadSettings(temperature=0.9))
+    mesh = init_device_mesh("cpu", (2,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    if separate_head:
+        fully_shard(model.lm_head, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, V, (4, 10), generator=g)
+    labels = ids.clone()
+    labels[:, :4] = -100
+    outs = []
+    for m in (ref, model):
+        out = m(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels, fused_lm_head=True)
+        (out.log_probs.sum() + 0.3 * out.entropy.sum()).backward()
+        outs.append(out)
+    grad_rel = 0.0
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        full = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        grad_rel = max(grad_rel, ((full - q.grad).norm() / q.grad.norm()).item())  # FSDP2 averages; same batch
+    res = dict(rank=rank, logp_err=(outs[1].log_probs - outs[0].log_probs).abs().max().item(),
+               ent_err=(outs[1].entropy - outs[0].entropy).abs().max().item(), grad_rel=grad_rel,
+               head_type=type(model.lm_head.weight).__name__)
+    with open(os.path.join(out_dir, f"fsdp{int(separate_head)}-rank{rank}.json"), "w") as f:
+        json.dump(res, f)
+
+
+def _launch(tmp_path, *worker_args):
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1"), "ACCELERATE_USE_CPU": "true"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(29500 + os.getpid() % 1000), str(Path(__file__).resolve()), "--worker", str(tmp_path)]
+           str(29500 + os.getpid() % 1000), str(Path(__file__).resolve()), *worker_args, str(tmp_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"DDP workers failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, f"workers failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+def test_fsdp2_two_gloo_processes(tmp_path):
+    _launch(tmp_path, "--fsdp-worker")
+    for separate_head in (1, 0):  # the LM head sharded on its own (a DTensor when read), or with the root
+        for r in (0, 1):
+            res = json.loads((tmp_path / f"fsdp{separate_head}-rank{r}.json").read_text())
+            assert res["logp_err"] <= 1e-6 and res["ent_err"] <= 1e-5, res
+            assert res["grad_rel"] <= 1e-5, f"FSDP2 gradients differ from the unsharded model's: {res}"
+
+
+def test_ddp_two_gloo_processes(tmp_path):
+    pytest.importorskip("trl")
+    _launch(tmp_path, "--worker")
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for res in results:
         for case in res["cases"]:
@@ -100,5 +169,8 @@ def test_ddp_two_gloo_processes(tmp_path):
         assert c0["loss"][1] != c1["loss"][1], "each rank should have its own batch"
 
 
-if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--worker":
-    _worker(sys.argv[2])
+if __name__ == "__main__" and len(sys.argv) == 3:
+    if sys.argv[1] == "--worker":
+        _worker(sys.argv[2])
+    elif sys.argv[1] == "--fsdp-worker":
+        _fsdp_worker(sys.argv[2])
