@@ -26,7 +26,7 @@ from torch import nn
 
 from fastrl.losses.config import PolicyLossConfig
 from fastrl.ops import torch_backend as TB
-from fastrl.ops._checks import check_finite_outputs, check_linear_inputs, check_targets
+from fastrl.ops._checks import autocast_inputs, check_finite_outputs, check_linear_inputs, check_targets
 from fastrl.ops.backend import resolve_backend
 from fastrl.ops.config import LogitTransform
 from fastrl.ops.linear_logprob import _addmm_acc, fused_logprobs
@@ -231,6 +231,7 @@ def policy_loss(
     """
     if not isinstance(config, PolicyLossConfig):
         raise TypeError(f"config must be a fastrl.PolicyLossConfig, got {type(config).__name__}")
+    hidden, weight, bias = autocast_inputs(hidden, weight, bias)
     check_linear_inputs(hidden, weight, targets, bias)
     if hidden.dim() != 3:
         raise ValueError(f"hidden must be [B, T, H] for a policy loss, got shape {tuple(hidden.shape)}")
@@ -276,7 +277,7 @@ def policy_loss(
         raise TypeError("the triton backend computes from float32, bfloat16 or float16 inputs; use backend='torch' for float64")
     h2 = hidden.reshape(B * T, H)
     t2 = eff_targets.reshape(-1).contiguous()
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
         loss, metrics, grads, logp_all, ent_all = _one_pass(
             h2.detach(), weight.detach(), None if bias is None else bias.detach(), t2, B, T, inputs, config,
             tf, name, chunk, need,

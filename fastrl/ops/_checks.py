@@ -7,6 +7,21 @@ import torch
 _FLOAT = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
+def autocast_inputs(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Under ``torch.autocast``, cast the LM-head inputs to the autocast dtype, as autocast would cast them
+    for the LM-head matmul. The op itself then runs with autocast off, so its float32 statistics, logits
+    and gradient GEMMs are not silently demoted to bf16."""
+    dev = hidden.device.type
+    if dev not in ("cpu", "cuda") or not torch.is_autocast_enabled(dev):
+        return hidden, weight, bias
+    dt = torch.get_autocast_dtype(dev)
+    if not hidden.is_floating_point() or not weight.is_floating_point():
+        return hidden, weight, bias  # the dtype checks report it
+    return hidden.to(dt), weight.to(dt), None if bias is None or not bias.is_floating_point() else bias.to(dt)
+
+
 def check_linear_inputs(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, bias: torch.Tensor | None
 ) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from fastrl.ops import torch_backend
-from fastrl.ops._checks import check_finite_outputs, check_linear_inputs, check_targets
+from fastrl.ops._checks import autocast_inputs, check_finite_outputs, check_linear_inputs, check_targets
 from fastrl.ops.backend import resolve_backend
 from fastrl.ops.config import LogitTransform
 
@@ -165,7 +165,8 @@ class LinearLogprobFunction(torch.autograd.Function):
             grad_logp = torch.where(active, grad_logp.to(cdt), zero).contiguous()
         if grad_ent is not None:
             grad_ent = torch.where(active, grad_ent.to(cdt), zero).contiguous()
-        gh, gw, gb = linear_backward(hidden, weight, bias, targets, lse, ent, grad_logp, grad_ent, opts, need)
+        with torch.autocast(hidden.device.type, enabled=False):
+            gh, gw, gb = linear_backward(hidden, weight, bias, targets, lse, ent, grad_logp, grad_ent, opts, need)
         return gh, gw, gb, None, None, None
 
 
@@ -204,6 +205,7 @@ def fused_logprobs(
     ``vocab_chunk``: vocabulary columns per backward tile (default: bounded automatically); smaller
     uses less memory, larger gives the GEMMs more work per call.
     """
+    hidden, weight, bias = autocast_inputs(hidden, weight, bias)
     check_linear_inputs(hidden, weight, targets, bias)
     tf = LogitTransform(temperature=temperature, logit_scale=logit_scale, softcap=softcap)
     if not isinstance(ignore_index, int):
@@ -226,10 +228,11 @@ def fused_logprobs(
         hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
     if needs_grad:
-        logp, ent = LinearLogprobFunction.apply(h, weight, bias, t, active, opts)
+        with torch.autocast(h.device.type, enabled=False):
+            logp, ent = LinearLogprobFunction.apply(h, weight, bias, t, active, opts)
     else:
         # path C: forward only, nothing saved
-        with torch.no_grad():
+        with torch.no_grad(), torch.autocast(h.device.type, enabled=False):
             lse, zt, ent = linear_stats(h, weight, bias, t, tf, name, with_entropy)
             zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
             logp = torch.where(active, zt - lse, zero)
