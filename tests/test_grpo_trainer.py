@@ -190,14 +190,16 @@ OPTION_CASES = {
     "off_policy_mask": dict(loss_type="dapo", off_policy_mask_threshold=0.05),
     "vllm_is_token": dict(loss_type="grpo", vllm_is=True),
     "vllm_is_vespo": dict(loss_type="vespo", vllm_is=True),
+    "vllm_is_sequence": dict(loss_type="grpo", vllm_is="sequence"),
     "grad_accum": dict(loss_type="dapo", grad_accum=2, steps_per_generation=2, entropy_coef=0.02),
     "grad_accum_grpo": dict(loss_type="grpo", grad_accum=3),
 }
 
 
-def _with_is_ratio(inputs):
+def _with_is_ratio(inputs, sequence=False):
     g = torch.Generator().manual_seed(7)
-    inputs["importance_sampling_ratio"] = torch.rand(B, C, generator=g) * 1.5 + 0.25
+    # TRL's token_* modes give a [B, T] ratio, its sequence_* modes a [B, 1] one
+    inputs["importance_sampling_ratio"] = torch.rand(B, 1 if sequence else C, generator=g) * 1.5 + 0.25
     return inputs
 
 
@@ -205,8 +207,27 @@ def _with_is_ratio(inputs):
 @pytest.mark.parametrize("case", sorted(OPTION_CASES))
 def test_equivalence_options(pair, case, path):
     opts = OPTION_CASES[case]
-    edit = _with_is_ratio if opts.get("vllm_is") else None
-    check_case(pair, path, batch_edit=edit, **opts)
+    edit = (lambda x: _with_is_ratio(x, sequence=opts["vllm_is"] == "sequence")) if opts.get("vllm_is") else None
+    check_case(pair, path, batch_edit=edit, **{**opts, "vllm_is": bool(opts.get("vllm_is"))})
+
+
+@pytest.mark.parametrize("loss_type", ("dapo", "grpo"))
+def test_equivalence_eval_mode(pair, loss_type):
+    """prediction_step's loss (eval mode, no grad): TRL's eval normalisers and eval metrics."""
+    (st, one, _), batch = pair
+    results = []
+    for t in (st, one):
+        set_loss_options(t, **{**DEFAULTS, "loss_type": loss_type, "grad_accum": 2, "steps_per_generation": 2})
+        t.model.eval()
+        t._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+        with torch.no_grad():
+            loss = t.compute_loss(t.model, dict(batch)).item()
+        results.append((loss, {k: v[-1] for k, v in t._metrics["eval"].items()}))
+        t.model.train()
+    (l_ref, m_ref), (l_got, m_got) = results
+    assert one._fastrl_last_path == "one_pass"
+    assert abs(l_got - l_ref) <= REL * abs(l_ref), (l_got, l_ref)
+    assert set(m_got) == set(m_ref) and all(m_got[k] == pytest.approx(v, rel=REL, abs=1e-6) for k, v in m_ref.items())
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -430,3 +451,44 @@ def test_zero3_recompute_matches_direct():
     del weight.ds_id
     for a, b in zip(*results):
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
+
+
+def test_no_full_logits_in_a_training_step(tmp_path):
+    """Every tensor produced during a fastrl training step (loss forward + backward, reference log-probs) is
+    smaller than the [batch, completion, vocab] logits. The vocabulary is large enough (2^17) that fastrl's
+    bounded tiles are a fraction of it, as at real sizes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    big_v, C = 1 << 17, 64  # 256 tokens: more than one of fastrl's default CPU chunks at this vocabulary
+    model = tiny_qwen2(big_v, 16, 1, seed=0, heads=2, kv_heads=1)
+    trainer = make_trainer(fastrl.GRPOTrainer, fastrl.GRPOConfig, tmp_path, model=model, beta=0.0)
+    g = torch.Generator().manual_seed(0)
+    inputs = dict(
+        prompt_ids=torch.randint(3, big_v, (B, P), generator=g), prompt_mask=torch.ones(B, P, dtype=torch.int64),
+        completion_ids=torch.randint(3, big_v, (B, C), generator=g),
+        completion_mask=torch.ones(B, C, dtype=torch.int64), advantages=torch.randn(B, generator=g),
+        num_items_in_batch=torch.tensor(B * C),
+    )
+    largest = []
+
+    class Largest(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if getattr(func, "is_view", False):
+                return out  # a view allocates nothing
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    largest.append((t.numel(), str(func), tuple(t.shape)))
+            return out
+
+    set_loss_options(trainer, **{**DEFAULTS, "loss_type": "dapo"})
+    trainer.model.train()
+    with Largest():
+        with torch.no_grad():  # reference / old log-probs: forward-only
+            trainer._get_per_token_logps_and_entropies(
+                trainer.model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+                torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), C)
+        trainer.compute_loss(trainer.model, inputs).backward()
+    assert trainer._fastrl_last_path == "one_pass"
+    numel, op, shape = max(largest)
+    assert numel < B * C * big_v, f"{op} produced {shape}: as large as the [B, C, V] logits ({B}x{C}x{big_v})"

@@ -8,11 +8,14 @@ What changes, and nothing else:
   call (``fastrl.trainers._lm_head``) so the body runs as before and the head goes through
   ``fastrl.fused_logprobs``: no ``[batch, completion, vocab]`` logits, float32 statistics, no weight-gradient GEMM
   for a frozen head, forward-only for reference / old log-probs (they are computed under ``torch.no_grad``).
-* The policy loss. When the loss options allow it (``PolicyLossConfig.one_pass_granularity`` is not None: no
-  ``top_entropy_quantile`` < 1; every loss type, token or sequence importance sampling, delta, KL, entropy bonus,
-  off-policy mask, vLLM IS ratios) and ``fastrl.policy_loss`` exists, the loss is computed in one fused pass from
-  the hidden states (``_compute_loss_one_pass``); until then, and for the other options, TRL's own
-  ``_compute_loss`` runs on fastrl's log-probs and entropies. Both give TRL's numbers and TRL's metric names.
+* The policy loss. When the loss options allow it (``PolicyLossConfig.one_pass_granularity`` is not None: every
+  loss type, token or sequence importance sampling, delta, KL with or without bias correction, fixed or adaptive
+  entropy bonus, the off-policy mask, vLLM IS ratios, gradient accumulation, the MoE aux loss; not
+  ``top_entropy_quantile`` < 1, whose entropy mask couples every sequence of the batch), the loss is
+  ``fastrl.policy_loss`` on the hidden states, inside the model's forward (``_compute_loss_one_pass``). Otherwise
+  (or with ``one_pass_loss=False``, or multimodal inputs) TRL's own ``_compute_loss`` runs on fastrl's log-probs
+  and entropies. Both give TRL's numbers and TRL's metric names. (A build without ``fastrl.policy_loss`` uses
+  its two-pass equivalent, ``fused_logprobs`` + ``policy_loss_from_logprobs``, on the same route.)
 * ``TrainingHealthCallback`` is attached (``health_checks=False`` turns it off).
 
 The one-pass path reproduces the trainer-level parts of TRL's ``_compute_loss`` around the per-token math of
@@ -63,8 +66,8 @@ class GRPOConfig(trl.GRPOConfig):
         fastrl_vocab_chunk (`int` or `None`, defaults to `None`): vocabulary columns per backward tile of the
             log-prob op; `None` bounds the tile automatically (16 MB on CPU, 2^26 elements on GPU).
         fastrl_chunk_tokens (`int` or `None`, defaults to `None`): tokens per chunk of the one-pass policy loss;
-            `None` sizes a `[chunk, V]` float32 tile of 16 MB on CPU, 512 MB on GPU (whole sequences when the
-            loss couples a sequence's tokens). Smaller uses less memory.
+            `None` uses fastrl's default, a `[chunk, V]` float32 tile of 2^24 elements (64 MB) on CPU and 2^27
+            (512 MB) on GPU, whole sequences when the loss couples a sequence's tokens. Smaller uses less memory.
         health_checks (`bool`, defaults to `True`): attach `fastrl.TrainingHealthCallback`, which warns in plain
             words when KL, ratios, clip fractions, truncation or NaNs look wrong.
     """
