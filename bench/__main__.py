@@ -59,8 +59,11 @@ def _config(args, device: str) -> runner.RunConfig:
     if cuda:
         cfg = replace(cfg, warmup=2, n_sets=3, rep_ms=500 if args.quick else 2000, timeout_s=1200,
                       floor_shape=(8192, 8192, 8192))
-    elif args.quick and args.command == "run":
-        cfg = replace(cfg, timeout_s=600, compile_only=("C1-quick",))
+    else:
+        # Liger compiles its per-chunk loss for CUDA; on CPU that recompiles per shape and dominates the time
+        cfg = replace(cfg, options={"liger_compiled": False})
+        if args.quick and args.command == "run":
+            cfg = replace(cfg, timeout_s=600, compile_only=("C1-quick",))
     if args.smoke:
         cfg = replace(cfg, reps=1, warmup=0, n_sets=1, accuracy_rows=16, rep_ms=50, timeout_s=300,
                       floor_shape=(256, 256, 256), leave_out=dict(SMOKE_LEAVE_OUT), compile_only=(),

@@ -1,9 +1,13 @@
 """Timing, peak memory and accuracy of one op, on CPU or CUDA (DESIGN.md, "Measuring").
 
-CPU: wall time of each phase with ``time.perf_counter``; peak memory as the process's peak RSS
-(``resource.getrusage``) minus the RSS just before the measured call. The peak is reset before every
-repetition (``/proc/self/clear_refs``), so warm-up work (torch.compile, lazy imports) is not counted; the RSS
-right after the inputs were allocated is recorded too. Each op runs in a fresh process (``bench.worker``),
+CPU: wall time of each phase with ``time.perf_counter``; peak memory as the process's peak RSS minus the
+RSS just before the measured call. The peak is reset before every repetition (``/proc/self/clear_refs``), so
+warm-up work (torch.compile, lazy imports) is not counted; the RSS right after the inputs were allocated is
+recorded too. The peak is read as ``VmHWM`` (/proc/self/status), the address space's own high-water mark,
+which is what ``resource.getrusage`` reports too, except that getrusage's ``ru_maxrss`` never drops below
+the peak of the image the process was forked from (Linux keeps it in ``signal->maxrss`` across exec): a
+worker spawned from a parent holding 500 MB would report at least 500 MB. getrusage's value is recorded
+next to it (``ru_maxrss_extra_mb``) and is used where /proc is missing. Each op runs in a fresh process (``bench.worker``),
 so one provider's allocator state never leaks into another's numbers.
 
 CUDA: ``triton.testing.do_bench`` (warm-up, L2 flushed before every call) over several input sets in
@@ -50,8 +54,20 @@ def _rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / MB
 
 
-def _peak_rss_mb() -> float:
+def _ru_maxrss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
+
+
+def _peak_rss_mb() -> float:
+    """This address space's peak RSS since the last reset (VmHWM); getrusage's where /proc is missing."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0  # kB
+    except OSError:
+        pass
+    return _ru_maxrss_mb()
 
 
 def _reset_peak() -> bool:
@@ -98,7 +114,7 @@ def measure_cpu(op: Op, states: list[dict], reps: int, warmup: int, keep_rows: i
         for i in range(warmup):
             out, grads = _step(op, states[i % len(states)])
             del out, grads
-        fwd_ms, bwd_ms, tot_ms, fwd_mb, tot_mb, bases = [], [], [], [], [], []
+        fwd_ms, bwd_ms, tot_ms, fwd_mb, tot_mb, bases, ru = [], [], [], [], [], [], []
         kept = {}
         reset_ok = True
         for r in range(reps):
@@ -113,6 +129,7 @@ def measure_cpu(op: Op, states: list[dict], reps: int, warmup: int, keep_rows: i
             grads = torch.autograd.grad(out["loss"], st["wrt"]) if op.needs_grad else None
             t2 = time.perf_counter()
             peak_t = _peak_rss_mb()
+            ru.append(_ru_maxrss_mb() - base)
             fwd_ms.append((t1 - t0) * 1e3)
             tot_ms.append((t2 - t0) * 1e3)
             if op.needs_grad:
@@ -132,8 +149,9 @@ def measure_cpu(op: Op, states: list[dict], reps: int, warmup: int, keep_rows: i
         "peak_extra_mb": max(tot_mb),
         "rss_after_inputs_mb": rss_inputs,
         "rss_baseline_mb": statistics.median(bases),
+        "ru_maxrss_extra_mb": max(ru),  # getrusage's view of the same peak (floored by the parent's image)
         "peak_reset": reset_ok,
-        "memory_method": "peak RSS (getrusage) minus RSS before the call, peak reset per repetition"
+        "memory_method": "peak RSS (VmHWM = getrusage's own-image peak) minus RSS before the call, reset per repetition"
         if reset_ok else "peak RSS since process start minus RSS before the call (could not reset the peak)",
     }, kept
 

@@ -115,14 +115,21 @@ def _out(loss=None, logp=None, entropy=None) -> dict:
     return {"loss": loss, "logp": logp, "entropy": entropy}
 
 
-def _has_fastrl(name: str) -> bool:
-    """``hasattr(fastrl, name)`` for fastrl's lazy exports, where a half-built module may raise anything."""
+def _fastrl_attr(name: str) -> tuple[bool, str]:
+    """Whether ``fastrl.<name>`` (a lazy export) can be had here, and if not, why."""
     import fastrl
 
     try:
-        return hasattr(fastrl, name)
-    except Exception:  # noqa: BLE001 - an export that fails to import is not there
-        return False
+        getattr(fastrl, name)
+        return True, ""
+    except AttributeError:
+        return False, f"fastrl.{name} not built yet"
+    except Exception as e:  # noqa: BLE001 - built, but its module fails to import here (e.g. no TRL)
+        return False, f"fastrl.{name} cannot be imported here ({type(e).__name__}: {str(e)[:120]})"
+
+
+def _has_fastrl(name: str) -> bool:
+    return _fastrl_attr(name)[0]
 
 
 def have_policy_loss(fused: bool) -> tuple[bool, str]:
@@ -176,8 +183,10 @@ class Provider:
         if wl.kind == "trainer":
             if self.name != "fastrl":
                 return ("n/a", "W4 is a trainer step; see the fastrl row")
-            if not _has_fastrl("GRPOTrainer"):
-                return ("skipped", "stub: needs fastrl.GRPOTrainer (not yet built)")
+            ok, why = _fastrl_attr("GRPOTrainer")
+            if not ok:
+                return ("skipped", "stub: needs fastrl.GRPOTrainer (not yet built)" if "not built" in why
+                        else f"stub: {why}")
             return ("skipped", "stub: fastrl.GRPOTrainer exists but the W4 step benchmark is not written yet")
         if wl.kind not in self.kinds:
             return ("n/a", self.not_for.get(wl.kind, f"does not compute {wl.kind} workloads"))

@@ -163,8 +163,11 @@ _XLABEL = {"sweep-tokens": "tokens N", "sweep-vocab": "vocabulary V", "sweep-hid
 
 def plot(rows: list[dict], out_dir: Path, prefix: str, env: dict) -> list[Path]:
     """One PNG per sweep (time and memory against the swept size, a line per provider), one for the rest."""
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:  # the GPU machine may not have it; the JSON and CSV hold every number anyway
+        print("matplotlib is not installed: no plots (pip install matplotlib)")
+        return []
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -265,6 +268,8 @@ def print_table(con: Console, rows: list[dict], title: str, sweeps_compact: bool
     for r in rows:
         if r["group"] == "floor":
             continue
+        if r["status"] == "n/a" and r["kind"] == "trainer":
+            continue  # only the fastrl row speaks for W4
         if r["status"] == "n/a" or (sweeps_compact and r["status"] == "skipped" and r["group"].startswith("sweep")):
             collapsed.setdefault((r["provider"], r["status"], r["reason"]), []).append(r["workload"])
             continue
@@ -288,7 +293,7 @@ def print_table(con: Console, rows: list[dict], title: str, sweeps_compact: bool
             _f(100 * r["floor_fraction"] if "floor_fraction" in r else None, ".0f"),
             _f(r.get("logp_max_abs_err"), ".1e"), _f(r.get("entropy_max_abs_err"), ".1e"),
             _f(r.get("grad_h_max_abs_err"), ".1e"),
-            escape(r.get("notes", "")),
+            escape(r.get("notes", "") + (f"; same measurement as {r['same_as']}" if r.get("same_as") else "")),
         )
     con.print(t)
     for (prov, status, reason), wls in collapsed.items():

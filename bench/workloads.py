@@ -166,17 +166,20 @@ def _scaled(wl: Workload, fn: int, fh: int, fv: int, batch: int | None = None) -
 
 
 def cpu_workloads(quick: bool) -> list[Workload]:
-    """C1 and CPU-sized versions of W1-W4 and the sweeps (quick: smaller still, fewer sweep points)."""
-    fn, fh, fv = (16, 16, 8) if quick else (4, 8, 4)
+    """C1 and CPU-sized versions of W1-W4 and the sweeps (quick: smaller still, three points per sweep).
+
+    Sweeps share their base point (the runner measures a shape once and reuses it under each name).
+    """
+    fn, fh, fv = (32, 16, 8) if quick else (4, 8, 4)
     core = [_scaled(w, fn, fh, fv, batch=4 if quick else 8) for w in (_W1, _W2, _W3)] + [_W4]
     if quick:
         c1 = replace(C1, name="C1-quick", N=1024, note=C1.note + "; quick: N=1024 instead of 4096")
-        sweep = _sweeps(512, 256, 16384, "float32", (256, 512, 1024, 2048), (4000, 16032, 18992), (112, 256, 512),
-                        note="log-prob + entropy fwd+bwd; CPU quick sizes (GPU sweep / 8-16)")
+        sweep = _sweeps(512, 128, 8192, "float32", (128, 512, 2048), (2048, 8192, 32768), (64, 128, 512),
+                        note="log-prob + entropy fwd+bwd; CPU quick sizes, not the GPU sweep's")
     else:
         c1 = C1
-        sweep = _sweeps(2048, 512, 37984, "float32", (512, 1024, 2048, 4096, 8192), (8000, 32064, 37984),
-                        (112, 256, 512), note="log-prob + entropy fwd+bwd; CPU sizes (GPU sweep / 4-8)")
+        sweep = _sweeps(2048, 512, 32768, "float32", (512, 1024, 2048, 4096, 8192), (8000, 32768, 38000),
+                        (112, 256, 512), note="log-prob + entropy fwd+bwd; CPU sizes, not the GPU sweep's")
     return [c1] + core + sweep
 
 

@@ -1,0 +1,56 @@
+"""The benchmark CLI end to end at tiny shapes: it runs, prints its table, writes JSON and CSV.
+
+Nothing here times or compares speed (CI has 2 cores and no GPU); it only checks the plumbing: every
+provider x workload gets a row (measured, or skipped / not applicable with a reason), no row is an error,
+and the files a real run would write are there.
+"""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PROVIDERS = ["fastrl", "torch", "liger-triton", "cce"]  # two that run, two that say why they cannot here
+
+
+def test_bench_cli_smoke(tmp_path):
+    # measure what users run: not Triton's interpreter, which tests/conftest.py turns on for this process
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "bench", "--smoke", "--providers", ",".join(PROVIDERS),
+           "--workload", "C1,W1,W4,sweep-tokens", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{out[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+
+    # the summary table comes after the per-measurement progress lines
+    header = out.rfind("fwd+bwd ms")
+    assert header != -1, f"no summary table in the output:\n{out[-4000:]}"
+    assert out.rfind("C1-smoke") > header and "wrote" in out[header:]
+
+    data = json.loads((tmp_path / "run-smoke.json").read_text())
+    assert data["env"]["driver"] == "n/a (CPU)" and data["env"]["torch"] and data["env"]["triton"]
+    rows = [r for r in data["rows"] if r["group"] != "floor"]
+    by = {(r["workload"], r["provider"]): r for r in rows}
+    workloads = {"C1-smoke", "W1-smoke", "W4", "tokens-64", "tokens-256"}
+    assert {w for w, _ in by} == workloads
+    assert len(by) == len(workloads) * len(PROVIDERS), sorted(by)
+    errors = [f"{w}/{p}: {r['reason']}" for (w, p), r in by.items() if r["status"] == "error"]
+    assert not errors, errors
+    for key in [("C1-smoke", "fastrl"), ("C1-smoke", "torch"), ("W1-smoke", "fastrl"), ("tokens-256", "fastrl")]:
+        r = by[key]
+        assert r["status"] == "ok", (key, r["reason"])
+        assert r["total_ms"]["median"] > 0 and r["peak_extra_mb"] is not None
+    assert by[("C1-smoke", "fastrl")]["logp_max_abs_err"] < 1e-4  # float32 vs float64, 16 tokens
+    assert by[("C1-smoke", "fastrl")]["time_vs_torch"] > 0  # a ratio against torch measured in the same run
+    for key in [("W1-smoke", "liger-triton"), ("C1-smoke", "cce"), ("W4", "fastrl")]:
+        assert by[key]["status"] == "skipped" and by[key]["reason"], key
+    assert by[("C1-smoke", "liger-triton")]["status"] == "n/a"
+
+    with open(tmp_path / "run-smoke.csv", newline="") as f:
+        csv_rows = list(csv.DictReader(f))
+    assert len(csv_rows) == len(data["rows"])
+    assert {"total_ms_median", "peak_extra_mb", "time_vs_torch", "device", "driver"} <= set(csv_rows[0])
+    assert (tmp_path / "run-smoke-sweep-tokens.png").stat().st_size > 0
