@@ -27,6 +27,11 @@ from bench import workloads as W
 COMMANDS = ("run", "c1", "gpu", "list")
 C1_PROVIDERS = "fastrl,torch,trl"
 GPU_WORKLOADS = ("W1", "W1-lp", "W2", "W2-lp", "W3")
+# what --quick on CPU trims to stay within a few minutes on 2 cores
+QUICK_ONLY_ON = {
+    "torch-compile": (("C1-quick",), "inductor compiles every shape afresh, tens of seconds each on CPU"),
+    "trl": (("core",), "each TRL process pays ~5 s of imports at its first backward; sweeps use fastrl vs torch"),
+}
 SMOKE_LEAVE_OUT = {"torch-compile": "left out by --smoke: compiling alone takes longer than the whole smoke run"}
 
 
@@ -63,11 +68,13 @@ def _config(args, device: str) -> runner.RunConfig:
         # Liger compiles its per-chunk loss for CUDA; on CPU that recompiles per shape and dominates the time
         cfg = replace(cfg, options={"liger_compiled": False})
         if args.quick and args.command == "run":
-            cfg = replace(cfg, timeout_s=600, compile_only=("C1-quick",))
+            cfg = replace(cfg, timeout_s=600, only_on=dict(QUICK_ONLY_ON))
     if args.smoke:
         cfg = replace(cfg, reps=1, warmup=0, n_sets=1, accuracy_rows=16, rep_ms=50, timeout_s=300,
-                      floor_shape=(256, 256, 256), leave_out=dict(SMOKE_LEAVE_OUT), compile_only=(),
+                      floor_shape=(256, 256, 256), leave_out=dict(SMOKE_LEAVE_OUT), only_on={},
                       options={"liger_compiled": False}, jobs=2)
+    if args.command == "c1":
+        cfg.options = {**cfg.options, "fastrl_backend": "torch"}  # C1 is about the CPU path, named explicitly
     cfg.mode = "smoke" if args.smoke else ("quick" if args.quick else "full")
     for a, f in (("reps", "reps"), ("warmup", "warmup"), ("sets", "n_sets"), ("timeout", "timeout_s"), ("jobs", "jobs")):
         if getattr(args, a) is not None:

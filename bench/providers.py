@@ -18,6 +18,7 @@ becomes a row that says why; nothing disappears from the table.
 from __future__ import annotations
 
 import importlib.util
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -61,25 +62,32 @@ class Inputs:
 
 
 def make_inputs(wl: Workload, device: torch.device, seed: int) -> Inputs:
-    """Random inputs for one workload: logits ``h W^T`` have unit scale, as an LM head's roughly do."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    """Random inputs for one workload: logits ``h W^T`` have unit scale, as an LM head's roughly do.
+
+    Drawn on the device itself (a W1 weight is 622M numbers: seconds per set on a CPU, nothing on a GPU).
+    """
+    g = torch.Generator(device=device).manual_seed(seed)
     dt = getattr(torch, wl.dtype)
     grad = wl.kind in ("logprob", "loss")
     lead = (wl.batch, wl.T) if wl.kind == "loss" else (wl.N,)
-    hidden = torch.randn(*lead, wl.H, generator=g).to(device=device, dtype=dt).requires_grad_(grad)
-    weight = (torch.randn(wl.V, wl.H, generator=g) * wl.H ** -0.5).to(device=device, dtype=dt).requires_grad_(grad)
-    targets = torch.randint(0, wl.V, lead, generator=g).to(device)
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g, device=device).mul_(scale)
+
+    hidden = randn(*lead, wl.H).to(dt).requires_grad_(grad)
+    weight = randn(wl.V, wl.H, scale=wl.H ** -0.5).to(dt).requires_grad_(grad)
+    targets = torch.randint(0, wl.V, lead, generator=g, device=device)
     inp = Inputs(hidden, weight, targets)
     if wl.kind == "loss":
         B, T = lead
         # completions of T/2..T tokens, right-padded, as a GRPO batch looks after generation
-        lengths = torch.randint(T // 2, T + 1, (B,), generator=g)
-        inp.mask = (torch.arange(T)[None, :] < lengths[:, None]).to(torch.int64).to(device)
-        inp.advantages = torch.randn(B, generator=g).to(device)
+        lengths = torch.randint(T // 2, T + 1, (B,), generator=g, device=device)
+        inp.mask = (torch.arange(T, device=device)[None, :] < lengths[:, None]).to(torch.int64)
+        inp.advantages = randn(B)
         # old / reference log-probs near what a random head gives (about -log V), so ratios and k3 stay O(1)
-        base = -torch.log(torch.tensor(float(wl.V)))
-        inp.old_logprobs = (base + 0.5 * torch.randn(B, T, generator=g)).to(device)
-        inp.ref_logprobs = (inp.old_logprobs.cpu() + 0.1 * torch.randn(B, T, generator=g)).to(device)
+        base = -math.log(wl.V)
+        inp.old_logprobs = randn(B, T, scale=0.5).add_(base)
+        inp.ref_logprobs = inp.old_logprobs + randn(B, T, scale=0.1)
     return inp
 
 

@@ -41,10 +41,10 @@ class RunConfig:
     seed: int = 1234
     threads: int = 0  # CPU threads in the workers (0: torch's default)
     options: dict = field(default_factory=dict)  # passed to the providers (fastrl_backend, liger_compiled)
-    # provider -> reason, for providers this mode leaves out on purpose (e.g. torch.compile in --smoke);
-    # `compile_only` names the workloads where torch.compile still runs in --quick
+    # provider -> reason, for providers this mode leaves out on purpose (e.g. torch.compile in --smoke)
     leave_out: dict = field(default_factory=dict)
-    compile_only: tuple = ()
+    # provider -> (workload names or groups it still runs on, why only there): --quick trims the slow ones
+    only_on: dict = field(default_factory=dict)
     floor_shape: tuple = (2048, 2048, 2048)
     mode: str = ""  # "quick" | "smoke" | "" (recorded with the results)
     jobs: int = 1  # measuring processes at once; above 1 they compete for the cores (smoke only)
@@ -148,9 +148,10 @@ def run(workloads: list[Workload], provs: list[P.Provider], cfg: RunConfig, cons
             why = p.unavailable(wl, cfg.device)
             if why is None and p.name in cfg.leave_out:
                 why = ("skipped", cfg.leave_out[p.name])
-            if why is None and p.name == "torch-compile" and cfg.compile_only and wl.name not in cfg.compile_only:
-                why = ("skipped", f"left out by --quick: torch.compile runs on {', '.join(cfg.compile_only)} only "
-                                  "(inductor compiles every shape afresh; tens of seconds each on CPU)")
+            if why is None and p.name in cfg.only_on:
+                where, because = cfg.only_on[p.name]
+                if wl.name not in where and wl.group not in where:
+                    why = ("skipped", f"left out by --{cfg.mode}: {p.name} runs on {', '.join(where)} only ({because})")
             if why is not None:
                 rows.append(_row(wl, p.name, p.label, *why))
             else:
@@ -234,7 +235,8 @@ def run(workloads: list[Workload], provs: list[P.Provider], cfg: RunConfig, cons
             if k in orig:
                 row[k] = dict(orig[k])
         rows.append(row)
-    if loads and max(loads) > (os.cpu_count() or 1):
+    # a measuring process itself keeps about `cores` threads busy; well above that, something else ran too
+    if loads and max(loads) > 1.5 * (os.cpu_count() or 1):
         console.print(f"[yellow]load average reached {max(loads):.1f} on {os.cpu_count()} cores during this run: "
                       f"other processes competed for the CPU, so times are noisier than usual[/yellow]")
 
