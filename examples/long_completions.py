@@ -8,8 +8,8 @@ does for long completions. Each point is one training step (``compute_loss`` + `
 generation excluded) of ``trl.GRPOTrainer`` or ``fastrl.GRPOTrainer`` in a fresh process, float32; memory is the
 peak resident memory during the step above what the process held just before it (see ``fastrl.demo``).
 
-The table ends with the longest completion length that fits in ``--budget-mb`` of step memory: the longest
-measured length under the budget, and the length where a line fitted through the measured points crosses it.
+The table ends with the longest measured completion length whose step fits in ``--budget-mb`` of memory.
+Attention is PyTorch's SDPA (transformers' default), so the body's memory grows linearly with the length.
 """
 
 from __future__ import annotations
@@ -22,14 +22,6 @@ import sys
 from fastrl.demo import run_measurement
 
 
-def fit_line(xs, ys):
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
-    return my - b * mx, b
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--vocab", type=int, default=151936)
@@ -37,7 +29,7 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=1)
     p.add_argument("--batch", type=int, default=2, help="completions per step")
     p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 3072, 4096])
+    p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 3072, 4096])
     p.add_argument("--budget-mb", type=float, default=2048.0, help="step-memory budget for 'longest that fits'")
     p.add_argument("--loss-type", default="dapo")
     p.add_argument("--json", default=None, help="also write the raw measurements here")
@@ -73,12 +65,8 @@ def main(argv=None):
     for which in ("trl", "fastrl"):
         pts = [(L, r[which]["peak_extra_mb"]) for L, r in rows if "error" not in r[which]]
         fits = [L for L, m in pts if m <= a.budget_mb]
-        line = f"  {which:>6}: measured {max(fits) if fits else 'none of the lengths tried'}"
-        if len(pts) >= 2:
-            c0, c1 = fit_line([x for x, _ in pts], [y for _, y in pts])
-            est = (a.budget_mb - c0) / c1 if c1 > 0 else float("inf")
-            line += f"; linear fit {c0:.0f} MB + {c1 * 1024:.0f} MB per 1k tokens -> about {est:.0f} tokens"
-        print(line)
+        print(f"  {which:>6}: {max(fits) if fits else 'none of the lengths tried'}"
+              + (f" (the longest tried, {max(a.lengths)}, fits)" if fits and max(fits) == max(a.lengths) else ""))
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"args": vars(a), "rows": [{"completion_len": L, **r} for L, r in rows]}, fh, indent=1)

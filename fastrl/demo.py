@@ -51,8 +51,8 @@ def build_tokenizer(vocab_size: int):
                                    padding_side="left", model_max_length=1 << 16)
 
 
-def build_model(vocab_size: int, hidden_size: int, layers: int, seed: int = 0):
-    """A randomly initialised ``Qwen2ForCausalLM`` in float32 (eager attention)."""
+def build_model(vocab_size: int, hidden_size: int, layers: int, seed: int = 0, attn: str = "sdpa"):
+    """A randomly initialised ``Qwen2ForCausalLM`` in float32 (SDPA attention, transformers' default)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -60,7 +60,7 @@ def build_model(vocab_size: int, hidden_size: int, layers: int, seed: int = 0):
                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                       max_position_embeddings=1 << 14, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1,
                       bos_token_id=2)
-    cfg._attn_implementation = "eager"
+    cfg._attn_implementation = attn
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(cfg)
     model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 1

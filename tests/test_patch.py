@@ -9,7 +9,7 @@ import torch
 
 import fastrl
 from test_grpo_trainer import (
-    DEFAULTS, C, V, H, assert_same_step, make_batch, make_trainer, run_step, set_loss_options, stock,
+    DEFAULTS, C, V, H, assert_same_step, make_batch, run_step, set_loss_options, stock,
 )
 from tiny import save_for_reference, tiny_qwen2, tiny_tokenizer, toy_prompt_dataset
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import types
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
@@ -39,6 +39,8 @@ __all__ = [
     "HeadSettings",
     "FastrlHeadOutput",
     "add_fastrl_lm_head",
+    "call_with_head",
+    "head_precision",
     "head_settings_from_config",
     "lm_head_logprobs",
     "unwrap_causal_lm",
@@ -222,7 +224,8 @@ def add_fastrl_lm_head(model, settings: HeadSettings) -> None:
                         fastrl_head_fn=None, **kwargs):
         if not fused_lm_head:
             # the forward from before (TRL's fused wrapper, or the model's own): generation, plain losses
-            for k, v in (("labels", labels), ("shift_labels", shift_labels), ("num_items_in_batch", num_items_in_batch)):
+            passed = (("labels", labels), ("shift_labels", shift_labels), ("num_items_in_batch", num_items_in_batch))
+            for k, v in passed:
                 if v is not None:
                     kwargs[k] = v
             if fastrl_head_fn is not None:
@@ -274,20 +277,3 @@ def add_fastrl_lm_head(model, settings: HeadSettings) -> None:
         return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy, label_mask=mask, aux_loss=aux_loss)
 
     model.forward = types.MethodType(_fastrl_forward, model)
-
-
-def remove_fastrl_lm_head(model) -> None:
-    """Undo ``add_fastrl_lm_head`` (restores the forward from before)."""
-    if getattr(model, "_fastrl_head_settings", None) is None:
-        return
-    fwd = model.forward
-    # the previous forward is the closure's free variable "previous_forward"
-    names = fwd.__func__.__code__.co_freevars
-    prev = fwd.__func__.__closure__[names.index("previous_forward")].cell_contents
-    model.forward = prev
-    del model._fastrl_head_settings
-
-
-def settings_of(model) -> HeadSettings | None:
-    return getattr(model, "_fastrl_head_settings", None)
-
