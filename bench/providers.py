@@ -218,19 +218,22 @@ class Provider:
 def _build_fastrl(wl: Workload, device: torch.device, opts: dict) -> Op:
     import fastrl
 
+    from fastrl.ops.backend import resolve_backend
+
     backend = opts.get("fastrl_backend")  # None: fastrl's own choice (triton on CUDA, torch on CPU)
+    where = f"{resolve_backend(device, backend)} backend"
     if wl.kind == "logprob":
         def fwd(st):
             i = st["inp"]
             logp, ent = fastrl.fused_logprobs(i.hidden, i.weight, i.targets, backend=backend)
             return _out(_logprob_loss(logp, ent), logp, ent)
-        return Op(fwd, _default_prepare, needs_grad=True, path="two-pass", notes=["path A"])
+        return Op(fwd, _default_prepare, needs_grad=True, path="two-pass", notes=["path A", where])
     if wl.kind == "forward":
         def fwd(st):
             i = st["inp"]
             logp, _ = fastrl.fused_logprobs(i.hidden, i.weight, i.targets, with_entropy=False, backend=backend)
             return _out(None, logp, None)
-        return Op(fwd, _default_prepare, needs_grad=False, has_entropy=False, path="forward", notes=["path C"])
+        return Op(fwd, _default_prepare, needs_grad=False, has_entropy=False, path="forward", notes=["path C", where])
     if wl.kind == "loss":
         cfg = loss_config()
 
@@ -239,7 +242,7 @@ def _build_fastrl(wl: Workload, device: torch.device, opts: dict) -> Op:
             logp, ent = fastrl.fused_logprobs(i.hidden, i.weight, i.targets, backend=backend)
             return _out(_reference_loss(logp, ent, i, cfg), logp, ent)
         return Op(fwd, _default_prepare, needs_grad=True, path="two-pass",
-                  notes=["path A log-probs + reference loss math"])
+                  notes=["path A log-probs + reference loss math", where])
     raise ProviderUnavailable(f"fastrl: no {wl.kind} op")
 
 
@@ -248,16 +251,20 @@ def _build_fastrl_fused(wl: Workload, device: torch.device, opts: dict) -> Op:
 
     if not hasattr(fastrl, "policy_loss"):
         raise ProviderUnavailable("not available: fastrl.policy_loss not built yet")
+    from fastrl.ops.backend import resolve_backend
+
+    backend = opts.get("fastrl_backend")
     cfg = loss_config()
 
     def fwd(st):
         i = st["inp"]
         loss, _metrics = fastrl.policy_loss(
             i.hidden, i.weight, i.targets, i.advantages, i.mask, config=cfg,
-            old_logprobs=i.old_logprobs, ref_logprobs=i.ref_logprobs,
+            old_logprobs=i.old_logprobs, ref_logprobs=i.ref_logprobs, backend=backend,
         )
         return _out(loss)
-    return Op(fwd, _default_prepare, needs_grad=True, path="one-pass", notes=["fused loss"])
+    return Op(fwd, _default_prepare, needs_grad=True, path="one-pass",
+              notes=["fused loss", f"{resolve_backend(device, backend)} backend"])
 
 
 # --- materialised torch (eager and compiled) ------------------------------------------------------------
