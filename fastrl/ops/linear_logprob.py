@@ -107,6 +107,7 @@ def linear_backward(
     else:
         cols = torch_backend.tile_columns(N, V, opts.vocab_chunk)
         h_mm = torch_backend._f32(hidden)
+        tile = torch.empty(N * cols, dtype=cdt, device=hidden.device)
 
     for v0 in range(0, V, cols):
         v1 = min(v0 + cols, V)
@@ -121,7 +122,7 @@ def linear_backward(
             w_mm = weight[v0:v1]
         else:
             G = torch_backend.grad_block(
-                h_mm, weight, bias, targets, v0, v1, lse, entropy, grad_logp, grad_entropy, has_grad, tf
+                h_mm, weight, bias, targets, v0, v1, lse, entropy, grad_logp, grad_entropy, has_grad, tf, buf=tile
             )
             w_mm = torch_backend._f32(weight[v0:v1])
         if need_w:

@@ -40,8 +40,14 @@ def logits_block(
     v0: int,
     v1: int,
     tf: LogitTransform,
+    buf: torch.Tensor | None = None,  # flat buffer of >= N * (v1 - v0) elements to write into
 ) -> torch.Tensor:  # [N, v1 - v0] float32, transformed
-    y = torch.mm(h32, _f32(weight[v0:v1]).T)
+    if buf is None:
+        y = torch.mm(h32, _f32(weight[v0:v1]).T)
+    else:
+        # one reused tile instead of a fresh allocation per block: the C allocator tends to keep freed
+        # tiles mapped, which showed as ~60 MB of extra peak RSS at C1
+        y = torch.mm(h32, _f32(weight[v0:v1]).T, out=buf[: h32.shape[0] * (v1 - v0)].view(h32.shape[0], v1 - v0))
     if bias is not None:
         y += _f32(bias[v0:v1])
     return tf.apply_(y)
@@ -67,9 +73,10 @@ def linear_stats(
     u = torch.zeros(N, dtype=dt, device=dev) if with_entropy else None
     zt = torch.zeros(N, dtype=dt, device=dev)
     step = tile_columns(N, V, columns)
+    buf = torch.empty(N * step, dtype=dt, device=dev)
     for v0 in range(0, V, step):
         v1 = min(v0 + step, V)
-        z = logits_block(h32, weight, bias, v0, v1, tf)
+        z = logits_block(h32, weight, bias, v0, v1, tf, buf=buf)
         local = targets - v0
         inside = (local >= 0) & (local < v1 - v0)
         zt += torch.where(inside, z.gather(1, local.clamp(0, v1 - v0 - 1)[:, None]).squeeze(1), 0.0)
@@ -174,7 +181,7 @@ def _grad_from_logits_block_(
 ) -> torch.Tensor:  # G = dL/dy, in z's storage
     v1 = v0 + z.shape[1]
     dzdy = tf.dz_dy(z)  # a float, or a tensor when softcap is set (taken before z is reused)
-    p = torch.exp(z - lse[:, None])
+    p = z.sub(lse[:, None]).exp_()
     if grad_entropy is not None:
         # d H / d z_j = -p_j (z_j - lse + H)
         g = z.sub_(lse[:, None]).add_(entropy[:, None]).mul_(p).mul_(-grad_entropy[:, None])
@@ -209,7 +216,8 @@ def grad_block(
     grad_entropy: torch.Tensor | None,
     has_grad: torch.Tensor,  # [N] bool
     tf: LogitTransform,
+    buf: torch.Tensor | None = None,  # reused flat tile buffer (see logits_block)
 ) -> torch.Tensor:  # [N, v1 - v0] float32: dL/dy for the slice
     """Recompute one vocabulary slice's logits and turn them into G (path A's backward)."""
-    z = logits_block(h32, weight, bias, v0, v1, tf)
+    z = logits_block(h32, weight, bias, v0, v1, tf, buf=buf)
     return _grad_from_logits_block_(z, targets, v0, lse, entropy, grad_logp, grad_entropy, has_grad, tf)
