@@ -1,7 +1,7 @@
 """fastrl benchmarks: the CLI (``python -m bench``) and the pytest-benchmark files (``pytest bench --benchmark-only``).
 
-Modules: ``workloads`` (W1-W4, C1, sweeps, FLOP and byte counts), ``providers`` (fastrl and the tools people
+Modules: ``workloads`` (W1-W3, C1, C1-loss, sweeps, FLOP and byte counts), ``providers`` (fastrl and the tools people
 use instead), ``measure`` (CPU and CUDA timing and memory, accuracy against float64), ``worker`` (one
 measurement in a fresh process), ``runner`` (all measurements, with progress), ``report`` (JSON, CSV, plots,
-the summary table). Importing this package imports nothing heavy.
+the summary table), ``w4`` (W4: a GRPOTrainer step per completion length, stock TRL vs fastrl). Importing this package imports nothing heavy.
 """

@@ -1,7 +1,9 @@
 """``python -m bench [run|c1|gpu|list]``: the benchmark CLI (see bench/README.md).
 
     python -m bench --quick              CPU-sized workloads and sweeps, a few minutes on 2 cores
-    python -m bench c1                   DESIGN.md's C1 on CPU: fastrl vs materialised torch vs TRL, with targets
+    python -m bench c1                   DESIGN.md's C1 and C1-loss on CPU: fastrl vs materialised torch vs TRL
+                                         (and Liger on the loss), with the issues' targets
+    python -m bench w4                   W4: one GRPOTrainer step, stock TRL vs fastrl, per completion length
     python -m bench gpu                  W1-W3 at full size, every provider (for the H100)
     python -m bench                      everything for this device (GPU sizes on CUDA, CPU sizes otherwise)
     python -m bench list                 workloads and providers, and why a provider cannot run here
@@ -21,11 +23,15 @@ from pathlib import Path
 import torch
 
 from bench import providers as P
-from bench import report, runner
+from bench import report, runner, w4
 from bench import workloads as W
 
-COMMANDS = ("run", "c1", "gpu", "list")
-C1_PROVIDERS = "fastrl,torch,trl"
+COMMANDS = ("run", "c1", "gpu", "w4", "list")
+C1_PROVIDERS = "fastrl,fastrl-fused,torch,trl,liger-fused"
+# the issues' CPU targets: workload -> (provider, max time ratio, max extra-peak ratio), both against torch's
+C1_TARGETS = {"C1": ("fastrl", 1.2, 0.10), "C1-loss": ("fastrl-fused", 1.0, 0.10)}
+# W4 rides along with `python -m bench` (full run); --quick and --smoke only when --workload names it
+W4_IN_QUICK = False  # a CPU W4 sweep takes ~4 min at the quick lengths: `python -m bench w4 --quick`
 GPU_WORKLOADS = ("W1", "W1-lp", "W2", "W2-lp", "W3")
 # what --quick on CPU trims to stay within a few minutes on 2 cores
 QUICK_ONLY_ON = {
@@ -54,6 +60,8 @@ def _parser() -> argparse.ArgumentParser:
                                              "above 1 they share the cores, so times are not comparable")
     ap.add_argument("--threads", type=int, default=0, help="CPU threads per worker (default: torch's)")
     ap.add_argument("--fastrl-backend", choices=("triton", "torch"), help="force fastrl's backend")
+    ap.add_argument("--lengths", help="W4: comma list of completion lengths (default: by device and mode)")
+    ap.add_argument("--budget-mb", type=float, help="W4: step-memory budget in MB for 'longest that fits'")
     ap.add_argument("--no-plots", action="store_true")
     return ap
 
@@ -87,7 +95,7 @@ def _config(args, device: str) -> runner.RunConfig:
 
 def _workloads(args, device: str) -> list[W.Workload]:
     if args.command == "c1":
-        wls = [W.C1]
+        wls = [W.C1, W.C1_LOSS]
     elif args.command == "gpu":
         wls = [w for w in W.gpu_workloads() if w.name in GPU_WORKLOADS]
     elif args.smoke:
@@ -96,7 +104,29 @@ def _workloads(args, device: str) -> list[W.Workload]:
         wls = W.gpu_workloads() if device == "cuda" else W.cpu_workloads(args.quick)
     if args.smoke and args.command != "run":
         wls = [W.tiny(w) for w in wls]
-    return W.select(wls, args.workload)
+    spec = _without_w4(args.workload)
+    if args.workload and not spec:
+        return []  # --workload W4 alone
+    return W.select(wls, spec)
+
+
+def _is_w4(key: str) -> bool:
+    return key.strip().lower().split("-")[0] == "w4"
+
+
+def _without_w4(spec: str | None) -> str | None:
+    return ",".join(k for k in spec.split(",") if k.strip() and not _is_w4(k)) if spec else spec
+
+
+def _want_w4(args, device: str) -> bool:
+    """Whether this command measures W4 too: `w4`, and `run` (full; --quick if W4_IN_QUICK; --smoke when named)."""
+    if args.command == "w4":
+        return True
+    if args.command != "run":
+        return False
+    if args.workload:
+        return any(_is_w4(k) for k in args.workload.split(","))
+    return not args.smoke and (not args.quick or W4_IN_QUICK)
 
 
 def _list(device: str, con) -> int:
@@ -105,8 +135,12 @@ def _list(device: str, con) -> int:
                        ("CPU workloads", W.cpu_workloads(False))):
         con.print(f"\n[bold]{title}[/bold]")
         for w in wls:
-            shape = "" if w.kind == "trainer" else f"N={w.N} H={w.H} V={w.V} {w.dtype}"
+            shape = f"N={w.N} H={w.H} V={w.V} {w.dtype}"
             con.print(f"  {w.name:<14} {w.kind:<8} {shape:<36} {w.note}")
+        mode = "full" if title == "GPU workloads" or "quick" not in title else "quick"
+        s = w4.shape_for("cuda" if title == "GPU workloads" else "cpu", mode)
+        con.print(f"  {s.name:<14} {'trainer':<8} {f'V={s.vocab} H={s.hidden} L={s.layers} {s.dtype}':<36} "
+                  f"{s.note}; {s.completions} x {'/'.join(map(str, s.lengths))} tokens, budget {s.budget_mb:.0f} MB")
     con.print("\n[bold]providers[/bold] (on this device, C1 / W1 at CPU size / W3)")
     probe = [W.C1] + [w for w in W.cpu_workloads(True) if w.name in ("W1", "W3")]
     for p in P.PROVIDERS.values():
@@ -117,21 +151,44 @@ def _list(device: str, con) -> int:
 
 
 def _c1_targets(rows: list[dict], con) -> dict:
-    """C1's acceptance targets (core issue): fastrl extra peak memory <= 10% of torch's, time <= 1.2x torch's."""
-    fr = next((r for r in rows if r["provider"] == "fastrl" and r["status"] == "ok"), None)
-    tr = next((r for r in rows if r["provider"] == "torch" and r["status"] == "ok"), None)
-    if fr is None or tr is None:
-        con.print("[red]C1 targets: cannot evaluate (fastrl or torch did not run)[/red]")
-        return {}
-    mem, tim = fr.get("mem_vs_torch"), fr.get("time_vs_torch")
-    out = {"mem_ratio": mem, "mem_target": 0.10, "mem_pass": mem is not None and mem <= 0.10,
-           "time_ratio": tim, "time_target": 1.2, "time_pass": tim is not None and tim <= 1.2}
-    for what, r, tgt, ok, unit in (
-        ("extra peak RSS", mem, "<= 10% of torch's", out["mem_pass"], f"{100 * mem:.1f}% of torch's" if mem else "?"),
-        ("fwd+bwd time", tim, "<= 1.2x torch's", out["time_pass"], f"{tim:.2f}x torch's" if tim else "?"),
-    ):
-        verdict = "[green]PASS[/green]" if ok else "[red]FAIL[/red]"
-        con.print(f"C1 target, fastrl {what}: {unit} (target {tgt}): {verdict}")
+    """The issues' CPU targets, per workload (C1_TARGETS): time and extra peak memory as ratios of torch's.
+
+    C1 (core issue): fastrl (path A) extra peak <= 10% of torch's, time <= 1.2x. C1-loss (fused-loss issue):
+    fastrl.policy_loss extra peak <= 10% of torch's, time <= 1.0x.
+    """
+    out = {}
+    for wl_name in dict.fromkeys(r["workload"] for r in rows):
+        key = wl_name.removesuffix("-smoke")
+        if key not in C1_TARGETS:
+            continue
+        prov, t_max, m_max = C1_TARGETS[key]
+        fr = next((r for r in rows if r["workload"] == wl_name and r["provider"] == prov and r["status"] == "ok"), None)
+        tr = next((r for r in rows if r["workload"] == wl_name and r["provider"] == "torch" and r["status"] == "ok"),
+                  None)
+        if fr is None or tr is None:
+            con.print(f"[red]{wl_name} targets: cannot evaluate ({prov} or torch did not run)[/red]")
+            out[wl_name] = {"provider": prov, "evaluated": False}
+            continue
+        if fr["kind"] == "loss":  # no float64 check for the loss workloads: at least the providers agree on the value
+            vals = {r["provider"]: r["loss_value"] for r in rows
+                    if r["workload"] == wl_name and r["status"] == "ok" and "loss_value" in r}
+            ref = vals.get("torch")
+            con.print(f"{wl_name} loss values: " + ", ".join(
+                f"{p} {v:+.6f}" + (f" (|d| {abs(v - ref):.1e})" if p != "torch" else "") for p, v in vals.items())
+                + ("; liger has no entropy term" if "liger-fused" in vals else ""))
+        mem, tim = fr.get("mem_vs_torch"), fr.get("time_vs_torch")
+        res = {"provider": prov, "evaluated": True,
+               "mem_ratio": mem, "mem_target": m_max, "mem_pass": mem is not None and mem <= m_max,
+               "time_ratio": tim, "time_target": t_max, "time_pass": tim is not None and tim <= t_max}
+        out[wl_name] = res
+        for what, tgt, ok, unit in (
+            ("extra peak RSS", f"<= {100 * m_max:.0f}% of torch's", res["mem_pass"],
+             f"{100 * mem:.1f}% of torch's" if mem is not None else "?"),
+            ("fwd+bwd time", f"<= {t_max:.1f}x torch's", res["time_pass"],
+             f"{tim:.2f}x torch's" if tim is not None else "?"),
+        ):
+            verdict = "[green]PASS[/green]" if ok else "[red]FAIL[/red]"
+            con.print(f"{wl_name} target, {prov} {what}: {unit} (target {tgt}): {verdict}")
     return out
 
 
@@ -150,48 +207,80 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     cfg = _config(args, device)
-    wls = _workloads(args, device)
+    wls = [] if args.command == "w4" else _workloads(args, device)
+    want_w4 = _want_w4(args, device)
     provs = P.select(args.providers or (C1_PROVIDERS if args.command == "c1" else None))
     env = report.environment(device)
     out_dir = Path(args.out) if args.out else report.REPO_ROOT / "bench" / "results" / env["device_slug"]
     prefix = args.command + ("-smoke" if args.smoke else "-quick" if args.quick else "")
 
+    what = f"{len(wls)} workloads x {len(provs)} providers" if wls else "W4 only"
     con.print(f"[bold]fastrl bench {args.command}[/bold] ({cfg.mode}) on {env['device']}: torch {env['torch']}, "
-              f"triton {env['triton']}, driver {env['driver']}; {len(wls)} workloads x {len(provs)} providers, "
+              f"triton {env['triton']}, driver {env['driver']}; {what}{' + W4' if wls and want_w4 else ''}, "
               f"each measurement in a fresh process")
     scaled = [w for w in wls if "scaled down" in w.note or "quick" in w.note]
     if scaled:
         con.print(f"[yellow]{len(scaled)} workloads use CPU-scaled shapes (see each row's N/H/V; the GPU sizes "
                   f"are in DESIGN.md)[/yellow]")
     t0 = time.perf_counter()
-    rows, info = runner.run(wls, provs, cfg, con)
+    rows, info = runner.run(wls, provs, cfg, con) if wls else ([], {"floor_tflops": {}})
     floor = info["floor_tflops"]
     elapsed = time.perf_counter() - t0
 
+    w4_rows, w4_summary, w4_s = [], None, 0.0
+    if want_w4:
+        shape = w4.with_overrides(w4.shape_for(device, cfg.mode), args.lengths, args.budget_mb)
+        t1 = time.perf_counter()
+        # one timed step per point on CPU (a step at 2048 tokens takes seconds), three on CUDA
+        w4_rows, w4_summary = w4.run(
+            shape, device, con, reps=args.reps or (3 if device == "cuda" else 1),
+            warmup=args.warmup if args.warmup is not None else 1,
+            timeout_s=args.timeout or (1200 if device == "cuda" else 900), threads=cfg.threads,
+            options=cfg.options, jobs=cfg.jobs)
+        w4_s = time.perf_counter() - t1
+        w4_summary["elapsed_s"] = w4_s
+
     payload = {
         "command": args.command, "mode": cfg.mode, "argv": sys.argv[1:] if argv is None else argv,
-        "env": env, "config": asdict(cfg), **info, "elapsed_s": elapsed,
+        "env": env, "config": asdict(cfg), **info, "elapsed_s": elapsed + w4_s,
         "workloads": [w.to_dict() for w in wls], "rows": rows,
     }
+    if want_w4:
+        payload["w4"] = {**w4_summary, "rows": w4_rows}
     title = (f"{args.command} ({cfg.mode}) on {env['device']} | torch {env['torch']} | triton {env['triton']} | "
              f"driver {env['driver']} | ms: median of {cfg.reps if device == 'cpu' else 'do_bench'} runs")
     out_dir.mkdir(parents=True, exist_ok=True)
-    plots = [] if args.no_plots else report.plot(rows, out_dir, prefix, env)
+    plots = [] if args.no_plots or not rows else report.plot(rows, out_dir, prefix, env)
     json_path, csv_path = out_dir / f"{prefix}.json", out_dir / f"{prefix}.csv"
+    written = [json_path]
 
     # the summary is printed last
     con.print()
-    report.print_table(con, rows, title)
-    for dt, f in floor.items():
-        con.print(f"matmul floor ({dt}, {'x'.join(map(str, cfg.floor_shape))}), measured in this run: "
-                  f"{f:.3f} TFLOP/s; '% floor' = (6NHV / floor) / time (2NHV for forward-only)")
-    if args.command == "c1":
-        payload["targets"] = _c1_targets([r for r in rows if r["group"] != "floor"], con)
+    if rows:
+        report.print_table(con, rows, title)
+        for dt, f in floor.items():
+            con.print(f"matmul floor ({dt}, {'x'.join(map(str, cfg.floor_shape))}), measured in this run: "
+                      f"{f:.3f} TFLOP/s; '% floor' = (6NHV / floor) / time (2NHV for forward-only)")
+        if args.command == "c1":
+            payload["targets"] = _c1_targets([r for r in rows if r["group"] != "floor"], con)
+        report.write_csv(csv_path, rows, env)
+        written.append(csv_path)
+    if want_w4:
+        s = w4.W4Shape.from_dict(w4_summary["shape"])
+        reps = w4_summary["reps"]
+        w4_title = (f"{s.name} ({cfg.mode}): one GRPO training step (compute_loss + backward), V={s.vocab} "
+                    f"H={s.hidden} layers={s.layers} {s.dtype} | {env['device']} | torch {env['torch']} | "
+                    f"driver {env['driver']} | step ms: {'median of ' + str(reps) if reps > 1 else 'one'} timed step"
+                    f"{'s' if reps > 1 else ''} after a warm-up")
+        if rows:
+            con.print()
+        w4.print_table(con, w4_rows, w4_summary, w4_title)
+        w4_prefix = prefix if args.command == "w4" else f"{prefix}-w4"
+        written += w4.write_files(out_dir, w4_prefix, w4_rows, w4_summary, env, plots=not args.no_plots)
     report.write_json(json_path, payload)
-    report.write_csv(csv_path, rows, env)
-    con.print(f"wrote {json_path}, {csv_path}" + "".join(f", {p}" for p in plots) + f"  ({elapsed:.0f} s)")
-    return 1 if any(r["status"] == "error" for r in rows) and args.smoke else 0
-
+    con.print("wrote " + ", ".join(str(p) for p in written + plots) + f"  ({elapsed + w4_s:.0f} s)")
+    bad = [r for r in rows + w4_rows if r["status"] == "error"]
+    return 1 if bad and args.smoke else 0
 
 if __name__ == "__main__":
     sys.exit(main())

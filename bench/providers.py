@@ -188,14 +188,6 @@ class Provider:
     loss_api: str = "reference"  # what of fastrl's loss API its loss op needs: "fused", "reference" or "none"
 
     def unavailable(self, wl: Workload, device: str) -> tuple[str, str] | None:
-        if wl.kind == "trainer":
-            if self.name != "fastrl":
-                return ("n/a", "W4 is a trainer step; see the fastrl row")
-            ok, why = _fastrl_attr("GRPOTrainer")
-            if not ok:
-                return ("skipped", "stub: needs fastrl.GRPOTrainer (not yet built)" if "not built" in why
-                        else f"stub: {why}")
-            return ("skipped", "stub: fastrl.GRPOTrainer exists but the W4 step benchmark is not written yet")
         if wl.kind not in self.kinds:
             return ("n/a", self.not_for.get(wl.kind, f"does not compute {wl.kind} workloads"))
         for mod in self.needs:

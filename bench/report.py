@@ -268,16 +268,13 @@ def print_table(con: Console, rows: list[dict], title: str, sweeps_compact: bool
     for r in rows:
         if r["group"] == "floor":
             continue
-        if r["status"] == "n/a" and r["kind"] == "trainer":
-            continue  # only the fastrl row speaks for W4
         if r["status"] == "n/a" or (sweeps_compact and r["status"] == "skipped" and r["group"].startswith("sweep")):
             collapsed.setdefault((r["provider"], r["status"], r["reason"]), []).append(r["workload"])
             continue
         if last_wl is not None and r["workload"] != last_wl:
             t.add_section()
         last_wl = r["workload"]
-        wl = f"{r['workload']}\n[dim]N={r['N']} H={r['H']} V={r['V']} {r['dtype']}[/dim]" if r["kind"] != "trainer" \
-            else r["workload"]
+        wl = f"{r['workload']}\n[dim]N={r['N']} H={r['H']} V={r['V']} {r['dtype']}[/dim]"
         if r["status"] != "ok":
             style = "red" if r["status"] == "error" else "yellow"
             t.add_row(wl, r["provider"], *[""] * 11, f"[{style}]{r['status']}: {escape(r['reason'])}[/{style}]")

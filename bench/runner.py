@@ -139,7 +139,7 @@ def run(workloads: list[Workload], provs: list[P.Provider], cfg: RunConfig, cons
     """Measure every (workload, provider); returns (rows, floor TFLOP/s by dtype)."""
     plan: list[tuple[Workload, P.Provider | None, dict | None]] = []
     rows: list[dict] = []
-    dtypes = sorted({w.dtype for w in workloads if w.kind != "trainer"})
+    dtypes = sorted({w.dtype for w in workloads})
     floors = [floor_workload(dt, cfg.floor_shape) for dt in dtypes]
     for fw in floors:
         plan.append((fw, None, None))

@@ -1,7 +1,8 @@
 """Measure one provider on one workload in this (fresh) process: ``python -m bench.worker SPEC.json RESULT.json``.
 
 The parent (``bench.runner``) writes SPEC (workload, provider, device, repetitions, options) and reads
-RESULT: timings, peak memory, accuracy, or the reason the provider could not run. Everything a provider
+RESULT: timings, peak memory, accuracy, or the reason the provider could not run. A W4 spec (``"kind": "w4"``)
+is one GRPOTrainer step instead (``bench.w4.run_point``). Everything a provider
 imports or allocates dies with this process.
 """
 
@@ -102,7 +103,12 @@ def main(argv: list[str]) -> int:
     with open(argv[0]) as f:
         spec = json.load(f)
     try:
-        res = run_spec(spec)
+        if spec.get("kind") == "w4":  # a W4 point: one trainer step (bench/w4.py)
+            from bench.w4 import run_point
+
+            res = run_point(spec)
+        else:
+            res = run_spec(spec)
     except Exception as e:  # noqa: BLE001
         res = {"status": "error", "reason": _first_line(e), "traceback": traceback.format_exc(limit=6)}
     res["pid"] = os.getpid()

@@ -6,7 +6,9 @@ A workload is a shape, a dtype and a kind of work:
   (path A on fastrl's side);
 * ``loss``: a GRPO policy loss (dapo, beta 0.04 with k3 KL, entropy bonus), forward + backward;
 * ``forward``: log-probs only, no gradient (reference / old policy; path C);
-* ``trainer``: one TRL GRPOTrainer step (W4), measured elsewhere once fastrl.GRPOTrainer exists.
+
+W4 (one TRL GRPOTrainer step per completion length) is not an op on given tensors but a whole trainer step on a
+model, with its own shapes and table: it lives in ``bench/w4.py``.
 
 GPU-sized shapes cannot run on a CPU (W1's float32 logits alone are 10 GB), so CPU runs use the same
 workloads scaled down by fixed factors; every scaled workload says so in its ``note``.
@@ -20,6 +22,7 @@ __all__ = [
     "Workload",
     "KINDS",
     "C1",
+    "C1_LOSS",
     "gpu_workloads",
     "cpu_workloads",
     "smoke_workloads",
@@ -29,7 +32,7 @@ __all__ = [
     "tiny",
 ]
 
-KINDS = ("logprob", "loss", "forward", "trainer")
+KINDS = ("logprob", "loss", "forward")
 ENTROPY_COEF = 0.01  # weight of the entropy term in the logprob workloads' loss and in the GRPO loss
 
 
@@ -48,7 +51,7 @@ class Workload:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"workload kind must be one of {KINDS}, got {self.kind!r}")
-        if self.kind != "trainer" and (self.N <= 0 or self.H <= 0 or self.V <= 0 or self.N % self.batch):
+        if (self.N <= 0 or self.H <= 0 or self.V <= 0 or self.N % self.batch):
             raise ValueError(f"{self.name}: need N, H, V > 0 and N divisible by batch, got {self}")
 
     @property
@@ -122,10 +125,11 @@ _W2 = Workload("W2", "loss", 16384, 896, 151936, "bfloat16", batch=16,
 _W1_LP = replace(_W1, name="W1-lp", kind="logprob", note="W1 shapes, log-prob + entropy fwd+bwd (path A)")
 _W2_LP = replace(_W2, name="W2-lp", kind="logprob", note="W2 shapes, log-prob + entropy fwd+bwd (path A)")
 _W3 = Workload("W3", "forward", 16384, 4096, 151936, "bfloat16", note="forward-only log-probs (path C)")
-_W4 = Workload("W4", "trainer", 0, 896, 151936, "bfloat16",
-               note="one TRL GRPOTrainer step, Qwen2.5-0.5B random init, 8 completions of 4k-16k tokens")
 C1 = Workload("C1", "logprob", 4096, 512, 32768, "float32",
               note="CPU: log-prob + entropy fwd+bwd, loss sum(logp) + 0.01 sum(entropy)")
+# the fused-loss issue's CPU target: C1's shapes with W1's GRPO loss (16 sequences of 256 tokens)
+C1_LOSS = Workload("C1-loss", "loss", 4096, 512, 32768, "float32", batch=16,
+                   note="CPU: C1 shapes, GRPO loss dapo, beta 0.04 k3 KL, entropy 0.01 (as W1); fwd+bwd")
 
 SWEEP_TOKENS = (1024, 2048, 4096, 8192, 16384, 32768)
 SWEEP_VOCAB = (32000, 128256, 151936)  # Llama-2, Llama-3, Qwen2.5
@@ -143,10 +147,10 @@ def _sweeps(n_base: int, h_base: int, v_base: int, dtype: str, tokens, vocab, hi
 
 
 def gpu_workloads() -> list[Workload]:
-    """Everything at the GPU sizes of DESIGN.md: W1-W4 and the three sweeps (bf16)."""
+    """Everything at the GPU sizes of DESIGN.md: W1-W3 and the three sweeps (bf16); W4 is bench/w4.py's."""
     sweeps = _sweeps(16384, 4096, 151936, "bfloat16", SWEEP_TOKENS, SWEEP_VOCAB, SWEEP_HIDDEN,
                      note="log-prob + entropy fwd+bwd")
-    return [_W1, _W1_LP, _W2, _W2_LP, _W3, _W4] + sweeps
+    return [_W1, _W1_LP, _W2, _W2_LP, _W3] + sweeps
 
 
 def _r8(x: float) -> int:
@@ -155,8 +159,6 @@ def _r8(x: float) -> int:
 
 def _scaled(wl: Workload, fn: int, fh: int, fv: int, batch: int | None = None) -> Workload:
     """``wl`` with N/fn, H/fh, V/fv tokens in float32, and a note saying so."""
-    if wl.kind == "trainer":
-        return wl
     n = _r8(wl.N / fn)
     b = batch if batch is not None else wl.batch
     return replace(
@@ -166,31 +168,32 @@ def _scaled(wl: Workload, fn: int, fh: int, fv: int, batch: int | None = None) -
 
 
 def cpu_workloads(quick: bool) -> list[Workload]:
-    """C1 and CPU-sized versions of W1-W4 and the sweeps (quick: smaller still, three points per sweep).
+    """C1, C1-loss and CPU-sized versions of W1-W3 and the sweeps (quick: smaller still, three points per sweep).
 
     Sweeps share their base point (the runner measures a shape once and reuses it under each name).
     """
     fn, fh, fv = (32, 16, 8) if quick else (4, 8, 4)
-    core = [_scaled(w, fn, fh, fv, batch=4 if quick else 8) for w in (_W1, _W2, _W3)] + [_W4]
+    core = [_scaled(w, fn, fh, fv, batch=4 if quick else 8) for w in (_W1, _W2, _W3)]
     if quick:
-        c1 = replace(C1, name="C1-quick", N=1024, note=C1.note + "; quick: N=1024 instead of 4096")
+        c1 = [replace(C1, name="C1-quick", N=1024, note=C1.note + "; quick: N=1024 instead of 4096")]
         sweep = _sweeps(512, 128, 8192, "float32", (128, 512, 2048), (2048, 8192, 32768), (64, 128, 512),
                         note="log-prob + entropy fwd+bwd; CPU quick sizes, not the GPU sweep's")
     else:
-        c1 = C1
+        c1 = [C1, C1_LOSS]
         sweep = _sweeps(2048, 512, 32768, "float32", (512, 1024, 2048, 4096, 8192), (8000, 32768, 38000),
                         (112, 256, 512), note="log-prob + entropy fwd+bwd; CPU sizes, not the GPU sweep's")
-    return [c1] + core + sweep
+    return c1 + core + sweep
 
 
 def smoke_workloads() -> list[Workload]:
-    """Tiny shapes for CI: every kind once, and a two-point token sweep so a plot is drawn."""
+    """Tiny shapes for CI: every kind once, and a two-point token sweep so a plot is drawn (W4: bench/w4.py)."""
     note = "smoke test: tiny shapes, numbers mean nothing"
     return [
         Workload("C1-smoke", "logprob", 128, 32, 512, "float32", note=note),
         Workload("W1-smoke", "loss", 128, 32, 512, "float32", batch=4, note=note),
+        # same shape as W1-smoke, so measured once (a "same_as" row): checks that c1's loss workload is wired up
+        Workload("C1-loss-smoke", "loss", 128, 32, 512, "float32", batch=4, note=note),
         Workload("W3-smoke", "forward", 128, 32, 512, "float32", note=note),
-        _W4,
         Workload("tokens-64", "logprob", 64, 32, 512, "float32", group="sweep-tokens", note=note),
         Workload("tokens-256", "logprob", 256, 32, 512, "float32", group="sweep-tokens", note=note),
     ]
@@ -207,6 +210,7 @@ def select(workloads: list[Workload], spec: str | None) -> list[Workload]:
             kl = k.lower()
             if (
                 wl.name.lower() == kl
+                or wl.name.lower().removesuffix("-smoke") == kl
                 or (kl.endswith("*") and wl.name.lower().startswith(kl[:-1]))
                 or wl.group == kl
                 or (kl == "sweeps" and wl.group.startswith("sweep"))
@@ -222,8 +226,6 @@ def select(workloads: list[Workload], spec: str | None) -> list[Workload]:
 
 def tiny(wl: Workload) -> Workload:
     """A smoke-test version of any workload: same name and kind (suffix '-smoke'), tiny float32 shapes."""
-    if wl.kind == "trainer":
-        return wl
     b = min(wl.batch, 4)
     return replace(wl, name=f"{wl.name}-smoke", N=128, H=32, V=512, dtype="float32", batch=b,
                    note="smoke test: tiny shapes, numbers mean nothing")

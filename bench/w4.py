@@ -1,0 +1,445 @@
+"""W4 (DESIGN.md): one TRL GRPOTrainer training step, stock ``trl.GRPOTrainer`` vs ``fastrl.GRPOTrainer``.
+
+    python -m bench w4                 # CUDA: Qwen2.5-0.5B shapes, 8 completions of 4k/8k/16k tokens, bf16
+                                       # CPU:  scaled down (V=151936, H=256, 1 layer), 2 completions of 256-2048
+    python -m bench w4 --quick         # CPU: 256/512/1024 tokens
+    python -m bench w4 --lengths 1024,4096 --budget-mb 8192
+
+A step is what ``Trainer.training_step`` does once a batch of completions exists (generation excluded):
+``trainer.compute_loss(model, inputs)`` under the trainer's loss context, then ``accelerator.backward(loss)``,
+on a randomly initialised ``Qwen2ForCausalLM`` with activation checkpointing on (TRL's GRPOConfig default,
+switched on as ``Trainer.train`` does), TRL's default loss settings (dapo, beta 0: no reference model) and
+every completion token unmasked. Each point (trainer x completion length) is a fresh process
+(``bench.worker`` hands it to :func:`run_point`); one untimed warm-up step first (CUDA: the same length, so
+Triton kernels are compiled and autotuned; CPU: a short completion, which pays the lazy initialisation without
+doubling the time), then the timed steps, gradients set to None before each (as ``optimizer.zero_grad`` does),
+so each step allocates its parameter gradients.
+
+Memory: CUDA ``torch.cuda.max_memory_allocated()`` during the step minus what was allocated before it (model
+weights and inputs), CPU the peak RSS (``VmHWM``, reset before the step) minus the RSS before it; the largest
+over the timed steps. The budget applies to that extra peak (the step's own memory; the 0.5B model's weights
+are 1 GB in bf16 on top). A point that runs out of memory (or fails) is a row saying so, and the same trainer
+is not tried at longer completions.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+
+__all__ = ["W4Shape", "shape_for", "run_point", "run", "print_table", "write_files", "TRAINERS"]
+
+TRAINERS = ("trl", "fastrl")
+LABELS = {"trl": "stock trl.GRPOTrainer (TRL 1.16 chunked LM head)", "fastrl": "fastrl.GRPOTrainer"}
+GIB = 1024.0
+
+
+@dataclass(frozen=True)
+class W4Shape:
+    name: str  # "W4", "W4-cpu", "W4-smoke"
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    tie_embeddings: bool
+    dtype: str  # "bfloat16" | "float32" (the model's weights; the trainer's bf16 flag follows it)
+    completions: int  # completions per step (B)
+    prompt_len: int
+    lengths: tuple  # completion lengths T, shortest first
+    budget_mb: float  # step-memory budget for "longest completion that fits"
+    note: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict) -> "W4Shape":
+        return W4Shape(**{**d, "lengths": tuple(d["lengths"])})
+
+
+# Qwen2.5-0.5B (its config.json): tied embeddings, rope theta 1e6
+QWEN25_05B = dict(vocab=151936, hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, tie_embeddings=True)
+
+
+def shape_for(device: str, mode: str) -> W4Shape:
+    """W4 for this device and mode ("smoke", "quick", "full")."""
+    if mode == "smoke":
+        return W4Shape("W4-smoke", 512, 32, 1, 4, 2, 64, False, "float32", 2, 8, (32,), 64.0,
+                       note="smoke test: tiny model, numbers mean nothing")
+    if device.startswith("cuda"):
+        return W4Shape("W4", **QWEN25_05B, dtype="bfloat16", completions=8, prompt_len=128,
+                       lengths=(4096, 8192) if mode == "quick" else (4096, 8192, 16384), budget_mb=60 * GIB,
+                       note="Qwen2.5-0.5B architecture, random init, bf16, 8 completions per step")
+    return W4Shape("W4-cpu", 151936, 256, 1, 4, 2, 512, False, "float32", 2, 32,
+                   (256, 512, 1024) if mode == "quick" else (256, 512, 1024, 2048), budget_mb=2048.0,
+                   note="CPU-scaled W4: Qwen2 architecture with Qwen2.5's vocabulary (151936) but H=256, 1 layer, "
+                        "float32, 2 completions per step (GPU W4: H=896, 24 layers, bf16, 8 completions of 4k-16k)")
+
+
+# ---------------------------------------------------------------------------------------------------
+# One point, in the measuring process
+# ---------------------------------------------------------------------------------------------------
+
+def _build_model(s: W4Shape):
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.intermediate,
+                      num_hidden_layers=s.layers, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
+                      max_position_embeddings=max(32768, s.prompt_len + max(s.lengths)), rope_theta=1e6,
+                      rms_norm_eps=1e-6, tie_word_embeddings=s.tie_embeddings, pad_token_id=0, eos_token_id=1,
+                      bos_token_id=2)
+    cfg._attn_implementation = "sdpa"  # transformers' default: memory linear in the sequence length
+    model = Qwen2ForCausalLM(cfg).to(getattr(torch, s.dtype))
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 1
+    return model
+
+
+def _reward(completions, **kwargs):  # never called: the step starts from completions and advantages
+    return [0.0] * len(completions)
+
+
+def _enable_checkpointing(trainer) -> bool:
+    """Activation checkpointing as ``Trainer.train`` switches it on (compute_loss alone would run without it)."""
+    args = trainer.args
+    on = getattr(args, "activation_checkpointing", None)
+    if on is None:
+        on = getattr(args, "gradient_checkpointing", False)
+    if not on:
+        return False
+    kw = dict(getattr(args, "activation_checkpointing_kwargs", None) or getattr(args, "gradient_checkpointing_kwargs",
+                                                                                 None) or {})
+    every, offload = kw.pop("every_n_layers", 1), kw.pop("offload", False)
+    m = trainer.model
+    if hasattr(m, "activation_checkpointing_enable"):
+        m.activation_checkpointing_enable(activation_checkpointing_kwargs=kw or None, every_n_layers=every,
+                                          offload=offload)
+    else:
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw or None)
+    return True
+
+
+def _inputs(s: W4Shape, L: int, device, seed: int) -> dict:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    B = s.completions
+    mask = torch.ones(B, L, dtype=torch.int64)
+    inp = dict(
+        prompt_ids=torch.randint(3, s.vocab, (B, s.prompt_len), generator=g),
+        prompt_mask=torch.ones(B, s.prompt_len, dtype=torch.int64),
+        completion_ids=torch.randint(3, s.vocab, (B, L), generator=g),
+        completion_mask=mask,
+        advantages=torch.randn(B, generator=g),
+        num_items_in_batch=mask.sum(),
+    )
+    return {k: v.to(device) for k, v in inp.items()}
+
+
+def _oom(e: BaseException) -> bool:
+    import torch
+
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower() \
+        or "can't allocate memory" in str(e).lower()
+
+
+def run_point(spec: dict) -> dict:
+    """Measure one (trainer, completion length) in this fresh process; returns a result dict for the row."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    import trl
+
+    import fastrl
+    from bench import measure
+    from fastrl.demo import build_tokenizer
+
+    s = W4Shape.from_dict(spec["shape"])
+    which, L = spec["trainer"], int(spec["completion_len"])
+    device = torch.device(spec["device"])
+    cuda = device.type == "cuda"
+    if not cuda and spec.get("threads"):
+        torch.set_num_threads(int(spec["threads"]))
+    from datasets import Dataset
+
+    torch.manual_seed(spec.get("seed", 0))
+    tok = build_tokenizer(s.vocab)
+    model = _build_model(s)
+    cls, cfg_cls = (trl.GRPOTrainer, trl.GRPOConfig) if which == "trl" else (fastrl.GRPOTrainer, fastrl.GRPOConfig)
+    kw = dict(output_dir=tempfile.mkdtemp(prefix="fastrl-w4-"), use_cpu=not cuda, bf16=s.dtype == "bfloat16",
+              report_to="none", save_strategy="no", logging_strategy="no", per_device_train_batch_size=s.completions,
+              num_generations=s.completions, max_completion_length=L, loss_type="dapo", disable_tqdm=True)
+    if which == "fastrl":
+        kw["health_checks"] = False
+        if spec.get("options", {}).get("fastrl_backend"):
+            kw["fastrl_backend"] = spec["options"]["fastrl_backend"]
+    trainer = cls(model=model, reward_funcs=_reward, args=cfg_cls(**kw), processing_class=tok,
+                  train_dataset=Dataset.from_dict({"prompt": ["w1"] * s.completions}))
+    trainer.current_gradient_accumulation_steps = 1
+    ckpt = _enable_checkpointing(trainer)
+    model = trainer.model
+    model.train()
+    res: dict = {"status": "ok", "reason": "", "activation_checkpointing": ckpt,
+                 "model_params": sum(p.numel() for p in model.parameters()), "beta": trainer.beta,
+                 "loss_type": trainer.loss_type}
+
+    def step(inputs) -> float:
+        with trainer.compute_loss_context_manager():
+            loss = trainer.compute_loss(model, inputs)
+        trainer.accelerator.backward(loss)
+        return float(loss.detach())
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    # warm-up: CUDA at the measured length (compile, autotune, allocator), CPU short (lazy initialisation)
+    try:
+        for _ in range(spec.get("warmup", 1)):
+            step(_inputs(s, L if cuda else min(L, 64), device, 1))
+            model.zero_grad(set_to_none=True)
+        sync()
+    except Exception as e:  # noqa: BLE001
+        if not _oom(e):
+            raise
+        res.update(status="oom", reason=f"out of memory in the warm-up step: {measure_first_line(e)}")
+        if cuda:
+            res["peak_total_mb"] = torch.cuda.max_memory_allocated() / measure.MB
+        return res
+
+    inputs = _inputs(s, L, device, spec.get("seed", 0))
+    times, extras, totals, bases, losses = [], [], [], [], []
+    try:
+        for _ in range(spec.get("reps", 1)):
+            model.zero_grad(set_to_none=True)
+            gc.collect()
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+            else:
+                measure._trim()
+                base = measure._rss_mb() * measure.MB
+                measure._reset_peak()
+            t0 = time.perf_counter()
+            losses.append(step(inputs))
+            sync()
+            times.append((time.perf_counter() - t0) * 1e3)
+            if cuda:
+                peak = torch.cuda.max_memory_allocated()
+            else:
+                peak = measure._peak_rss_mb() * measure.MB
+            bases.append(base / measure.MB)
+            extras.append((peak - base) / measure.MB)
+            totals.append(peak / measure.MB)
+    except Exception as e:  # noqa: BLE001
+        if not _oom(e):
+            raise
+        res.update(status="oom", reason=f"out of memory: {measure_first_line(e)}")
+        if cuda:
+            res["peak_total_mb"] = torch.cuda.max_memory_allocated() / measure.MB
+        return res
+    res.update({
+        "step_ms": measure.summarize(times), "peak_extra_mb": max(extras), "peak_total_mb": max(totals),
+        "baseline_mb": min(bases), "loss_value": losses[0],
+        "path": getattr(trainer, "_fastrl_last_path", "trl") if which == "fastrl" else "trl",
+        "memory_method": "torch.cuda.max_memory_allocated() minus allocated before the step" if cuda
+        else "peak RSS (VmHWM, reset before the step) minus RSS before the step",
+    })
+    if cuda:
+        res["device_total_mb"] = torch.cuda.get_device_properties(0).total_memory / measure.MB
+    return res
+
+
+def measure_first_line(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0] if msg else ''}"[:240]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The sweep, in the parent
+# ---------------------------------------------------------------------------------------------------
+
+def _row(s: W4Shape, which: str, L: int, status: str, reason: str = "") -> dict:
+    return {"workload": s.name, "group": "w4", "kind": "trainer", "provider": which, "label": LABELS[which],
+            "status": status, "reason": reason, "completion_len": L, "completions": s.completions,
+            "tokens": s.completions * L, "prompt_len": s.prompt_len, "V": s.vocab, "H": s.hidden, "layers": s.layers,
+            "dtype": s.dtype, "budget_mb": s.budget_mb, "workload_note": s.note}
+
+
+def run(s: W4Shape, device: str, con, *, reps: int = 1, warmup: int = 1, timeout_s: int = 900, threads: int = 0,
+        options: dict | None = None, jobs: int = 1) -> tuple[list[dict], dict]:
+    """Every (completion length, trainer) of ``s``, each in a fresh ``bench.worker`` process; returns rows, summary."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rich.markup import escape
+
+    from bench.runner import _spawn
+
+    rows: list[dict] = []
+    failed: dict[str, int] = {}  # trainer -> the length at which it ran out of memory / failed
+    loads = []
+    con.print(f"[bold]{s.name}[/bold]: {s.note}; V={s.vocab} H={s.hidden} layers={s.layers}, {s.completions} "
+              f"completions x {', '.join(map(str, s.lengths))} tokens (+{s.prompt_len} prompt), budget "
+              f"{s.budget_mb:.0f} MB of step memory; each point in a fresh process")
+    for L in s.lengths:
+        todo = []
+        for which in TRAINERS:
+            if which in failed:
+                rows.append(_row(s, which, L, "skipped", f"not tried: failed already at {failed[which]} tokens"))
+            else:
+                todo.append(which)
+
+        def one(which, L=L):
+            spec = {"kind": "w4", "shape": s.to_dict(), "trainer": which, "completion_len": L, "device": device,
+                    "reps": reps, "warmup": warmup, "threads": threads, "options": options or {}, "seed": 0}
+            loads.append(os.getloadavg()[0])
+            r = _spawn(spec, timeout_s)
+            loads.append(os.getloadavg()[0])
+            return r
+
+        with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(todo) or 1))) as pool:
+            results = list(pool.map(one, todo))
+        for which, res in zip(todo, results):
+            reason = res.get("reason", "")
+            if "killed by signal 9" in reason:
+                res["status"], reason = "oom", reason + " (the kernel's OOM killer, most likely)"
+            row = _row(s, which, L, res.get("status", "error"), reason)
+            row.update({k: v for k, v in res.items() if k not in ("status", "reason")})
+            if row["status"] == "ok":
+                row["fits_budget"] = row["peak_extra_mb"] <= s.budget_mb
+                con.print(f"{s.name:>8} {L:>6} tokens {which:<7} {row['step_ms']['median']:10.0f} ms  "
+                          f"{row['peak_extra_mb']:9.1f} MB extra  {row['peak_total_mb']:9.1f} MB peak")
+            else:
+                failed[which] = L
+                con.print(f"[dim]{s.name:>8} {L:>6} tokens {which:<7} {row['status']}: {escape(reason)}[/dim]")
+            rows.append(row)
+    by = {(r["completion_len"], r["provider"]): r for r in rows}
+    for r in rows:
+        t = by.get((r["completion_len"], "trl"))
+        if r["provider"] != "trl" and r["status"] == "ok" and t and t["status"] == "ok":
+            r["time_vs_trl"] = r["step_ms"]["median"] / t["step_ms"]["median"]
+            r["mem_vs_trl"] = r["peak_extra_mb"] / t["peak_extra_mb"] if t["peak_extra_mb"] > 0 else None
+    longest = {}
+    for which in TRAINERS:
+        fits = [r["completion_len"] for r in rows if r["provider"] == which and r["status"] == "ok"
+                and r["fits_budget"]]
+        longest[which] = max(fits) if fits else None
+    summary = {"shape": s.to_dict(), "budget_mb": s.budget_mb, "longest_fitting": longest,
+               "loadavg_max": max(loads) if loads else None, "reps": reps, "warmup": warmup}
+    return rows, summary
+
+
+def print_table(con, rows: list[dict], summary: dict, title: str) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    s = W4Shape.from_dict(summary["shape"])
+    t = Table(title=title, header_style="bold")
+    for col in ("completion tokens", "trainer", "step ms [min-max]", "extra MB", "peak MB", "x trl time",
+                "x trl mem", f"fits {s.budget_mb:.0f} MB", "notes"):
+        t.add_column(col, justify="left" if col in ("trainer", "notes") else "right", overflow="fold")
+    last = None
+    for r in rows:
+        if last is not None and r["completion_len"] != last:
+            t.add_section()
+        last = r["completion_len"]
+        head = f"{r['completion_len']}\n[dim]{r['completions']} x {r['completion_len']}[/dim]"
+        if r["status"] != "ok":
+            style = "red" if r["status"] == "error" else "yellow"
+            t.add_row(head, r["provider"], "", "", _fmt(r.get("peak_total_mb"), ".0f"), "", "", "no",
+                      f"[{style}]{r['status']}: {escape(r['reason'])}[/{style}]")
+            continue
+        sm = r["step_ms"]
+        spread = f" [{sm['min']:.0f}-{sm['max']:.0f}]" if sm.get("n", 1) > 1 else ""
+        t.add_row(head, r["provider"], f"{sm['median']:.0f}{spread}", f"{r['peak_extra_mb']:.1f}",
+                  f"{r['peak_total_mb']:.1f}", _fmt(r.get("time_vs_trl"), ".2f"), _fmt(r.get("mem_vs_trl"), ".3f"),
+                  "yes" if r["fits_budget"] else "no",
+                  escape(f"path {r.get('path', '?')}; loss {r.get('loss_value', float('nan')):+.5f}"))
+    con.print(t)
+    lf = summary["longest_fitting"]
+    for which in TRAINERS:
+        v = lf.get(which)
+        top = v is not None and v == max(s.lengths)
+        con.print(f"W4 longest completion within {s.budget_mb:.0f} MB of step memory ({s.completions} completions), "
+                  f"{which}: {v if v is not None else 'none of ' + ', '.join(map(str, s.lengths))}"
+                  + (" (the longest tried)" if top else ""))
+
+
+def _fmt(x, f: str) -> str:
+    return "" if x is None else format(x, f)
+
+
+CSV_COLUMNS = ["workload", "provider", "status", "reason", "completion_len", "completions", "tokens", "prompt_len",
+               "V", "H", "layers", "dtype", "step_ms_median", "step_ms_min", "step_ms_max", "step_ms_n",
+               "peak_extra_mb", "peak_total_mb", "baseline_mb", "time_vs_trl", "mem_vs_trl", "budget_mb",
+               "fits_budget", "loss_value", "path", "activation_checkpointing", "model_params",
+               "device", "torch", "driver"]
+
+
+def write_files(out_dir, prefix: str, rows: list[dict], summary: dict, env: dict, plots: bool = True) -> list:
+    """``<prefix>.csv`` and ``<prefix>.png`` (memory and step time against the completion length)."""
+    import csv
+    from pathlib import Path
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    p = out_dir / f"{prefix}.csv"
+    with open(p, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            flat = {**r, **{f"step_ms_{k}": v for k, v in (r.get("step_ms") or {}).items()}}
+            flat.update({k: env.get(k) for k in ("device", "torch", "driver")})
+            w.writerow(flat)
+    written.append(p)
+    if not plots:
+        return written
+    try:
+        import matplotlib
+    except ImportError:
+        return written
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = W4Shape.from_dict(summary["shape"])
+    fig, (ax_m, ax_t) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for which in TRAINERS:
+        pts = [r for r in rows if r["provider"] == which and r["status"] == "ok"]
+        if pts:
+            x = [r["completion_len"] for r in pts]
+            ax_m.plot(x, [r["peak_extra_mb"] for r in pts], marker="o", label=which)
+            ax_t.plot(x, [r["step_ms"]["median"] / 1e3 for r in pts], marker="o", label=which)
+        for r in rows:
+            if r["provider"] == which and r["status"] == "oom":
+                ax_m.axvline(r["completion_len"], ls=":", alpha=0.5, color="red")
+    ax_m.axhline(s.budget_mb, ls="--", color="gray", label=f"budget {s.budget_mb:.0f} MB")
+    for ax, ylab in ((ax_m, "peak extra memory of the step, MB"), (ax_t, "step time, s")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(f"completion tokens ({s.completions} completions per step)")
+        ax.set_ylabel(ylab)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{s.name}: one GRPO training step (loss fwd+bwd), V={s.vocab} H={s.hidden} layers={s.layers} "
+                 f"{s.dtype}; red dotted: out of memory\n{env['device']} | torch {env['torch']}", fontsize=9)
+    fig.tight_layout()
+    p = out_dir / f"{prefix}.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    written.append(p)
+    return written
+
+
+def with_overrides(s: W4Shape, lengths: str | None, budget_mb: float | None) -> W4Shape:
+    if lengths:
+        s = replace(s, lengths=tuple(sorted(int(x) for x in lengths.split(",") if x.strip())))
+    if budget_mb:
+        s = replace(s, budget_mb=float(budget_mb))
+    return s
