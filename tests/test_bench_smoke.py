@@ -1,5 +1,6 @@
 """The benchmark CLI end to end at tiny shapes: it runs, prints its table, writes JSON and CSV.
 
+W4 (one GRPOTrainer step, stock TRL and fastrl, each in a fresh process) runs at a tiny model too.
 Nothing here times or compares speed (CI has 2 cores and no GPU); it only checks the plumbing: every
 provider x workload gets a row (measured, or skipped / not applicable with a reason), no row is an error,
 and the files a real run would write are there.
@@ -12,8 +13,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
-PROVIDERS = ["fastrl", "torch", "liger-triton", "cce"]  # two that run, two that say why they cannot here
+# three that run, two that say why they cannot here
+PROVIDERS = ["fastrl", "fastrl-fused", "torch", "liger-triton", "cce"]
 
 
 def test_bench_cli_smoke(tmp_path):
@@ -34,20 +38,35 @@ def test_bench_cli_smoke(tmp_path):
     assert data["env"]["driver"] == "n/a (CPU)" and data["env"]["torch"] and data["env"]["triton"]
     rows = [r for r in data["rows"] if r["group"] != "floor"]
     by = {(r["workload"], r["provider"]): r for r in rows}
-    workloads = {"C1-smoke", "W1-smoke", "W4", "tokens-64", "tokens-256"}
+    workloads = {"C1-smoke", "C1-loss-smoke", "W1-smoke", "tokens-64", "tokens-256"}
     assert {w for w, _ in by} == workloads
     assert len(by) == len(workloads) * len(PROVIDERS), sorted(by)
     errors = [f"{w}/{p}: {r['reason']}" for (w, p), r in by.items() if r["status"] == "error"]
     assert not errors, errors
-    for key in [("C1-smoke", "fastrl"), ("C1-smoke", "torch"), ("W1-smoke", "fastrl"), ("tokens-256", "fastrl")]:
+    for key in [("C1-smoke", "fastrl"), ("C1-smoke", "torch"), ("W1-smoke", "fastrl"), ("tokens-256", "fastrl"),
+                ("C1-loss-smoke", "fastrl-fused"), ("C1-loss-smoke", "torch")]:
         r = by[key]
         assert r["status"] == "ok", (key, r["reason"])
         assert r["total_ms"]["median"] > 0 and r["peak_extra_mb"] is not None
     assert by[("C1-smoke", "fastrl")]["logp_max_abs_err"] < 1e-4  # float32 vs float64, 16 tokens
     assert by[("C1-smoke", "fastrl")]["time_vs_torch"] > 0  # a ratio against torch measured in the same run
-    for key in [("W1-smoke", "liger-triton"), ("C1-smoke", "cce"), ("W4", "fastrl")]:
+    for key in [("W1-smoke", "liger-triton"), ("C1-smoke", "cce")]:
         assert by[key]["status"] == "skipped" and by[key]["reason"], key
     assert by[("C1-smoke", "liger-triton")]["status"] == "n/a"
+    assert by[("C1-loss-smoke", "fastrl-fused")]["loss_value"] == pytest.approx(by[("C1-loss-smoke", "torch")]["loss_value"],
+                                                                                rel=1e-4, abs=1e-5)
+
+    # W4: one GRPOTrainer step per trainer, its own table and rows
+    assert out.rfind("W4-smoke") > header and "W4 longest completion" in out
+    w4 = data["w4"]
+    w4_rows = {r["provider"]: r for r in w4["rows"]}
+    assert set(w4_rows) == {"trl", "fastrl"}, w4["rows"]
+    for r in w4_rows.values():
+        assert r["status"] == "ok", r["reason"]
+        assert r["step_ms"]["median"] > 0 and r["peak_extra_mb"] is not None
+    assert w4_rows["fastrl"]["loss_value"] == pytest.approx(w4_rows["trl"]["loss_value"], rel=1e-4, abs=1e-5)
+    assert w4_rows["fastrl"]["time_vs_trl"] > 0 and set(w4["longest_fitting"]) == {"trl", "fastrl"}
+    assert (tmp_path / "run-smoke-w4.csv").stat().st_size > 0
 
     with open(tmp_path / "run-smoke.csv", newline="") as f:
         csv_rows = list(csv.DictReader(f))
