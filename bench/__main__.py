@@ -31,7 +31,7 @@ C1_PROVIDERS = "fastrl,fastrl-fused,torch,trl,liger-fused"
 # the issues' CPU targets: workload -> (provider, max time ratio, max extra-peak ratio), both against torch's
 C1_TARGETS = {"C1": ("fastrl", 1.2, 0.10), "C1-loss": ("fastrl-fused", 1.0, 0.10)}
 # W4 rides along with `python -m bench` (full run); --quick and --smoke only when --workload names it
-W4_IN_QUICK = False  # a CPU W4 sweep takes ~4 min at the quick lengths: `python -m bench w4 --quick`
+W4_IN_QUICK = False  # CPU W4 at the quick lengths: ~2 min quiet, ~4 loaded; `python -m bench w4 --quick`
 GPU_WORKLOADS = ("W1", "W1-lp", "W2", "W2-lp", "W3")
 # what --quick on CPU trims to stay within a few minutes on 2 cores
 QUICK_ONLY_ON = {
