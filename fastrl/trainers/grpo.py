@@ -66,7 +66,7 @@ class GRPOConfig(trl.GRPOConfig):
         fastrl_vocab_chunk (`int` or `None`, defaults to `None`): vocabulary columns per backward tile of the
             log-prob op; `None` bounds the tile automatically (16 MB on CPU, 2^26 elements on GPU).
         fastrl_chunk_tokens (`int` or `None`, defaults to `None`): tokens per chunk of the one-pass policy loss;
-            `None` uses fastrl's default, a `[chunk, V]` float32 tile of 2^24 elements (64 MB) on CPU and 2^27
+            `None` uses fastrl's default, a `[chunk, V]` float32 tile of 2^23 elements (32 MB) on CPU and 2^27
             (512 MB) on GPU, whole sequences when the loss couples a sequence's tokens. Smaller uses less memory.
         health_checks (`bool`, defaults to `True`): attach `fastrl.TrainingHealthCallback`, which warns in plain
             words when KL, ratios, clip fractions, truncation or NaNs look wrong.
