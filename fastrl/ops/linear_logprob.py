@@ -126,7 +126,10 @@ def linear_backward(
             )
             w_mm = torch_backend._f32(weight[v0:v1])
         if need_w:
-            grad_w[v0:v1] = torch.mm(G.T, h_mm)
+            if G.dtype == grad_w.dtype and h_mm.dtype == grad_w.dtype:
+                torch.mm(G.T, h_mm, out=grad_w[v0:v1])  # written in place: no [V_blk, H] temporary
+            else:
+                grad_w[v0:v1] = torch.mm(G.T, h_mm)
         if need_h:
             _addmm_acc(grad_h, G, w_mm)
         if need_b:
