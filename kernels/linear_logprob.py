@@ -1,15 +1,22 @@
-"""Fused LM head -> per-token log-prob and entropy: Triton kernels and their launchers.
+"""Fused LM head -> per-token log-prob and entropy: the fully fused Triton kernels and their launchers.
 
-Nothing here knows about autograd (that lives in ``fastrl/ops``). Two kernels:
+Nothing here knows about autograd (that lives in ``fastrl/ops``). Two kernels, each computing tiles of
+``h W^T`` with ``tl.dot`` (float32 accumulation) and consuming them in registers, so no logit is ever stored:
 
-* ``_stats_fwd_kernel``: the logits tile ``h W^T (+ b)`` is computed with ``tl.dot`` (float32
-  accumulation) and folded straight into online row statistics, so logits never exist in memory and
-  are never rounded to bf16. Grid: (token blocks, vocabulary splits); each split writes partial
-  statistics that ``linear_stats`` merges (O(N * splits) floats). Splitting the vocabulary keeps every
-  SM busy when there are few tokens.
-* ``_grad_block_kernel``: recomputes the logits tile for a slice of the vocabulary and writes
-  ``G = dL/dy`` for it, from the saved row statistics and the upstream gradients of log-prob and
-  entropy. The caller turns ``G`` into weight/hidden gradients with two cuBLAS GEMMs.
+* ``_stats_fwd_kernel``: folds each tile into online row statistics. Grid: (token blocks, vocabulary splits);
+  each split writes partial statistics that ``linear_stats`` merges (O(N * splits) floats). Splitting the
+  vocabulary keeps every SM busy when there are few tokens. The target's logit is a separate dot product of
+  the row with its target's weight row, after the vocabulary loop, so the hot loop carries no per-element
+  target compare (it cost the 128x256 tile ~30 spilled registers on sm_90).
+* ``_grad_block_kernel``: recomputes the tile for a slice of the vocabulary and writes ``G = dL/dy`` from the
+  saved row statistics and the upstream gradients of log-prob and entropy. The caller turns ``G`` into
+  weight / hidden gradients with two cuBLAS GEMMs.
+
+On Hopper (and in the interpreter) the tiles are loaded through TMA tensor descriptors when the tensors are
+16-byte aligned: the hardware computes the addresses (no per-element 64-bit pointers in registers) and the H
+loop is software-pipelined over ``num_stages`` shared-memory buffers. Otherwise the same kernel loads with
+pointers. Launch configurations are a fixed table per GPU family (``CONFIGS``); ``FASTRL_AUTOTUNE=1`` times the
+candidates once per (kernel, H, V, dtype) instead (``fastrl.kernels.tuning``).
 
 Statistics, per row, relative to a running max ``m`` so that ``exp`` never overflows:
 ``s = sum exp(z - m)``, ``u = sum exp(z - m) (z - m)``; then ``lse = m + log s`` and
@@ -25,17 +32,21 @@ import torch
 import triton
 import triton.language as tl
 
+from fastrl.kernels.tuning import KernelConfig, config_for
+
+try:  # host-side TMA descriptors (Triton >= 3.4); without them every launch uses pointer loads
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    TensorDescriptor = None
+
 # Triton decides at decoration time whether a kernel is interpreted; record what was decided so the
 # dispatcher can refuse CPU tensors with a clear message instead of a driver error.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-# Default launch configuration (Hopper/Ampere, bf16). Block sizes are real ones even under the
-# interpreter: tests run these exact tiles on CPU tensors.
-BLOCK_N = 64
-BLOCK_V = 128
-BLOCK_H = 64
-NUM_WARPS = 8
-NUM_STAGES = 3
+# A finite stand-in for -inf in the online statistics: padded columns and the initial running max. With it,
+# exp(m_old - m_new) and exp(pad - m_new) underflow to exactly 0 and no inf - inf (NaN) can arise, without
+# the extra where()s that cost registers in the epilogue. Real logits are far inside (-1e30, 1e30).
+NEG_LARGE: tl.constexpr = tl.constexpr(-1.0e30)
 
 
 @triton.jit
@@ -52,43 +63,68 @@ def _tanh(x):
 
 
 @triton.jit
-def _logits_tile(
-    h_ptr, w_ptr, b_ptr,
-    offs_n, offs_v,
+def _round_to(x, dtype: tl.constexpr, EMULATE_RNE: tl.constexpr):
+    """``x.to(dtype)``: round to nearest even, as a GPU's conversion does.
+
+    Triton's interpreter truncates float32 -> bf16 (whatever rounding is asked for); the CPU tests must see
+    the GPU's arithmetic, so there (``EMULATE_RNE``) the rounding is done on the bits first, after which the
+    truncation is exact: add 0x7FFF plus the lowest kept bit, then clear the 16 dropped bits.
+    """
+    if dtype == tl.float32:
+        return x
+    elif EMULATE_RNE and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True).to(dtype)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
+def _dot_tile(
+    h_src, w_src,  # TMA descriptors (USE_TMA) or base pointers
+    n0, v0,  # first row of the token block and of the vocabulary block
     N, V, H,
-    stride_hn, stride_hh, stride_wv, stride_wh,
-    logit_scale, softcap, inv_temp,
+    stride_hn, stride_wv,
     # Meta-parameters
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr,
 ):
-    """Transformed logits z for rows offs_n and columns offs_v, float32 [BLOCK_N, BLOCK_V]."""
+    """Raw logits ``h[n0:n0+BN] @ W[v0:v0+BV]^T`` as a float32 [BLOCK_N, BLOCK_V] tile (zeros outside)."""
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
-    n_ok = offs_n[:, None] < N
-    v_ok = offs_v[None, :] < V
+    if not USE_TMA:
+        # 64-bit only in the scalar base (N * H and V * H exceed 2^31); tile offsets stay 32-bit
+        rn = tl.arange(0, BLOCK_N)
+        rv = tl.arange(0, BLOCK_V)
+        rh = tl.arange(0, BLOCK_H)
+        h_base = h_src + tl.cast(n0, tl.int64) * stride_hn
+        w_base = w_src + tl.cast(v0, tl.int64) * stride_wv
+        n_ok = (n0 + rn) < N
+        v_ok = (v0 + rv) < V
     for h0 in range(0, H, BLOCK_H):
-        offs_h = h0 + tl.arange(0, BLOCK_H)
-        h_ok = offs_h < H
-        h_tile = tl.load(
-            h_ptr + offs_n[:, None] * stride_hn + offs_h[None, :] * stride_hh,
-            mask=n_ok & h_ok[None, :], other=0.0,
-        )
-        w_tile = tl.load(
-            w_ptr + offs_v[None, :] * stride_wv + offs_h[:, None] * stride_wh,
-            mask=v_ok & h_ok[:, None], other=0.0,
-        )
-        if DOT_UPCAST:
+        if USE_TMA:
+            a = h_src.load([n0, h0])  # [BLOCK_N, BLOCK_H], zero-filled out of bounds
+            b = w_src.load([v0, h0]).T  # [BLOCK_H, BLOCK_V]
+        else:
+            h_ok = (h0 + rh) < H
+            a = tl.load(h_base + rn[:, None] * stride_hn + (h0 + rh)[None, :],
+                        mask=n_ok[:, None] & h_ok[None, :], other=0.0)
+            b = tl.load(w_base + rv[None, :] * stride_wv + (h0 + rh)[:, None],
+                        mask=v_ok[None, :] & h_ok[:, None], other=0.0)
+        if INTERP_BF16:
             # Triton's interpreter multiplies bf16 tiles as raw integers (numpy has no bf16). bf16 x bf16
             # products are exact in float32, so upcasting is the same arithmetic the tensor cores do.
-            h_tile = h_tile.to(tl.float32)
-            w_tile = w_tile.to(tl.float32)
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
         # float32 inputs use IEEE products: TF32 would be less accurate than PyTorch's fp32 matmul
-        acc = tl.dot(h_tile, w_tile, acc, input_precision=DOT_PRECISION)
-    if HAS_BIAS:
-        b = tl.load(b_ptr + offs_v, mask=offs_v < V, other=0.0).to(tl.float32)
-        acc += b[None, :]
-    x = acc * logit_scale
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _transform(y, logit_scale, softcap, inv_temp, HAS_SOFTCAP: tl.constexpr):
+    """z = softcap(logit_scale * y) / T, softcap c tanh(x / c) only when set."""
+    x = y * logit_scale
     if HAS_SOFTCAP:
         x = softcap * _tanh(x / softcap)
     return x * inv_temp
@@ -96,74 +132,103 @@ def _logits_tile(
 
 @triton.jit
 def _stats_fwd_kernel(
-    h_ptr, w_ptr, b_ptr, t_ptr,
+    h_src, w_src,  # [N, H], [V, H]: TMA descriptors (USE_TMA) or pointers
+    h_ptr, w_ptr,  # the same tensors as plain pointers (target-row gathers)
+    b_ptr, t_ptr,  # [V] bias (HAS_BIAS), [N] int64 targets
     m_ptr, s_ptr, u_ptr, zt_ptr,  # partial statistics, each [SPLITS, N] float32
-    z_ptr,  # [N, V] float32 transformed logits, written only when STORE_Z (one-pass loss chunks)
     N, V, H, v_per_split,
-    stride_hn, stride_hh, stride_wv, stride_wh, stride_zn,
+    stride_hn, stride_wv,
     logit_scale, softcap, inv_temp,
     # Meta-parameters
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ENTROPY: tl.constexpr, STORE_Z: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ENTROPY: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
-    # 64-bit offsets: N * V and V * H exceed 2^31 at real sizes (16k tokens x 152k vocab)
-    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    tgt = tl.load(t_ptr + offs_n, mask=n_ok, other=-1)
 
-    m = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
+    m = tl.full((BLOCK_N,), NEG_LARGE, dtype=tl.float32)
     s = tl.zeros((BLOCK_N,), dtype=tl.float32)
     u = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    zt = tl.zeros((BLOCK_N,), dtype=tl.float32)
 
-    v_start = pid_s.to(tl.int64) * v_per_split
+    v_start = pid_s * v_per_split
     v_end = tl.minimum(v_start + v_per_split, V)
     for v0 in range(v_start, v_end, BLOCK_V):
-        offs_v = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
-        z = _logits_tile(
-            h_ptr, w_ptr, b_ptr, offs_n, offs_v, N, V, H,
-            stride_hn, stride_hh, stride_wv, stride_wh,
-            logit_scale, softcap, inv_temp,
-            HAS_BIAS, HAS_SOFTCAP, BLOCK_N, BLOCK_V, BLOCK_H, DOT_PRECISION, DOT_UPCAST,
-        )
-        v_ok = offs_v[None, :] < v_end
-        if STORE_Z:
-            tl.store(z_ptr + offs_n[:, None] * stride_zn + offs_v[None, :], z, mask=n_ok[:, None] & v_ok)
-        z = tl.where(v_ok, z, float("-inf"))
-        zt += tl.sum(tl.where(offs_v[None, :] == tgt[:, None], z, 0.0), axis=1)
-
+        y = _dot_tile(h_src, w_src, n0, v0, N, V, H, stride_hn, stride_wv,
+                      BLOCK_N, BLOCK_V, BLOCK_H, USE_TMA, DOT_PRECISION, INTERP_BF16)
+        offs_v = v0 + tl.arange(0, BLOCK_V)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + offs_v, mask=offs_v < V, other=0.0).to(tl.float32)[None, :]
+        z = tl.where(offs_v[None, :] < v_end, _transform(y, logit_scale, softcap, inv_temp, HAS_SOFTCAP), NEG_LARGE)
         m_new = tl.maximum(m, tl.max(z, axis=1))
-        # Rows whose logits are all -inf so far keep m = -inf; shift by 0 there to avoid inf - inf.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        d = z - m_safe[:, None]
-        p = tl.exp(d)
+        alpha = tl.exp(m - m_new)
+        d = z - m_new[:, None]
+        p = tl.exp(d)  # exactly 0 in padded columns
         if HAS_ENTROPY:
-            # re-base u from the old max to the new one: u' = alpha (u + (m - m_new) s);
-            # padded columns have p = 0 and d = -inf, so zero d there before the product
-            # (rows with s = 0 still have m = -inf: shift by 0 there rather than multiply -inf by 0)
-            shift = (tl.where(s > 0, m, m_safe) - m_safe) * s
-            u = alpha * (u + shift) + tl.sum(p * tl.where(p > 0, d, 0.0), axis=1)
+            # re-base u from the old max to the new one: u' = alpha (u + (m - m_new) s)
+            u = alpha * (u + (m - m_new) * s) + tl.sum(p * d, axis=1)
         s = alpha * s + tl.sum(p, axis=1)
         m = m_new
 
-    out = pid_s.to(tl.int64) * N + offs_n
+    out = pid_s * N + offs_n
     tl.store(m_ptr + out, m, mask=n_ok)
     tl.store(s_ptr + out, s, mask=n_ok)
-    tl.store(zt_ptr + out, zt, mask=n_ok)
     if HAS_ENTROPY:
         tl.store(u_ptr + out, u, mask=n_ok)
+
+    # Target logit z[n, t_n] = transform(h_n . W[t_n] + b[t_n]): a [BLOCK_N, H] row-wise dot with the gathered
+    # target rows, once per token (split 0); float32 products and sums, as exact as the tiles' own.
+    if pid_s == 0:
+        tgt = tl.load(t_ptr + offs_n, mask=n_ok, other=-1)
+        t_ok = n_ok & (tgt >= 0) & (tgt < V)
+        t_safe = tl.where(t_ok, tgt, 0)
+        yt = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            ld = t_ok[:, None] & (offs_h[None, :] < H)
+            hv = tl.load(h_ptr + offs_n.to(tl.int64)[:, None] * stride_hn + offs_h[None, :], mask=ld, other=0.0)
+            wv = tl.load(w_ptr + t_safe.to(tl.int64)[:, None] * stride_wv + offs_h[None, :], mask=ld, other=0.0)
+            yt += tl.sum(hv.to(tl.float32) * wv.to(tl.float32), axis=1)
+        if HAS_BIAS:
+            yt += tl.load(b_ptr + t_safe, mask=t_ok, other=0.0).to(tl.float32)
+        zt = tl.where(t_ok, _transform(yt, logit_scale, softcap, inv_temp, HAS_SOFTCAP), 0.0)
+    else:
+        zt = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    tl.store(zt_ptr + out, zt, mask=n_ok)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _dot_upcast(dtype: torch.dtype) -> bool:
+def _interp_bf16(dtype: torch.dtype) -> bool:
+    """bf16 under the interpreter: upcast the dot operands and emulate the GPU's rounding of bf16 results."""
     return INTERPRET and dtype == torch.bfloat16
+
+
+def tma_ok(*tensors: torch.Tensor) -> bool:
+    """Whether TMA descriptors can address these 2-D tensors: Hopper or newer (or the interpreter), unit
+    column stride, 16-byte aligned base and row stride."""
+    if TensorDescriptor is None:
+        return False
+    t0 = tensors[0]
+    if not INTERPRET:
+        if t0.device.type != "cuda" or torch.cuda.get_device_capability(t0.device)[0] < 9:
+            return False
+    for t in tensors:
+        if t.stride(1) != 1 or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16 or t.shape[0] == 0:
+            return False
+    return True
+
+
+def _sources(hidden, weight, cfg: KernelConfig, use_tma: bool):
+    if not use_tma:
+        return hidden, weight
+    return (TensorDescriptor.from_tensor(hidden, [cfg.block_n, cfg.block_h]),
+            TensorDescriptor.from_tensor(weight, [cfg.block_v, cfg.block_h]))
 
 
 def _num_splits(n_blocks: int, v_blocks: int, device: torch.device) -> int:
@@ -175,48 +240,54 @@ def _num_splits(n_blocks: int, v_blocks: int, device: torch.device) -> int:
 
 
 def linear_stats(
-    hidden: torch.Tensor,  # [N, H]
-    weight: torch.Tensor,  # [V, H]
-    bias: torch.Tensor | None,  # [V]
-    targets: torch.Tensor,  # [N] int64 (anything outside [0, V) contributes no target logit)
+    hidden: torch.Tensor,  # [N, H], unit column stride
+    weight: torch.Tensor,  # [V, H], unit column stride
+    bias: torch.Tensor | None,  # [V] contiguous
+    targets: torch.Tensor,  # [N] int64 contiguous (anything outside [0, V) contributes no target logit)
     *,
     logit_scale: float,
     softcap: float | None,
     temperature: float,
     with_entropy: bool,
     splits: int | None = None,
-    z_out: torch.Tensor | None = None,  # [N, V] float32: also store the transformed logits here
+    use_tma: bool | None = None,  # None: whenever the tensors allow it
+    config: KernelConfig | None = None,  # None: the table's (or the autotuner's) choice
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # lse [N], target z [N], entropy [N] or None
-    """Row statistics of the transformed logits in one fused pass: log-sum-exp, target logit, entropy.
-
-    With ``z_out`` the logits are also written (float32), for the one-pass loss, whose gradient needs
-    each row's statistics before it can be formed.
-    """
+    """Row statistics of the transformed logits in one fused pass: log-sum-exp, target logit, entropy."""
     N, H = hidden.shape
     V = weight.shape[0]
-    n_blocks = triton.cdiv(N, BLOCK_N)
-    v_blocks = triton.cdiv(V, BLOCK_V)
-    if splits is None:
-        splits = _num_splits(n_blocks, v_blocks, hidden.device)
-    splits = max(1, min(splits, v_blocks))
-    # each split covers a whole number of vocabulary blocks
-    v_per_split = triton.cdiv(v_blocks, splits) * BLOCK_V
-    splits = triton.cdiv(V, v_per_split)
-    part = torch.empty((4, splits, N), dtype=torch.float32, device=hidden.device)
-    m, s, u, zt = part.unbind(0)
-    _stats_fwd_kernel[(n_blocks, splits)](
-        hidden, weight, bias if bias is not None else hidden, targets,
-        m, s, u, zt, z_out if z_out is not None else m,
-        N, V, H, v_per_split,
-        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-        z_out.stride(0) if z_out is not None else 0,
-        float(logit_scale), float(softcap or 1.0), 1.0 / float(temperature),
-        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, HAS_ENTROPY=with_entropy,
-        STORE_Z=z_out is not None,
-        BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_H=BLOCK_H,
-        DOT_PRECISION=_dot_precision(hidden.dtype), DOT_UPCAST=_dot_upcast(hidden.dtype),
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
-    )
+    assert hidden.stride(1) == 1 and weight.stride(1) == 1 and targets.is_contiguous()
+    if use_tma is None:
+        use_tma = tma_ok(hidden, weight)
+    variant = dict(has_bias=bias is not None, has_softcap=softcap is not None, with_entropy=with_entropy)
+
+    def launch(cfg: KernelConfig) -> torch.Tensor:  # [4, splits, N] partial statistics
+        n_blocks = triton.cdiv(N, cfg.block_n)
+        v_blocks = triton.cdiv(V, cfg.block_v)
+        n_splits = _num_splits(n_blocks, v_blocks, hidden.device) if splits is None else splits
+        n_splits = max(1, min(n_splits, v_blocks))
+        # each split covers a whole number of vocabulary blocks
+        v_per_split = triton.cdiv(v_blocks, n_splits) * cfg.block_v
+        n_splits = triton.cdiv(V, v_per_split)
+        part = torch.empty((4, n_splits, N), dtype=torch.float32, device=hidden.device)
+        m, s, u, zt = part.unbind(0)
+        h_src, w_src = _sources(hidden, weight, cfg, use_tma)
+        _stats_fwd_kernel[(n_blocks, n_splits)](
+            h_src, w_src, hidden, weight, bias if bias is not None else hidden, targets,
+            m, s, u, zt,
+            N, V, H, v_per_split,
+            hidden.stride(0), weight.stride(0),
+            float(logit_scale), float(softcap or 1.0), 1.0 / float(temperature),
+            HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, HAS_ENTROPY=with_entropy,
+            BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, USE_TMA=use_tma,
+            DOT_PRECISION=_dot_precision(hidden.dtype), INTERP_BF16=_interp_bf16(hidden.dtype),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        return part
+
+    cfg = config or config_for("stats", hidden.device, H=H, V=V, dtype=hidden.dtype, use_tma=use_tma,
+                               launch=launch, **variant)
+    m, s, u, zt = launch(cfg).unbind(0)
     return merge_partial_stats(m, s, u if with_entropy else None, zt)
 
 
@@ -228,41 +299,59 @@ def merge_partial_stats(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Merge per-split online statistics into lse [N], target logit [N] and entropy [N]."""
     M = m.max(dim=0).values
-    M_safe = torch.where(torch.isneginf(M), torch.zeros_like(M), M)
-    alpha = torch.exp(m - M_safe)
+    alpha = torch.exp(m - M)
     S = (alpha * s).sum(0)
-    lse = M_safe + torch.log(S)
+    lse = M + torch.log(S)
     entropy = None
     if u is not None:
-        shift = torch.where(s > 0, (m - M_safe) * s, torch.zeros_like(s))
-        U = (alpha * (u + shift)).sum(0)
+        U = (alpha * (u + (m - M) * s)).sum(0)
         entropy = torch.log(S) - U / S
     return lse, zt.sum(0), entropy
 
 
 @triton.jit
-def _grad_epilogue(
-    z, offs_n, offs_v, n_ok,
-    t_ptr, lse_ptr, ent_ptr, glogp_ptr, gent_ptr, v_offset,
+def _grad_block_kernel(
+    h_src, w_src,  # [N, H], [V_blk, H] (w already offset to the slice): descriptors or pointers
+    b_ptr, t_ptr,
+    lse_ptr, ent_ptr, glogp_ptr, gent_ptr,  # [N] float32 each
+    g_dst,  # [N, V_blk] out, the dtype of the GEMM that consumes it: a descriptor (USE_TMA) or a pointer
+    N, V_blk, H, v_offset,
+    stride_hn, stride_wv, stride_gn,
     logit_scale, softcap, inv_temp,
-    HAS_SOFTCAP: tl.constexpr, HAS_GLOGP: tl.constexpr, HAS_GENT: tl.constexpr, BLOCK_N: tl.constexpr,
+    # Meta-parameters
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_GLOGP: tl.constexpr, HAS_GENT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr,
 ):
-    """dL/dy for a tile of transformed logits z, from the rows' lse/entropy and upstream gradients."""
+    """G[n, j] = dL/dy[n, v_offset + j] for one vocabulary slice."""
+    pid_n = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    n0 = pid_n * BLOCK_N
+    v0 = pid_v * BLOCK_V
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_v = v0 + tl.arange(0, BLOCK_V)
+    n_ok = offs_n < N
+    y = _dot_tile(h_src, w_src, n0, v0, N, V_blk, H, stride_hn, stride_wv,
+                  BLOCK_N, BLOCK_V, BLOCK_H, USE_TMA, DOT_PRECISION, INTERP_BF16)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs_v, mask=offs_v < V_blk, other=0.0).to(tl.float32)[None, :]
+    z = _transform(y, logit_scale, softcap, inv_temp, HAS_SOFTCAP)
     lse = tl.load(lse_ptr + offs_n, mask=n_ok, other=0.0)
-    # unused gradients point at lse (a valid buffer); their terms are compiled out below
-    glogp = tl.load(glogp_ptr + offs_n, mask=n_ok, other=0.0)
-    gent = tl.load(gent_ptr + offs_n, mask=n_ok, other=0.0)
     p = tl.exp(z - lse[:, None])
-    g = tl.zeros_like(z)
+    # d logp / d z_j = 1[j = t] - p_j ;  d H / d z_j = -p_j (z_j - lse + H)
     if HAS_GLOGP:
-        # d logp / d z_j = 1[j = t] - p_j
+        glogp = tl.load(glogp_ptr + offs_n, mask=n_ok, other=0.0)
         tgt = tl.load(t_ptr + offs_n, mask=n_ok, other=-1) - v_offset
-        onehot = tl.where(offs_v[None, :] == tgt[:, None], 1.0, 0.0)
-        g += glogp[:, None] * (onehot - p)
+        g = glogp[:, None] * (tl.where(offs_v[None, :] == tgt[:, None], 1.0, 0.0) - p)
+        live = glogp != 0.0
+    else:
+        g = tl.zeros_like(z)
+        live = tl.zeros((BLOCK_N,), dtype=tl.int1)
     if HAS_GENT:
-        # d H / d z_j = -p_j (z_j - lse + H)
+        gent = tl.load(gent_ptr + offs_n, mask=n_ok, other=0.0)
         ent = tl.load(ent_ptr + offs_n, mask=n_ok, other=0.0)
         g -= gent[:, None] * p * (z - lse[:, None] + ent[:, None])
+        live = live | (gent != 0.0)
     # chain through z = softcap(scale * y) / T: dz/dy = scale / T * (1 - tanh^2)
     dzdy = logit_scale * inv_temp
     if HAS_SOFTCAP:
@@ -270,55 +359,21 @@ def _grad_epilogue(
         g = g * (dzdy * (1.0 - th * th))
     else:
         g = g * dzdy
-    # rows with no upstream gradient (ignored targets) are exactly zero, even where their logits
-    # are not finite (padding), so nothing leaks into the weight gradient
-    has_grad = tl.zeros((BLOCK_N,), dtype=tl.int1)
-    if HAS_GLOGP:
-        has_grad = has_grad | (glogp != 0)
-    if HAS_GENT:
-        has_grad = has_grad | (gent != 0)
-    g = tl.where((has_grad & n_ok)[:, None], g, 0.0)
-    return g
-
-
-@triton.jit
-def _grad_block_kernel(
-    h_ptr, w_ptr, b_ptr, t_ptr,
-    lse_ptr, ent_ptr, glogp_ptr, gent_ptr,  # [N] float32 each
-    g_ptr,  # [N, V_blk] out, the dtype of the GEMM that consumes it
-    N, V_blk, H, v_offset,
-    stride_hn, stride_hh, stride_wv, stride_wh, stride_gn,
-    logit_scale, softcap, inv_temp,
-    # Meta-parameters
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_GLOGP: tl.constexpr, HAS_GENT: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-):
-    """G[n, j] = dL/dy[n, v_offset + j] for one vocabulary slice (w_ptr/b_ptr already point at it)."""
-    pid_n = tl.program_id(0)
-    pid_v = tl.program_id(1)
-    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_v = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
-    n_ok = offs_n < N
-    z = _logits_tile(
-        h_ptr, w_ptr, b_ptr, offs_n, offs_v, N, V_blk, H,
-        stride_hn, stride_hh, stride_wv, stride_wh,
-        logit_scale, softcap, inv_temp,
-        HAS_BIAS, HAS_SOFTCAP, BLOCK_N, BLOCK_V, BLOCK_H, DOT_PRECISION, DOT_UPCAST,
-    )
-    g = _grad_epilogue(
-        z, offs_n, offs_v, n_ok, t_ptr, lse_ptr, ent_ptr, glogp_ptr, gent_ptr, v_offset,
-        logit_scale, softcap, inv_temp, HAS_SOFTCAP, HAS_GLOGP, HAS_GENT, BLOCK_N,
-    )
-    g_mask = n_ok[:, None] & (offs_v[None, :] < V_blk)
-    tl.store(g_ptr + offs_n[:, None] * stride_gn + offs_v[None, :], g.to(g_ptr.dtype.element_ty), mask=g_mask)
+    # rows with no upstream gradient (ignored targets) are exactly zero, even where their logits are not finite
+    g = tl.where((live & n_ok)[:, None], g, 0.0)
+    if USE_TMA:
+        # the TMA store clips rows and columns outside [N, V_blk]; no [BLOCK_N, BLOCK_V] pointer tile in registers
+        g_dst.store([n0, v0], _round_to(g, g_dst.dtype, INTERP_BF16))
+    else:
+        g_ptrs = g_dst + tl.cast(n0, tl.int64) * stride_gn + tl.arange(0, BLOCK_N)[:, None] * stride_gn + offs_v[None, :]
+        tl.store(g_ptrs, _round_to(g, g_dst.dtype.element_ty, INTERP_BF16),
+                 mask=n_ok[:, None] & (offs_v[None, :] < V_blk))
 
 
 def linear_grad_block(
     hidden: torch.Tensor,  # [N, H]
-    weight_blk: torch.Tensor,  # [V_blk, H] a contiguous-row slice of the weight
-    bias_blk: torch.Tensor | None,  # [V_blk]
+    weight_blk: torch.Tensor,  # [V_blk, H] a slice of the weight's rows
+    bias_blk: torch.Tensor | None,  # [V_blk] contiguous
     targets: torch.Tensor,  # [N] int64, global vocabulary ids
     v_offset: int,  # global id of weight_blk's first row
     lse: torch.Tensor,  # [N] float32
@@ -330,84 +385,37 @@ def linear_grad_block(
     logit_scale: float,
     softcap: float | None,
     temperature: float,
+    use_tma: bool | None = None,
+    config: KernelConfig | None = None,
 ) -> torch.Tensor:
     N, H = hidden.shape
     V_blk = weight_blk.shape[0]
     assert out.shape == (N, V_blk) and out.stride(1) == 1
-    grid = (triton.cdiv(N, BLOCK_N), triton.cdiv(V_blk, BLOCK_V))
+    if use_tma is None:
+        use_tma = tma_ok(hidden, weight_blk, out)
+    variant = dict(has_bias=bias_blk is not None, has_softcap=softcap is not None, with_entropy=grad_entropy is not None)
     dummy = lse
-    _grad_block_kernel[grid](
-        hidden, weight_blk, bias_blk if bias_blk is not None else hidden, targets,
-        lse, entropy if entropy is not None else dummy,
-        grad_logp if grad_logp is not None else dummy,
-        grad_entropy if grad_entropy is not None else dummy,
-        out,
-        N, V_blk, H, v_offset,
-        hidden.stride(0), hidden.stride(1), weight_blk.stride(0), weight_blk.stride(1), out.stride(0),
-        float(logit_scale), float(softcap or 1.0), 1.0 / float(temperature),
-        HAS_BIAS=bias_blk is not None, HAS_SOFTCAP=softcap is not None,
-        HAS_GLOGP=grad_logp is not None, HAS_GENT=grad_entropy is not None,
-        BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_H=BLOCK_H,
-        DOT_PRECISION=_dot_precision(hidden.dtype), DOT_UPCAST=_dot_upcast(hidden.dtype),
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
-    )
-    return out
 
+    def launch(cfg: KernelConfig) -> None:
+        grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(V_blk, cfg.block_v))
+        h_src, w_src = _sources(hidden, weight_blk, cfg, use_tma)
+        g_dst = TensorDescriptor.from_tensor(out, [cfg.block_n, cfg.block_v]) if use_tma else out
+        _grad_block_kernel[grid](
+            h_src, w_src, bias_blk if bias_blk is not None else hidden, targets,
+            lse, entropy if entropy is not None else dummy,
+            grad_logp if grad_logp is not None else dummy,
+            grad_entropy if grad_entropy is not None else dummy,
+            g_dst,
+            N, V_blk, H, v_offset,
+            hidden.stride(0), weight_blk.stride(0), out.stride(0),
+            float(logit_scale), float(softcap or 1.0), 1.0 / float(temperature),
+            HAS_BIAS=bias_blk is not None, HAS_SOFTCAP=softcap is not None,
+            HAS_GLOGP=grad_logp is not None, HAS_GENT=grad_entropy is not None,
+            BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, USE_TMA=use_tma,
+            DOT_PRECISION=_dot_precision(hidden.dtype), INTERP_BF16=_interp_bf16(hidden.dtype),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
 
-@triton.jit
-def _grad_from_z_kernel(
-    z_ptr,  # [N, V] float32 stored transformed logits
-    t_ptr, lse_ptr, ent_ptr, glogp_ptr, gent_ptr,  # [N]
-    g_ptr,  # [N, V] out (may alias z_ptr when both are float32)
-    N, V,
-    stride_zn, stride_gn,
-    logit_scale, softcap, inv_temp,
-    # Meta-parameters
-    HAS_SOFTCAP: tl.constexpr, HAS_GLOGP: tl.constexpr, HAS_GENT: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-):
-    """One-pass loss: G = dL/dy from logits stored by the stats kernel; one read, one write per element."""
-    pid_n = tl.program_id(0)
-    pid_v = tl.program_id(1)
-    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_v = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
-    n_ok = offs_n < N
-    mask = n_ok[:, None] & (offs_v[None, :] < V)
-    z = tl.load(z_ptr + offs_n[:, None] * stride_zn + offs_v[None, :], mask=mask, other=0.0)
-    g = _grad_epilogue(
-        z, offs_n, offs_v, n_ok, t_ptr, lse_ptr, ent_ptr, glogp_ptr, gent_ptr, 0,
-        logit_scale, softcap, inv_temp, HAS_SOFTCAP, HAS_GLOGP, HAS_GENT, BLOCK_N,
-    )
-    tl.store(g_ptr + offs_n[:, None] * stride_gn + offs_v[None, :], g.to(g_ptr.dtype.element_ty), mask=mask)
-
-
-def grad_from_logits(
-    z: torch.Tensor,  # [N, V] float32 transformed logits (from linear_stats(..., z_out=z))
-    targets: torch.Tensor,  # [N] int64
-    lse: torch.Tensor,  # [N] float32
-    entropy: torch.Tensor | None,
-    grad_logp: torch.Tensor | None,  # [N] float32, zero on rows without gradient
-    grad_entropy: torch.Tensor | None,
-    out: torch.Tensor,  # [N, V], may be z itself
-    *,
-    logit_scale: float,
-    softcap: float | None,
-    temperature: float,
-) -> torch.Tensor:
-    N, V = z.shape
-    assert z.stride(1) == 1 and out.stride(1) == 1 and out.shape == z.shape
-    if N == 0:
-        return out
-    # elementwise over the tile: a wide V block keeps the loads coalesced
-    block_n, block_v = 16, 256
-    grid = (triton.cdiv(N, block_n), triton.cdiv(V, block_v))
-    _grad_from_z_kernel[grid](
-        z, targets, lse, entropy if entropy is not None else lse,
-        grad_logp if grad_logp is not None else lse,
-        grad_entropy if grad_entropy is not None else lse,
-        out, N, V, z.stride(0), out.stride(0),
-        float(logit_scale), float(softcap or 1.0), 1.0 / float(temperature),
-        HAS_SOFTCAP=softcap is not None, HAS_GLOGP=grad_logp is not None, HAS_GENT=grad_entropy is not None,
-        BLOCK_N=block_n, BLOCK_V=block_v, num_warps=4,
-    )
+    launch(config or config_for("grad", hidden.device, H=H, V=V_blk, dtype=hidden.dtype, use_tma=use_tma,
+                                launch=launch, **variant))
     return out
