@@ -1,8 +1,11 @@
 """Fused linear -> per-token log-prob and entropy: the autograd Function and the public function.
 
-Paths (DESIGN.md): with gradients, path A (forward: one fused pass of online statistics; backward:
-recompute each vocabulary slice's logits, form ``G = dL/dy`` and run the two gradient GEMMs);
-without, path C (the forward pass alone, no autograd state kept).
+Paths (docs/design.md): with gradients, path A (forward: one pass of online statistics; backward: recompute
+each vocabulary slice's logits, form ``G = dL/dy`` and run the two gradient GEMMs); without, path C (the
+forward pass alone, no autograd state kept). Each backend (``fastrl.ops.backend``) implements the statistics
+and the backward; this module dispatches to them, and hands them only the tokens that are not ignored
+(``compact_rows``): padding costs no work, and whatever an ignored row holds (even inf/NaN) cannot reach a
+gradient GEMM.
 """
 
 from __future__ import annotations
@@ -13,19 +16,20 @@ import torch
 
 from fastrl.ops import torch_backend
 from fastrl.ops._checks import autocast_inputs, check_finite_outputs, check_linear_inputs, check_targets
-from fastrl.ops.backend import resolve_backend
+from fastrl.ops._gemm import addmm_f32
+from fastrl.ops.backend import is_triton, resolve_backend
 from fastrl.ops.config import LogitTransform
 
-__all__ = ["fused_logprobs", "linear_stats"]
+__all__ = ["fused_logprobs", "linear_stats", "linear_backward", "compact_rows"]
 
-# columns of the backward's [N, V_blk] gradient tile on the Triton backend: N * V_blk <= 2^26 elements
+# columns of the fused backward's [N, V_blk] gradient tile: N * V_blk <= 2^26 elements
 _TRITON_TILE_ELEMS = 1 << 26
 
 
 @dataclass(frozen=True)
 class _Options:
     tf: LogitTransform
-    backend: str
+    backend: str  # concrete: "triton-hybrid", "triton-fused" or "torch"
     with_entropy: bool
     vocab_chunk: int | None
 
@@ -38,30 +42,25 @@ def linear_stats(
     tf: LogitTransform,
     backend: str,
     with_entropy: bool,
+    vocab_chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # lse [N], target logit [N], entropy [N]
-    """Row statistics of the transformed logits on the chosen backend (no autograd)."""
+    """Row statistics of the transformed logits on the chosen (concrete) backend (no autograd)."""
     N = hidden.shape[0]
     if N == 0:
         e = hidden.new_zeros((0,), dtype=torch_backend.acc_dtype(hidden.dtype))
         return e, e, (e if with_entropy else None)
-    if backend == "triton":
-        from fastrl.kernels.linear_logprob import linear_stats as triton_stats
+    if backend == "triton-hybrid":
+        from fastrl.ops import hybrid
 
-        return triton_stats(
+        return hybrid.linear_stats(hidden, weight, bias, targets, tf, with_entropy, vocab_chunk)
+    if backend == "triton-fused":
+        from fastrl.kernels.linear_logprob import linear_stats as fused_stats
+
+        return fused_stats(
             hidden, weight, bias, targets, logit_scale=tf.logit_scale, softcap=tf.softcap,
             temperature=tf.temperature, with_entropy=with_entropy,
         )
     return torch_backend.linear_stats(hidden, weight, bias, targets, tf, with_entropy=with_entropy)
-
-
-def _addmm_acc(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` into a float32/float64 accumulator without rounding the product to bf16 first."""
-    if a.dtype == acc.dtype and b.dtype == acc.dtype:
-        acc.addmm_(a, b)
-    elif acc.device.type == "cuda" and acc.dtype == torch.float32:
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    else:
-        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
 
 
 def linear_backward(
@@ -83,28 +82,36 @@ def linear_backward(
     and ``grad_h += G W[slice]`` into a float32 [N, H] accumulator. No [V, H] float32 buffer is needed,
     and the weight-gradient GEMM is skipped entirely when the weight is frozen.
     """
+    if hidden.shape[0] == 0:  # nothing flows back from no tokens
+        return (torch.zeros_like(hidden) if need[0] else None, torch.zeros_like(weight) if need[1] else None,
+                torch.zeros_like(bias) if need[2] else None)
+    if opts.backend == "triton-hybrid":
+        from fastrl.ops import hybrid
+
+        return hybrid.linear_backward(hidden, weight, bias, targets, lse, entropy, grad_logp, grad_entropy,
+                                      opts.tf, need, opts.vocab_chunk)
     need_h, need_w, need_b = need
     N, H = hidden.shape
     V = weight.shape[0]
     tf = opts.tf
     cdt = torch_backend.acc_dtype(hidden.dtype)
-    has_grad = torch.zeros(N, dtype=torch.bool, device=hidden.device)
-    if grad_logp is not None:
-        has_grad |= grad_logp != 0
-    if grad_entropy is not None:
-        has_grad |= grad_entropy != 0
     grad_h = torch.zeros((N, H), dtype=cdt, device=hidden.device) if need_h else None
     grad_w = torch.empty_like(weight) if need_w else None
     grad_b = torch.empty((V,), dtype=cdt, device=hidden.device) if need_b else None
 
-    if opts.backend == "triton":
+    if opts.backend == "triton-fused":
         from fastrl.kernels import linear_logprob as K
 
-        cols = opts.vocab_chunk or max(K.BLOCK_V, (_TRITON_TILE_ELEMS // max(N, 1)) // K.BLOCK_V * K.BLOCK_V)
+        cols = opts.vocab_chunk or max(256, (_TRITON_TILE_ELEMS // max(N, 1)) // 256 * 256)
         cols = min(cols, V)
         buf = torch.empty((N, cols), dtype=hidden.dtype, device=hidden.device)
         h_mm = hidden
     else:
+        has_grad = torch.zeros(N, dtype=torch.bool, device=hidden.device)
+        if grad_logp is not None:
+            has_grad |= grad_logp != 0
+        if grad_entropy is not None:
+            has_grad |= grad_entropy != 0
         cols = torch_backend.tile_columns(N, V, opts.vocab_chunk)
         h_mm = torch_backend._f32(hidden)
         tile = torch.empty(N * cols, dtype=cdt, device=hidden.device)
@@ -112,7 +119,7 @@ def linear_backward(
     for v0 in range(0, V, cols):
         v1 = min(v0 + cols, V)
         b_blk = bias[v0:v1] if bias is not None else None
-        if opts.backend == "triton":
+        if opts.backend == "triton-fused":
             G = buf[:, : v1 - v0]
             if N > 0:
                 K.linear_grad_block(
@@ -131,7 +138,7 @@ def linear_backward(
             else:
                 grad_w[v0:v1] = torch.mm(G.T, h_mm)
         if need_h:
-            _addmm_acc(grad_h, G, w_mm)
+            addmm_f32(grad_h, G, w_mm)
         if need_b:
             grad_b[v0:v1] = G.sum(0, dtype=cdt)
     return (
@@ -142,36 +149,54 @@ def linear_backward(
 
 
 class LinearLogprobFunction(torch.autograd.Function):
-    """(hidden [N,H], weight [V,H], bias [V]|None, targets [N], active [N]) -> (logp [N], entropy [N]|None)."""
+    """(hidden [N,H], weight [V,H], bias [V]|None, targets [N]) -> (logp [N], entropy [N]|None).
+
+    Every row is a live token: ``fused_logprobs`` has already dropped the ignored ones (``compact_rows``).
+    """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, active, opts: _Options):
-        lse, zt, ent = linear_stats(hidden, weight, bias, targets, opts.tf, opts.backend, opts.with_entropy)
-        zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
-        logp = torch.where(active, zt - lse, zero)
-        if ent is not None:
-            ent = torch.where(active, ent, zero)
-        ctx.save_for_backward(hidden, weight, bias, targets, active, lse, ent)
+    def forward(ctx, hidden, weight, bias, targets, opts: _Options):
+        lse, zt, ent = linear_stats(hidden, weight, bias, targets, opts.tf, opts.backend, opts.with_entropy,
+                                    opts.vocab_chunk)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
         ctx.opts = opts
         ctx.set_materialize_grads(False)
-        return logp, ent
+        return zt - lse, ent
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # double backward is not supported: a clear error, not a crash
     def backward(ctx, grad_logp, grad_ent):
-        hidden, weight, bias, targets, active, lse, ent = ctx.saved_tensors
+        hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
         opts: _Options = ctx.opts
         need = tuple(ctx.needs_input_grad[:3])
         if grad_logp is None and grad_ent is None or not any(need):
-            return None, None, None, None, None, None
+            return None, None, None, None, None
         cdt = lse.dtype
-        zero = torch.zeros((), dtype=cdt, device=lse.device)
         if grad_logp is not None:
-            grad_logp = torch.where(active, grad_logp.to(cdt), zero).contiguous()
+            grad_logp = grad_logp.to(cdt).contiguous()
         if grad_ent is not None:
-            grad_ent = torch.where(active, grad_ent.to(cdt), zero).contiguous()
+            grad_ent = grad_ent.to(cdt).contiguous()
         with torch.autocast(hidden.device.type, enabled=False):
             gh, gw, gb = linear_backward(hidden, weight, bias, targets, lse, ent, grad_logp, grad_ent, opts, need)
-        return gh, gw, gb, None, None, None
+        return gh, gw, gb, None, None
+
+
+def compact_rows(active: torch.Tensor) -> torch.Tensor | None:  # [N] bool -> [A] int64 row ids, or None
+    """Ids of the live rows when some rows are ignored (one host sync), None when every row is live.
+
+    Ignored rows are then left out of every kernel and GEMM: padding costs nothing, and whatever an ignored
+    row of ``hidden`` holds (even inf/NaN) cannot reach the weight gradient through ``0 * nan``.
+    """
+    if active.numel() == 0 or bool(active.all()):
+        return None
+    return active.nonzero().squeeze(1)
+
+
+def _scatter_rows(x: torch.Tensor | None, idx: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    """[A] values of the live rows -> [N], zero at ignored rows (differentiable)."""
+    if x is None or idx is None:
+        return x
+    return x.new_zeros((n,)).index_copy(0, idx, x)
 
 
 def fused_logprobs(
@@ -205,9 +230,13 @@ def fused_logprobs(
     default) a non-finite log-prob or entropy raises ``FloatingPointError`` naming the token and
     whether hidden or weight holds inf/nan (checked on the O(N) outputs only).
 
-    ``backend``: "triton" or "torch" (default: triton on CUDA, torch on CPU; env ``FASTRL_BACKEND``).
-    ``vocab_chunk``: vocabulary columns per backward tile (default: bounded automatically); smaller
-    uses less memory, larger gives the GEMMs more work per call.
+    Ignored tokens are dropped before any kernel runs (one host sync to count them), so padding costs no
+    work and whatever an ignored row of ``hidden`` holds cannot reach a gradient.
+
+    ``backend``: "triton" (CUDA default: "triton-hybrid" with torch >= 2.8, else "triton-fused"),
+    "triton-hybrid", "triton-fused" or "torch" (CPU default); env ``FASTRL_BACKEND``. See
+    ``fastrl.ops.backend``. ``vocab_chunk``: vocabulary columns per logits tile (default: bounded
+    automatically); smaller uses less memory, larger gives the GEMMs more work per call.
     """
     hidden, weight, bias = autocast_inputs(hidden, weight, bias)
     check_linear_inputs(hidden, weight, targets, bias)
@@ -219,13 +248,18 @@ def fused_logprobs(
     V = weight.shape[0]
     check_targets(targets, V, ignore_index)
     name = resolve_backend(hidden.device, backend)
-    if name == "triton" and hidden.dtype == torch.float64:
-        raise TypeError("the triton backend computes from float32, bfloat16 or float16 inputs; use backend='torch' for float64")
+    if is_triton(name) and hidden.dtype == torch.float64:
+        raise TypeError("the triton backends compute from float32, bfloat16 or float16 inputs; use backend='torch' for float64")
 
     lead = tuple(targets.shape)
-    h = hidden.reshape(-1, hidden.shape[-1])
+    h = unit_stride(hidden.reshape(-1, hidden.shape[-1]))
+    w = unit_stride(weight)
+    b = None if bias is None else bias.contiguous()
     t = targets.reshape(-1).to(torch.int64).contiguous()
+    N = t.shape[0]
     active = t != ignore_index
+    idx = compact_rows(active)
+    h_live, t_live = (h, t) if idx is None else (h.index_select(0, idx), t.index_select(0, idx))
     opts = _Options(tf=tf, backend=name, with_entropy=with_entropy, vocab_chunk=vocab_chunk)
 
     needs_grad = torch.is_grad_enabled() and (
@@ -233,17 +267,21 @@ def fused_logprobs(
     )
     if needs_grad:
         with torch.autocast(h.device.type, enabled=False):
-            logp, ent = LinearLogprobFunction.apply(h, weight, bias, t, active, opts)
+            logp, ent = LinearLogprobFunction.apply(h_live, w, b, t_live, opts)
     else:
         # path C: forward only, nothing saved
         with torch.no_grad(), torch.autocast(h.device.type, enabled=False):
-            lse, zt, ent = linear_stats(h, weight, bias, t, tf, name, with_entropy)
-            zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
-            logp = torch.where(active, zt - lse, zero)
-            if ent is not None:
-                ent = torch.where(active, ent, zero)
+            lse, zt, ent = linear_stats(h_live, w, b, t_live, tf, name, with_entropy, vocab_chunk)
+            logp = zt - lse
+    logp, ent = _scatter_rows(logp, idx, N), _scatter_rows(ent, idx, N)
     if check_finite:
         check_finite_outputs(logp.detach(), None if ent is None else ent.detach(), active, h, lead)
     logp = logp.reshape(lead)
     ent = ent.reshape(lead) if ent is not None else None
     return logp, ent
+
+
+def unit_stride(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself when its last dimension is contiguous (the kernels and GEMMs honour the row stride), else
+    a contiguous copy (e.g. a transposed weight)."""
+    return x if x.stride(-1) == 1 else x.contiguous()

@@ -35,6 +35,8 @@ import torch
 import trl
 from trl.trainer.utils import nanmax, nanmin
 
+from fastrl.ops.backend import BACKENDS
+
 from fastrl.trainers._lm_head import (
     add_fastrl_lm_head,
     head_precision,
@@ -61,13 +63,15 @@ class GRPOConfig(trl.GRPOConfig):
             `False` gives stock TRL (its chunked LM head and loss), health checks aside.
         one_pass_loss (`bool`, defaults to `True`): use the one-pass fused policy loss (`fastrl.policy_loss`)
             when the loss options allow it; `False` always runs TRL's loss math on fastrl's log-probs.
-        fastrl_backend (`str` or `None`, defaults to `None`): `"triton"` or `"torch"`; `None` lets fastrl pick
+        fastrl_backend (`str` or `None`, defaults to `None`): `"triton"` (or `"triton-hybrid"` / `"triton-fused"`)
+            or `"torch"`; `None` lets fastrl pick
             (Triton on CUDA, chunked PyTorch on CPU; env `FASTRL_BACKEND` overrides).
         fastrl_vocab_chunk (`int` or `None`, defaults to `None`): vocabulary columns per backward tile of the
-            log-prob op; `None` bounds the tile automatically (16 MB on CPU, 2^26 elements on GPU).
+            log-prob op; `None` bounds the tile automatically (16 MB on CPU, 2^26 float32 elements on GPU).
         fastrl_chunk_tokens (`int` or `None`, defaults to `None`): tokens per chunk of the one-pass policy loss;
-            `None` uses fastrl's default, a `[chunk, V]` float32 tile of 2^23 elements (32 MB) on CPU and 2^27
-            (512 MB) on GPU, whole sequences when the loss couples a sequence's tokens. Smaller uses less memory.
+            `None` uses fastrl's default, a `[chunk, V]` float32 tile of 2^23 elements (32 MB) on CPU; on GPU
+            1 GiB with a trained LM head (fewer passes over its float32 gradient accumulator) and 256 MiB with a
+            frozen one; whole sequences when the loss couples a sequence's tokens. Smaller uses less memory.
         health_checks (`bool`, defaults to `True`): attach `fastrl.TrainingHealthCallback`, which warns in plain
             words when KL, ratios, clip fractions, truncation or NaNs look wrong.
     """
@@ -89,8 +93,8 @@ class GRPOConfig(trl.GRPOConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.fastrl_backend not in (None, "triton", "torch"):
-            raise ValueError(f"fastrl_backend must be None, 'triton' or 'torch', got {self.fastrl_backend!r}")
+        if self.fastrl_backend not in (None, *BACKENDS):
+            raise ValueError(f"fastrl_backend must be None or one of {BACKENDS}, got {self.fastrl_backend!r}")
         for name in ("fastrl_vocab_chunk", "fastrl_chunk_tokens"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):

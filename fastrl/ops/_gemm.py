@@ -1,0 +1,50 @@
+"""GEMMs whose products are never rounded to the input dtype: float32 results from bf16/fp16 operands.
+
+On CUDA with a torch that has ``torch.mm(..., out_dtype=torch.float32)`` (2.8+), cuBLAS multiplies the 2-byte
+operands on the tensor cores, accumulates in float32 and writes float32: the logits keep every bit the
+accumulator had, at the speed of a bf16 GEMM. Elsewhere (CPU, older torch) the operands are upcast first,
+which gives the same products (bf16 x bf16 is exact in float32) at float32 speed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = ["cuda_f32_out", "mm_f32", "addmm_f32"]
+
+
+@functools.cache
+def _has_out_dtype() -> bool:
+    try:
+        return "dtype_out" in torch.ops.aten.mm.overloads() and "dtype_out" in torch.ops.aten.addmm.overloads()
+    except AttributeError:  # pragma: no cover - very old torch
+        return False
+
+
+def cuda_f32_out(device: torch.device) -> bool:
+    """Whether cuBLAS can write float32 results from 2-byte operands here (CUDA and torch >= 2.8)."""
+    return device.type == "cuda" and _has_out_dtype()
+
+
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def mm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out = a @ b`` with ``out`` float32 (or float64 for float64 operands), never rounding the product."""
+    if a.dtype == out.dtype and b.dtype == out.dtype:
+        return torch.mm(a, b, out=out)
+    if cuda_f32_out(out.device) and out.dtype == torch.float32:
+        return torch.mm(a, b, out_dtype=torch.float32, out=out)
+    return torch.mm(_f32(a), _f32(b), out=out)
+
+
+def addmm_f32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``acc += a @ b`` into a float32 (float64) accumulator, never rounding the product to the input dtype."""
+    if a.dtype == acc.dtype and b.dtype == acc.dtype:
+        return acc.addmm_(a, b)
+    if cuda_f32_out(acc.device) and acc.dtype == torch.float32:
+        return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    return acc.addmm_(_f32(a), _f32(b))

@@ -1,0 +1,129 @@
+"""The hybrid Triton backend: cuBLAS GEMMs with float32 logits, Triton kernels for everything elementwise.
+
+Each tile of raw logits ``y = h W^T`` is one GEMM into a reused float32 buffer (``mm_f32``: bf16 operands,
+float32 accumulation and result), then one pass of a Triton kernel over it (``fastrl.kernels.logits_fold``):
+either folding it into the rows' online statistics or turning it into ``G = dL/dy``, written over the tile.
+The weight- and hidden-gradient GEMMs read ``G`` straight from there.
+
+Tile shapes (elements of the float32 buffer bounded by ``TILE_ELEMS``, 256 MB):
+
+* statistics (path C, and path A's forward): up to ``ROWS`` tokens x as many vocabulary columns as fit;
+* path A's backward: the vocabulary is the outer loop and a tile holds every token of a vocabulary slice, so
+  each ``grad_W`` slice is one GEMM over all tokens, written once (no float32 ``[V, H]`` buffer); ``grad_h``
+  accumulates over the slices in float32. Past ``MAX_ROWS`` tokens the rows are chunked too, and each
+  ``grad_W`` slice accumulates in a float32 ``[slice, H]`` buffer first.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastrl.kernels import logits_fold as F
+from fastrl.ops._gemm import addmm_f32, mm_f32
+from fastrl.ops.config import LogitTransform
+
+__all__ = ["TILE_ELEMS", "linear_stats", "linear_backward", "tile_columns"]
+
+TILE_ELEMS = 1 << 26  # float32 elements of the logits tile: 256 MB
+ROWS = 4096  # tokens per statistics tile (TRL's token tile; cuBLAS is at full speed there)
+MAX_ROWS = 1 << 16  # tokens per backward tile before the rows are chunked as well
+_ALIGN = 256
+
+
+def tile_columns(rows: int, vocab: int, requested: int | None = None, tile_elems: int = TILE_ELEMS) -> int:
+    """Vocabulary columns of a ``rows``-row float32 tile: the requested number, else as many as the budget allows."""
+    if requested is not None:
+        return max(1, min(int(requested), vocab))
+    cols = max(_ALIGN, (tile_elems // max(rows, 1)) // _ALIGN * _ALIGN)
+    return min(cols, vocab)
+
+
+def _transform_kw(tf: LogitTransform) -> dict:
+    return dict(logit_scale=tf.logit_scale, softcap=tf.softcap, temperature=tf.temperature)
+
+
+def linear_stats(
+    hidden: torch.Tensor,  # [N, H]
+    weight: torch.Tensor,  # [V, H]
+    bias: torch.Tensor | None,  # [V] contiguous
+    targets: torch.Tensor,  # [N] int64 contiguous
+    tf: LogitTransform,
+    with_entropy: bool,
+    vocab_chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # lse [N], target logit [N], entropy [N] | None
+    N = hidden.shape[0]
+    V = weight.shape[0]
+    rows = min(N, ROWS)
+    cols = tile_columns(rows, V, vocab_chunk)
+    buf = torch.empty(rows * cols, dtype=torch.float32, device=hidden.device)
+    stats = torch.empty((4, N), dtype=torch.float32, device=hidden.device)
+    for n0 in range(0, N, rows):
+        n1 = min(n0 + rows, N)
+        part = stats[:, n0:n1]
+        for v0 in range(0, V, cols):
+            v1 = min(v0 + cols, V)
+            y = mm_f32(hidden[n0:n1], weight[v0:v1].T, out=buf[: (n1 - n0) * (v1 - v0)].view(n1 - n0, v1 - v0))
+            F.fold_tile(y, None if bias is None else bias[v0:v1], targets[n0:n1], v0, part, first=v0 == 0,
+                        with_entropy=with_entropy, **_transform_kw(tf))
+    return F.finish_stats(stats, with_entropy)
+
+
+def linear_backward(
+    hidden: torch.Tensor,  # [N, H]
+    weight: torch.Tensor,  # [V, H]
+    bias: torch.Tensor | None,  # [V] contiguous
+    targets: torch.Tensor,  # [N] int64
+    lse: torch.Tensor,  # [N] float32
+    entropy: torch.Tensor | None,  # [N] float32
+    grad_logp: torch.Tensor | None,  # [N] float32, zero where no gradient flows
+    grad_entropy: torch.Tensor | None,  # [N] float32
+    tf: LogitTransform,
+    need: tuple[bool, bool, bool],  # (hidden, weight, bias)
+    vocab_chunk: int | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:  # grad_h, grad_W, grad_b
+    """Gradients of ``sum(grad_logp * logp + grad_entropy * entropy)`` w.r.t. hidden, weight and bias (path A)."""
+    need_h, need_w, need_b = need
+    N, H = hidden.shape
+    V = weight.shape[0]
+    dev = hidden.device
+    rows = min(max(N, 1), MAX_ROWS)
+    cols = tile_columns(rows, V, vocab_chunk)
+    buf = torch.empty(rows * cols, dtype=torch.float32, device=dev)
+    grad_h = torch.zeros((N, H), dtype=torch.float32, device=dev) if need_h else None
+    grad_w = torch.empty_like(weight) if need_w else None
+    grad_b = torch.zeros((V,), dtype=torch.float32, device=dev) if need_b else None
+    chunked = N > rows
+    w_acc = torch.empty((cols, H), dtype=torch.float32, device=dev) if need_w and chunked else None
+
+    for v0 in range(0, V, cols):
+        v1 = min(v0 + cols, V)
+        w_s = weight[v0:v1]
+        b_s = None if bias is None else bias[v0:v1]
+        for n0 in range(0, N, rows):
+            n1 = min(n0 + rows, N)
+            h_c = hidden[n0:n1]
+            y = mm_f32(h_c, w_s.T, out=buf[: (n1 - n0) * (v1 - v0)].view(n1 - n0, v1 - v0))
+            G = F.grad_tile(
+                y, b_s, targets[n0:n1], v0, lse[n0:n1], None if entropy is None else entropy[n0:n1],
+                None if grad_logp is None else grad_logp[n0:n1],
+                None if grad_entropy is None else grad_entropy[n0:n1],
+                out_dtype=hidden.dtype, **_transform_kw(tf),
+            )
+            if need_w:
+                if not chunked:
+                    torch.mm(G.T, h_c, out=grad_w[v0:v1])  # one GEMM over all tokens, written once
+                elif n0 == 0:
+                    mm_f32(G.T, h_c, out=w_acc[: v1 - v0])
+                else:
+                    addmm_f32(w_acc[: v1 - v0], G.T, h_c)
+            if need_h:
+                addmm_f32(grad_h[n0:n1], G, w_s)
+            if need_b:
+                grad_b[v0:v1] += G.sum(0, dtype=torch.float32)
+        if need_w and chunked:
+            grad_w[v0:v1] = w_acc[: v1 - v0]
+    return (
+        grad_h.to(hidden.dtype) if need_h else None,
+        grad_w,
+        grad_b.to(bias.dtype) if need_b else None,
+    )
