@@ -214,6 +214,7 @@ def policy_loss_from_logprobs(
     importance_weights: torch.Tensor | None = None,  # [B] or [B, T] vLLM truncated/masked IS ratio
     num_items_in_batch: torch.Tensor | int | float | None = None,  # dapo/cispo/vespo normaliser
     sampling_logprobs: torch.Tensor | None = None,  # [B, T] inference-engine log-probs (off-policy mask)
+    with_metrics: bool = True,  # False: the loss alone (the one-pass path's per-chunk gradient evaluations)
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # (0-dim loss, {name: detached 0-dim metric})
     """The GRPO-family policy loss of TRL 1.16's ``GRPOTrainer._compute_loss``, from per-token log-probs.
 
@@ -342,7 +343,8 @@ def policy_loss_from_logprobs(
         elif isinstance(num_items_in_batch, torch.Tensor):
             normalizer = num_items_in_batch.detach().to(device=device, dtype=dtype).reshape(())
         else:
-            normalizer = torch.tensor(float(num_items_in_batch), dtype=dtype, device=device)
+            # torch.full, not torch.tensor: a host-to-device copy would wait for every queued kernel
+            normalizer = torch.full((), float(num_items_in_batch), dtype=dtype, device=device)
         loss = token_sum.sum() / normalizer.clamp(min=1.0)
     else:  # luspo
         loss = token_sum.sum(-1).mean()
@@ -354,11 +356,13 @@ def policy_loss_from_logprobs(
         entropy_loss = (ent * effective_mask).sum() / effective_mask.sum().clamp(min=1.0)
         loss = loss - config.entropy_coef * entropy_loss
 
+    if not with_metrics:
+        return loss, {}
     with torch.no_grad():
         metrics: dict[str, torch.Tensor] = {}
         if config.entropy_coef != 0.0:
             metrics["policy_loss"] = policy_loss
-            metrics["entropy_coef"] = torch.tensor(config.entropy_coef, dtype=dtype, device=device)
+            metrics["entropy_coef"] = torch.full((), config.entropy_coef, dtype=dtype, device=device)
         if per_token_kl is not None:
             metrics["kl"] = global_masked_mean(per_token_kl.detach())
         if ent is not None:
@@ -382,7 +386,7 @@ def policy_loss_from_logprobs(
                 row_low = masked(is_low).sum(-1) / counts.clamp(min=1.0)
                 row_high = masked(is_high).sum(-1) / counts.clamp(min=1.0)
                 row_ok = counts > 0
-            inf = torch.tensor(float("inf"), dtype=dtype, device=device)
+            inf = torch.full((), float("inf"), dtype=dtype, device=device)
             low_min = torch.where(row_ok, row_low, inf).min()
             high_max = torch.where(row_ok, row_high, -inf).max()
             metrics["clip_ratio/low_min"] = torch.where(row_ok.any(), low_min, zero)

@@ -27,18 +27,21 @@ from torch import nn
 from fastrl.losses.config import PolicyLossConfig
 from fastrl.ops import torch_backend as TB
 from fastrl.ops._checks import autocast_inputs, check_finite_outputs, check_linear_inputs, check_targets
-from fastrl.ops.backend import resolve_backend
+from fastrl.ops._gemm import addmm_f32, mm_f32
+from fastrl.ops.backend import is_triton, resolve_backend
 from fastrl.ops.config import LogitTransform
-from fastrl.ops.linear_logprob import _addmm_acc, fused_logprobs
+from fastrl.ops.linear_logprob import compact_rows, fused_logprobs, unit_stride
 from fastrl.reference import policy_loss_from_logprobs
 
 __all__ = ["policy_loss", "FusedPolicyLoss"]
 
 _IGNORE = -100
-# elements of the one-pass [chunk, V] float32 logits tile: 512 MB on a GPU, 32 MB on a CPU. Larger chunks
-# mean fewer read-modify-write passes over the float32 weight-gradient accumulator; on a CPU, 32 MB was as
-# fast as 64 MB at C1 (5.4 s) with 48 MB less peak memory.
-_TILE_ELEMS = {"cuda": 1 << 27, "cpu": 1 << 23}
+# Float32 elements of the one-pass [chunk, V] logits tile. With a trained head the float32 [V, H] weight-gradient
+# accumulator is read and written once per chunk, so chunks are large (1 GiB: 1766 tokens at V=151936, 7
+# accumulator passes over 12k tokens) while the step's extra memory stays about 1.25x TRL's at W1 (accumulator
+# 2.5 GB + tile); with a frozen head there is no accumulator and a 256 MiB tile keeps the memory small. A CPU
+# keeps 32 MB tiles (as fast as 64 MB at C1, 48 MB less peak memory).
+_TILE_ELEMS = {("cuda", True): 1 << 28, ("cuda", False): 1 << 26, ("cpu", True): 1 << 23, ("cpu", False): 1 << 23}
 
 
 @dataclass(frozen=True)
@@ -53,21 +56,41 @@ class _LossInputs:
     num_items_in_batch: torch.Tensor | int | float | None
     sampling_logprobs: torch.Tensor | None
 
-    def loss(self, logp: torch.Tensor, entropy: torch.Tensor, config: PolicyLossConfig):
+    def loss(self, logp: torch.Tensor, entropy: torch.Tensor, config: PolicyLossConfig, metrics: bool = True):
         return policy_loss_from_logprobs(
             logp, entropy, self.advantages, self.mask, config=config, old_logprobs=self.old_logprobs,
             ref_logprobs=self.ref_logprobs, importance_weights=self.importance_weights,
             num_items_in_batch=self.num_items_in_batch, sampling_logprobs=self.sampling_logprobs,
+            with_metrics=metrics,
         )
 
 
-def _chunk_tokens(granularity: str, T: int, V: int, device: torch.device, requested: int | None) -> int | None:
-    """Tokens per one-pass chunk: whole sequences when the loss couples a sequence; None if none fits."""
-    budget = requested or max(1, _TILE_ELEMS.get(device.type, _TILE_ELEMS["cuda"]) // V)
+def _chunks(
+    live: torch.Tensor,  # [B, T] bool: tokens that are scored (in the mask)
+    granularity: str,
+    V: int,
+    device: torch.device,
+    trained_head: bool,
+    requested: int | None,
+) -> list[tuple[int, int]] | None:
+    """One-pass chunks as ranges of *live* rows (row-major order): whole sequences when the loss couples the
+    tokens of a sequence; None when a sequence does not fit in one chunk (then two passes it is)."""
+    budget = requested or max(128, (_TILE_ELEMS.get((device.type, trained_head), 1 << 28) // V) // 128 * 128)
+    n_live = int(live.sum())  # one host sync: chunk boundaries are host-side ranges
     if granularity == "token":
-        return budget
-    seqs = budget // T
-    return seqs * T if seqs >= 1 else None
+        return [(c0, min(c0 + budget, n_live)) for c0 in range(0, n_live, budget)]
+    per_seq = live.sum(1).tolist()
+    if max(per_seq, default=0) > budget:
+        return None
+    out, start, size = [], 0, 0
+    for n in per_seq:
+        if size + n > budget:
+            out.append((start, start + size))
+            start, size = start + size, 0
+        size += n
+    if size:
+        out.append((start, start + size))
+    return out
 
 
 class _AttachGradients(torch.autograd.Function):
@@ -92,15 +115,15 @@ class _AttachGradients(torch.autograd.Function):
 def _one_pass(
     hidden: torch.Tensor,  # [N, H]
     weight: torch.Tensor,  # [V, H]
-    bias: torch.Tensor | None,
-    targets: torch.Tensor,  # [N], ignore where masked out
+    bias: torch.Tensor | None,  # [V] contiguous
+    targets: torch.Tensor,  # [N], _IGNORE where masked out
     B: int,
     T: int,
     inputs: _LossInputs,
     config: PolicyLossConfig,
     tf: LogitTransform,
     backend: str,
-    chunk: int,
+    chunks: list[tuple[int, int]],  # ranges of live rows
     need: tuple[bool, bool, bool],
 ) -> tuple[torch.Tensor, dict, tuple, torch.Tensor, torch.Tensor]:
     need_h, need_w, need_b = need
@@ -108,7 +131,10 @@ def _one_pass(
     V = weight.shape[0]
     dev = hidden.device
     cdt = TB.acc_dtype(hidden.dtype)
-    active = targets != _IGNORE
+    triton = is_triton(backend)
+    if triton:
+        from fastrl.kernels import logits_fold as F
+    idx = compact_rows(targets != _IGNORE)  # live rows only: padding costs nothing and cannot poison grad_W
     # placeholders for rows not yet computed: ratio 1 against old log-probs, zero entropy
     if inputs.old_logprobs is not None:
         logp_all = inputs.old_logprobs.detach().reshape(-1).to(cdt).clone()
@@ -116,55 +142,61 @@ def _one_pass(
         logp_all = torch.zeros(N, dtype=cdt, device=dev)
     ent_all = torch.zeros(N, dtype=cdt, device=dev)
 
-    grad_h = torch.empty_like(hidden) if need_h else None
+    grad_h = torch.zeros_like(hidden) if need_h else None
     grad_w = torch.zeros((V, H), dtype=cdt, device=dev) if need_w else None
     grad_b = torch.zeros(V, dtype=cdt, device=dev) if need_b else None
 
-    chunk = min(chunk, max(N, 1))
-    zbuf = torch.empty((chunk, V), dtype=cdt, device=dev)
-    if backend == "triton":
-        from fastrl.kernels import linear_logprob as K
+    chunk = max((c1 - c0 for c0, c1 in chunks), default=0)
+    zbuf = torch.empty(chunk * V, dtype=cdt, device=dev)
+    stats = torch.empty((4, chunk), dtype=torch.float32, device=dev) if triton else None
+    w_mm = weight if weight.dtype == cdt or triton else None
+    tkw = dict(logit_scale=tf.logit_scale, softcap=tf.softcap, temperature=tf.temperature)
 
-        gbuf = zbuf if hidden.dtype == cdt else torch.empty((chunk, V), dtype=hidden.dtype, device=dev)
-    w_mm = weight if weight.dtype == cdt or backend == "triton" else None
-
-    for c0 in range(0, N, chunk):
-        c1 = min(c0 + chunk, N)
-        h_c, t_c, a_c = hidden[c0:c1], targets[c0:c1], active[c0:c1]
-        z = zbuf[: c1 - c0]
-        if backend == "triton":
-            lse, zt, ent = K.linear_stats(
-                h_c, weight, bias, t_c, logit_scale=tf.logit_scale, softcap=tf.softcap,
-                temperature=tf.temperature, with_entropy=True, z_out=z,
-            )
+    for c0, c1 in chunks:
+        n = c1 - c0
+        rows = None if idx is None else idx[c0:c1]
+        h_c = hidden[c0:c1] if rows is None else hidden.index_select(0, rows)
+        t_c = targets[c0:c1] if rows is None else targets.index_select(0, rows)
+        z = zbuf[: n * V].view(n, V)
+        if triton:
+            # raw logits from cuBLAS in float32; the fold and G kernels apply bias and transform on the fly
+            mm_f32(h_c, weight.T, out=z)
+            st = stats[:, :n]
+            F.fold_tile(z, bias, t_c, 0, st, first=True, with_entropy=True, **tkw)
+            lse, zt, ent = F.finish_stats(st, True)
         else:
             TB.chunk_logits(h_c, weight, bias, tf, out=z)
             lse, zt, ent = TB.stats_from_logits(z, t_c)
-        zero = torch.zeros((), dtype=cdt, device=dev)
-        logp_all[c0:c1] = torch.where(a_c, zt - lse, zero)
-        ent_all[c0:c1] = torch.where(a_c, ent, zero)
+        lp_c = zt - lse
+        if rows is None:
+            logp_all[c0:c1] = lp_c
+            ent_all[c0:c1] = ent
+        else:
+            logp_all.index_copy_(0, rows, lp_c)
+            ent_all.index_copy_(0, rows, ent)
 
         # per-token loss gradients of this chunk's rows, from the one loss definition
         lp = logp_all.detach().view(B, T).requires_grad_()
         en = ent_all.detach().view(B, T).requires_grad_()
         with torch.enable_grad():
-            loss, _ = inputs.loss(lp, en, config)
+            loss, _ = inputs.loss(lp, en, config, metrics=False)
         g_lp, g_en = torch.autograd.grad(loss, [lp, en], allow_unused=True)
-        g_lp = None if g_lp is None else torch.where(a_c, g_lp.reshape(-1)[c0:c1], zero).contiguous()
-        g_en = None if g_en is None else torch.where(a_c, g_en.reshape(-1)[c0:c1], zero).contiguous()
+
+        def take(g):
+            if g is None:
+                return None
+            g = g.reshape(-1)
+            return (g[c0:c1] if rows is None else g.index_select(0, rows)).contiguous()
+
+        g_lp, g_en = take(g_lp), take(g_en)
         if g_lp is None and g_en is None:
-            if need_h:
-                grad_h[c0:c1] = 0
             continue
 
-        if backend == "triton":
-            G = K.grad_from_logits(
-                z, t_c, lse, ent, g_lp, g_en, out=gbuf[: c1 - c0], logit_scale=tf.logit_scale,
-                softcap=tf.softcap, temperature=tf.temperature,
-            )
+        if triton:
+            G = F.grad_tile(z, bias, t_c, 0, lse, ent, g_lp, g_en, out_dtype=hidden.dtype, **tkw)
             h_mm = h_c
         else:
-            has_grad = torch.zeros(c1 - c0, dtype=torch.bool, device=dev)
+            has_grad = torch.zeros(n, dtype=torch.bool, device=dev)
             for g in (g_lp, g_en):
                 if g is not None:
                     has_grad |= g != 0
@@ -172,15 +204,18 @@ def _one_pass(
             h_mm = TB._f32(h_c)
         if need_h:
             if w_mm is not None:
-                grad_h[c0:c1] = torch.mm(G, w_mm)
+                gh_c = torch.mm(G, w_mm)
             else:  # low-precision weight on the torch backend: float32 copies of bounded slices only
-                acc = torch.zeros((c1 - c0, H), dtype=cdt, device=dev)
-                step = TB.tile_columns(c1 - c0, V)
+                gh_c = torch.zeros((n, H), dtype=cdt, device=dev)
+                step = TB.tile_columns(n, V)
                 for v0 in range(0, V, step):
-                    acc.addmm_(G[:, v0 : v0 + step], TB._f32(weight[v0 : v0 + step]))
-                grad_h[c0:c1] = acc
+                    gh_c.addmm_(G[:, v0 : v0 + step], TB._f32(weight[v0 : v0 + step]))
+            if rows is None:
+                grad_h[c0:c1] = gh_c
+            else:
+                grad_h.index_copy_(0, rows, gh_c.to(grad_h.dtype))
         if need_w:
-            _addmm_acc(grad_w, G.T, h_mm)
+            addmm_f32(grad_w, G.T, h_mm)
         if need_b:
             grad_b += G.sum(0, dtype=cdt)
 
@@ -262,10 +297,10 @@ def policy_loss(
         bias is not None and bias.requires_grad,
     )
     granularity = config.one_pass_granularity
-    chunk = None
+    chunks = None
     if torch.is_grad_enabled() and any(need) and granularity is not None:
-        chunk = _chunk_tokens(granularity, T, V, hidden.device, chunk_tokens)
-    if chunk is None:
+        chunks = _chunks(in_mask, granularity, V, hidden.device, need[1], chunk_tokens)
+    if chunks is None:
         # two-pass path (or forward-only under no_grad): the same loss on fused per-token outputs
         logp, ent = fused_logprobs(
             hidden, weight, eff_targets, bias=bias, temperature=tf.temperature, logit_scale=tf.logit_scale,
@@ -274,14 +309,14 @@ def policy_loss(
         )
         return inputs.loss(logp, ent, config)
 
-    if name == "triton" and hidden.dtype == torch.float64:
-        raise TypeError("the triton backend computes from float32, bfloat16 or float16 inputs; use backend='torch' for float64")
-    h2 = hidden.reshape(B * T, H)
+    if is_triton(name) and hidden.dtype == torch.float64:
+        raise TypeError("the triton backends compute from float32, bfloat16 or float16 inputs; use backend='torch' for float64")
+    h2 = unit_stride(hidden.reshape(B * T, H))
     t2 = eff_targets.reshape(-1).contiguous()
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
         loss, metrics, grads, logp_all, ent_all = _one_pass(
-            h2.detach(), weight.detach(), None if bias is None else bias.detach(), t2, B, T, inputs, config,
-            tf, name, chunk, need,
+            h2.detach(), unit_stride(weight.detach()), None if bias is None else bias.detach().contiguous(), t2,
+            B, T, inputs, config, tf, name, chunks, need,
         )
     if check_finite:
         check_finite_outputs(logp_all, ent_all, t2 != _IGNORE, h2.detach(), (B, T))
