@@ -7,6 +7,8 @@
     python -m bench gpu                  W1-W3 at full size, every provider (for the H100)
     python -m bench                      everything for this device (GPU sizes on CUDA, CPU sizes otherwise)
     python -m bench list                 workloads and providers, and why a provider cannot run here
+    python -m bench sass                 compile every kernel for sm_90 (no GPU needed): registers, spills,
+                                         shared memory, tensor-core and TMA instructions; fails on a spill
 
 Every measurement runs in a fresh process (``bench.worker``); the summary table is printed last and the
 rows are written as JSON and CSV, with PNG plots, under ``--out`` (default ``bench/results/<device>/``).
@@ -26,7 +28,7 @@ from bench import providers as P
 from bench import report, runner, w4
 from bench import workloads as W
 
-COMMANDS = ("run", "c1", "gpu", "w4", "list")
+COMMANDS = ("run", "c1", "gpu", "w4", "list", "sass")
 C1_PROVIDERS = "fastrl,fastrl-fused,torch,trl,liger-fused"
 # the issues' CPU targets: workload -> (provider, max time ratio, max extra-peak ratio), both against torch's
 C1_TARGETS = {"C1": ("fastrl", 1.2, 0.10), "C1-loss": ("fastrl-fused", 1.0, 0.10)}
@@ -59,7 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--jobs", type=int, help="measuring processes at once (default 1; --smoke 2): "
                                              "above 1 they share the cores, so times are not comparable")
     ap.add_argument("--threads", type=int, default=0, help="CPU threads per worker (default: torch's)")
-    ap.add_argument("--fastrl-backend", choices=("triton", "torch"), help="force fastrl's backend")
+    ap.add_argument("--fastrl-backend", choices=("triton", "triton-hybrid", "triton-fused", "torch"),
+                    help="force fastrl's backend")
     ap.add_argument("--lengths", help="W4: comma list of completion lengths (default: by device and mode)")
     ap.add_argument("--budget-mb", type=float, help="W4: step-memory budget in MB for 'longest that fits'")
     ap.add_argument("--no-plots", action="store_true")
@@ -193,6 +196,11 @@ def _c1_targets(rows: list[dict], con) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["sass"]:  # its own options (bench/sass.py); it compiles, so it imports no provider
+        from bench import sass
+
+        return sass.main(argv[1:])
     args = _parser().parse_args(argv)
     con = report.console()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -241,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         w4_summary["elapsed_s"] = w4_s
 
     payload = {
-        "command": args.command, "mode": cfg.mode, "argv": sys.argv[1:] if argv is None else argv,
+        "command": args.command, "mode": cfg.mode, "argv": argv,
         "env": env, "config": asdict(cfg), **info, "elapsed_s": elapsed + w4_s,
         "workloads": [w.to_dict() for w in wls], "rows": rows,
     }

@@ -13,8 +13,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-# Backends the CPU test-suite checks: the chunked torch path and the Triton kernels (interpreted).
+# Backends the CPU test-suite checks: the chunked torch path and the Triton kernels (interpreted). "triton"
+# is what users get (the hybrid kernels, as on a current CUDA install); the op-level tests also run each
+# Triton implementation by name.
 CPU_BACKENDS = ("torch", "triton")
+KERNEL_BACKENDS = ("torch", "triton-hybrid", "triton-fused")
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,7 @@ import torch
 import fastrl
 from fastrl.reference import logprobs_reference
 
-from conftest import CPU_BACKENDS
+from conftest import KERNEL_BACKENDS as CPU_BACKENDS
 
 # Additive slack over PyTorch's own error, per input dtype: "out" absolute on log-probs/entropies,
 # "grad" relative to the largest gradient entry. bf16/fp16 gradients are returned in the input dtype,
@@ -147,7 +147,7 @@ def test_triton_vocab_splits_merge():
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_float64_inputs_match_reference_tightly(backend):
-    if backend == "triton":
+    if backend.startswith("triton"):
         hidden, weight, b, targets = make_inputs(8, 16, 50, torch.float64)
         with pytest.raises(TypeError, match="float64"):
             fastrl.fused_logprobs(hidden, weight, targets, bias=b, backend=backend)
@@ -392,7 +392,9 @@ def test_backend_env_override(monkeypatch):
 
     assert resolve_backend(torch.device("cpu")) == "torch"
     monkeypatch.setenv("FASTRL_BACKEND", "triton")
-    assert resolve_backend(torch.device("cpu")) == "triton"
+    assert resolve_backend(torch.device("cpu")) == "triton-hybrid"  # what current CUDA installs run
+    monkeypatch.setenv("FASTRL_BACKEND", "triton-fused")
+    assert resolve_backend(torch.device("cpu")) == "triton-fused"
     monkeypatch.setenv("FASTRL_BACKEND", "nope")
     with pytest.raises(ValueError, match="FASTRL_BACKEND"):
         resolve_backend(torch.device("cpu"))

@@ -134,7 +134,7 @@ def _spy_paths(monkeypatch):
     real = policy_mod._one_pass
 
     def spy(*args, **kwargs):
-        calls.append(args[10])  # the chunk size
+        calls.append(args[10])  # the chunks: ranges of live (in-mask) rows
         return real(*args, **kwargs)
 
     monkeypatch.setattr(policy_mod, "_one_pass", spy)
@@ -158,7 +158,12 @@ def test_path_choice_and_equal_numbers(config, chunk, one_pass, backend, monkeyp
     got = fused(batch, config, backend, chunk_tokens=chunk)
     assert bool(calls) == one_pass, f"expected one_pass={one_pass}, ran one-pass chunks {calls}"
     if one_pass and config.importance_sampling_level == "sequence" or config.loss_type == "vespo":
-        assert all(c % T == 0 for c in calls), "sequence-coupled losses must chunk whole sequences"
+        # every chunk boundary (in live-row space) is a boundary between sequences
+        seq_ends = set(batch["mask"].bool().sum(1).cumsum(0).tolist()) | {0}
+        bounds = {b for chunks in calls for c in chunks for b in c}
+        assert bounds <= seq_ends, f"sequence-coupled losses must chunk whole sequences: {calls} vs {seq_ends}"
+    if one_pass and chunk is not None:
+        assert all(c1 - c0 <= chunk for chunks in calls for c0, c1 in chunks), calls
     assert_matches(got, reference(batch, config), reference(batch, config, dtype=None), str(config.loss_type))
 
 

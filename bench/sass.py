@@ -1,0 +1,257 @@
+"""``python -m bench sass``: compile every kernel at its default launch configuration for a GPU, without a GPU.
+
+Triton compiles for any NVIDIA target on any machine (``triton.compile`` with a ``GPUTarget``), and the
+``cuobjdump`` it ships reads the machine code back. Per kernel, variant and configuration this prints what
+decides its speed before it ever runs: registers per thread, stack bytes and spill loads/stores (``LDL`` /
+``STL``: registers that did not fit, each a round trip to local memory), shared memory (one tile per pipeline
+stage when the H loop is software-pipelined), tensor-core instructions (``HGMMA``, Hopper's warpgroup MMA)
+and TMA loads (``UTMALDG``); ``HMMA`` (``mma.sync``) before Hopper.
+
+It exits non-zero when a *checked* variant (the ones real models use) spills, or when a matmul kernel has no
+HGMMA at bf16/fp16. The test-suite runs it for sm_90 (compile only, nothing is timed).
+
+    python -m bench sass                 sm_90, every kernel and variant (about a minute on 2 cores)
+    python -m bench sass --arch 80       another target (no check there: the table is tuned for sm_90)
+    python -m bench sass --only stats    kernels whose name contains 'stats'
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+
+# Compiling, not interpreting: Triton decides at decoration time, so this must precede fastrl's kernel imports.
+if os.environ.get("TRITON_INTERPRET") == "1":
+    raise SystemExit("python -m bench sass compiles kernels: run it with TRITON_INTERPRET unset (or 0)")
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when unset; 1 is what launches use
+
+__all__ = ["Spec", "specs", "compile_spec", "main"]
+
+_TY = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+@dataclass(frozen=True)
+class Spec:
+    kernel: str  # "stats", "grad" (fused matmul kernels), "fold", "grad_tile" (hybrid elementwise kernels)
+    dtype: str = "bfloat16"
+    tma: bool = True
+    bias: bool = False
+    softcap: bool = False
+    entropy: bool = True
+    checked: bool = True  # a spill (or missing HGMMA) here fails the command
+    note: str = field(default="", compare=False)
+
+    @property
+    def matmul(self) -> bool:
+        return self.kernel in ("stats", "grad")
+
+    @property
+    def label(self) -> str:
+        parts = [self.dtype, "tma" if self.tma else "pointers"] if self.matmul else [self.dtype]
+        parts += [x for x, on in (("bias", self.bias), ("softcap", self.softcap)) if on]
+        if not self.entropy:
+            parts.append("no-entropy")
+        return " ".join(parts)
+
+
+def specs() -> list[Spec]:
+    """The variants worth knowing about; ``checked`` ones are those real models and defaults use."""
+    out = []
+    for k in ("stats", "grad"):
+        out += [
+            Spec(k, note="Qwen2.5 / Llama heads: bf16, no bias, no softcap"),
+            Spec(k, bias=True),
+            Spec(k, softcap=True, note="Gemma-2 style final-logit softcap"),
+            Spec(k, dtype="float16"),
+            Spec(k, tma=False, note="unaligned tensors: pointer loads"),
+            Spec(k, dtype="float32", note="fp32 heads: IEEE FMA dot, no tensor cores"),
+        ]
+    out.append(Spec("stats", entropy=False, note="forward-only log-probs (reference / old policy)"))
+    out += [Spec("fold"), Spec("fold", bias=True, softcap=True), Spec("grad_tile"), Spec("grad_tile", bias=True, softcap=True),
+            Spec("grad_tile", dtype="float32")]
+    return out
+
+
+def _signature(fn, types: dict, consts: dict) -> dict:
+    sig = {}
+    for a in fn.arg_names:
+        if a in consts:
+            sig[a] = "constexpr"
+        elif a in types:
+            sig[a] = types[a]
+        elif a in ("logit_scale", "softcap", "inv_temp"):
+            sig[a] = "fp32"
+        else:
+            sig[a] = "i32"
+    return sig
+
+
+def _divisible(fn, types: dict) -> dict:
+    """``tt.divisibility`` 16 on every pointer and size, as Triton specialises them at a launch with real
+    shapes (H = 896 / 4096, V = 151936, 16-byte aligned tensors)."""
+    attrs = {}
+    for i, a in enumerate(fn.arg_names):
+        t = types.get(a, "i32")
+        if (t.startswith("*") or a in ("H", "stride_hn", "stride_wv", "stride_gn", "stride_yr", "stride_gr", "V",
+                                        "N", "C", "V_blk")):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return attrs
+
+
+def compile_spec(spec: Spec, arch: int):
+    """(compiled kernel, config label) for one spec at its default launch configuration."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from fastrl.kernels import linear_logprob as K
+    from fastrl.kernels import logits_fold as F
+    from fastrl.kernels.tuning import CONFIGS, variant_of
+
+    ty = _TY[spec.dtype]
+    dtype = getattr(torch, spec.dtype)
+    if spec.matmul:
+        cfg = CONFIGS[(spec.kernel, "sm90" if arch >= 90 else "other", spec.tma, variant_of(dtype, spec.softcap))]
+        hsrc = f"tensordesc<{ty}[{cfg.block_n},{cfg.block_h}]>" if spec.tma else f"*{ty}"
+        wsrc = f"tensordesc<{ty}[{cfg.block_v},{cfg.block_h}]>" if spec.tma else f"*{ty}"
+        common = dict(HAS_BIAS=spec.bias, HAS_SOFTCAP=spec.softcap, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v,
+                      BLOCK_H=cfg.block_h, USE_TMA=spec.tma, DOT_PRECISION=K._dot_precision(dtype), INTERP_BF16=False)
+        if spec.kernel == "stats":
+            fn = K._stats_fwd_kernel
+            types = dict(h_src=hsrc, w_src=wsrc, h_ptr=f"*{ty}", w_ptr=f"*{ty}", b_ptr=f"*{ty}", t_ptr="*i64",
+                         m_ptr="*fp32", s_ptr="*fp32", u_ptr="*fp32", zt_ptr="*fp32")
+            consts = dict(common, HAS_ENTROPY=spec.entropy)
+        else:
+            fn = K._grad_block_kernel
+            gdst = f"tensordesc<{ty}[{cfg.block_n},{cfg.block_v}]>" if spec.tma else f"*{ty}"
+            types = dict(h_src=hsrc, w_src=wsrc, b_ptr=f"*{ty}", t_ptr="*i64", lse_ptr="*fp32", ent_ptr="*fp32",
+                         glogp_ptr="*fp32", gent_ptr="*fp32", g_dst=gdst)
+            consts = dict(common, HAS_GLOGP=True, HAS_GENT=spec.entropy)
+        label = str(cfg)
+        warps, stages = cfg.num_warps, cfg.num_stages
+    else:
+        base = dict(HAS_BIAS=spec.bias, HAS_SOFTCAP=spec.softcap, BLOCK_C=F.BLOCK_C)
+        if spec.kernel == "fold":
+            fn = F._fold_kernel
+            types = dict(y_ptr="*fp32", b_ptr=f"*{ty}", t_ptr="*i64", m_ptr="*fp32", s_ptr="*fp32", u_ptr="*fp32",
+                         zt_ptr="*fp32")
+            consts = dict(base, HAS_ENTROPY=spec.entropy, FIRST=False)
+        else:
+            fn = F._grad_kernel
+            gty = "fp32" if spec.dtype == "float32" else ty
+            types = dict(y_ptr="*fp32", g_ptr=f"*{gty}", b_ptr=f"*{ty}", t_ptr="*i64", lse_ptr="*fp32",
+                         ent_ptr="*fp32", glogp_ptr="*fp32", gent_ptr="*fp32")
+            consts = dict(base, HAS_GLOGP=True, HAS_GENT=spec.entropy, IN_PLACE=spec.dtype != "float32",
+                          EMULATE_RNE=False)
+        label = f"BLOCK_C={F.BLOCK_C} w{F.NUM_WARPS}"
+        warps, stages = F.NUM_WARPS, 3
+    src = ASTSource(fn, _signature(fn, types, consts), consts, _divisible(fn, types))
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                              options=dict(num_warps=warps, num_stages=stages))
+    return compiled, label
+
+
+def _cuobjdump() -> str:
+    import triton
+
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(path):
+        raise SystemExit(f"cuobjdump not found at {path}: this Triton wheel does not ship it")
+    return path
+
+
+def inspect(compiled) -> dict:
+    """Registers, stack, spills, shared memory and instruction counts of a compiled kernel's cubin."""
+    with tempfile.TemporaryDirectory(prefix="fastrl-sass-") as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        tool = _cuobjdump()
+        usage = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([tool, "--dump-sass", path], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    return dict(
+        registers=int(m.group(1)), stack=int(m.group(2)),
+        spill_loads=len(re.findall(r"\bLDL\b", sass)), spill_stores=len(re.findall(r"\bSTL\b", sass)),
+        shared=int(compiled.metadata.shared),
+        tensor_core=len(re.findall(r"\bHGMMA\b", sass)) or len(re.findall(r"\bHMMA\b", sass)),
+        tma_loads=len(re.findall(r"\bUTMALDG\b", sass)),
+    )
+
+
+def verdict(spec: Spec, r: dict, arch: int) -> str:
+    """'' when fine, else why this row fails the check."""
+    if not spec.checked or arch < 90:
+        return ""
+    why = []
+    if r["spill_loads"] or r["spill_stores"] or r["stack"]:
+        why.append(f"spills ({r['stack']} B stack, {r['spill_loads']} LDL / {r['spill_stores']} STL)")
+    if spec.matmul and spec.dtype in ("bfloat16", "float16") and not r["tensor_core"]:
+        why.append("no HGMMA (tensor cores unused)")
+    return "; ".join(why)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench sass", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (default 90: H100 / H200)")
+    ap.add_argument("--only", help="only kernels whose name contains this")
+    ap.add_argument("--checked-only", action="store_true", help="only the variants the check covers")
+    args = ap.parse_args(argv)
+
+    rows, failures, seen = [], [], set()
+    for spec in specs():
+        if args.arch < 90 and spec.tma:
+            spec = replace(spec, tma=False)  # no TMA before Hopper: every launch there loads with pointers
+        if spec in seen:
+            continue
+        seen.add(spec)
+        if args.only and args.only not in spec.kernel:
+            continue
+        if args.checked_only and not spec.checked:
+            continue
+        t0 = time.perf_counter()
+        compiled, cfg = compile_spec(spec, args.arch)
+        r = inspect(compiled)
+        bad = verdict(spec, r, args.arch)
+        rows.append((spec, cfg, r, bad, time.perf_counter() - t0))
+        if bad:
+            failures.append(f"{spec.kernel} [{spec.label}] {cfg}: {bad}")
+    _print(rows, args.arch)
+    if failures:
+        print(f"\nFAIL: {len(failures)} checked kernel(s) at their default configuration:", file=sys.stderr)
+        for f in failures:
+            print("  " + f, file=sys.stderr)
+        return 1
+    if args.arch >= 90:
+        print(f"\nOK: no spills in the checked kernels, HGMMA in every bf16/fp16 matmul kernel (sm_{args.arch}).")
+    else:
+        print(f"\nsm_{args.arch}: listed only (the launch table is tuned and checked for sm_90).")
+    return 0
+
+
+def _print(rows, arch: int) -> None:
+    mma = "HGMMA" if arch >= 90 else "HMMA"
+    head = ("kernel", "variant", "config", "regs", "stack", "LDL", "STL", "smem KB", mma, "TMA", "check")
+    table = [head]
+    for spec, cfg, r, bad, _ in rows:
+        check = "FAIL" if bad else ("ok" if spec.checked and arch >= 90 else "-")
+        table.append((spec.kernel, spec.label, cfg, str(r["registers"]), str(r["stack"]), str(r["spill_loads"]),
+                      str(r["spill_stores"]), f"{r['shared'] / 1024:.0f}", str(r["tensor_core"]), str(r["tma_loads"]), check))
+    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+    print(f"Kernels compiled for sm_{arch} at their default launch configurations (no GPU needed):")
+    for i, row in enumerate(table):
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
