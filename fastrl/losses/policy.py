@@ -24,9 +24,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fastrl.losses._checks import check_loss_inputs, check_loss_values
 from fastrl.losses.config import PolicyLossConfig
 from fastrl.ops import torch_backend as TB
-from fastrl.ops._checks import autocast_inputs, check_finite_outputs, check_linear_inputs, check_targets
+from fastrl.ops._checks import autocast_inputs, check_finite_outputs, check_linear_inputs, check_targets, dense_bias
 from fastrl.ops.backend import resolve_backend
 from fastrl.ops.config import LogitTransform
 from fastrl.ops.linear_logprob import _addmm_acc, fused_logprobs
@@ -71,17 +72,29 @@ def _chunk_tokens(granularity: str, T: int, V: int, device: torch.device, reques
 
 
 class _AttachGradients(torch.autograd.Function):
-    """Return the loss value; backward hands out the gradients computed in the forward, scaled."""
+    """Return the loss value; backward hands out the gradients computed in the forward, scaled.
+
+    The gradients are saved tensors, so PyTorch's rules hold for them: the first backward frees them unless
+    ``retain_graph=True``; a second backward through a retained graph hands them out again (they accumulate,
+    as for any op), one through a freed graph raises PyTorch's "backward through the graph a second time".
+    Double backward (``create_graph=True``) is refused: the gradients were formed in the forward pass and
+    carry no graph, so a second derivative through them would silently be zero.
+    """
 
     @staticmethod
     def forward(ctx, loss, hidden, weight, bias, grads):
-        ctx.grads = grads
+        ctx.save_for_backward(*grads)
         return loss.clone()
 
     @staticmethod
     def backward(ctx, grad_out):
-        gh, gw, gb = ctx.grads
-        ctx.grads = None  # each gradient is handed out once
+        if torch.is_grad_enabled():  # autograd runs a backward with grad mode on only for create_graph=True
+            raise RuntimeError(
+                "fastrl.policy_loss does not support double backward (create_graph=True): its gradients are "
+                "computed in the forward pass and carry no graph. For higher-order gradients use "
+                "fastrl.reference (materialised logits, plain PyTorch)."
+            )
+        gh, gw, gb = ctx.saved_tensors
 
         def scale(g):
             return None if g is None else g * grad_out.to(g.dtype)
@@ -234,6 +247,10 @@ def policy_loss(
         raise TypeError(f"config must be a fastrl.PolicyLossConfig, got {type(config).__name__}")
     hidden, weight, bias = autocast_inputs(hidden, weight, bias)
     check_linear_inputs(hidden, weight, targets, bias)
+    bias = dense_bias(bias)
+    check_loss_inputs(hidden, advantages=advantages, mask=mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                      importance_weights=importance_weights, sampling_logprobs=sampling_logprobs,
+                      num_items_in_batch=num_items_in_batch)
     if hidden.dim() != 3:
         raise ValueError(f"hidden must be [B, T, H] for a policy loss, got shape {tuple(hidden.shape)}")
     if tuple(mask.shape) != tuple(targets.shape):
@@ -250,6 +267,9 @@ def policy_loss(
     with torch.no_grad():
         z0 = torch.zeros((B, T), dtype=TB.acc_dtype(hidden.dtype), device=hidden.device)
         inputs.loss(z0, z0, config)
+    check_loss_values(targets, advantages, mask, config=config, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                      importance_weights=importance_weights, num_items_in_batch=num_items_in_batch,
+                      ignore_index=_IGNORE, check_finite=check_finite)
 
     in_mask = mask.bool()
     eff_targets = torch.where(in_mask, targets.to(torch.int64), torch.full_like(targets, _IGNORE, dtype=torch.int64))

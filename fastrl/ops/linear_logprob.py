@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from fastrl.ops import torch_backend
-from fastrl.ops._checks import autocast_inputs, check_finite_outputs, check_linear_inputs, check_targets
+from fastrl.ops._checks import autocast_inputs, check_finite_outputs, check_linear_inputs, check_targets, dense_bias
 from fastrl.ops.backend import resolve_backend
 from fastrl.ops.config import LogitTransform
 
@@ -211,6 +211,7 @@ def fused_logprobs(
     """
     hidden, weight, bias = autocast_inputs(hidden, weight, bias)
     check_linear_inputs(hidden, weight, targets, bias)
+    bias = dense_bias(bias)
     tf = LogitTransform(temperature=temperature, logit_scale=logit_scale, softcap=softcap)
     if not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
