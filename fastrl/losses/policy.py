@@ -242,6 +242,15 @@ def policy_loss(
 
     ``chunk_tokens``: tokens per one-pass chunk (default: a [chunk, V] float32 tile of 512 MB on a GPU,
     32 MB on a CPU; whole sequences when the loss couples the tokens of a sequence).
+
+    Input checks (``fastrl.losses._checks``), before any kernel runs: every tensor on hidden's device; ``mask``
+    bool or 0/1 only (it selects tokens, it does not weight them: TRL's completion_mask is binary; per-token
+    weights go in ``importance_weights``); no target equal to -100 inside the mask; ``num_items_in_batch`` a
+    number or one-element tensor, >= 0, and 0 only for an empty mask. With ``check_finite`` (the default), also
+    non-finite ``advantages``, ``old_logprobs``, ``ref_logprobs`` (beta != 0) and ``importance_weights`` where
+    the loss reads them, and non-finite log-probs / entropies, raise ``FloatingPointError`` naming the tensor
+    and position; ``check_finite=False`` turns those value checks off. A second backward through a retained
+    graph accumulates the gradients again; double backward (``create_graph=True``) raises.
     """
     if not isinstance(config, PolicyLossConfig):
         raise TypeError(f"config must be a fastrl.PolicyLossConfig, got {type(config).__name__}")

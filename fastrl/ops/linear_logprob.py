@@ -177,7 +177,7 @@ class LinearLogprobFunction(torch.autograd.Function):
 def fused_logprobs(
     hidden: torch.Tensor,  # [N, H] or [B, T, H]
     weight: torch.Tensor,  # [V, H]
-    targets: torch.Tensor,  # [N] or [B, T] int64
+    targets: torch.Tensor,  # [N] or [B, T] int32 or int64
     *,
     bias: torch.Tensor | None = None,  # [V]
     temperature: float = 1.0,
