@@ -321,7 +321,7 @@ def test_bad_shapes():
 
 def test_bad_dtypes():
     hidden, weight, b, targets = _inputs()
-    with pytest.raises(TypeError, match="targets must be an integer tensor"):
+    with pytest.raises(TypeError, match="targets must be int32 or int64"):
         fastrl.fused_logprobs(hidden, weight, targets.float())
     with pytest.raises(TypeError, match="share a dtype.*float32.*bfloat16"):
         fastrl.fused_logprobs(hidden, weight.bfloat16(), targets)

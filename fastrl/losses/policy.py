@@ -24,9 +24,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fastrl.losses._checks import check_loss_inputs, check_loss_values
 from fastrl.losses.config import PolicyLossConfig
 from fastrl.ops import torch_backend as TB
-from fastrl.ops._checks import autocast_inputs, check_finite_outputs, check_linear_inputs, check_targets
+from fastrl.ops._checks import autocast_inputs, check_finite_outputs, check_linear_inputs, check_targets, dense_bias
 from fastrl.ops._gemm import addmm_f32, mm_f32
 from fastrl.ops.backend import is_triton, resolve_backend
 from fastrl.ops.config import LogitTransform
@@ -94,17 +95,29 @@ def _chunks(
 
 
 class _AttachGradients(torch.autograd.Function):
-    """Return the loss value; backward hands out the gradients computed in the forward, scaled."""
+    """Return the loss value; backward hands out the gradients computed in the forward, scaled.
+
+    The gradients are saved tensors, so PyTorch's rules hold for them: the first backward frees them unless
+    ``retain_graph=True``; a second backward through a retained graph hands them out again (they accumulate,
+    as for any op), one through a freed graph raises PyTorch's "backward through the graph a second time".
+    Double backward (``create_graph=True``) is refused: the gradients were formed in the forward pass and
+    carry no graph, so a second derivative through them would silently be zero.
+    """
 
     @staticmethod
     def forward(ctx, loss, hidden, weight, bias, grads):
-        ctx.grads = grads
+        ctx.save_for_backward(*grads)
         return loss.clone()
 
     @staticmethod
     def backward(ctx, grad_out):
-        gh, gw, gb = ctx.grads
-        ctx.grads = None  # each gradient is handed out once
+        if torch.is_grad_enabled():  # autograd runs a backward with grad mode on only for create_graph=True
+            raise RuntimeError(
+                "fastrl.policy_loss does not support double backward (create_graph=True): its gradients are "
+                "computed in the forward pass and carry no graph. For higher-order gradients use "
+                "fastrl.reference (materialised logits, plain PyTorch)."
+            )
+        gh, gw, gb = ctx.saved_tensors
 
         def scale(g):
             return None if g is None else g * grad_out.to(g.dtype)
@@ -264,11 +277,24 @@ def policy_loss(
 
     ``chunk_tokens``: tokens per one-pass chunk (default: a [chunk, V] float32 tile of 512 MB on a GPU,
     32 MB on a CPU; whole sequences when the loss couples the tokens of a sequence).
+
+    Input checks (``fastrl.losses._checks``), before any kernel runs: every tensor on hidden's device; ``mask``
+    bool or 0/1 only (it selects tokens, it does not weight them: TRL's completion_mask is binary; per-token
+    weights go in ``importance_weights``); no target equal to -100 inside the mask; ``num_items_in_batch`` a
+    number or one-element tensor, >= 0, and 0 only for an empty mask. With ``check_finite`` (the default), also
+    non-finite ``advantages``, ``old_logprobs``, ``ref_logprobs`` (beta != 0) and ``importance_weights`` where
+    the loss reads them, and non-finite log-probs / entropies, raise ``FloatingPointError`` naming the tensor
+    and position; ``check_finite=False`` turns those value checks off. A second backward through a retained
+    graph accumulates the gradients again; double backward (``create_graph=True``) raises.
     """
     if not isinstance(config, PolicyLossConfig):
         raise TypeError(f"config must be a fastrl.PolicyLossConfig, got {type(config).__name__}")
     hidden, weight, bias = autocast_inputs(hidden, weight, bias)
     check_linear_inputs(hidden, weight, targets, bias)
+    bias = dense_bias(bias)
+    check_loss_inputs(hidden, advantages=advantages, mask=mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                      importance_weights=importance_weights, sampling_logprobs=sampling_logprobs,
+                      num_items_in_batch=num_items_in_batch)
     if hidden.dim() != 3:
         raise ValueError(f"hidden must be [B, T, H] for a policy loss, got shape {tuple(hidden.shape)}")
     if tuple(mask.shape) != tuple(targets.shape):
@@ -285,6 +311,9 @@ def policy_loss(
     with torch.no_grad():
         z0 = torch.zeros((B, T), dtype=TB.acc_dtype(hidden.dtype), device=hidden.device)
         inputs.loss(z0, z0, config)
+    check_loss_values(targets, advantages, mask, config=config, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                      importance_weights=importance_weights, num_items_in_batch=num_items_in_batch,
+                      ignore_index=_IGNORE, check_finite=check_finite)
 
     in_mask = mask.bool()
     eff_targets = torch.where(in_mask, targets.to(torch.int64), torch.full_like(targets, _IGNORE, dtype=torch.int64))
@@ -315,7 +344,7 @@ def policy_loss(
     t2 = eff_targets.reshape(-1).contiguous()
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
         loss, metrics, grads, logp_all, ent_all = _one_pass(
-            h2.detach(), unit_stride(weight.detach()), None if bias is None else bias.detach().contiguous(), t2,
+            h2.detach(), unit_stride(weight.detach()), None if bias is None else bias.detach(), t2,
             B, T, inputs, config, tf, name, chunks, need,
         )
     if check_finite:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 _FLOAT = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_TARGET_DTYPES = (torch.int32, torch.int64)
 
 
 def autocast_inputs(
@@ -12,14 +13,35 @@ def autocast_inputs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Under ``torch.autocast``, cast the LM-head inputs to the autocast dtype, as autocast would cast them
     for the LM-head matmul. The op itself then runs with autocast off, so its float32 statistics, logits
-    and gradient GEMMs are not silently demoted to bf16."""
+    and gradient GEMMs are not silently demoted to bf16.
+
+    As in autocast itself, only float32/bf16/fp16 tensors are eligible: float64 ones are left alone (so
+    float64 inputs still give float64 results), and so are non-tensors and integer tensors, which the
+    type checks then report.
+    """
+    if not isinstance(hidden, torch.Tensor):
+        return hidden, weight, bias
     dev = hidden.device.type
     if dev not in ("cpu", "cuda") or not torch.is_autocast_enabled(dev):
         return hidden, weight, bias
     dt = torch.get_autocast_dtype(dev)
-    if not hidden.is_floating_point() or not weight.is_floating_point():
-        return hidden, weight, bias  # the dtype checks report it
-    return hidden.to(dt), weight.to(dt), None if bias is None or not bias.is_floating_point() else bias.to(dt)
+
+    def cast(t):
+        eligible = isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+        return t.to(dt) if eligible else t
+
+    return cast(hidden), cast(weight), cast(bias)
+
+
+def dense_bias(bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The bias as the kernels index it: a dense vector (``b_ptr + v``, no stride argument).
+
+    A strided view (``b[::2]``, a column of a matrix) is copied to a contiguous one before any launch;
+    autograd carries the gradient of the copy back to the view. A contiguous bias is returned as is.
+    Hidden states and the weight keep any row stride (the kernels and GEMMs take it); one whose last
+    dimension is strided (a transposed view) is copied by ``fastrl.ops.linear_logprob.unit_stride``.
+    """
+    return None if bias is None else bias.contiguous()
 
 
 def check_linear_inputs(
@@ -43,8 +65,11 @@ def check_linear_inputs(
         raise ValueError(
             f"targets must have hidden's leading shape {tuple(hidden.shape[:-1])}, got {tuple(targets.shape)}"
         )
-    if targets.dtype.is_floating_point or targets.dtype == torch.bool or targets.is_complex():
-        raise TypeError(f"targets must be an integer tensor (int64), got {targets.dtype}")
+    if targets.dtype not in _TARGET_DTYPES:
+        # int8/uint8/int16 cannot hold ignore_index=-100 (uint8 wraps it to 156, a valid id in a large vocabulary)
+        raise TypeError(
+            f"targets must be int32 or int64 (a dtype that holds the token ids and ignore_index), got {targets.dtype}"
+        )
     if hidden.dtype not in _FLOAT:
         raise TypeError(f"hidden must be float32, bfloat16, float16 or float64, got {hidden.dtype}")
     if weight.dtype != hidden.dtype:

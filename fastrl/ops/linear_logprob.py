@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from fastrl.ops import torch_backend
-from fastrl.ops._checks import autocast_inputs, check_finite_outputs, check_linear_inputs, check_targets
+from fastrl.ops._checks import autocast_inputs, check_finite_outputs, check_linear_inputs, check_targets, dense_bias
 from fastrl.ops._gemm import addmm_f32
 from fastrl.ops.backend import is_triton, resolve_backend
 from fastrl.ops.config import LogitTransform
@@ -202,7 +202,7 @@ def _scatter_rows(x: torch.Tensor | None, idx: torch.Tensor | None, n: int) -> t
 def fused_logprobs(
     hidden: torch.Tensor,  # [N, H] or [B, T, H]
     weight: torch.Tensor,  # [V, H]
-    targets: torch.Tensor,  # [N] or [B, T] int64
+    targets: torch.Tensor,  # [N] or [B, T] int32 or int64
     *,
     bias: torch.Tensor | None = None,  # [V]
     temperature: float = 1.0,
@@ -240,6 +240,7 @@ def fused_logprobs(
     """
     hidden, weight, bias = autocast_inputs(hidden, weight, bias)
     check_linear_inputs(hidden, weight, targets, bias)
+    bias = dense_bias(bias)
     tf = LogitTransform(temperature=temperature, logit_scale=logit_scale, softcap=softcap)
     if not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
@@ -254,7 +255,6 @@ def fused_logprobs(
     lead = tuple(targets.shape)
     h = unit_stride(hidden.reshape(-1, hidden.shape[-1]))
     w = unit_stride(weight)
-    b = None if bias is None else bias.contiguous()
     t = targets.reshape(-1).to(torch.int64).contiguous()
     N = t.shape[0]
     active = t != ignore_index
@@ -267,11 +267,11 @@ def fused_logprobs(
     )
     if needs_grad:
         with torch.autocast(h.device.type, enabled=False):
-            logp, ent = LinearLogprobFunction.apply(h_live, w, b, t_live, opts)
+            logp, ent = LinearLogprobFunction.apply(h_live, w, bias, t_live, opts)
     else:
         # path C: forward only, nothing saved
         with torch.no_grad(), torch.autocast(h.device.type, enabled=False):
-            lse, zt, ent = linear_stats(h_live, w, b, t_live, tf, name, with_entropy, vocab_chunk)
+            lse, zt, ent = linear_stats(h_live, w, bias, t_live, tf, name, with_entropy, vocab_chunk)
             logp = zt - lse
     logp, ent = _scatter_rows(logp, idx, N), _scatter_rows(ent, idx, N)
     if check_finite:

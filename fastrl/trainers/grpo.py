@@ -93,12 +93,49 @@ class GRPOConfig(trl.GRPOConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        check_loss_options(self)
         if self.fastrl_backend not in (None, *BACKENDS):
             raise ValueError(f"fastrl_backend must be None or one of {BACKENDS}, got {self.fastrl_backend!r}")
         for name in ("fastrl_vocab_chunk", "fastrl_chunk_tokens"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise ValueError(f"{name} must be None or a positive int, got {value!r}")
+
+
+# GRPOConfig's name for a PolicyLossConfig field, where they differ
+_TRL_NAMES = {"epsilon_low": "epsilon"}
+
+
+def check_loss_options(args) -> None:
+    """Validate a (fastrl or stock TRL) GRPOConfig's loss options when it is made, not at the first training step
+    after a whole generation: ``ValueError`` naming the GRPOConfig field. The ranges are ``PolicyLossConfig``'s
+    (one definition); ``delta`` must be None or > 0 whatever the loss type (TRL reads it only for the clipped
+    types, so there it is not an error to set it)."""
+    from fastrl.losses.config import CLIPPED_LOSS_TYPES, PolicyLossConfig
+
+    delta = getattr(args, "delta", None)
+    if delta is not None and (isinstance(delta, bool) or not isinstance(delta, (int, float)) or not delta > 0
+                              or delta == float("inf")):
+        raise ValueError(f"GRPOConfig.delta must be None or a finite number > 0, got {delta!r}")
+    options = dict(
+        loss_type=args.loss_type, epsilon_low=args.epsilon, epsilon_high=args.epsilon_high,
+        delta=delta if args.loss_type in CLIPPED_LOSS_TYPES else None, beta=args.beta,
+        entropy_coef=getattr(args, "entropy_coef", 0.0) or 0.0,
+        importance_sampling_level=args.importance_sampling_level, temperature=args.temperature,
+        max_completion_length=args.max_completion_length, top_entropy_quantile=args.top_entropy_quantile,
+        off_policy_mask_threshold=getattr(args, "off_policy_mask_threshold", None),
+    )
+    for name in ("sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+                 "vespo_lambda_neg", "use_bias_correction_kl"):
+        if hasattr(args, name):
+            options[name] = getattr(args, name)
+    try:
+        PolicyLossConfig(**options)
+    except ValueError as e:
+        message = str(e)
+        for ours, theirs in _TRL_NAMES.items():
+            message = message.replace(f"PolicyLossConfig.{ours} ", f"GRPOConfig.{theirs} ")
+        raise ValueError(message.replace("PolicyLossConfig.", "GRPOConfig.")) from None
 
 
 def _opt(args, name: str, default):
@@ -375,6 +412,7 @@ class GRPOTrainer(trl.GRPOTrainer):
 
             name = model if isinstance(model, str) else get_config_model_id(model.config)
             args = GRPOConfig(f"{name.split('/')[-1]}-GRPO")
+        check_loss_options(args)  # a stock trl.GRPOConfig too, and one changed after it was made
         super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         if _opt(self.args, "fused_loss", True):
             install_fastrl_head(

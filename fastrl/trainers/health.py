@@ -71,7 +71,8 @@ CHECKS: tuple[Check, ...] = (
           "{key} is {value}: training has diverged (check the learning rate, the reward scale and bf16 overflow); "
           "later updates are meaningless."),
     Check("reward_nan", _REWARDS, _not_finite,
-          "{key} is {value}: a reward function returned NaN/inf; the advantages and the loss are NaN from here on."),
+          "{key} is {value}: the reward is not finite (a reward function or the reward model returned NaN/inf); "
+          "the advantages and the loss are NaN from here on."),
     Check("kl_negative", _KL, lambda v, h: math.isfinite(v) and v < NEG_KL,
           "{key} = {value:.4g} is negative: a true KL never is. The completions were not sampled from the policy "
           "being trained (top-k / top-p / min-p sampling, a different temperature, a stale inference engine), or "

@@ -730,6 +730,13 @@ class PPOTrainer(Trainer):
             args.cliprange_value,
         )
         loss = pg_loss + args.vf_coef * vf_loss
+        # never let a non-finite loss reach the optimizer (gathered: every process raises together, none hangs)
+        if bool(self.accelerator.gather((~torch.isfinite(loss.detach())).reshape(1)).any()):
+            raise FloatingPointError(
+                f"PPO loss is non-finite (policy {pg_loss.item()}, value {vf_loss.item()} on this process) at update "
+                f"{self.state.global_step + 1}; stopped before the optimizer step. The rollout's rewards, values and "
+                "advantages were finite: the policy or value model produced inf/nan (learning rate too high?)."
+            )
         self.accelerator.backward(loss)
         self.optimizer.step()
         self.optimizer.zero_grad()
@@ -743,6 +750,39 @@ class PPOTrainer(Trainer):
             "val/ratio": pg_metrics["val/ratio"],
             "val/ratio_var": pg_metrics["val/ratio_var"],
         }
+
+    def _check_rollout(self, batch: dict[str, torch.Tensor], update: int) -> None:
+        """Raise before any optimizer step when the rollout holds non-finite rewards, values, log-probs or
+        advantages, naming the first culprit; the bad rollout's scores are logged first, so the health callback
+        reports the reward too. One host synchronisation; the flags are gathered, so every process raises."""
+        real, real_p1 = ~batch["padding_mask"], ~batch["padding_mask_p1"]
+        checks = (
+            ("scores", "the reward (the reward model's score, after the EOS penalty)", batch["scores"], None),
+            ("values", "the value model's values", batch["values"], real_p1),
+            ("logprobs", "the policy's rollout log-probs", batch["logprobs"], real),
+            ("ref_logprobs", "the reference policy's log-probs", batch["ref_logprobs"], real),
+            ("advantages", "the advantages", batch["advantages"], real),
+            ("returns", "the returns", batch["returns"], real_p1),
+        )
+        bad = [~torch.isfinite(x) if where is None else ~torch.isfinite(x) & where for _, _, x, where in checks]
+        flags = torch.stack([b.any() for b in bad])
+        everywhere = self.accelerator.gather(flags[None]).reshape(-1, len(checks)).any(0)
+        if not bool(everywhere.any()):
+            return
+        with torch.no_grad():
+            self.log({"objective/scores": batch["scores"].float().mean().item(),
+                      "objective/kl": batch["kl"].sum(1).mean().item()})
+        i = int(everywhere.nonzero()[0, 0])
+        name, what, x, _ = checks[i]
+        if bool(flags[i]):
+            pos = tuple(int(j) for j in bad[i].nonzero()[0])
+            detail = f"{int(bad[i].sum())} non-finite, the first {x[pos].item()} at {name}[{', '.join(map(str, pos))}]"
+        else:
+            detail = "on another process"
+        raise FloatingPointError(
+            f"{what} ({name}) is not finite in the rollout of update {update}: {detail}. No optimizer step was "
+            "taken on it."
+        )
 
     def _ppo_epochs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``num_ppo_epochs`` shuffled passes over the rollout; each metric averaged over every micro-batch."""
@@ -806,6 +846,7 @@ class PPOTrainer(Trainer):
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
             self.state.episode += args.batch_size
             batch = self._rollout(self._queries(update - 1))
+            self._check_rollout(batch, update)
             stats = self._ppo_epochs(batch)
             metrics = self._update_metrics(batch, stats, start_time, start_episode)
             loss_value = metrics["loss/policy_avg"] + args.vf_coef * metrics["loss/value_avg"]
@@ -863,29 +904,76 @@ class PPOTrainer(Trainer):
     # ------------------------------------------------------------------------------------------------------------
 
     def _resume(self, checkpoint: str) -> None:
-        """Load everything a checkpoint holds, so the next update is the one the saved run would have done."""
+        """Load everything a checkpoint holds, so the next update is the one the saved run would have done.
+
+        Everything is read and checked before anything is loaded (the trainer state; both models' weights,
+        names and shapes, against the models; the optimizer's parameter groups and state shapes; the scheduler
+        file), so a checkpoint that does not fit raises and leaves this trainer as it was.
+        """
         state_file = os.path.join(checkpoint, TRAINER_STATE_NAME)
         if not os.path.isfile(state_file):
             raise ValueError(f"{checkpoint} is not a PPOTrainer checkpoint (no {TRAINER_STATE_NAME})")
-        self.state = OnlineTrainerState.load_from_json(state_file)
+        state = OnlineTrainerState.load_from_json(state_file)
+        weights = None
+        if not (self.is_fsdp_enabled or self.is_deepspeed_enabled):
+            weights = self._read_checkpoint_weights(checkpoint)
+            self._check_optimizer_checkpoint(checkpoint)
+        # nothing above changed the trainer; from here on the checkpoint is known to fit
+        self.state = state
         self._load_callback_state()
         if self.is_deepspeed_enabled:
             from transformers.integrations.deepspeed import deepspeed_load_checkpoint
 
             deepspeed_load_checkpoint(self.model_wrapped, checkpoint, load_module_strict=not self.is_peft_model)
+        elif weights is None:
+            super()._load_from_checkpoint(checkpoint, self.model_wrapped)
         else:
-            self._load_from_checkpoint(checkpoint, self.model_wrapped)
+            for module, state_dict in weights:
+                _apply_weights(module, state_dict)
         self._load_optimizer_and_scheduler(checkpoint)
         self._load_scaler(checkpoint)
         self._load_rng_state(checkpoint)
+
+    def _read_checkpoint_weights(self, checkpoint: str) -> list[tuple[nn.Module, dict]]:
+        """The policy's weights from the checkpoint folder, the value model's from its ``value_model`` sub-folder,
+        read and checked against the models (nothing is loaded)."""
+        wrapper = self.accelerator.unwrap_model(self.model_wrapped)
+        return [
+            (wrapper.policy, _read_weights(wrapper.policy, checkpoint)),
+            (wrapper.value_model, _read_weights(wrapper.value_model, os.path.join(checkpoint, VALUE_MODEL_DIR))),
+        ]
+
+    def _check_optimizer_checkpoint(self, checkpoint: str) -> None:
+        """The checkpoint's optimizer state must fit this optimizer (groups, parameter counts, state shapes)."""
+        from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
+
+        for name in (OPTIMIZER_NAME, SCHEDULER_NAME):
+            if not os.path.isfile(os.path.join(checkpoint, name)):
+                raise ValueError(f"checkpoint {checkpoint} has no {name}: it cannot continue the run")
+        saved = torch.load(os.path.join(checkpoint, OPTIMIZER_NAME), map_location="cpu", weights_only=True, mmap=True)
+        groups = saved.get("param_groups", [])
+        mine = self.optimizer.param_groups
+        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in mine]:
+            raise ValueError(
+                f"checkpoint {checkpoint}: the optimizer state has parameter groups of sizes "
+                f"{[len(g['params']) for g in groups]}, this trainer's optimizer {[len(g['params']) for g in mine]}"
+            )
+        ids = [i for g in groups for i in g["params"]]
+        params = [p for g in mine for p in g["params"]]
+        for i, (key, p) in enumerate(zip(ids, params)):
+            for k, v in saved.get("state", {}).get(key, {}).items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0 and tuple(v.shape) != tuple(p.shape):
+                    raise ValueError(
+                        f"checkpoint {checkpoint}: optimizer state {k!r} of parameter {i} has shape {tuple(v.shape)}, "
+                        f"the parameter {tuple(p.shape)}"
+                    )
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         """Policy from the checkpoint folder, value model from its ``value_model`` sub-folder (FSDP: the Trainer's)."""
         if self.is_fsdp_enabled or self.is_deepspeed_enabled:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        wrapper = self.accelerator.unwrap_model(self.model_wrapped)
-        _load_weights(wrapper.policy, resume_from_checkpoint)
-        _load_weights(wrapper.value_model, os.path.join(resume_from_checkpoint, VALUE_MODEL_DIR))
+        for module, state_dict in self._read_checkpoint_weights(resume_from_checkpoint):
+            _apply_weights(module, state_dict)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Save the policy (``from_pretrained``-loadable) and the tokenizer; checkpoints also get the value model."""
@@ -1007,18 +1095,51 @@ def _disable_dropout(model: nn.Module) -> None:
             module.p = 0
 
 
-def _load_weights(module: nn.Module, folder: str) -> None:
-    """Load a ``save_pretrained`` folder's weights into ``module`` in place (single file or sharded; PEFT adapter)."""
+def _shared_storage(module: nn.Module) -> dict[str, list[str]]:
+    """For each state-dict key, the keys whose tensors share its storage (tied weights), itself included."""
+    groups: dict[tuple, list[str]] = defaultdict(list)
+    for k, v in module.state_dict(keep_vars=True).items():
+        groups[(v.device, v.data_ptr()) if v.numel() else ("empty", k)].append(k)
+    return {k: keys for keys in groups.values() for k in keys}
+
+
+def _weights_mismatch(module: nn.Module, state_dict: dict) -> str | None:
+    """What keeps ``state_dict`` from loading into ``module`` exactly (None: it fits). A tied weight may be
+    saved under one of its names only (``save_pretrained`` drops the others)."""
+    expected = module.state_dict()
+    tied = _shared_storage(module)
+    missing = sorted(k for k in expected if k not in state_dict and not any(t in state_dict for t in tied[k]))
+    unexpected = sorted(k for k in state_dict if k not in expected)
+    shapes = [f"{k} {tuple(v.shape)} (model {tuple(expected[k].shape)})" for k, v in state_dict.items()
+              if k in expected and tuple(v.shape) != tuple(expected[k].shape)]
+    if not (missing or unexpected or shapes):
+        return None
+    return f"missing {missing[:8]}, unexpected {unexpected[:8]}, shape mismatches {shapes[:8]}"
+
+
+def _read_weights(module: nn.Module, folder: str):
+    """A ``save_pretrained`` folder's weights for ``module``, checked against it (names and shapes); nothing is
+    loaded. Single file or sharded; a PEFT model's adapter.
+
+    transformers >= 5 saves some architectures in their original key format (GPT-NeoX's ``lm_head`` as
+    ``embed_out``); when the file's names are not the module's, transformers' own loader maps them.
+    """
     import json
 
     import safetensors.torch
 
     if hasattr(module, "peft_config"):
-        from peft import set_peft_model_state_dict
+        from peft import get_peft_model_state_dict
 
         path = os.path.join(folder, "adapter_model.safetensors")
-        set_peft_model_state_dict(module, safetensors.torch.load_file(path), adapter_name=module.active_adapter)
-        return
+        if not os.path.isfile(path):
+            raise ValueError(f"no adapter_model.safetensors in {folder}")
+        state_dict = safetensors.torch.load_file(path)
+        expected = get_peft_model_state_dict(module, adapter_name=module.active_adapter)
+        if set(state_dict) != set(expected) or any(state_dict[k].shape != expected[k].shape for k in expected):
+            raise ValueError(f"adapter checkpoint {folder} does not match the model's adapter: saved "
+                             f"{sorted(state_dict)[:8]}, model {sorted(expected)[:8]}")
+        return state_dict
     single = os.path.join(folder, "model.safetensors")
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(single):
@@ -1031,17 +1152,37 @@ def _load_weights(module: nn.Module, folder: str) -> None:
     state_dict = {}
     for path in files:
         state_dict.update(safetensors.torch.load_file(path, device="cpu"))
-    result = module.load_state_dict(state_dict, strict=False)
-    tied = set()
-    get_tied = getattr(module, "_tied_weights_keys", None)
-    if isinstance(get_tied, dict):
-        tied = set(get_tied)
-    elif isinstance(get_tied, (list, tuple)):
-        tied = set(get_tied)
-    missing = [k for k in result.missing_keys if k not in tied]
-    if missing or result.unexpected_keys:
-        raise ValueError(f"checkpoint {folder} does not match the model: missing {missing}, "
-                         f"unexpected {result.unexpected_keys}")
+    problem = _weights_mismatch(module, state_dict)
+    if problem is not None and hasattr(module, "config") and hasattr(type(module), "from_pretrained"):
+        converted = _converted_weights(module, folder)
+        if converted is not None:
+            state_dict, problem = converted, None
+    if problem is not None:
+        raise ValueError(f"checkpoint {folder} does not match {type(module).__name__}: {problem}")
+    return state_dict
+
+
+def _converted_weights(module: nn.Module, folder: str) -> dict | None:
+    """The folder's weights as transformers' ``from_pretrained`` names them for this architecture (None: they do
+    not fit even then)."""
+    try:
+        loaded, info = type(module).from_pretrained(folder, config=module.config, output_loading_info=True)
+    except (OSError, ValueError, RuntimeError):
+        return None
+    if info.get("missing_keys") or info.get("unexpected_keys") or info.get("mismatched_keys"):
+        return None  # a weight the file does not hold would be left at its random initialisation
+    state_dict = loaded.state_dict()
+    return state_dict if _weights_mismatch(module, state_dict) is None else None
+
+
+def _apply_weights(module: nn.Module, state_dict: dict) -> None:
+    """Load weights checked by ``_read_weights`` into ``module`` in place."""
+    if hasattr(module, "peft_config"):
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(module, state_dict, adapter_name=module.active_adapter)
+        return
+    module.load_state_dict(state_dict, strict=False)  # strict=False: tied weights are saved once
 
 
 def _print_rich_table(df) -> None:

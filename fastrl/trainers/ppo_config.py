@@ -136,7 +136,12 @@ class PPOConfig(TrainingArguments):
 
     def __post_init__(self):
         if isinstance(self.generation_kwargs, str):
-            self.generation_kwargs = json.loads(self.generation_kwargs)
+            try:
+                self.generation_kwargs = json.loads(self.generation_kwargs)
+            except json.JSONDecodeError as e:
+                raise ValueError(
+                    f"generation_kwargs must be a JSON object (e.g. '{{\"top_k\": 0}}'), got {self.generation_kwargs!r}: {e}"
+                ) from None
         super().__post_init__()
         if self.kl_estimator not in _KL_ESTIMATORS:
             raise ValueError(f"kl_estimator must be one of {_KL_ESTIMATORS}, got {self.kl_estimator!r}")
@@ -161,6 +166,9 @@ class PPOConfig(TrainingArguments):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        for name in ("gamma", "lam"):  # a discount or GAE lambda above 1 makes the returns grow without bound
+            if getattr(self, name) > 1:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
         if self.generation_kwargs is not None and not isinstance(self.generation_kwargs, dict):
