@@ -72,7 +72,9 @@ def assert_matches(got, want, torch_same_dtype, label):
     for name, gf, g64, gt in zip(("hidden", "weight", "bias"), grads, grads64, grads_t):
         assert torch.isfinite(gf).all(), f"{label}: non-finite grad {name}"
         e_fast, e_torch = rel(gf, g64), rel(gt, g64)
-        assert e_fast <= e_torch + 2e-6, f"{label}: grad {name} rel error {e_fast:.2e} vs PyTorch's {e_torch:.2e}"
+        # 5e-6 is ~40 float32 ulps of the largest entry: the two sides sum in different orders (CPU GEMM blocking
+        # varies with the machine's load, and 2e-6 was hit at 2.6e-6 once), while a wrong term is off by >1e-3
+        assert e_fast <= e_torch + 5e-6, f"{label}: grad {name} rel error {e_fast:.2e} vs PyTorch's {e_torch:.2e}"
     assert set(metrics) == set(metrics64), f"{label}: metric names differ: {set(metrics) ^ set(metrics64)}"
     for k in metrics64:
         assert abs(metrics[k].item() - metrics64[k].item()) <= 1e-5 * (1 + abs(metrics64[k].item())), (
