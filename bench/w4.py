@@ -1,4 +1,4 @@
-"""W4 (DESIGN.md): one TRL GRPOTrainer training step, stock ``trl.GRPOTrainer`` vs ``fastrl.GRPOTrainer``.
+"""W4 (docs/design.md): one TRL GRPOTrainer training step, stock ``trl.GRPOTrainer`` vs ``fastrl.GRPOTrainer``.
 
     python -m bench w4                 # CUDA: Qwen2.5-0.5B shapes, 8 completions of 4k/8k/16k tokens, bf16
                                        # CPU:  scaled down (V=151936, H=256, 1 layer), 2 completions of 256-2048

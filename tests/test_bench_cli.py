@@ -40,7 +40,8 @@ def error_of(argv):
 res = {"commands": list(cli.COMMANDS)}
 res["help"] = {name: help_of([name, "--help"]) for name in cli.COMMANDS}
 res["top"] = help_of(["--help"])
-res["parsed"] = {" ".join(a): vars(cli._parse(a)) for a in ([], ["--quick"], ["c1", "--smoke"], ["w4", "--lengths", "64"])}
+cases = ([], ["--quick"], ["c1", "--smoke"], ["w4", "--lengths", "64"])
+res["parsed"] = {" ".join(a): vars(cli._parse(a)) for a in cases}
 res["errors"] = {" ".join(a): error_of(a) for a in (["--quick", "c1"], ["w4", "--providers", "torch"])}
 tempfile.tempdir = TMP
 ns = cli._parse

@@ -1,6 +1,6 @@
 """Fused linear -> per-token log-prob and entropy: the autograd Function and the public function.
 
-Paths (DESIGN.md): with gradients, path A (forward: one fused pass of online statistics; backward:
+Paths (docs/design.md): with gradients, path A (forward: one fused pass of online statistics; backward:
 recompute each vocabulary slice's logits, form ``G = dL/dy`` and run the two gradient GEMMs);
 without, path C (the forward pass alone, no autograd state kept).
 """
