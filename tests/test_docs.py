@@ -72,3 +72,16 @@ def test_no_links_to_internal_notes():
 
 def test_slugs_follow_github():
     assert slugs(REPO / "docs" / "design.md") >= {"the-math", "three-execution-paths-and-what-they-cost", "workloads"}
+
+
+@pytest.mark.parametrize("name", ["fused_logprobs", "policy_loss"])
+def test_docstring_examples_run(name, capsys):
+    import inspect
+    import textwrap
+
+    import fastrl
+
+    doc = inspect.getdoc(getattr(fastrl, name))
+    assert "Example::" in doc and "Args:" in doc and "Returns:" in doc
+    code = textwrap.dedent(doc.split("Example::", 1)[1])
+    exec(compile(code, f"<{name} docstring>", "exec"), {})
