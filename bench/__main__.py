@@ -257,7 +257,9 @@ def _c1_targets(rows: list[dict], con) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parse(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parse(argv)
+    args.argv = argv  # recorded with the results
     con = report.console()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
@@ -321,7 +323,7 @@ def _measure(args, device: str, con) -> int:
         w4_summary["elapsed_s"] = w4_s
 
     payload = {
-        "command": args.command, "mode": cfg.mode, "argv": sys.argv[1:] if argv is None else argv,
+        "command": args.command, "mode": cfg.mode, "argv": args.argv,
         "env": env, "config": asdict(cfg), **info, "elapsed_s": elapsed + w4_s,
         "workloads": [w.to_dict() for w in wls], "rows": rows,
     }
