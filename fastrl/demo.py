@@ -145,6 +145,16 @@ class TrainResult:
         return sum(self.rewards[:k]) / k, sum(self.rewards[-k:]) / k
 
 
+def _no_checkpointing() -> dict:
+    """Activation checkpointing off, under the name this transformers uses (renamed in transformers 5)."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    return {"activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing": False}
+
+
 def train_config_kwargs(out_dir: str, device: str, bf16: bool, steps: int) -> dict:
     """Arguments of the ``fastrl.GRPOConfig`` the training part uses."""
     return dict(
@@ -152,8 +162,7 @@ def train_config_kwargs(out_dir: str, device: str, bf16: bool, steps: int) -> di
         per_device_train_batch_size=32, num_generations=8, max_completion_length=8, max_steps=steps,
         learning_rate=3e-3, lr_scheduler_type="constant", logging_steps=1, seed=0, temperature=1.0,
         disable_tqdm=True, log_completions=False,
-        # a 2-layer model has nothing to gain from recomputing activations
-        activation_checkpointing=False,
+        **_no_checkpointing(),  # a 2-layer model has nothing to gain from recomputing activations
         # attached below without the truncation check (completions always run to 8 words here, by design)
         health_checks=False,
     )
@@ -286,7 +295,7 @@ def _measure_step(stack, which, vocab, hidden, layers, batch, prompt_len, comple
     kw = dict(use_cpu=not cuda, bf16=dtype == "bfloat16", report_to="none", save_strategy="no",
               logging_strategy="no", per_device_train_batch_size=batch, num_generations=batch,
               max_completion_length=completion_len, loss_type=loss_type, disable_tqdm=True,
-              activation_checkpointing=False)  # the same for both; compute_loss alone would not turn it on
+              **_no_checkpointing())  # the same for both; compute_loss alone would not turn it on
     if which == "fastrl":
         kw["health_checks"] = False
 
@@ -462,6 +471,10 @@ def main(argv: list[str] | None = None, *, shape: dict | None = None) -> int:
         return 0
     if a.steps is not None and a.steps < 1:
         parser.error(f"--steps must be at least 1, got {a.steps}")
+    if a.device != "cpu":
+        # one GPU: with several visible, transformers' Trainer would wrap the model in DataParallel (set before
+        # torch first queries CUDA; an explicit CUDA_VISIBLE_DEVICES is left alone)
+        os.environ.setdefault("CUDA_VISIBLE_DEVICES", "0")
     try:
         device = pick_device(a.device)
     except ValueError as e:
