@@ -1,26 +1,30 @@
-"""``python -m bench [run|c1|gpu|list]``: the benchmark CLI (see bench/README.md).
+"""``python -m bench [COMMAND] [options]``: the benchmark CLI (bench/README.md says what each number means).
 
     python -m bench --quick              CPU-sized workloads and sweeps, a few minutes on 2 cores
-    python -m bench c1                   DESIGN.md's C1 and C1-loss on CPU: fastrl vs materialised torch vs TRL
-                                         (and Liger on the loss), with the issues' targets
+    python -m bench c1                   C1 and C1-loss on CPU: fastrl vs materialised torch vs TRL (and Liger on
+                                         the loss), checked against the CPU targets
     python -m bench w4                   W4: one GRPOTrainer step, stock TRL vs fastrl, per completion length
     python -m bench gpu                  W1-W3 at full size, every provider (for the H100)
     python -m bench                      everything for this device (GPU sizes on CUDA, CPU sizes otherwise)
     python -m bench list                 workloads and providers, and why a provider cannot run here
     python -m bench sass                 compile every kernel for sm_90 (no GPU needed): registers, spills,
                                          shared memory, tensor-core and TMA instructions; fails on a spill
+    python -m bench COMMAND --help       that command's options
 
-Every measurement runs in a fresh process (``bench.worker``); the summary table is printed last and the
-rows are written as JSON and CSV, with PNG plots, under ``--out`` (default ``bench/results/<device>/``).
+The workloads (W1-W5, C1) are defined in docs/design.md. Every measurement runs in a fresh process
+(``bench.worker``); the summary table is printed last and the rows are written as JSON and CSV, with PNG plots,
+under ``--out`` (default ``bench/results/<device>/``; with ``--smoke``, a new temporary folder).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -28,9 +32,9 @@ from bench import providers as P
 from bench import report, runner, w4
 from bench import workloads as W
 
-COMMANDS = ("run", "c1", "gpu", "w4", "list", "sass")
 C1_PROVIDERS = "fastrl,fastrl-fused,torch,trl,liger-fused"
-# the issues' CPU targets: workload -> (provider, max time ratio, max extra-peak ratio), both against torch's
+# the CPU targets (bench/README.md, `python -m bench c1`): workload -> (provider, max time ratio, max extra-peak
+# ratio), both against materialised torch measured in the same run
 C1_TARGETS = {"C1": ("fastrl", 1.2, 0.10), "C1-loss": ("fastrl-fused", 1.0, 0.10)}
 # W4 rides along with `python -m bench` (full run); --quick and --smoke only when --workload names it
 W4_IN_QUICK = False  # CPU W4 at the quick lengths: ~2 min quiet, ~4 loaded; `python -m bench w4 --quick`
@@ -43,30 +47,90 @@ QUICK_ONLY_ON = {
 SMOKE_LEAVE_OUT = {"torch-compile": "left out by --smoke: compiling alone takes longer than the whole smoke run"}
 
 
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", nargs="?", default="run", choices=COMMANDS)
-    ap.add_argument("--quick", action="store_true", help="smaller shapes and fewer points (CPU: a few minutes)")
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes, one repetition: checks the plumbing only")
-    ap.add_argument("--out", help="results folder (default bench/results/<device-slug>/)")
-    ap.add_argument("--workload", help="comma list: names (W1, C1, tokens-4096), 'W1' also picks W1-lp; "
-                                       "groups core, sweeps, sweep-tokens, sweep-vocab, sweep-hidden")
-    ap.add_argument("--providers", help=f"comma list of {', '.join(P.PROVIDERS)} (default: all; c1: {C1_PROVIDERS})")
+# ---------------------------------------------------------------------------------------------------------------
+# Options, by group; each command picks its groups
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _device_option(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
+
+
+def _run_options(ap: argparse.ArgumentParser) -> None:
+    """Options of every measuring command."""
+    ap.add_argument("--quick", action="store_true", help="smaller shapes and fewer points (CPU: a few minutes)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny shapes, one repetition: checks the plumbing only (results go to a temporary folder "
+                         "unless --out is given)")
+    ap.add_argument("--out", help="results folder (default bench/results/<device-slug>/; --smoke: a new temporary "
+                                  "folder)")
+    _device_option(ap)
     ap.add_argument("--reps", type=int, help="timed repetitions per measurement on CPU (default 3; smoke 1)")
     ap.add_argument("--warmup", type=int, help="untimed steps before timing (default 1; smoke 0)")
-    ap.add_argument("--sets", type=int, help="input sets rotated through the repetitions (CPU 2, CUDA 3)")
     ap.add_argument("--timeout", type=int, help="seconds per measuring process")
     ap.add_argument("--jobs", type=int, help="measuring processes at once (default 1; --smoke 2): "
                                              "above 1 they share the cores, so times are not comparable")
     ap.add_argument("--threads", type=int, default=0, help="CPU threads per worker (default: torch's)")
     ap.add_argument("--fastrl-backend", choices=("triton", "triton-hybrid", "triton-fused", "torch"),
                     help="force fastrl's backend")
+    ap.add_argument("--no-plots", action="store_true", help="write JSON and CSV only")
+
+
+def _workload_options(ap: argparse.ArgumentParser) -> None:
+    """Options of the commands that measure workloads x providers."""
+    ap.add_argument("--workload", help="comma list: names (W1, C1, tokens-4096), 'W1' also picks W1-lp; "
+                                       "groups core, sweeps, sweep-tokens, sweep-vocab, sweep-hidden")
+    ap.add_argument("--providers", help=f"comma list of {', '.join(P.PROVIDERS)} (default: all; c1: {C1_PROVIDERS})")
+    ap.add_argument("--sets", type=int, help="input sets rotated through the repetitions (CPU 2, CUDA 3)")
+
+
+def _w4_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--lengths", help="W4: comma list of completion lengths (default: by device and mode)")
     ap.add_argument("--budget-mb", type=float, help="W4: step-memory budget in MB for 'longest that fits'")
-    ap.add_argument("--no-plots", action="store_true")
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    summary: str  # one line in `python -m bench --help`
+    description: str  # the head of `python -m bench NAME --help`
+    options: tuple[Callable[[argparse.ArgumentParser], None], ...]
+    run: Callable[[argparse.Namespace, str, object], int]  # (args, device, console) -> exit status
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", title="commands", metavar="COMMAND",
+                            help="what to measure (default: run); `python -m bench COMMAND --help` lists its options")
+    for c in COMMANDS.values():
+        sp = sub.add_parser(c.name, help=c.summary, description=c.description,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+        for add in c.options:
+            add(sp)
     return ap
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    """Parse ``argv``; no command (``python -m bench --quick``) means ``run``."""
+    ap = _parser()
+    if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help")):
+        argv = ["run", *argv]
+    args, extra = ap.parse_known_args(argv)
+    misplaced = [a for a in extra if a in COMMANDS]
+    if misplaced:
+        ap.error(f"the command comes first: python -m bench {misplaced[0]} [options] (got: {' '.join(argv[1:])})")
+    if extra:
+        ap.error(f"unrecognized arguments for `{args.command}`: {' '.join(extra)} "
+                 f"(python -m bench {args.command} --help lists its options)")
+    # options a command does not take read as unset in the shared code below
+    for name in ("quick", "smoke", "no_plots"):
+        setattr(args, name, getattr(args, name, False))
+    for name in ("out", "device", "workload", "providers", "reps", "warmup", "sets", "timeout", "jobs",
+                 "fastrl_backend", "lengths", "budget_mb"):
+        setattr(args, name, getattr(args, name, None))
+    args.threads = getattr(args, "threads", 0)
+    return args
 
 
 def _config(args, device: str) -> runner.RunConfig:
@@ -154,10 +218,10 @@ def _list(device: str, con) -> int:
 
 
 def _c1_targets(rows: list[dict], con) -> dict:
-    """The issues' CPU targets, per workload (C1_TARGETS): time and extra peak memory as ratios of torch's.
+    """The CPU targets, per workload (C1_TARGETS): time and extra peak memory as ratios of torch's.
 
-    C1 (core issue): fastrl (path A) extra peak <= 10% of torch's, time <= 1.2x. C1-loss (fused-loss issue):
-    fastrl.policy_loss extra peak <= 10% of torch's, time <= 1.0x.
+    C1: fastrl (path A) extra peak <= 10% of torch's, time <= 1.2x. C1-loss: fastrl.policy_loss (one pass) extra
+    peak <= 10% of torch's, time <= 1.0x.
     """
     out = {}
     for wl_name in dict.fromkeys(r["workload"] for r in rows):
@@ -196,19 +260,45 @@ def _c1_targets(rows: list[dict], con) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["sass"]:  # its own options (bench/sass.py); it compiles, so it imports no provider
-        from bench import sass
-
-        return sass.main(argv[1:])
-    args = _parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parse(argv)
+    args.argv = argv  # recorded with the results
     con = report.console()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         con.print("[red]--device cuda: no CUDA device here[/red]")
         return 2
-    if args.command == "list":
-        return _list(device, con)
+    return COMMANDS[args.command].run(args, device, con)
+
+
+def _out_dir(args, device_slug: str) -> Path:
+    """--out; else a new temporary folder for --smoke (never the committed results); else bench/results/<device>/."""
+    if args.out:
+        return Path(args.out)
+    if args.smoke:
+        return Path(tempfile.mkdtemp(prefix="fastrl-bench-smoke-"))
+    return report.REPO_ROOT / "bench" / "results" / device_slug
+
+
+def _list_command(args, device: str, con) -> int:
+    return _list(device, con)
+
+
+def _sass_options(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (default 90: H100 / H200)")
+    ap.add_argument("--only", help="only kernels whose name contains this")
+    ap.add_argument("--checked-only", action="store_true", help="only the variants the check covers")
+
+
+def _sass_command(args, device: str, con) -> int:
+    from bench import sass  # compiles for a GPU target: needs no GPU and no provider
+
+    return sass.main(["--arch", str(args.arch)] + (["--only", args.only] if args.only else [])
+                     + (["--checked-only"] if args.checked_only else []))
+
+
+def _measure(args, device: str, con) -> int:
+    """run, c1, gpu, w4: measure, print the summary last, write the files."""
     if args.command == "gpu" and device != "cuda" and not args.smoke:
         con.print("[red]`python -m bench gpu` measures W1-W3 at full size and needs CUDA; on CPU use "
                   "`python -m bench --quick` or `python -m bench c1` (or add --smoke to check the plumbing)[/red]")
@@ -219,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     want_w4 = _want_w4(args, device)
     provs = P.select(args.providers or (C1_PROVIDERS if args.command == "c1" else None))
     env = report.environment(device)
-    out_dir = Path(args.out) if args.out else report.REPO_ROOT / "bench" / "results" / env["device_slug"]
+    out_dir = _out_dir(args, env["device_slug"])
     prefix = args.command + ("-smoke" if args.smoke else "-quick" if args.quick else "")
 
     what = f"{len(wls)} workloads x {len(provs)} providers" if wls else "W4 only"
@@ -229,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     scaled = [w for w in wls if "scaled down" in w.note or "quick" in w.note]
     if scaled:
         con.print(f"[yellow]{len(scaled)} workloads use CPU-scaled shapes (see each row's N/H/V; the GPU sizes "
-                  f"are in DESIGN.md)[/yellow]")
+                  f"are in docs/design.md)[/yellow]")
     t0 = time.perf_counter()
     rows, info = runner.run(wls, provs, cfg, con) if wls else ([], {"floor_tflops": {}})
     floor = info["floor_tflops"]
@@ -249,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         w4_summary["elapsed_s"] = w4_s
 
     payload = {
-        "command": args.command, "mode": cfg.mode, "argv": argv,
+        "command": args.command, "mode": cfg.mode, "argv": args.argv,
         "env": env, "config": asdict(cfg), **info, "elapsed_s": elapsed + w4_s,
         "workloads": [w.to_dict() for w in wls], "rows": rows,
     }
@@ -289,6 +379,43 @@ def main(argv: list[str] | None = None) -> int:
     con.print("wrote " + ", ".join(str(p) for p in written + plots) + f"  ({elapsed + w4_s:.0f} s)")
     bad = [r for r in rows + w4_rows if r["status"] == "error"]
     return 1 if bad and args.smoke else 0
+
+
+# A new command: an option function for what only it takes (if anything), a handler (args, device, console) ->
+# exit status, and a Command below; `python -m bench NAME --help` and the command list follow from it.
+_MEASURE_OPTIONS = (_run_options, _workload_options)
+COMMANDS: dict[str, Command] = {c.name: c for c in (
+    Command("run", "every workload for this device (the default command)",
+            "Every workload for this device: W1-W3 at GPU sizes (bf16) on CUDA; CPU-scaled W1-W3 and the token,\n"
+            "vocabulary and hidden-size sweeps on a CPU; and W4 in a full run (with --quick or --smoke only when\n"
+            "--workload names it). `python -m bench --quick` is `python -m bench run --quick`.",
+            (*_MEASURE_OPTIONS, _w4_options), _measure),
+    Command("c1", "C1 and C1-loss on CPU against the CPU targets",
+            "C1 (log-prob + entropy, N=4096, H=512, V=32768, float32, forward + backward) and C1-loss (the same\n"
+            "shapes through a dapo loss) on the CPU: fastrl, materialised torch, TRL 1.16 and Liger, with the CPU\n"
+            "targets: C1 fastrl extra peak <= 10% of torch's and time <= 1.2x; C1-loss fastrl.policy_loss extra\n"
+            "peak <= 10% and time <= 1.0x. About 5-6 minutes on 2 cores.",
+            _MEASURE_OPTIONS, _measure),
+    Command("gpu", "W1-W3 at full size, every provider (needs CUDA)",
+            "W1-W3 at full size for every provider (W1 and W2 as a GRPO loss and as log-probs, -lp); refuses to\n"
+            "run without CUDA (with --smoke it runs tiny shapes anywhere). 15-30 minutes on an H100.",
+            _MEASURE_OPTIONS, _measure),
+    Command("w4", "W4: one GRPOTrainer step, stock TRL vs fastrl, per completion length",
+            "W4: one GRPO training step (compute_loss + backward) of stock trl.GRPOTrainer and fastrl.GRPOTrainer\n"
+            "per completion length, each in a fresh process: peak extra memory, step time, and the longest\n"
+            "completion whose step fits --budget-mb. CUDA: Qwen2.5-0.5B architecture, bf16, 8 completions of\n"
+            "4k-16k tokens; CPU: scaled down (H=256, 1 layer, float32, 2 completions of 256-2048 tokens).",
+            (_run_options, _w4_options), _measure),
+    Command("list", "workloads and providers, and why a provider cannot run here",
+            "The workloads (GPU and CPU sizes), the providers, and why a provider cannot run on this device.",
+            (_device_option,), _list_command),
+    Command("sass", "compile every kernel for sm_90 without a GPU; fail on spills or missing HGMMA",
+            "Compiles every fastrl kernel at its default launch configuration for a GPU target (no GPU needed) and\n"
+            "prints registers, stack, spill loads/stores, shared memory, tensor-core (HGMMA) and TMA instruction\n"
+            "counts. Exits 1 when a checked kernel spills or a bf16/fp16 matmul kernel has no HGMMA (sm_90).",
+            (_sass_options,), _sass_command),
+)}
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,4 +1,4 @@
-"""Timing, peak memory and accuracy of one op, on CPU or CUDA (DESIGN.md, "Measuring").
+"""Timing, peak memory and accuracy of one op, on CPU or CUDA (docs/design.md, "Measuring"; bench/README.md).
 
 CPU: wall time of each phase with ``time.perf_counter``; peak memory as the process's peak RSS minus the
 RSS just before the measured call. The peak is reset before every repetition (``/proc/self/clear_refs``), so

@@ -31,7 +31,7 @@ __all__ = ["Inputs", "Op", "Provider", "PROVIDERS", "get", "make_inputs", "Provi
 # TRL 1.16 calls ChunkedLogProbFunction with 32768 vocabulary columns per tile
 # (trl/trainer/utils.py: _CHUNKED_LOGPROB_CHUNK_SIZE) and 4096 tokens per tile (its TOKEN_CHUNK_SIZE).
 TRL_CHUNK_SIZE = 32768
-# GRPO loss settings shared by every loss provider (DESIGN.md W1: dapo, beta 0.04 with k3 KL, entropy)
+# GRPO loss settings shared by every loss provider (W1 in docs/design.md: dapo, beta 0.04 with k3 KL, entropy)
 LOSS_TYPE = "dapo"
 BETA = 0.04
 KL_ESTIMATOR = "k3"
@@ -151,7 +151,7 @@ def have_policy_loss(fused: bool) -> tuple[bool, str]:
 
 
 def loss_config():
-    """The one PolicyLossConfig every loss provider uses (W1/W2 of DESIGN.md)."""
+    """The one PolicyLossConfig every loss provider uses (W1/W2 of docs/design.md)."""
     import fastrl
 
     return fastrl.PolicyLossConfig(

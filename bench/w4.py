@@ -1,4 +1,4 @@
-"""W4 (DESIGN.md): one TRL GRPOTrainer training step, stock ``trl.GRPOTrainer`` vs ``fastrl.GRPOTrainer``.
+"""W4 (docs/design.md): one TRL GRPOTrainer training step, stock ``trl.GRPOTrainer`` vs ``fastrl.GRPOTrainer``.
 
     python -m bench w4                 # CUDA: Qwen2.5-0.5B shapes, 8 completions of 4k/8k/16k tokens, bf16
                                        # CPU:  scaled down (V=151936, H=256, 1 layer), 2 completions of 256-2048
@@ -24,8 +24,10 @@ is not tried at longer completions.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
+import shutil
 import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
@@ -171,7 +173,9 @@ def run_point(spec: dict) -> dict:
     tok = build_tokenizer(s.vocab)
     model = _build_model(s)
     cls, cfg_cls = (trl.GRPOTrainer, trl.GRPOConfig) if which == "trl" else (fastrl.GRPOTrainer, fastrl.GRPOConfig)
-    kw = dict(output_dir=tempfile.mkdtemp(prefix="fastrl-w4-"), use_cpu=not cuda, bf16=s.dtype == "bfloat16",
+    out_dir = tempfile.mkdtemp(prefix="fastrl-w4-")  # the trainer's (unused) output folder, gone at exit
+    atexit.register(shutil.rmtree, out_dir, True)
+    kw = dict(output_dir=out_dir, use_cpu=not cuda, bf16=s.dtype == "bfloat16",
               report_to="none", save_strategy="no", logging_strategy="no", per_device_train_batch_size=s.completions,
               num_generations=s.completions, max_completion_length=L, loss_type="dapo", disable_tqdm=True)
     if which == "fastrl":

@@ -1,4 +1,4 @@
-"""Workloads (DESIGN.md: W1-W4, C1), the token / vocabulary / hidden-size sweeps, and their cost model.
+"""Workloads (docs/design.md: W1-W4, C1), the token / vocabulary / hidden-size sweeps, and their cost model.
 
 A workload is a shape, a dtype and a kind of work:
 
@@ -117,7 +117,7 @@ def bytes_moved(wl: Workload) -> dict[str, float]:
 # Definitions
 # ---------------------------------------------------------------------------------------------------
 
-# GPU shapes (DESIGN.md). Loss workloads split 16384 tokens into 16 sequences of 1024.
+# GPU shapes (docs/design.md). Loss workloads split 16384 tokens into 16 sequences of 1024.
 _W1 = Workload("W1", "loss", 16384, 4096, 151936, "bfloat16", batch=16,
                note="GRPO loss dapo, beta 0.04 k3 KL, entropy 0.01; fwd+bwd")
 _W2 = Workload("W2", "loss", 16384, 896, 151936, "bfloat16", batch=16,
@@ -127,7 +127,7 @@ _W2_LP = replace(_W2, name="W2-lp", kind="logprob", note="W2 shapes, log-prob + 
 _W3 = Workload("W3", "forward", 16384, 4096, 151936, "bfloat16", note="forward-only log-probs (path C)")
 C1 = Workload("C1", "logprob", 4096, 512, 32768, "float32",
               note="CPU: log-prob + entropy fwd+bwd, loss sum(logp) + 0.01 sum(entropy)")
-# the fused-loss issue's CPU target: C1's shapes with W1's GRPO loss (16 sequences of 256 tokens)
+# C1-loss, the fused loss's CPU target (bench/README.md): C1's shapes with W1's GRPO loss (16 sequences of 256 tokens)
 C1_LOSS = Workload("C1-loss", "loss", 4096, 512, 32768, "float32", batch=16,
                    note="CPU: C1 shapes, GRPO loss dapo, beta 0.04 k3 KL, entropy 0.01 (as W1); fwd+bwd")
 
@@ -147,7 +147,7 @@ def _sweeps(n_base: int, h_base: int, v_base: int, dtype: str, tokens, vocab, hi
 
 
 def gpu_workloads() -> list[Workload]:
-    """Everything at the GPU sizes of DESIGN.md: W1-W3 and the three sweeps (bf16); W4 is bench/w4.py's."""
+    """Everything at the GPU sizes of docs/design.md: W1-W3 and the three sweeps (bf16); W4 is bench/w4.py's."""
     sweeps = _sweeps(16384, 4096, 151936, "bfloat16", SWEEP_TOKENS, SWEEP_VOCAB, SWEEP_HIDDEN,
                      note="log-prob + entropy fwd+bwd")
     return [_W1, _W1_LP, _W2, _W2_LP, _W3] + sweeps

@@ -1,6 +1,6 @@
 """fastrl's fused GRPO loss in a hand-written training loop (no TRL trainer).
 
-    python examples/custom_loop.py            # ~20 s on two CPU cores
+    python examples/custom_loop.py            # ~20 s on two CPU cores; needs the trl extra (transformers)
 
 A tiny Qwen2-architecture policy (random init, offline tokenizer, from ``fastrl.demo``) learns to say ``w7``:
 sample a group of completions per prompt, score them, normalise rewards within each group, then take a few
@@ -24,16 +24,6 @@ def hidden_for_completions(model, input_ids, attention_mask, n_completion):
     """Last hidden states of the positions that predict the completion tokens: [B, n_completion, H]."""
     out = model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     return out.last_hidden_state[:, -n_completion - 1 : -1]
-
-
-def grpo_loss(hidden, weight, targets, advantages, mask, config, old_logprobs):
-    if hasattr(fastrl, "policy_loss"):  # one pass: gradients formed in the forward
-        return fastrl.policy_loss(hidden, weight, targets, advantages, mask, config=config, old_logprobs=old_logprobs)
-    from fastrl.reference import policy_loss_from_logprobs  # two passes: fused log-probs, then the loss math
-
-    logp, ent = fastrl.fused_logprobs(hidden, weight, targets.masked_fill(~mask, -100),
-                                      temperature=config.temperature)
-    return policy_loss_from_logprobs(logp, ent, advantages, mask, config=config, old_logprobs=old_logprobs)
 
 
 def main():
@@ -68,7 +58,9 @@ def main():
         model.train()
         for _ in range(ITERATIONS):
             h = hidden_for_completions(model, seqs, attention, completion.shape[1])
-            loss, metrics = grpo_loss(h, model.lm_head.weight, completion, advantages, mask, config, old)
+            # one pass: the gradients are formed in the forward, the logits never held
+            loss, metrics = fastrl.policy_loss(h, model.lm_head.weight, completion, advantages, mask, config=config,
+                                               old_logprobs=old)
             opt.zero_grad()
             loss.backward()
             opt.step()

@@ -1,7 +1,7 @@
 """fastrl: fused LM-head kernels for RL fine-tuning (log-probs, entropy, KL, clipped policy losses).
 
 ``import fastrl`` needs only torch: Triton kernels are imported when a Triton backend first runs, and
-the trainer classes (which need TRL) are imported on first attribute access.
+the trainer classes (which need TRL: ``pip install "fastrl[trl]"``) are imported on first attribute access.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ _LAZY = {
     "PPOConfig": "fastrl.trainers.ppo_config",
     "TrainingHealthCallback": "fastrl.trainers.health",
 }
+# the names above that need the `trl` extra (trl, transformers, accelerate, datasets)
+_NEEDS_TRL = {n for n, module in _LAZY.items() if module.startswith("fastrl.trainers.")}
 
 __all__ = ["__version__", "fused_logprobs", *_LAZY]
 
@@ -35,7 +37,11 @@ def __getattr__(name: str):
             module = importlib.import_module(_LAZY[name])
         except ModuleNotFoundError as e:
             if e.name != _LAZY[name]:
-                raise  # a dependency is missing (e.g. trl): say so, not "no attribute"
+                if name in _NEEDS_TRL and e.name:
+                    from fastrl._extras import extra_error
+
+                    raise extra_error(f"fastrl.{name}", e.name.split(".")[0]) from e
+                raise  # a dependency is missing: say so, not "no attribute"
             raise AttributeError(f"fastrl.{name} is not available in this build ({e.name} missing)") from e
         value = getattr(module, name)
         globals()[name] = value

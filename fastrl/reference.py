@@ -4,7 +4,7 @@ Everything here materialises the full ``[N, V]`` logits, in whatever dtype it is
 ground truth, the input dtype for "what PyTorch itself would do"). Tests and benchmarks import these
 functions; nothing here is fast and nothing here should be.
 
-The math (see DESIGN.md): logits ``y = h W^T + b``; transformed ``z = softcap(scale * y) / T``;
+The math (docs/design.md, "The math"): logits ``y = h W^T + b``; transformed ``z = softcap(scale * y) / T``;
 ``logp_n = z[n, t_n] - logsumexp(z[n])``; entropy ``H_n = -sum_j p_nj log p_nj``.
 """
 

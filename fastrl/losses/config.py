@@ -98,6 +98,12 @@ class PolicyLossConfig:
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:
+            if isinstance(self.loss_type, str) and self.loss_type.lower() in ("ppo", "ppov2"):
+                raise ValueError(
+                    f"PolicyLossConfig.loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}: PPO's clipped "
+                    "policy loss is PolicyLossConfig.ppo(cliprange), i.e. loss_type='bnpo' with epsilon_low = "
+                    "epsilon_high = cliprange and beta=0 (PPO puts the KL into the rewards)"
+                )
             raise _bad("loss_type", f"one of {LOSS_TYPES}", self.loss_type)
         if not _finite(self.epsilon_low) or self.epsilon_low < 0:
             raise _bad("epsilon_low", "a finite number >= 0", self.epsilon_low)

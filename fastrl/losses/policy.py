@@ -269,23 +269,78 @@ def policy_loss(
     accumulation 1, one process), without materialising logits. PPO's policy loss (TRL PPOv2: token-level
     masked mean of the clipped surrogate, no KL in the loss) is ``config=PolicyLossConfig.ppo(cliprange)``.
 
-    Returns ``(loss, metrics)``: a 0-dim float32 loss, differentiable w.r.t. hidden, weight and bias, and a
-    dict of detached 0-dim metrics computed in the same pass (``kl``, ``entropy``, ``clip_ratio/*``,
-    ``cispo_clip_ratio``, ``policy/*``, ``val/ratio``, ``val/ratio_var``; see the reference for each).
-    Tokens outside ``mask`` contribute nothing (their target ids are not even looked up). Fully masked rows
-    and fully masked batches give loss 0 and gradient 0.
+    Args:
+        hidden: ``[B, T, H]``, float32, bfloat16, float16 or float64: the last hidden states at the positions
+            that predict the ``T`` completion tokens (in a causal LM, one position before each token).
+        weight: ``[V, H]``, the LM head's weight; ``hidden``'s dtype and device.
+        targets: ``[B, T]``, any integer dtype: the completion token ids. Only positions inside ``mask`` are
+            read; they must be in ``[0, V)``.
+        advantages: ``[B]`` (one per completion, GRPO) or ``[B, T]`` (per token, PPO), floating; a constant
+            (no gradient flows into it).
+        mask: ``[B, T]``, bool or 0/1 of any dtype: the completion tokens that count (usually up to and
+            including EOS). Tokens outside it contribute nothing to the loss, the gradients or the metrics.
+        config: a ``fastrl.PolicyLossConfig``: loss type, clipping, KL, entropy bonus, temperature, ...
+        old_logprobs: ``[B, T]``, floating: the completion's log-probs under the policy that sampled it (before
+            this update), for the ratio ``exp(logp - old)``. None means on-policy: ``old = logp.detach()``,
+            so the ratio is 1 with the gradient of ``logp`` (TRL's case when each generation is trained on
+            once).
+        ref_logprobs: ``[B, T]``, floating: log-probs under the reference model, for the KL term; required
+            when ``config.beta != 0``, unused otherwise.
+        bias: ``[V]`` or None; ``hidden``'s dtype.
+        importance_weights: ``[B]`` or ``[B, T]`` (``[B, T]`` for vespo), floating, or None (all 1): a weight
+            on each token's policy term (not on the KL): TRL's vLLM importance-sampling correction, the
+            truncated or masked ratio between the trainer's old log-probs and the inference engine's.
+        num_items_in_batch: tensor or number: the token count that the dapo, cispo and vespo losses divide
+            their summed per-token terms by (TRL's ``num_items_in_batch``: the completion tokens of a whole
+            optimizer step, which ``fastrl.GRPOTrainer`` rescales per process and micro-batch). None: the
+            number of tokens in ``mask`` (one process, no gradient accumulation). Other loss types ignore it.
+        sampling_logprobs: ``[B, T]``, floating: log-probs from the engine that sampled the completions
+            (e.g. vLLM); read only by ``config.off_policy_mask_threshold`` (the off-policy sequence mask).
+            None: ``old_logprobs``, as in TRL.
+        logit_scale, softcap, backend, check_finite: as in :func:`fastrl.fused_logprobs` (the temperature is
+            ``config.temperature``).
+        chunk_tokens: tokens per one-pass chunk (default: a [chunk, V] float32 tile of 512 MB on a GPU,
+            32 MB on a CPU; whole sequences when the loss couples the tokens of a sequence). Smaller uses
+            less memory.
 
-    ``chunk_tokens``: tokens per one-pass chunk (default: a [chunk, V] float32 tile of 512 MB on a GPU,
-    32 MB on a CPU; whole sequences when the loss couples the tokens of a sequence).
+    Returns:
+        ``(loss, metrics)``: a 0-dim loss (float32; float64 for float64 inputs), differentiable w.r.t.
+        hidden, weight and bias, and a dict of detached 0-dim metrics computed in the same pass (``kl``,
+        ``entropy``, ``clip_ratio/*``, ``cispo_clip_ratio``, ``policy/*``, ``val/ratio``, ``val/ratio_var``;
+        see ``fastrl.reference.policy_loss_from_logprobs`` for each).
+
+    Fully masked rows and fully masked batches give loss 0 and gradient 0. Tokens outside the mask cost no
+    work: the one-pass path computes logits for the tokens in the mask only.
 
     Input checks (``fastrl.losses._checks``), before any kernel runs: every tensor on hidden's device; ``mask``
     bool or 0/1 only (it selects tokens, it does not weight them: TRL's completion_mask is binary; per-token
     weights go in ``importance_weights``); no target equal to -100 inside the mask; ``num_items_in_batch`` a
-    number or one-element tensor, >= 0, and 0 only for an empty mask. With ``check_finite`` (the default), also
-    non-finite ``advantages``, ``old_logprobs``, ``ref_logprobs`` (beta != 0) and ``importance_weights`` where
-    the loss reads them, and non-finite log-probs / entropies, raise ``FloatingPointError`` naming the tensor
-    and position; ``check_finite=False`` turns those value checks off. A second backward through a retained
-    graph accumulates the gradients again; double backward (``create_graph=True``) raises.
+    number or one-element tensor, >= 0, and 0 only for an empty mask; a target out of range inside the mask.
+    With ``check_finite`` (the default), also non-finite ``advantages``, ``old_logprobs``, ``ref_logprobs``
+    (beta != 0) and ``importance_weights`` where the loss reads them, and non-finite log-probs / entropies,
+    raise ``FloatingPointError`` naming the tensor and position; ``check_finite=False`` turns those value
+    checks off. A second backward through a retained graph accumulates the gradients again; double backward
+    (``create_graph=True``) raises.
+
+    Example::
+
+        import torch
+        import fastrl
+
+        B, T, H, V = 4, 16, 64, 1000
+        hidden = torch.randn(B, T, H, requires_grad=True)  # model body output at the completion positions
+        weight = torch.randn(V, H, requires_grad=True)  # LM-head weight
+        completion_ids = torch.randint(0, V, (B, T))
+        mask = torch.ones(B, T, dtype=torch.bool)
+        mask[0, 10:] = False  # this completion ended after 10 tokens
+        advantages = torch.randn(B)  # one per completion (GRPO)
+        with torch.no_grad():  # the log-probs before the update: forward only
+            old, _ = fastrl.fused_logprobs(hidden, weight, completion_ids, with_entropy=False)
+        config = fastrl.PolicyLossConfig(loss_type="dapo", entropy_coef=0.01)
+        loss, metrics = fastrl.policy_loss(hidden, weight, completion_ids, advantages, mask,
+                                           config=config, old_logprobs=old)
+        loss.backward()  # fills hidden.grad and weight.grad
+        print(loss.item(), metrics["clip_ratio/region_mean"].item(), metrics["entropy"].item())
     """
     if not isinstance(config, PolicyLossConfig):
         raise TypeError(f"config must be a fastrl.PolicyLossConfig, got {type(config).__name__}")

@@ -219,24 +219,55 @@ def fused_logprobs(
     The distribution is ``softmax(softcap(logit_scale * (hidden @ weight.T + bias)) / temperature)``
     (softcap ``c * tanh(x / c)`` only when set; temperature divides last, as TRL does).
 
-    Returns ``(logprobs, entropy)`` with ``targets``' shape, float32 (float64 for float64 inputs);
-    ``entropy`` is None when ``with_entropy=False``. Differentiable w.r.t. hidden, weight and bias
-    through both outputs; gradients are accumulated in float32 and logits are never rounded to the
-    input dtype. Under ``torch.no_grad()`` (or when no input needs grad) this is the forward-only path
-    and keeps no autograd state.
+    Args:
+        hidden: ``[N, H]`` or ``[B, T, H]``, float32, bfloat16, float16 or float64: the last hidden states
+            at the positions that predict ``targets`` (in a causal LM, position ``t`` predicts token
+            ``t + 1``). Under ``torch.autocast`` it is cast to the autocast dtype, as the LM-head matmul
+            would be.
+        weight: ``[V, H]``, the LM head's weight; ``hidden``'s dtype and device.
+        targets: ``hidden``'s leading shape (``[N]`` or ``[B, T]``), int32 or int64 (a dtype that holds
+            ``ignore_index``): ids in ``[0, V)``, or ``ignore_index`` for "no token here".
+        bias: ``[V]`` or None; ``hidden``'s dtype.
+        temperature: > 0; divides the scaled, capped logits (TRL divides by its sampling temperature).
+        logit_scale: multiplies the logits first (for models that scale their logits).
+        softcap: None, or ``c`` for ``c * tanh(x / c)`` (final-logit soft-capping, as in Gemma 2).
+        with_entropy: False skips the entropy and its cost; ``entropy`` is then None.
+        ignore_index: the target id of tokens to skip: log-prob 0, entropy 0, no gradient.
+        check_finite: raise ``FloatingPointError`` on a non-finite log-prob or entropy of a counted token,
+            naming the token and whether hidden or weight holds inf/nan (checked on the O(N) outputs only).
+        backend: "triton" (the CUDA default: "triton-hybrid" with torch >= 2.8, else "triton-fused"),
+            "triton-hybrid", "triton-fused" or "torch" (the CPU default); env ``FASTRL_BACKEND``. See
+            ``fastrl.ops.backend`` and docs/design.md.
+        vocab_chunk: vocabulary columns per logits tile (default: bounded automatically); smaller uses
+            less memory, larger gives the GEMMs more work per call.
 
-    Targets equal to ``ignore_index`` give log-prob 0, entropy 0 and no gradient; any other target
-    outside ``[0, V)`` raises ``ValueError`` naming the first bad position. With ``check_finite`` (the
-    default) a non-finite log-prob or entropy raises ``FloatingPointError`` naming the token and
-    whether hidden or weight holds inf/nan (checked on the O(N) outputs only).
+    Returns:
+        ``(logprobs, entropy)``, each of ``targets``' shape, float32 (float64 for float64 inputs);
+        ``entropy`` is None when ``with_entropy=False``.
 
-    Ignored tokens are dropped before any kernel runs (one host sync to count them), so padding costs no
-    work and whatever an ignored row of ``hidden`` holds cannot reach a gradient.
+    Differentiable w.r.t. hidden, weight and bias through both outputs; gradients are accumulated in
+    float32 and logits are never rounded to the input dtype. An output whose gradient is not needed costs
+    no backward work, and a weight that needs no gradient (a frozen head) runs no weight-gradient GEMM.
+    Under ``torch.no_grad()`` (or when no input needs grad) this is the forward-only path and keeps no
+    autograd state. Memory beyond inputs and outputs: O(N) plus one bounded tile. Ignored tokens are dropped
+    before any kernel runs (one host sync to count them), so padding costs no work and whatever an ignored
+    row of ``hidden`` holds cannot reach a gradient.
 
-    ``backend``: "triton" (CUDA default: "triton-hybrid" with torch >= 2.8, else "triton-fused"),
-    "triton-hybrid", "triton-fused" or "torch" (CPU default); env ``FASTRL_BACKEND``. See
-    ``fastrl.ops.backend``. ``vocab_chunk``: vocabulary columns per logits tile (default: bounded
-    automatically); smaller uses less memory, larger gives the GEMMs more work per call.
+    Errors, before any kernel runs: a target outside ``[0, V)`` that is not ``ignore_index`` raises
+    ``ValueError`` naming the first bad position; shape, dtype and device mismatches raise
+    ``ValueError`` / ``TypeError`` naming the argument.
+
+    Example::
+
+        import torch
+        import fastrl
+
+        hidden = torch.randn(2, 8, 64, requires_grad=True)  # [B, T, H]
+        lm_head = torch.nn.Linear(64, 1000, bias=False)  # weight [V, H]
+        targets = torch.randint(0, 1000, (2, 8))  # [B, T]
+        targets[1, 6:] = -100  # padding: ignored
+        logp, entropy = fastrl.fused_logprobs(hidden, lm_head.weight, targets, temperature=0.7)  # [B, T] each
+        (logp.sum() + 0.01 * entropy.sum()).backward()  # fills hidden.grad and lm_head.weight.grad
     """
     hidden, weight, bias = autocast_inputs(hidden, weight, bias)
     check_linear_inputs(hidden, weight, targets, bias)

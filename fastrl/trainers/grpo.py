@@ -29,7 +29,8 @@ controller, the MoE aux loss and the cross-process metric reductions. Scaling: w
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import dataclass, field, fields
 
 import torch
 import trl
@@ -52,6 +53,12 @@ _MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_atten
 # metrics fastrl's loss adds for PPO-style logging; TRL's GRPOTrainer does not log them
 _FASTRL_ONLY_METRICS = ("policy/approxkl_avg", "policy/clipfrac_avg", "policy/entropy_avg", "val/ratio",
                         "val/ratio_var")
+# transformers 5's deprecation messages for the aliases TRL 1.16 still calls during generation
+_TRL_ALIAS_WARNINGS = (r"`(is_gradient_checkpointing|gradient_checkpointing_enable|gradient_checkpointing_disable)`"
+                       r" is deprecated")
+
+# transformers >= 5 renamed gradient_checkpointing to activation_checkpointing
+_HAS_ACTIVATION_CHECKPOINTING = "activation_checkpointing" in {f.name for f in fields(trl.GRPOConfig)}
 
 
 @dataclass
@@ -90,8 +97,20 @@ class GRPOConfig(trl.GRPOConfig):
         default=None, metadata={"help": "Tokens per one-pass fused-loss chunk (None: automatic)."}
     )
     health_checks: bool = field(default=True, metadata={"help": "Attach fastrl.TrainingHealthCallback."})
+    # TRL turns activation checkpointing on by default through the old name, `gradient_checkpointing=True`, which
+    # transformers 5 answers with a FutureWarning on every config built, even when the user named neither. Keep
+    # TRL's default under the current name instead (__post_init__); a value given under either name still wins.
+    gradient_checkpointing: bool | None = field(
+        default=None, metadata={"help": "Deprecated alias of activation_checkpointing (default: on, as in TRL)."}
+    )
 
     def __post_init__(self):
+        if self.gradient_checkpointing is None:
+            if _HAS_ACTIVATION_CHECKPOINTING:  # transformers >= 5: the new name
+                if self.activation_checkpointing is None:
+                    self.activation_checkpointing = True
+            else:
+                self.gradient_checkpointing = True
         super().__post_init__()
         check_loss_options(self)
         if self.fastrl_backend not in (None, *BACKENDS):
@@ -424,6 +443,15 @@ class GRPOTrainer(trl.GRPOTrainer):
             from fastrl.trainers.health import TrainingHealthCallback
 
             self.add_callback(TrainingHealthCallback())
+
+    def _generate_and_score_completions(self, inputs):
+        # TRL 1.16 wraps generation in trl.models.utils.disable_gradient_checkpointing, which reads
+        # `model.is_gradient_checkpointing` and calls `gradient_checkpointing_disable/enable`: transformers 5's
+        # deprecated aliases, a FutureWarning each that no user setting avoids and that changes nothing. Silence
+        # exactly those three messages, here only; any other warning passes through.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_TRL_ALIAS_WARNINGS, category=FutureWarning)
+            return super()._generate_and_score_completions(inputs)
 
     def _compute_loss(self, model, inputs):
         # which path the last loss took ("one_pass" or "trl"), for tests and debugging

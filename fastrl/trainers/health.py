@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Callable
@@ -26,7 +27,13 @@ __all__ = ["Check", "CHECKS", "TrainingHealthCallback"]
 
 logger = logging.getLogger("fastrl.health")
 
-NEG_KL = -1e-3  # a mean KL below this is not rounding noise
+# Negative KL. One logged value is a noisy estimate (k1 averages log-ratios that are as often negative as positive),
+# so a single slightly negative log is normal. Warn when it is large, or sustained beyond its own noise.
+NEG_KL = -1e-3  # the mean KL over a window must be below this (not rounding noise) ...
+NEG_KL_WINDOW = 8  # ... over this many consecutive logs (the current one and the `history` before it) ...
+NEG_KL_Z = 5.0  # ... and this many standard errors below zero (t quantile 0.999 at 7 dof: 4.79)
+LARGE_NEG_KL = -0.1  # nats: one log below this (and below LARGE_NEG_KL_Z x the recent spread) is not noise
+LARGE_NEG_KL_Z = 4.0
 HIGH_KL = 1.0  # nats per token: the policy has moved far from the reference
 KL_GROWTH = 4.0  # KL this many times its value `history` logs ago ...
 KL_GROWTH_FLOOR = 0.05  # ... and above this, counts as growing fast
@@ -51,6 +58,22 @@ def _not_finite(v: float, hist: list[float]) -> bool:
     return not math.isfinite(v)
 
 
+def _kl_negative(v: float, hist: list[float]) -> bool:
+    """Large (one log far below zero, beyond the recent spread) or sustained (a window whose mean is clearly < 0)."""
+    if not math.isfinite(v):
+        return False
+    prev = [x for x in hist if math.isfinite(x)]
+    spread = statistics.stdev(prev) if len(prev) >= 2 else 0.0
+    if v < LARGE_NEG_KL and v < -LARGE_NEG_KL_Z * spread:
+        return True
+    window = (prev + [v])[-NEG_KL_WINDOW:]
+    if len(window) < NEG_KL_WINDOW:
+        return False
+    mean = statistics.fmean(window)
+    stderr = statistics.stdev(window) / math.sqrt(len(window))
+    return mean < NEG_KL and mean < -NEG_KL_Z * stderr
+
+
 def _kl_growing(v: float, hist: list[float]) -> bool:
     return len(hist) >= 3 and v > KL_GROWTH_FLOOR and hist[0] > 0 and v > KL_GROWTH * hist[0]
 
@@ -73,10 +96,10 @@ CHECKS: tuple[Check, ...] = (
     Check("reward_nan", _REWARDS, _not_finite,
           "{key} is {value}: the reward is not finite (a reward function or the reward model returned NaN/inf); "
           "the advantages and the loss are NaN from here on."),
-    Check("kl_negative", _KL, lambda v, h: math.isfinite(v) and v < NEG_KL,
-          "{key} = {value:.4g} is negative: a true KL never is. The completions were not sampled from the policy "
-          "being trained (top-k / top-p / min-p sampling, a different temperature, a stale inference engine), or "
-          "the k1 estimator's noise dominates."),
+    Check("kl_negative", _KL, _kl_negative,
+          "{key} = {value:.4g}: the KL estimate is negative beyond its noise (far below zero, or below zero over "
+          "several logs in a row), and a true KL never is. The completions were not sampled from the policy being "
+          "trained (top-k / top-p / min-p sampling, a different temperature, a stale inference engine)."),
     Check("kl_high", _KL, lambda v, h: math.isfinite(v) and v > HIGH_KL,
           "{key} = {value:.4g} nats per token: the policy has moved far from the reference; the KL penalty is "
           "not holding it (raise beta, lower the learning rate)."),
@@ -106,11 +129,12 @@ class TrainingHealthCallback(TrainerCallback):
     Args:
         checks: the table of checks (default ``CHECKS``).
         repeat_every: after a check fires, stay quiet about it for this many logging steps.
-        history: how many earlier values per metric the checks may look at.
+        history: how many earlier values per metric the checks may look at (the sustained negative-KL check
+            needs ``NEG_KL_WINDOW - 1``, the default).
         use_rich: also print each warning as a rich panel (when rich is installed).
     """
 
-    def __init__(self, checks: tuple[Check, ...] = CHECKS, repeat_every: int = 20, history: int = 5,
+    def __init__(self, checks: tuple[Check, ...] = CHECKS, repeat_every: int = 20, history: int = NEG_KL_WINDOW - 1,
                  use_rich: bool = False):
         self.checks = tuple(checks)
         self.repeat_every = int(repeat_every)

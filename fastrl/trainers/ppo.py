@@ -453,6 +453,7 @@ class PPOTrainer(Trainer):
         if hasattr(unwrap_causal_lm(model), "add_model_tags"):
             unwrap_causal_lm(model).add_model_tags(self._tag_names)
         self.last_completions = None  # the latest sample-completions table (a pandas DataFrame)
+        self._printed_completions = None  # (global_step, rows) of the table printed last
 
     # ------------------------------------------------------------------------------------------------------------
     # setup helpers
@@ -838,8 +839,8 @@ class PPOTrainer(Trainer):
             setattr(self.callback_handler, attr, getattr(self, attr))
 
         self.model_wrapped.train()
+        accelerator.print("===training policy===")  # before on_train_begin draws the progress bar
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
-        accelerator.print("===training policy===")
         start_time, start_episode = time.time(), self.state.episode
         metrics, loss_value = {}, float("nan")
         for update in range(self.state.global_step + 1, max_steps + 1):
@@ -1049,8 +1050,15 @@ class PPOTrainer(Trainer):
                     break
         df = pd.DataFrame(table)
         self.last_completions = df
+        shown = df.iloc[0:5]
+        # A script's final call often comes right after the last update's sample table (same step, same model,
+        # near-greedy sampling, so the same rows): print those rows once.
+        seen = self._printed_completions
+        repeat = seen is not None and seen[0] == self.state.global_step and seen[1].equals(shown)
+        self._printed_completions = (self.state.global_step, shown)
         if acc.is_main_process:
-            _print_rich_table(df.iloc[0:5])
+            if not repeat:
+                _print_rich_table(shown)
             self._log_table(df)
         return df
 
@@ -1186,18 +1194,24 @@ def _apply_weights(module: nn.Module, state_dict: dict) -> None:
 
 
 def _print_rich_table(df) -> None:
+    """Print through ``tqdm.write``, which lifts a running progress bar out of the way and redraws it below."""
+    from tqdm.auto import tqdm
+
     try:
         from rich.console import Console
         from rich.table import Table
     except ImportError:
-        print(df.to_string())
+        tqdm.write(df.to_string())
         return
     table = Table(show_lines=True)
     for column in df.columns:
         table.add_column(str(column))
     for _, row in df.iterrows():
         table.add_row(*[str(x) for x in row.to_list()])
-    Console().print(table)
+    console = Console()  # the terminal's width and colours
+    with console.capture() as captured:
+        console.print(table)
+    tqdm.write(captured.get().rstrip("\n"))
 
 
 def _markdown_table(df) -> str:

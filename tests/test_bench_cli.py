@@ -1,0 +1,93 @@
+"""The benchmark CLI's command line: subcommands with their own --help, `run` by default, --smoke's folder.
+
+One fresh process from the repository root (where ``bench`` is importable) runs the checks below and prints
+what it found; nothing is measured.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+SCRIPT = r"""
+import contextlib, io, json, tempfile
+from pathlib import Path
+import bench.__main__ as cli
+
+def help_of(argv):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            cli.main(argv)
+        except SystemExit as e:
+            assert e.code == 0, e.code
+    return out.getvalue()
+
+def error_of(argv):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            cli._parse(argv)
+        except SystemExit as e:
+            return e.code, err.getvalue()
+    return 0, ""
+
+res = {"commands": list(cli.COMMANDS)}
+res["help"] = {name: help_of([name, "--help"]) for name in cli.COMMANDS}
+res["top"] = help_of(["--help"])
+cases = ([], ["--quick"], ["c1", "--smoke"], ["w4", "--lengths", "64"])
+res["parsed"] = {" ".join(a): vars(cli._parse(a)) for a in cases}
+res["errors"] = {" ".join(a): error_of(a) for a in (["--quick", "c1"], ["w4", "--providers", "torch"])}
+tempfile.tempdir = TMP
+ns = cli._parse
+res["out"] = {
+    "smoke": str(cli._out_dir(ns(["--smoke"]), "cpu-x")),
+    "smoke_out": str(cli._out_dir(ns(["--smoke", "--out", "/some/where"]), "cpu-x")),
+    "full": str(cli._out_dir(ns([]), "cpu-x")),
+}
+print("RESULT " + json.dumps(res))
+"""
+
+
+def test_bench_cli_commands(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = SCRIPT.replace("TMP", repr(str(tmp_path)))
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert proc.returncode == 0 and line, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    res = json.loads(line[len("RESULT "):])
+    assert res["commands"] == ["run", "c1", "gpu", "w4", "list", "sass"]
+
+    helps = res["help"]
+    assert helps["c1"].startswith("usage: python -m bench c1") and "C1-loss" in helps["c1"]
+    assert "--providers" in helps["c1"] and "--lengths" not in helps["c1"]  # its own options, not the CLI's
+    assert "--lengths" in helps["w4"] and "--budget-mb" in helps["w4"] and "--providers" not in helps["w4"]
+    assert "--lengths" in helps["run"] and "--workload" in helps["run"]
+    assert "--device" in helps["list"] and "--smoke" not in helps["list"]
+    assert "requires CUDA" in helps["gpu"] or "without CUDA" in helps["gpu"]
+    for name in res["commands"]:  # the command list, with a line of help each
+        assert f"\n    {name} " in res["top"], name
+    assert "COMMAND --help" in res["top"] and "DESIGN.md" not in res["top"] and "issues" not in res["top"]
+
+    parsed = res["parsed"]
+    assert parsed[""]["command"] == "run" and parsed[""]["quick"] is False
+    assert parsed["--quick"]["command"] == "run" and parsed["--quick"]["quick"] is True
+    assert parsed["c1 --smoke"]["command"] == "c1" and parsed["c1 --smoke"]["smoke"] is True
+    assert parsed["c1 --smoke"]["lengths"] is None  # an option c1 does not take reads as unset
+    assert parsed["w4 --lengths 64"]["lengths"] == "64" and parsed["w4 --lengths 64"]["providers"] is None
+
+    code, err = res["errors"]["--quick c1"]
+    assert code == 2 and "the command comes first: python -m bench c1" in err
+    code, err = res["errors"]["w4 --providers torch"]
+    assert code == 2 and "unrecognized arguments for `w4`: --providers torch" in err
+
+    out = res["out"]
+    assert Path(out["smoke"]).parent == tmp_path and Path(out["smoke"]).name.startswith("fastrl-bench-smoke-")
+    assert out["smoke_out"] == "/some/where"
+    assert out["full"] == str(REPO / "bench" / "results" / "cpu-x")
