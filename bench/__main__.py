@@ -38,7 +38,19 @@ C1_PROVIDERS = "fastrl,fastrl-fused,torch,trl,liger-fused"
 C1_TARGETS = {"C1": ("fastrl", 1.2, 0.10), "C1-loss": ("fastrl-fused", 1.0, 0.10)}
 # W4 rides along with `python -m bench` (full run); --quick and --smoke only when --workload names it
 W4_IN_QUICK = False  # CPU W4 at the quick lengths: ~2 min quiet, ~4 loaded; `python -m bench w4 --quick`
-GPU_WORKLOADS = ("W1", "W1-lp", "W2", "W2-lp", "W3")
+GPU_WORKLOADS = ("W1", "W1-lp", "W2", "W2-lp", "W3", "W1-frozen")  # + the loss sweeps (groups sweep-loss-*)
+# The GPU targets, as ratios against TRL 1.16 measured in the same run: workload (or loss-sweep group) ->
+# [(provider, ratio, max)]. time: fwd+bwd (forward-only for W3); mem: peak extra memory. "mem_vs_trl@W1" compares
+# with TRL's extra peak at W1 (trained head): the frozen-head memory target is a fraction of what TRL needs at W1.
+GPU_TARGETS = {
+    "W1": [("fastrl-fused", "time_vs_trl", 0.75), ("fastrl-fused", "mem_vs_trl", 1.5)],
+    "W1-lp": [("fastrl", "time_vs_trl", 0.9), ("fastrl", "mem_vs_trl", 0.2)],
+    "W2": [("fastrl-fused", "time_vs_trl", 0.85)],
+    "W3": [("fastrl", "time_vs_trl", 1.0)],
+    "W1-frozen": [("fastrl-fused", "mem_vs_trl@W1", 0.2)],
+    "sweep-loss-h4096": [("fastrl-fused", "time_vs_trl", 0.75)],
+    "sweep-loss-h896": [("fastrl-fused", "time_vs_trl", 0.85)],
+}
 # what --quick on CPU trims to stay within a few minutes on 2 cores
 QUICK_ONLY_ON = {
     "torch-compile": (("C1-quick",), "inductor compiles every shape afresh, tens of seconds each on CPU"),
@@ -164,7 +176,7 @@ def _workloads(args, device: str) -> list[W.Workload]:
     if args.command == "c1":
         wls = [W.C1, W.C1_LOSS]
     elif args.command == "gpu":
-        wls = [w for w in W.gpu_workloads() if w.name in GPU_WORKLOADS]
+        wls = [w for w in W.gpu_workloads() if w.name in GPU_WORKLOADS or w.group.startswith("sweep-loss")]
     elif args.smoke:
         wls = W.smoke_workloads()
     else:
@@ -215,6 +227,35 @@ def _list(device: str, con) -> int:
         txt = "; ".join(f"{w.kind}: {y[0]} ({y[1]})" if y else f"{w.kind}: runs" for w, y in zip(probe, why))
         con.print(f"  {p.name:<14} {p.label}\n  {'':<14} [dim]{txt}[/dim]")
     return 0
+
+
+def _gpu_targets(rows: list[dict], con) -> dict:
+    """GPU_TARGETS against the rows of this run: each (workload, provider, ratio) with its value and PASS/FAIL."""
+    out = {}
+    for key, checks in GPU_TARGETS.items():
+        wl_rows = [r for r in rows if r["workload"] == key or r["group"] == key]
+        for wl_name in dict.fromkeys(r["workload"] for r in wl_rows):
+            for prov, ratio, limit in checks:
+                r = next((r for r in wl_rows if r["workload"] == wl_name and r["provider"] == prov), None)
+                if "@" in ratio:  # against another workload's TRL row
+                    other = ratio.split("@")[1]
+                    base = next((x for x in rows if x["workload"] == other and x["provider"] == "trl"
+                                 and x["status"] == "ok"), None)
+                    ok = r is not None and r["status"] == "ok" and base is not None and base["peak_extra_mb"] > 0
+                    value = r["peak_extra_mb"] / base["peak_extra_mb"] if ok else None
+                else:
+                    value = None if r is None else r.get(ratio)
+                res = {"provider": prov, "ratio": ratio, "target": limit, "value": value,
+                       "pass": value is not None and value <= limit}
+                out.setdefault(wl_name, []).append(res)
+                what = f"{wl_name}: {prov} {ratio.replace('_vs_', ' vs ').replace('@', ' at ')}"
+                if value is None:
+                    why = "did not run" if r is None or r["status"] != "ok" else "no TRL row to compare with"
+                    con.print(f"[yellow]{what}: not evaluated ({why}); target <= {limit:.2f}[/yellow]")
+                else:
+                    verdict = "[green]PASS[/green]" if res["pass"] else "[red]FAIL[/red]"
+                    con.print(f"{what} = {value:.2f}x (target <= {limit:.2f}x): {verdict}")
+    return out
 
 
 def _c1_targets(rows: list[dict], con) -> dict:
@@ -361,6 +402,8 @@ def _measure(args, device: str, con) -> int:
                       f"{f:.3f} TFLOP/s; '% floor' = (6NHV / floor) / time (2NHV for forward-only)")
         if args.command == "c1":
             payload["targets"] = _c1_targets([r for r in rows if r["group"] != "floor"], con)
+        if args.command == "gpu" and not args.smoke:
+            payload["targets"] = _gpu_targets([r for r in rows if r["group"] != "floor"], con)
         report.write_csv(csv_path, rows, env)
         written.append(csv_path)
     if want_w4:
@@ -396,9 +439,12 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             "targets: C1 fastrl extra peak <= 10% of torch's and time <= 1.2x; C1-loss fastrl.policy_loss extra\n"
             "peak <= 10% and time <= 1.0x. About 5-6 minutes on 2 cores.",
             _MEASURE_OPTIONS, _measure),
-    Command("gpu", "W1-W3 at full size, every provider (needs CUDA)",
-            "W1-W3 at full size for every provider (W1 and W2 as a GRPO loss and as log-probs, -lp); refuses to\n"
-            "run without CUDA (with --smoke it runs tiny shapes anywhere). 15-30 minutes on an H100.",
+    Command("gpu", "W1-W3 at full size, every provider, with the GPU targets (needs CUDA)",
+            "W1-W3 at full size for every provider (W1 and W2 as a GRPO loss and as log-probs, -lp), W1 with a frozen\n"
+            "head, and W1 / W2 as losses at 2k-16k tokens; then the targets as ratios against TRL in the same run\n"
+            "(W1 <= 0.75x, W2 <= 0.85x at every token count, W3 <= 1.0x, W1-lp <= 0.9x; memory W1 <= 1.5x, W1-lp\n"
+            "and W1-frozen <= 0.2x). Refuses to run without CUDA (with --smoke it runs tiny shapes anywhere).\n"
+            "About 30 minutes on an H100 for everything; pick with --workload / --providers to fit a time budget.",
             _MEASURE_OPTIONS, _measure),
     Command("w4", "W4: one GRPOTrainer step, stock TRL vs fastrl, per completion length",
             "W4: one GRPO training step (compute_loss + backward) of stock trl.GRPOTrainer and fastrl.GRPOTrainer\n"

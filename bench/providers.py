@@ -75,7 +75,7 @@ def make_inputs(wl: Workload, device: torch.device, seed: int) -> Inputs:
         return torch.randn(*shape, generator=g, device=device).mul_(scale)
 
     hidden = randn(*lead, wl.H).to(dt).requires_grad_(grad)
-    weight = randn(wl.V, wl.H, scale=wl.H ** -0.5).to(dt).requires_grad_(grad)
+    weight = randn(wl.V, wl.H, scale=wl.H ** -0.5).to(dt).requires_grad_(grad and not wl.frozen_head)
     targets = torch.randint(0, wl.V, lead, generator=g, device=device)
     inp = Inputs(hidden, weight, targets)
     if wl.kind == "loss":
@@ -108,7 +108,12 @@ class Op:
 
 
 def _default_prepare(inp: Inputs) -> dict:
-    return {"inp": inp, "wrt": (inp.hidden, inp.weight)}
+    return {"inp": inp, "wrt": _wrt(inp.hidden, inp.weight)}
+
+
+def _wrt(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """What the backward differentiates: the inputs that need a gradient (a frozen head's weight does not)."""
+    return tuple(t for t in tensors if t.requires_grad)
 
 
 def _logprob_loss(logp: torch.Tensor, entropy: torch.Tensor | None) -> torch.Tensor:
@@ -236,6 +241,11 @@ def _build_fastrl(wl: Workload, device: torch.device, opts: dict) -> Op:
         return Op(fwd, _default_prepare, needs_grad=True, path="two-pass",
                   notes=["path A log-probs + reference loss math", where])
     raise ProviderUnavailable(f"fastrl: no {wl.kind} op")
+
+
+def _build_fastrl_tfused(wl: Workload, device: torch.device, opts: dict) -> Op:
+    """Path A / C on the fully fused Triton kernels, next to the default (hybrid) in the same run."""
+    return _build_fastrl(wl, device, {**opts, "fastrl_backend": "triton-fused"})
 
 
 def _build_fastrl_fused(wl: Workload, device: torch.device, opts: dict) -> Op:
@@ -389,7 +399,7 @@ def _build_liger_triton(wl: Workload, device: torch.device, opts: dict) -> Op:
         # triton_grpo_loss takes logits [B, T+1, V] and drops the last position, as a causal LM's output has one
         # more position than completion tokens: append one hidden row per sequence (outside the timed region)
         h = torch.cat([inp.hidden.detach(), inp.hidden.detach()[:, -1:]], dim=1).requires_grad_(True)
-        return {"inp": inp, "h_pad": h, "wrt": (h, inp.weight)}
+        return {"inp": inp, "h_pad": h, "wrt": _wrt(h, inp.weight)}
 
     def fwd(st):
         i = st["inp"]
@@ -432,6 +442,9 @@ PROVIDERS: dict[str, Provider] = {
                  _build_fastrl),
         Provider("fastrl-fused", "fastrl.policy_loss (fused loss)", ("loss",), _build_fastrl_fused, loss_api="fused",
                  not_for={k: "fastrl.policy_loss is the loss workloads' fused path" for k in ("logprob", "forward")}),
+        Provider("fastrl-tfused", "fastrl, backend triton-fused (tl.dot kernels, no stored logit)",
+                 ("logprob", "forward", "loss"), _build_fastrl_tfused, needs=("triton",),
+                 cuda_only="compiled Triton kernels (the CPU tests run them interpreted)"),
         Provider("torch", "materialised torch eager (input dtype)", ("logprob", "forward", "loss"), _build_torch),
         Provider("torch-compile", "torch.compile of the materialised reference", ("logprob", "forward", "loss"),
                  lambda wl, d, o: _build_torch(wl, d, o, compile_=True), compile_fails_skip=True),

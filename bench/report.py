@@ -133,7 +133,8 @@ CSV_COLUMNS = [
     "workload", "group", "kind", "provider", "status", "reason", "N", "H", "V", "B", "dtype",
     "fwd_ms_median", "fwd_ms_min", "fwd_ms_max", "bwd_ms_median", "bwd_ms_min", "bwd_ms_max",
     "total_ms_median", "total_ms_min", "total_ms_max", "total_ms_q25", "total_ms_q75", "total_ms_n",
-    "peak_extra_fwd_mb", "peak_extra_mb", "time_vs_torch", "mem_vs_torch", "tflops", "tflops_fwd", "tflops_bwd",
+    "peak_extra_fwd_mb", "peak_extra_mb", "time_vs_torch", "mem_vs_torch", "time_vs_trl", "mem_vs_trl", "tflops",
+    "tflops_fwd", "tflops_bwd",
     "floor_tflops", "floor_fraction", "flops_useful", "flops_executed", "bytes_inputs_outputs", "bytes_logits",
     "logp_max_abs_err", "entropy_max_abs_err", "grad_h_max_abs_err", "loss_value", "path", "notes",
     "device", "torch", "triton", "driver",
@@ -159,6 +160,7 @@ def write_csv(path: Path, rows: list[dict], env: dict) -> None:
 # ---------------------------------------------------------------------------------------------------
 
 _XLABEL = {"sweep-tokens": "tokens N", "sweep-vocab": "vocabulary V", "sweep-hidden": "hidden size H"}
+_KIND = {"logprob": "log-prob + entropy fwd+bwd", "loss": "GRPO loss fwd+bwd", "forward": "forward only"}
 
 
 def plot(rows: list[dict], out_dir: Path, prefix: str, env: dict) -> list[Path]:
@@ -186,16 +188,16 @@ def plot(rows: list[dict], out_dir: Path, prefix: str, env: dict) -> list[Path]:
             ax_t.errorbar(x, med, yerr=[lo, hi], marker="o", capsize=3, label=prov)
             ax_m.plot(x, [max(r["peak_extra_mb"], 1e-3) for r in pts], marker="o", label=prov)
         r0 = rs[0]
-        fixed = {"sweep-tokens": f"H={r0['H']} V={r0['V']}", "sweep-vocab": f"N={r0['N']} H={r0['H']}",
-                 "sweep-hidden": f"N={r0['N']} V={r0['V']}"}[group]
+        fixed = {"sweep-vocab": f"N={r0['N']} H={r0['H']}",
+                 "sweep-hidden": f"N={r0['N']} V={r0['V']}"}.get(group, f"H={r0['H']} V={r0['V']}")
         for ax, ylab in ((ax_t, "fwd+bwd time, ms (median, min-max)"), (ax_m, "peak extra memory, MB")):
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
-            ax.set_xlabel(_XLABEL[group])
+            ax.set_xlabel(_XLABEL.get(group, "tokens N"))
             ax.set_ylabel(ylab)
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=8)
-        fig.suptitle(f"{group}: {fixed} {r0['dtype']}, log-prob + entropy fwd+bwd\n{title_dev}", fontsize=9)
+        fig.suptitle(f"{group}: {fixed} {r0['dtype']}, {_KIND.get(r0['kind'], r0['kind'])}\n{title_dev}", fontsize=9)
         fig.tight_layout()
         p = out_dir / f"{prefix}-{group}.png"
         fig.savefig(p, dpi=110)
@@ -259,7 +261,8 @@ def print_table(con: Console, rows: list[dict], title: str, sweeps_compact: bool
     t = Table(title=title, show_lines=False, header_style="bold")
     for col, just in (("workload", "left"), ("provider", "left"), ("fwd ms", "right"), ("bwd ms", "right"),
                       ("fwd+bwd ms [min-max]", "right"), ("extra MB", "right"), ("x torch time", "right"),
-                      ("x torch mem", "right"), ("TFLOP/s", "right"), ("% floor", "right"),
+                      ("x torch mem", "right"), ("x trl time", "right"), ("x trl mem", "right"),
+                      ("TFLOP/s", "right"), ("% floor", "right"),
                       ("max|dlogp|", "right"), ("max|dH|", "right"), ("max|dgrad_h|", "right"),
                       ("notes", "left")):
         t.add_column(col, justify=just, overflow="fold")
@@ -277,7 +280,7 @@ def print_table(con: Console, rows: list[dict], title: str, sweeps_compact: bool
         wl = f"{r['workload']}\n[dim]N={r['N']} H={r['H']} V={r['V']} {r['dtype']}[/dim]"
         if r["status"] != "ok":
             style = "red" if r["status"] == "error" else "yellow"
-            t.add_row(wl, r["provider"], *[""] * 11, f"[{style}]{r['status']}: {escape(r['reason'])}[/{style}]")
+            t.add_row(wl, r["provider"], *[""] * 13, f"[{style}]{r['status']}: {escape(r['reason'])}[/{style}]")
             continue
         fwd_only = r["kind"] == "forward"
         t.add_row(
@@ -286,6 +289,7 @@ def print_table(con: Console, rows: list[dict], title: str, sweeps_compact: bool
             "(fwd only)" if fwd_only else _ms(r.get("total_ms"), spread=True),
             _f(r.get("peak_extra_mb"), ".1f"),
             _f(r.get("time_vs_torch"), ".2f"), _f(r.get("mem_vs_torch"), ".3f"),
+            _f(r.get("time_vs_trl"), ".2f"), _f(r.get("mem_vs_trl"), ".3f"),
             _f(r.get("tflops"), ".3f" if r.get("tflops", 0) < 10 else ".0f"),
             _f(100 * r["floor_fraction"] if "floor_fraction" in r else None, ".0f"),
             _f(r.get("logp_max_abs_err"), ".1e"), _f(r.get("entropy_max_abs_err"), ".1e"),

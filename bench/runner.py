@@ -114,16 +114,18 @@ def _finish_row(row: dict, wl: Workload, res: dict, floor: dict) -> dict:
     return row
 
 
-def add_ratios(rows: list[dict], reference: str = "torch") -> None:
-    """Time and peak-memory ratios against the materialised torch row of the same workload (same run)."""
-    ref = {r["workload"]: r for r in rows if r["provider"] == reference and r["status"] == "ok"}
-    for r in rows:
-        base = ref.get(r["workload"])
-        if r["status"] != "ok" or base is None:
-            continue
-        r["time_vs_torch"] = r["total_ms"]["median"] / base["total_ms"]["median"]
-        if base["peak_extra_mb"] > 0:
-            r["mem_vs_torch"] = r["peak_extra_mb"] / base["peak_extra_mb"]
+def add_ratios(rows: list[dict], references: tuple[str, ...] = ("torch", "trl")) -> None:
+    """Time and peak-memory ratios against the materialised torch row and TRL's row of the same workload (same
+    run): ``time_vs_torch`` / ``mem_vs_torch``, ``time_vs_trl`` / ``mem_vs_trl``."""
+    for reference in references:
+        ref = {r["workload"]: r for r in rows if r["provider"] == reference and r["status"] == "ok"}
+        for r in rows:
+            base = ref.get(r["workload"])
+            if r["status"] != "ok" or base is None:
+                continue
+            r[f"time_vs_{reference}"] = r["total_ms"]["median"] / base["total_ms"]["median"]
+            if base["peak_extra_mb"] > 0:
+                r[f"mem_vs_{reference}"] = r["peak_extra_mb"] / base["peak_extra_mb"]
 
 
 def _one_line(row: dict) -> str:
@@ -166,7 +168,7 @@ def run(workloads: list[Workload], provs: list[P.Provider], cfg: RunConfig, cons
         if p is None:
             unique.append((wl, p, x))
             continue
-        key = (p.name, wl.kind, wl.N, wl.H, wl.V, wl.dtype, wl.batch)
+        key = (p.name, wl.kind, wl.N, wl.H, wl.V, wl.dtype, wl.batch, wl.frozen_head)
         if key in first:
             same_as.append((wl, p, first[key]))
         else:

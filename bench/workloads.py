@@ -45,8 +45,9 @@ class Workload:
     V: int  # vocabulary
     dtype: str  # "bfloat16" | "float32"
     batch: int = 1  # sequences B (loss workloads: hidden is [B, T, H] with T = N // B)
-    group: str = "core"  # "core" | "sweep-tokens" | "sweep-vocab" | "sweep-hidden"
+    group: str = "core"  # "core" | "sweep-tokens" | "sweep-vocab" | "sweep-hidden" | "sweep-loss-h4096" | ...
     note: str = ""  # what this is, and how it was scaled from the GPU definition
+    frozen_head: bool = False  # the LM head needs no gradient (LoRA): only hidden's gradient is computed
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -61,7 +62,7 @@ class Workload:
     @property
     def sweep_value(self) -> int:
         """The swept variable of a sweep workload (tokens, vocabulary or hidden size)."""
-        return {"sweep-tokens": self.N, "sweep-vocab": self.V, "sweep-hidden": self.H}.get(self.group, self.N)
+        return {"sweep-vocab": self.V, "sweep-hidden": self.H}.get(self.group, self.N)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -84,19 +85,23 @@ class Workload:
 # ---------------------------------------------------------------------------------------------------
 
 def flops(wl: Workload, phase: str) -> float:
-    """Useful FLOPs of one phase: 'fwd' 2NHV, 'bwd' 4NHV, 'total' 6NHV (forward-only: 2NHV total)."""
+    """Useful FLOPs of one phase: 'fwd' 2NHV, 'bwd' 4NHV, 'total' 6NHV (forward-only: 2NHV total; a frozen head
+    has no weight-gradient GEMM: 'bwd' 2NHV, 'total' 4NHV)."""
     nhv = float(wl.N) * wl.H * wl.V
     if wl.kind == "forward":
         return {"fwd": 2 * nhv, "bwd": 0.0, "total": 2 * nhv}[phase]
-    return {"fwd": 2 * nhv, "bwd": 4 * nhv, "total": 6 * nhv}[phase]
+    bwd = 2 * nhv if wl.frozen_head else 4 * nhv
+    return {"fwd": 2 * nhv, "bwd": bwd, "total": 2 * nhv + bwd}[phase]
 
 
 def flops_executed(wl: Workload, path: str) -> float:
-    """FLOPs a provider actually runs: 'materialised' / 'one-pass' 6NHV, 'two-pass' 8NHV, 'forward' 2NHV."""
+    """FLOPs a provider actually runs: 'materialised' / 'one-pass' 6NHV, 'two-pass' 8NHV, 'forward' 2NHV (a
+    frozen head: 2NHV less, no weight-gradient GEMM)."""
     nhv = float(wl.N) * wl.H * wl.V
     if wl.kind == "forward":
         return 2 * nhv
-    return {"materialised": 6 * nhv, "one-pass": 6 * nhv, "two-pass": 8 * nhv}.get(path, 6 * nhv)
+    total = {"materialised": 6 * nhv, "one-pass": 6 * nhv, "two-pass": 8 * nhv}.get(path, 6 * nhv)
+    return total - 2 * nhv if wl.frozen_head else total
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -125,6 +130,10 @@ _W2 = Workload("W2", "loss", 16384, 896, 151936, "bfloat16", batch=16,
 _W1_LP = replace(_W1, name="W1-lp", kind="logprob", note="W1 shapes, log-prob + entropy fwd+bwd (path A)")
 _W2_LP = replace(_W2, name="W2-lp", kind="logprob", note="W2 shapes, log-prob + entropy fwd+bwd (path A)")
 _W3 = Workload("W3", "forward", 16384, 4096, 151936, "bfloat16", note="forward-only log-probs (path C)")
+_W1_FROZEN = replace(_W1, name="W1-frozen", frozen_head=True,
+                     note="W1 with a frozen LM head (LoRA): gradient w.r.t. hidden only")
+# the GPU targets hold across micro-batch sizes: W1 / W2 (GRPO loss, sequences of 1024 tokens) at 2k-16k tokens
+SWEEP_LOSS_TOKENS = (2048, 4096, 8192, 16384)
 C1 = Workload("C1", "logprob", 4096, 512, 32768, "float32",
               note="CPU: log-prob + entropy fwd+bwd, loss sum(logp) + 0.01 sum(entropy)")
 # C1-loss, the fused loss's CPU target (bench/README.md): C1's shapes with W1's GRPO loss (16 sequences of 256 tokens)
@@ -146,11 +155,23 @@ def _sweeps(n_base: int, h_base: int, v_base: int, dtype: str, tokens, vocab, hi
     return out
 
 
+def loss_sweeps() -> list[Workload]:
+    """W1 (H=4096) and W2 (H=896) as GRPO losses over 1024-token sequences at 2k-16k tokens (the 16k points are
+    W1 and W2 themselves, measured once)."""
+    out = []
+    for base in (_W1, _W2):
+        for n in SWEEP_LOSS_TOKENS:
+            out.append(replace(base, name=f"{base.name}-{n}", N=n, batch=n // 1024, group=f"sweep-loss-h{base.H}",
+                               note=f"{base.note}; {n // 1024} sequences of 1024 tokens"))
+    return out
+
+
 def gpu_workloads() -> list[Workload]:
-    """Everything at the GPU sizes of docs/design.md: W1-W3 and the three sweeps (bf16); W4 is bench/w4.py's."""
+    """Everything at the GPU sizes of docs/design.md: W1-W3, W1 with a frozen head, the loss sweeps and the three
+    log-prob sweeps (bf16); W4 is bench/w4.py's."""
     sweeps = _sweeps(16384, 4096, 151936, "bfloat16", SWEEP_TOKENS, SWEEP_VOCAB, SWEEP_HIDDEN,
                      note="log-prob + entropy fwd+bwd")
-    return [_W1, _W1_LP, _W2, _W2_LP, _W3] + sweeps
+    return [_W1, _W1_LP, _W2, _W2_LP, _W3, _W1_FROZEN] + loss_sweeps() + sweeps
 
 
 def _r8(x: float) -> int:

@@ -1,0 +1,39 @@
+"""The GPU workloads and targets of `python -m bench gpu`, checked on made-up rows (nothing is timed here)."""
+
+from rich.console import Console
+
+from bench import __main__ as cli
+from bench import workloads as W
+
+
+def test_gpu_workloads_include_the_loss_sweeps_and_the_frozen_head():
+    wls = {w.name: w for w in W.gpu_workloads()}
+    for base, h in (("W1", 4096), ("W2", 896)):
+        for n in W.SWEEP_LOSS_TOKENS:
+            w = wls[f"{base}-{n}"]
+            assert (w.kind, w.N, w.H, w.T, w.group) == ("loss", n, h, 1024, f"sweep-loss-h{h}")
+    # the 16k points are W1 / W2 themselves (same shape: the runner measures them once)
+    assert (wls["W1-16384"].N, wls["W1-16384"].batch) == (wls["W1"].N, wls["W1"].batch)
+    frozen = wls["W1-frozen"]
+    assert frozen.frozen_head and W.flops(frozen, "total") == 4.0 * frozen.N * frozen.H * frozen.V
+
+
+def _row(wl, prov, **kw):
+    return dict(workload=wl, group="sweep-loss-h896" if wl.startswith("W2-") else "core", provider=prov,
+                status="ok", **kw)
+
+
+def test_gpu_targets_pass_fail_and_missing():
+    rows = [
+        _row("W1", "trl", peak_extra_mb=2900.0, time_vs_trl=1.0, mem_vs_trl=1.0),
+        _row("W1", "fastrl-fused", peak_extra_mb=3600.0, time_vs_trl=0.80, mem_vs_trl=1.24),
+        _row("W1-frozen", "fastrl-fused", peak_extra_mb=300.0, time_vs_trl=0.5, mem_vs_trl=0.9),
+        _row("W2-2048", "fastrl-fused", peak_extra_mb=100.0, time_vs_trl=0.84),
+    ]
+    res = cli._gpu_targets(rows, Console(file=open("/dev/null", "w")))
+    w1 = {r["ratio"]: r for r in res["W1"]}
+    assert not w1["time_vs_trl"]["pass"] and w1["mem_vs_trl"]["pass"]
+    frozen = res["W1-frozen"][0]  # against TRL's W1 extra peak: 300 / 2900
+    assert abs(frozen["value"] - 300 / 2900) < 1e-12 and frozen["pass"]
+    assert res["W2-2048"][0]["pass"]
+    assert "W3" not in res  # no rows: nothing claimed
