@@ -35,6 +35,7 @@ import torch
 import trl
 from trl.trainer.utils import nanmax, nanmin
 
+from fastrl.trainers._distributed import check_launch
 from fastrl.trainers._lm_head import (
     add_fastrl_lm_head,
     head_precision,
@@ -371,6 +372,7 @@ class GRPOTrainer(trl.GRPOTrainer):
 
             name = model if isinstance(model, str) else get_config_model_id(model.config)
             args = GRPOConfig(f"{name.split('/')[-1]}-GRPO")
+        check_launch(args)
         super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         if _opt(self.args, "fused_loss", True):
             install_fastrl_head(
