@@ -150,33 +150,31 @@ def _held(w) -> dict:
     return dict(kind="plain", numel=w.numel(), local=w.numel(), full=w.numel())
 
 
-def _grpo_worker(out: Path, models: Path, inputs: dict, rank: int, stage: str) -> dict:
+def _grpo_worker(out: Path, models: Path, batch: dict, rank: int, stage: str) -> dict:
+    """One training step of each case on this rank's batch; saves the gathered parameters (rank 0)."""
     import torch.distributed as dist
 
-    batch = inputs["batches"][rank]
-    result = {}
     load_kwargs = {}
     if stage == "fsdp2":
         from transformers.distributed import DistributedConfig
 
         load_kwargs = dict(distributed_config=DistributedConfig(fsdp_size=2))
-    runs = [(case, "fastrl") for case in GRPO_CASES] + [("untied", "stock")]
-    for case, cls in runs:
-        tmp = out / f"tmp-{rank}"
-        trainer = _grpo_trainer(case, models, tmp, cls, load_kwargs=load_kwargs)
+    result = {}
+    for case, cls in [(case, "fastrl") for case in GRPO_CASES] + [("untied", "stock")]:
+        trainer = _grpo_trainer(case, models, out / f"tmp-{rank}", cls, load_kwargs=load_kwargs)
         assert trainer.accelerator.num_processes == 2, trainer.accelerator.num_processes
-        entry = {"head": {}}
         if case == "untied" and cls == "fastrl" and stage == "zero3":
             # the reference model (a DeepSpeed engine, ZeRO-3 partitioned): fastrl's forward-only log-probs
+            assert type(trainer.ref_model).__name__ == "DeepSpeedEngine", type(trainer.ref_model)
             ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
             mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
-            assert type(trainer.ref_model).__name__ == "DeepSpeedEngine", type(trainer.ref_model)
             with torch.no_grad():
                 logp, ent = trainer._get_per_token_logps_and_entropies(
                     trainer.ref_model, ids, mask, batch["completion_ids"].shape[1], compute_entropy=True)[:2]
             torch.save({"logp": logp, "entropy": ent}, out / f"ref-logps-rank{rank}.pt")
-        entry["loss"] = _one_step(trainer, batch, probe=lambda t, when: entry["head"].update({when: _held(_lm_head(t).weight)}))
-        entry["engine"] = type(trainer.model_wrapped).__name__
+        head = {}
+        loss = _one_step(trainer, batch, probe=lambda t, when: head.update({when: _held(_lm_head(t).weight)}))
+        entry = dict(loss=loss, head=head, engine=type(trainer.model_wrapped).__name__)
         if trainer.is_deepspeed_enabled:
             entry["zero_stage"] = trainer.model_wrapped.zero_optimization_stage()
         state = _full_state(trainer)
@@ -188,7 +186,6 @@ def _grpo_worker(out: Path, models: Path, inputs: dict, rank: int, stage: str) -
             torch.save(state, out / f"state-{case}-{cls}.pt")
         result[f"{case}-{cls}"] = entry
         del trainer
-
     return result
 
 
@@ -231,7 +228,14 @@ def _worker(stage: str, out: Path, inputs_dir: Path) -> None:
     inputs = torch.load(inputs_dir / "inputs.pt")
     models = inputs_dir / "models"
     t0 = time.time()
-    result = {"rank": rank, "grpo": _grpo_worker(out, models, inputs, rank, stage)}
+    result = {"rank": rank}
+    if stage != "fsdp2":
+        import deepspeed.comm
+
+        # fastrl's trainer initialises DeepSpeed's communication (with use_cpu=True accelerate does not): the first
+        # case's reference model, built under ZeRO-3's zero.Init, needs it (and so does stock TRL's, later)
+        result["ds_comm_before_first_trainer"] = deepspeed.comm.is_initialized()
+    result["grpo"] = _grpo_worker(out, models, inputs["batches"][rank], rank, stage)
     result["grpo_seconds"] = time.time() - t0
 
     tiny = inputs_dir / "tiny_ppo"
@@ -277,9 +281,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _tail(path: Path, n: int = 12000) -> str:
+def _tail(path: Path, n: int = 6000) -> str:
+    """The first traceback in a launch's output (the rank that failed first; the launcher's own report of the
+    failure follows it), then the output's last ``n`` characters."""
     text = path.read_text(errors="replace") if path.exists() else ""
-    return text[-n:]
+    first = text.find("Traceback")
+    head = text[first : first + n] + "\n[...]\n" if 0 <= first < len(text) - n else ""
+    return head + text[-n:]
 
 
 def _run(cmd: list[str], env: dict, log: Path, label: str, timeout: int = LAUNCH_TIMEOUT) -> float:
@@ -431,7 +439,7 @@ def _check_grpo_step(run: dict, inputs: dict, case: str, cls: str = "fastrl") ->
         expected, update = after - before, got[name] - before
         assert expected.norm() > 0, f"{label}: the single-process step did not move {name}"
         err = _rel(update, expected)
-        assert err <= REL, f"{label}: the update of {name} differs from the single-process update by {err:.2e} (relative)"
+        assert err <= REL, f"{label}: the update of {name} differs from the single-process one by {err:.2e} (relative)"
 
 
 def _check_head(entry: dict, kind: str, label: str) -> None:
@@ -452,6 +460,7 @@ def test_zero3_grpo_step_matches_single_process_and_stock_trl(zero3, inputs):
         _check_grpo_step(zero3, inputs, case)
     _check_grpo_step(zero3, inputs, "untied", "stock")
     for r in zero3["ranks"]:
+        assert r["ds_comm_before_first_trainer"] is False, "the launch check did not get to initialise DeepSpeed"
         for key, e in r["grpo"].items():
             assert e["engine"] == "DeepSpeedEngine" and e["zero_stage"] == 3, (key, e)
             _check_head(e, "zero3", f"rank {r['rank']} {key}")
@@ -502,7 +511,8 @@ def _check_ppo_metrics(logs: list[dict], episodes: list[int], label: str) -> Non
         assert not missing, f"{label}: metrics missing from update {h['step']}: {missing}"
         bad = {k: h[k] for k in DOCUMENTED_METRICS if not math.isfinite(h[k])}
         assert not bad, f"{label}: non-finite metrics at update {h['step']}: {bad}"
-    assert logs[0]["objective/kl"] == 0.0, f"{label}: first rollout, policy == reference, yet KL {logs[0]['objective/kl']}"
+    kl = logs[0]["objective/kl"]
+    assert kl == 0.0, f"{label}: first rollout, policy == reference, yet KL {kl}"
 
 
 def test_zero3_ppo_example_runs_and_resumes(zero3):
