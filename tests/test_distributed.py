@@ -8,16 +8,17 @@ Three launches, each running several checks (a launch costs more than its checks
   reference model, tied embeddings, and LoRA (frozen head); the same step of stock ``trl.GRPOTrainer``; the
   reference model's forward-only log-probs; one step with real generation. PPO: ``examples/ppo.py`` itself, three
   updates saving a checkpoint each, then a second run resumed from the first checkpoint.
-* ZeRO-2: the same GRPO step with ``examples/ppo_configs/deepspeed_zero2.yaml``, and two PPO updates of
-  ``examples/ppo.py``.
-* FSDP2: ``torch.distributed.run`` with models sharded at load time by transformers
+* ZeRO-2: the same GRPO steps (fastrl's and stock TRL's) with ``examples/ppo_configs/deepspeed_zero2.yaml``, and
+  two PPO updates of ``examples/ppo.py``.
+* FSDP2: the same GRPO steps under ``torch.distributed.run`` with models sharded at load time by transformers
   (``from_pretrained(distributed_config=DistributedConfig(fsdp_size=2))``: torch's ``fully_shard`` on a gloo CPU
   mesh); the Trainer then trains the sharded model as is. Accelerate cannot do FSDP on CPU processes (it falls
   back to DDP), so accelerate's own FSDP2 (``examples/ppo_configs/fsdp2.yaml``) is not run here.
 
 The parent process computes the single-process step on the union of the two ranks' batches and compares: the
 mean of the ranks' losses equals its loss, the gathered parameter update equals its update (float32, 1e-5
-relative per parameter), frozen parameters do not move, and ZeRO-3 / FSDP2 really held the LM head partitioned.
+relative per parameter), frozen parameters do not move, and ZeRO-3 / FSDP2 really held the LM head partitioned
+(ZeRO-3: before the loss and again after its forward).
 
 DeepSpeed builds one small communication op with g++ on its first CPU launch; the ``dist_env`` fixture builds it
 once into a cache directory that every launch reuses (``TORCH_EXTENSIONS_DIR``; pytest's cache keeps it between
@@ -26,14 +27,17 @@ sessions). ``python -m pytest -m "not distributed"`` skips this file.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
 import runpy
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
@@ -310,11 +314,16 @@ def _run(cmd: list[str], env: dict, log: Path, label: str, timeout: int = LAUNCH
 @pytest.fixture(scope="session")
 def dist_env(request, tmp_path_factory):
     """Environment for the launches, with DeepSpeed's CPU communication op built once (cached)."""
-    import importlib.util
-
     for name in ("deepspeed", "trl", "peft"):
         if importlib.util.find_spec(name) is None:  # not imported here: DeepSpeed picks its accelerator at import
             pytest.skip(f"{name} is not installed (pip install -e '.[test]')")
+    # DeepSpeed compiles the op as a torch extension: it needs a C++ compiler and Python's headers
+    compiler = shutil.which(os.environ.get("CXX", "g++"))
+    headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    if compiler is None or not headers.is_file():
+        pytest.fail(f"DeepSpeed on CPU builds a C++ op at its first launch: it needs g++ (found: {compiler}) and "
+                    f"{headers} (found: {headers.is_file()}); install them (apt-get install g++ python3-dev) or "
+                    "skip these tests with -m 'not distributed'")
     ext = os.environ.get("TORCH_EXTENSIONS_DIR")
     if ext is None:
         cache = getattr(request.config, "cache", None)
@@ -515,12 +524,22 @@ def _check_ppo_metrics(logs: list[dict], episodes: list[int], label: str) -> Non
     assert kl == 0.0, f"{label}: first rollout, policy == reference, yet KL {kl}"
 
 
+def _deepspeed_stage(checkpoint: Path) -> int:
+    """The ZeRO stage a DeepSpeed checkpoint was written under; it must hold each rank's optimizer partition."""
+    optim = sorted(checkpoint.glob("global_step*/*zero_pp_rank_*_optim_states.pt"))
+    assert len(optim) == 2, f"{checkpoint}: expected one optimizer partition per rank, found {optim}"
+    states = sorted(checkpoint.glob("global_step*/*model_states.pt"))
+    assert states, f"{checkpoint}: no DeepSpeed model states"
+    return torch.load(states[0], weights_only=False)["ds_config"]["zero_optimization"]["stage"]
+
+
 def test_zero3_ppo_example_runs_and_resumes(zero3):
     from safetensors.torch import load_file
 
     from test_ppo_trainer import DOCUMENTED_METRICS
 
     full, resumed = zero3["out"] / "ppo-full", zero3["out"] / "ppo-resumed"
+    assert _deepspeed_stage(full / "checkpoint-1") == 3
     a = _ppo_log(full, 3)
     _check_ppo_metrics(a, [8, 16, 24], "ZeRO-3 PPO")  # batch_size = 2 processes x 4 prompts
     b = _ppo_log(resumed, 3)
@@ -553,6 +572,7 @@ def test_zero2_grpo_step_matches_single_process(zero2, inputs):
 
 
 def test_zero2_ppo_example(zero2):
+    assert _deepspeed_stage(zero2["out"] / "ppo-full" / "checkpoint-2") == 2
     _check_ppo_metrics(_ppo_log(zero2["out"] / "ppo-full", 2), [8, 16], "ZeRO-2 PPO")
 
 
