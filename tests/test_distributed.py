@@ -250,7 +250,7 @@ def _worker(stage: str, out: Path, inputs_dir: Path) -> None:
         _run_ppo_example(_ppo_args(tiny, out / "ppo-resumed", 24, "--save_strategy", "steps", "--save_steps", "1",
                                    "--resume_from_checkpoint", str(out / "ppo-full" / "checkpoint-1")))
         result["ppo_seconds"] = time.time() - t0
-        result["launch_check"] = _launch_check_message(tiny)
+        result["launch_check"] = _launch_check_message(out)
     elif stage == "zero2":
         t0 = time.time()
         _run_ppo_example(_ppo_args(tiny, out / "ppo-full", 16, "--save_strategy", "steps", "--save_steps", "2"))
@@ -261,11 +261,11 @@ def _worker(stage: str, out: Path, inputs_dir: Path) -> None:
         dist.destroy_process_group()
 
 
-def _launch_check_message(tiny: Path) -> str:
+def _launch_check_message(out: Path) -> str:
     """What fastrl says when the TrainingArguments miss ``use_cpu`` under DeepSpeed on a machine without GPUs."""
     from fastrl import PPOConfig, PPOTrainer
 
-    args = PPOConfig(output_dir=str(tiny / "unused"), report_to="none")  # no use_cpu: a one-process state
+    args = PPOConfig(output_dir=str(out / "unused"), report_to="none")  # no use_cpu: a one-process state
     try:
         PPOTrainer(args=args, processing_class=None, model=None, ref_model=None, reward_model=None,
                    train_dataset=None, value_model=None)
