@@ -24,6 +24,8 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 
+pytestmark = pytest.mark.distributed
+
 
 def _worker(out_dir: str) -> None:
     import tempfile

@@ -413,6 +413,7 @@ def _ddp_worker(out_dir: str) -> None:
         json.dump(result, f)
 
 
+@pytest.mark.distributed
 def test_ddp_two_processes_shard_prompts_and_stay_in_sync(tmp_path):
     import json
 

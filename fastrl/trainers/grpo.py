@@ -37,7 +37,7 @@ import trl
 from trl.trainer.utils import nanmax, nanmin
 
 from fastrl.ops.backend import BACKENDS
-
+from fastrl.trainers._distributed import check_launch
 from fastrl.trainers._lm_head import (
     add_fastrl_lm_head,
     head_precision,
@@ -432,6 +432,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             name = model if isinstance(model, str) else get_config_model_id(model.config)
             args = GRPOConfig(f"{name.split('/')[-1]}-GRPO")
         check_loss_options(args)  # a stock trl.GRPOConfig too, and one changed after it was made
+        check_launch(args)
         super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         if _opt(self.args, "fused_loss", True):
             install_fastrl_head(

@@ -53,6 +53,7 @@ from transformers.utils import logging
 
 import fastrl
 from fastrl.losses.config import PolicyLossConfig
+from fastrl.trainers._distributed import check_launch
 from fastrl.trainers._lm_head import (
     HeadSettings,
     call_with_head,
@@ -305,6 +306,7 @@ class PPOTrainer(Trainer):
     ) -> None:
         if not isinstance(args, PPOConfig):
             raise TypeError(f"args must be a fastrl.PPOConfig, got {type(args).__name__}")
+        check_launch(args)
         if ref_model is model:
             raise ValueError(
                 "`model` and `ref_model` cannot be the same object. If you want `ref_model` to be the "

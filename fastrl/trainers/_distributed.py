@@ -1,0 +1,44 @@
+"""Launch checks shared by fastrl's trainers (run in their constructors, before any model is prepared).
+
+Two things go wrong when ``accelerate launch`` runs a DeepSpeed config on a machine without GPUs (the CPU test
+launches; on GPUs accelerate does both itself):
+
+* Without ``use_cpu=True`` in the ``TrainingArguments``, accelerate's state counts one process although DeepSpeed
+  has joined all of them: each would train alone, and DeepSpeed stops later at its batch-size check
+  (``train_batch_size is not equal to micro_batch_per_gpu * gradient_acc_step * world_size``). Said plainly here.
+* With ``use_cpu=True`` accelerate joins the processes through ``torch.distributed`` but leaves DeepSpeed's own
+  communication uninitialised, so a model built under ZeRO-3's ``zero.Init`` after the trainer exists (TRL's GRPO
+  reference model, ``beta != 0``) sees one process and fails the same batch-size check. Initialised here, over
+  the process group accelerate created.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["check_launch"]
+
+
+def _uses_deepspeed(args) -> bool:
+    return bool(getattr(args, "deepspeed", None)) or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
+
+
+def check_launch(args) -> None:
+    """Raise ``ValueError`` if ``torch.distributed`` runs more processes than ``args`` (TrainingArguments) counts;
+    under DeepSpeed, initialise DeepSpeed's communication over the existing process group if nothing did."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    launched, counted = dist.get_world_size(), args.world_size
+    if launched != counted:
+        raise ValueError(
+            f"torch.distributed runs {launched} processes, but the TrainingArguments set up {counted}: "
+            "on a machine without GPUs accelerate joins the processes only with use_cpu=True (--use_cpu true); "
+            "without it each process would train alone (under DeepSpeed it stops at DeepSpeed's batch-size check)."
+        )
+    if _uses_deepspeed(args):
+        import deepspeed.comm
+
+        if not deepspeed.comm.is_initialized():
+            deepspeed.comm.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
