@@ -4,6 +4,8 @@
     python -m bench c1                   DESIGN.md's C1 and C1-loss on CPU: fastrl vs materialised torch vs TRL
                                          (and Liger on the loss), with the issues' targets
     python -m bench w4                   W4: one GRPOTrainer step, stock TRL vs fastrl, per completion length
+    python -m bench w5                   W5: the longest completion whose GRPO step fits a memory budget, stock TRL
+                                         vs fastrl with activation offloading / tiled MLP (CPU: CPU-scaled)
     python -m bench gpu                  W1-W3 at full size, every provider (for the H100)
     python -m bench                      everything for this device (GPU sizes on CUDA, CPU sizes otherwise)
     python -m bench list                 workloads and providers, and why a provider cannot run here
@@ -23,10 +25,10 @@ from pathlib import Path
 import torch
 
 from bench import providers as P
-from bench import report, runner, w4
+from bench import report, runner, w4, w5
 from bench import workloads as W
 
-COMMANDS = ("run", "c1", "gpu", "w4", "list")
+COMMANDS = ("run", "c1", "gpu", "w4", "w5", "list")
 C1_PROVIDERS = "fastrl,fastrl-fused,torch,trl,liger-fused"
 # the issues' CPU targets: workload -> (provider, max time ratio, max extra-peak ratio), both against torch's
 C1_TARGETS = {"C1": ("fastrl", 1.2, 0.10), "C1-loss": ("fastrl-fused", 1.0, 0.10)}
@@ -49,7 +51,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, one repetition: checks the plumbing only")
     ap.add_argument("--out", help="results folder (default bench/results/<device-slug>/)")
     ap.add_argument("--workload", help="comma list: names (W1, C1, tokens-4096), 'W1' also picks W1-lp; "
-                                       "groups core, sweeps, sweep-tokens, sweep-vocab, sweep-hidden")
+                                       "groups core, sweeps, sweep-tokens, sweep-vocab, sweep-hidden; "
+                                       "w5: architectures 0.5B,1.5B")
     ap.add_argument("--providers", help=f"comma list of {', '.join(P.PROVIDERS)} (default: all; c1: {C1_PROVIDERS})")
     ap.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
     ap.add_argument("--reps", type=int, help="timed repetitions per measurement on CPU (default 3; smoke 1)")
@@ -60,8 +63,8 @@ def _parser() -> argparse.ArgumentParser:
                                              "above 1 they share the cores, so times are not comparable")
     ap.add_argument("--threads", type=int, default=0, help="CPU threads per worker (default: torch's)")
     ap.add_argument("--fastrl-backend", choices=("triton", "torch"), help="force fastrl's backend")
-    ap.add_argument("--lengths", help="W4: comma list of completion lengths (default: by device and mode)")
-    ap.add_argument("--budget-mb", type=float, help="W4: step-memory budget in MB for 'longest that fits'")
+    ap.add_argument("--lengths", help="W4, W5: comma list of completion lengths (default: by device and mode)")
+    ap.add_argument("--budget-mb", type=float, help="W4, W5: step-memory budget in MB for 'longest that fits'")
     ap.add_argument("--no-plots", action="store_true")
     return ap
 
@@ -205,6 +208,14 @@ def main(argv: list[str] | None = None) -> int:
         con.print("[red]`python -m bench gpu` measures W1-W3 at full size and needs CUDA; on CPU use "
                   "`python -m bench --quick` or `python -m bench c1` (or add --smoke to check the plumbing)[/red]")
         return 2
+
+    if args.command == "w5":  # its own walk and files (bench/w5.py); --workload picks architectures (0.5B,1.5B)
+        env = report.environment(device)
+        out_dir = Path(args.out) if args.out else report.REPO_ROOT / "bench" / "results" / env["device_slug"]
+        args.argv = sys.argv[1:] if argv is None else argv
+        opts = {"fastrl_backend": args.fastrl_backend} if args.fastrl_backend else {}
+        return w5.cli(args, device, con, env, out_dir, "w5" + ("-smoke" if args.smoke else "-quick" if args.quick
+                                                               else ""), options=opts)
 
     cfg = _config(args, device)
     wls = [] if args.command == "w4" else _workloads(args, device)
