@@ -2,8 +2,8 @@
 
     python -m bench w5                  # CUDA: Qwen2.5-0.5B and 1.5B architectures, bf16, 8 completions,
                                         #       budgets 24 GiB and 80 GiB (peak allocated during the step)
-                                        # CPU:  CPU-scaled architectures, float32, 2 completions, budget 384 MB
-                                        #       (the step's extra peak RSS); a few minutes on 2 cores
+                                        # CPU:  CPU-scaled architectures, float32, 2 completions, budget 280 MB
+                                        #       (the step's extra peak RSS); ~6 min on a quiet 2-core machine
     python -m bench w5 --quick          # CUDA: 0.5B at 24 GiB only; CPU: the 0.5B-scaled architecture only
     python -m bench w5 --workload 1.5B --budget-mb 81920 --lengths 16384,32768,65536
 
@@ -35,7 +35,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 from bench.w4 import GIB, QWEN25_05B, W4Shape, point_spec, spawn_point, write_csv
 
-__all__ = ["Config", "W5Plan", "CONFIGS", "plan_for", "run", "summarize", "print_tables", "write_files", "cli"]
+__all__ = ["Config", "W5Plan", "CONFIGS", "plan_for", "longest_fit", "run", "summarize", "print_tables", "write_files",
+           "cli"]
 
 # Qwen2.5-1.5B (its config.json): tied embeddings, rope theta 1e6
 QWEN25_15B = dict(vocab=151936, hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960, tie_embeddings=True)
@@ -114,7 +115,7 @@ def plan_for(device: str, mode: str) -> W5Plan:
         # warm-up at 2048 tokens compiles and autotunes the Triton kernels (keyed on H and V) without doubling a
         # long step's time; two timed steps
         return W5Plan(device, mode, shapes, budgets, "total", reps=2, warmup=1, warmup_len=2048, timeout_s=1200)
-    grid = (512, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+    grid = (256, 512, 1024, 1536, 2048, 3072, 4096, 6144)
     archs = ("0.5B",) if mode == "quick" else ("0.5B", "1.5B")
     shapes = {a: _shape(f"W5-{a}-cpu", CPU_ARCHS[a], dtype="float32", completions=2, prompt_len=32, lengths=grid,
                         budget_mb=0.0,
@@ -122,7 +123,8 @@ def plan_for(device: str, mode: str) -> W5Plan:
                              f"I={CPU_ARCHS[a]['intermediate']}, {CPU_ARCHS[a]['layers']} layers, V=16384), "
                              "float32, 2 completions per step")
               for a in archs}
-    return W5Plan(device, mode, shapes, (384.0,), "extra", headline="fastrl+tiled", timeout_s=900)
+    # 280 MB of extra RSS: between the grid points where the two architectures' plain and tiled steps cross it
+    return W5Plan(device, mode, shapes, (280.0,), "extra", headline="fastrl+tiled", timeout_s=900)
 
 
 def with_overrides(plan: W5Plan, *, archs: str | None, lengths: str | None, budget_mb: float | None,
@@ -171,12 +173,40 @@ def _unavailable(c: Config, device: str) -> str | None:
     return None
 
 
+def longest_fit(fits, n: int, hint: int = -1) -> int:
+    """The largest ``i < n`` with ``fits(i)`` (-1: none), for ``fits`` true up to some index and false after.
+
+    ``hint`` is tried first; then a galloping search up from the largest known fit (1, 2, 4, ... steps) and a
+    bisection of the last gap. Each ``fits(i)`` is called at most once.
+    """
+    lo, hi = -1, n
+    if 0 <= hint < n:
+        if fits(hint):
+            lo = hint
+        else:
+            hi = hint
+    step = 1
+    while lo + step < hi:  # gallop: short, cheap points first, few long ones
+        if not fits(lo + step):
+            hi = lo + step
+            break
+        lo, step = lo + step, 2 * step
+    while hi - lo > 1:  # bisect the last gap
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 def run(plan: W5Plan, con) -> list[dict]:
     """Every (architecture, budget, config): a search over the grid, one fresh process per point; returns the rows.
 
-    Memory grows with the completion length, so the longest fitting length is found by bisection over the grid
-    (about log2(grid) points per config), starting from a length known to fit: the same config's answer at the
-    next smaller budget, or the answer of the config before it (configs go from most to least memory), checked
+    Memory grows with the completion length, so the longest fitting length is found by a galloping search over
+    the grid (lengths 1, 2, 4, ... grid steps above the last fit, then bisection: about 2 log2(grid) points per
+    config, the long ones few), starting from a length likely to fit: the same config's answer at the next
+    smaller budget, or the best answer of the configs before it (they go from most to least memory), checked
     first. A point that runs out of memory or fails does not fit. Points are measured once and shared by every
     budget. Then the headline config is measured at stock TRL's longest length too, for the time ratio.
     """
@@ -236,19 +266,8 @@ def run(plan: W5Plan, con) -> list[dict]:
             best = -1
             for c in runnable:
                 smaller = [answer[(c.name, x)] for x in plan.budgets_mb if x < b and (c.name, x) in answer]
-                lo, hi = -1, len(s.lengths)
                 hint = max(smaller) if smaller else best
-                if hint >= 0:
-                    if fits(arch, c, hint, b):
-                        lo = hint
-                    else:
-                        hi = hint
-                while hi - lo > 1:
-                    mid = (lo + hi) // 2
-                    if fits(arch, c, mid, b):
-                        lo = mid
-                    else:
-                        hi = mid
+                lo = longest_fit(lambda i: fits(arch, c, i, b), len(s.lengths), hint)
                 answer[(c.name, b)] = lo
                 best = max(best, lo)
             trl, head = answer.get(("trl", b), -1), answer.get((plan.headline, b), -1)

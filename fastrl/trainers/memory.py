@@ -124,7 +124,8 @@ def _refusal(name: str, mlp: nn.Module, n: int) -> str | None:
             if not isinstance(whole, torch.Tensor) or whole.shape[:-1] != x.shape[:-1]:
                 got = type(whole).__name__ if not isinstance(whole, torch.Tensor) else tuple(whole.shape)
                 return f"{name} ({kind}) maps [2, 3, {width}] to {got}, not one tensor per token"
-            parts = torch.cat([mlp.forward(x.reshape(1, 6, width)[:, i: i + 3]) for i in (0, 3)], dim=1)
+            # chunks of 4 and 2 tokens that cross the sequence boundary, as the tiled forward's chunks do
+            parts = torch.cat([mlp.forward(x.reshape(1, 6, width)[:, a:b]) for a, b in ((0, 4), (4, 6))], dim=1)
     finally:
         for m, training in modes:
             m.training = training
