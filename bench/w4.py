@@ -192,8 +192,7 @@ def run_point(spec: dict) -> dict:
     res: dict = {"status": "ok", "reason": "", "activation_checkpointing": ckpt,
                  "model_params": sum(p.numel() for p in model.parameters()), "beta": trainer.beta,
                  "loss_type": trainer.loss_type,
-                 "tiled_mlp": memory.tiled_mlp if memory is not None and memory.applied else 0,
-                 "activation_offloading": memory is not None and memory.offload_context is not None}
+                 "tiled_mlp": memory.tiled_mlp if memory is not None and memory.applied else 0}
 
     def step(inputs) -> float:
         # what Trainer.training_step does once the batch exists, in fastrl's step context (offloading) as
@@ -260,6 +259,8 @@ def run_point(spec: dict) -> dict:
         "step_ms": measure.summarize(times), "peak_extra_mb": max(extras), "peak_total_mb": max(totals),
         "baseline_mb": min(bases), "loss_value": losses[0],
         "path": getattr(trainer, "_fastrl_last_path", "trl") if which == "fastrl" else "trl",
+        # TRL's OffloadActivations ran the steps (built at the first one; none on a CPU-only model)
+        "activation_offloading": memory is not None and memory.offload_context is not None,
         "memory_method": "torch.cuda.max_memory_allocated() minus allocated before the step" if cuda
         else "peak RSS (VmHWM, reset before the step) minus RSS before the step",
     })

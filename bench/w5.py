@@ -302,13 +302,12 @@ def summarize(plan: W5Plan, rows: list[dict]) -> dict:
             t = longest.get("trl")
             if isinstance(t, int) and isinstance(h, int):
                 entry["length_ratio"] = h / t
-                both = [L for L in s.lengths if L <= min(t, h)]
-                L = max(both)
-                rt = next(r for r in rows if r["arch"] == arch and r["config"] == "trl" and r["completion_len"] == L)
-                rh = next(r for r in rows if r["arch"] == arch and r["config"] == plan.headline
-                           and r["completion_len"] == L)
-                entry["time_ratio_at"] = L
-                entry["time_ratio"] = rh["step_ms"]["median"] / rt["step_ms"]["median"]
+                L = min(t, h)  # the longest length both fit (run() measures the headline config there)
+                at = {r["config"]: r for r in rows if r["arch"] == arch and r["completion_len"] == L
+                      and r["status"] == "ok" and r["config"] in ("trl", plan.headline)}
+                if len(at) == 2:
+                    entry["time_ratio_at"] = L
+                    entry["time_ratio"] = at[plan.headline]["step_ms"]["median"] / at["trl"]["step_ms"]["median"]
             per_budget[f"{b:.0f}"] = entry
         out[arch] = per_budget
     return out

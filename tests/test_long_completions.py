@@ -170,9 +170,11 @@ def test_tiled_mlp_same_loss_and_gradients(tmp_path, case):
 def test_activation_offloading_same_loss_and_gradients(tmp_path, monkeypatch):
     from trl.models.activation_offloading import OffloadActivations
 
-    with pytest.warns(UserWarning, match="no effect"):  # CPU-only: activations already live in host memory
-        trainer = grpo(tmp_path, activation_offloading=True, tiled_mlp=TILES, activation_checkpointing=True)
+    trainer = grpo(tmp_path, activation_offloading=True, tiled_mlp=TILES, activation_checkpointing=True)
     mem = trainer._fastrl_memory
+    with pytest.warns(UserWarning, match="no effect"):  # CPU-only: activations already live in host memory
+        with mem.step_context():
+            pass
     assert mem.offload_context is None and mem.applied
     enable_checkpointing(trainer.model, False)
     inputs = grpo_batch(1)
@@ -184,14 +186,13 @@ def test_activation_offloading_same_loss_and_gradients(tmp_path, monkeypatch):
     hooks_before = (dict(head._forward_pre_hooks), dict(head._forward_hooks))
     mem.undo()
     mem.apply()
-    ctx = mem.offload_context
-    assert isinstance(ctx, OffloadActivations)
-    assert len(head._forward_hooks) == len(hooks_before[1]) + 1  # TRL's output-head hooks, as in its SFTTrainer
-
     model = trainer.model
     model.train()
     model.zero_grad(set_to_none=True)
-    with mem.step_context():
+    ctx = mem.step_context()
+    assert isinstance(ctx, OffloadActivations) and ctx is mem.offload_context
+    with ctx:
+        assert len(head._forward_hooks) == len(hooks_before[1]) + 1  # TRL's output-head hooks, as in its SFTTrainer
         loss = trainer.compute_loss(model, dict(inputs))
         offloaded = sum(1 for entry in ctx.tracker.values() if entry[1])
         loss.backward()
@@ -405,3 +406,68 @@ def test_ppo_rollout_and_update_honour_tiled_mlp(tmp_path, monkeypatch):
     assert contexts and not mem.applied
     for x in models:
         assert_untiled(x)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bench W5: the search and the summary (the measurement itself is the peak-RSS test's)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_w5_search_finds_the_longest_fit_measuring_each_point_once():
+    from bench.w5 import longest_fit
+
+    for n in range(8):
+        for answer in range(-1, n):
+            for hint in range(-1, n):
+                calls = []
+
+                def fits(i):
+                    assert i not in calls, f"point {i} measured twice"
+                    calls.append(i)
+                    return i <= answer
+
+                assert longest_fit(fits, n, hint) == answer, (n, answer, hint)
+                assert len(calls) <= 2 * max(n, 1).bit_length() + 1, (n, answer, hint, calls)
+
+
+def test_w5_summary_and_targets(tmp_path):
+    from rich.console import Console
+
+    from bench import w5
+
+    plan = w5.plan_for("cuda", "full")
+    grid = plan.shapes["0.5B"].lengths
+
+    def row(arch, config, L, total_gib, seconds, status="ok"):
+        c = next(c for c in plan.configs if c.name == config)
+        r = w5._row(plan.shapes[arch], arch, c, L, status)
+        if status == "ok":
+            r.update(peak_total_mb=total_gib * 1024, peak_extra_mb=total_gib * 1024 - 1000,
+                     step_ms={"median": seconds * 1e3, "n": 1})
+            r["fits"] = {f"{b:.0f}": r["peak_total_mb"] <= b for b in plan.budgets_mb}
+        return r
+
+    # 0.5B: trl fits 8192 at 24 GiB, fastrl+both 32768 (4x), 8% slower at 8192; 1.5B: both only at 80 GiB
+    rows = [row("0.5B", "trl", 8192, 20, 1.0), row("0.5B", "trl", 12288, 30, 1.5),
+            row("0.5B", "fastrl+both", 8192, 5, 1.08), row("0.5B", "fastrl+both", 32768, 23, 5.0),
+            row("0.5B", "fastrl+both", 49152, 0, 0, status="oom"),
+            row("1.5B", "trl", 4096, 25, 1.0), row("1.5B", "trl", 8192, 60, 2.0),
+            row("1.5B", "fastrl+both", 8192, 12, 2.5), row("1.5B", "fastrl+both", 131072, 70, 40.0)]
+    summary = w5.summarize(plan, rows)
+    e = summary["0.5B"][f"{24 * 1024.0:.0f}"]
+    assert e["longest"]["trl"] == 8192 and e["longest"]["fastrl+both"] == 32768 and e["length_ratio"] == 4
+    assert e["time_ratio_at"] == 8192 and e["time_ratio"] == pytest.approx(1.08)
+    e15 = summary["1.5B"][f"{80 * 1024.0:.0f}"]
+    assert e15["longest"]["fastrl+both"] == max(grid) and e15["fits_largest_length_tried"]["fastrl+both"]
+    assert e15["length_ratio"] == 16 and e15["time_ratio"] == pytest.approx(1.25)
+    checks = {(c["arch"], c["budget_mb"]): c for c in w5.targets(plan, summary)["checks"]}
+    assert checks[("0.5B", 24 * 1024.0)]["pass"]
+    assert not checks[("1.5B", 24 * 1024.0)]["evaluated"]  # trl fits nothing at 24 GiB: no ratio
+    assert not checks[("1.5B", 80 * 1024.0)]["pass"]  # 16x the length, but 1.25x the time
+    assert checks[("1.5B", 80 * 1024.0)]["lower_bound"]
+    con = Console(record=True, width=250)
+    w5.print_tables(con, plan, rows, summary, w5.targets(plan, summary), "test")
+    text = con.export_text()
+    assert "4.00x" in text and ">=131072" in text and "FAIL" in text and "PASS" in text
+    files = w5.write_files(tmp_path, "w5", plan, rows, {"device": "test", "torch": "x", "driver": "y"}, plots=False)
+    assert files[0].read_text().count("\n") == len(rows) + 1

@@ -246,8 +246,9 @@ def _offload_context(model: nn.Module):
 @dataclass
 class _Applied:
     tiled: list[TiledMLP]
-    offload: object | None
-    remove_hooks: object | None
+    offload: object | None = None  # TRL's OffloadActivations, built at the first step (the model is on its device)
+    offload_checked: bool = False
+    remove_hooks: object | None = None
 
 
 class MemoryOptions:
@@ -259,10 +260,12 @@ class MemoryOptions:
             reward models; None entries are skipped).
         activation_offloading, tiled_mlp: the config options.
 
-    ``apply()`` (done on construction; idempotent) patches, ``undo()`` restores; ``step_context()`` is the context
-    a training step (forward + backward) runs in: TRL's ``OffloadActivations`` with offloading on an accelerator,
-    else a null context. With offloading asked for on a CPU-only model there is nothing to move (activations are
-    already in host memory): a warning says so and the step runs as without it.
+    ``apply()`` (done on construction, so a model that cannot be tiled is refused there; idempotent) patches,
+    ``undo()`` restores; ``step_context()`` is the context a training step (forward + backward) runs in: TRL's
+    ``OffloadActivations`` with offloading on an accelerator, else a null context. The offloading context is
+    built at the first step, when the trainer has put the model on its device. With offloading asked for on a
+    CPU-only model there is nothing to move (activations are already in host memory): a warning says so and the
+    step runs as without it.
     """
 
     def __init__(self, trained: nn.Module, models: dict, *, activation_offloading: bool = False, tiled_mlp: int = 0):
@@ -298,14 +301,7 @@ class MemoryOptions:
             for t in tiled:
                 t.undo()
             raise
-        ctx, remove = (None, None)
-        if self.activation_offloading:
-            ctx, remove = _offload_context(self.trained)
-            if ctx is None and not self._warned:
-                self._warned = True
-                warnings.warn("activation_offloading=True has no effect here: the model is not on an accelerator, "
-                              "so its activations already live in host memory", stacklevel=3)
-        self._applied = _Applied(tiled, ctx, remove)
+        self._applied = _Applied(tiled)
 
     def undo(self) -> None:
         """Restore every model as it was before ``apply()``. Idempotent."""
@@ -319,13 +315,21 @@ class MemoryOptions:
 
     def step_context(self):
         """The context one training step's forward + backward runs in (offloading, or nothing)."""
-        if self._applied is not None and self._applied.offload is not None:
-            return self._applied.offload
-        return contextlib.nullcontext()
+        a = self._applied
+        if a is None or not self.activation_offloading:
+            return contextlib.nullcontext()
+        if not a.offload_checked:
+            a.offload_checked = True
+            a.offload, a.remove_hooks = _offload_context(self.trained)
+            if a.offload is None and not self._warned:
+                self._warned = True
+                warnings.warn("activation_offloading=True has no effect here: the model is not on an accelerator, "
+                              "so its activations already live in host memory", stacklevel=3)
+        return a.offload if a.offload is not None else contextlib.nullcontext()
 
     @property
     def offload_context(self):
-        """TRL's ``OffloadActivations`` in use, or None."""
+        """TRL's ``OffloadActivations`` in use (built at the first ``step_context()``), or None."""
         return self._applied.offload if self._applied is not None else None
 
 
