@@ -101,7 +101,7 @@ def _input_width(mlp: nn.Module) -> int | None:
     return None
 
 
-def _refusal(name: str, mlp: nn.Module, n: int) -> str | None:
+def _refusal(name: str, mlp: nn.Module) -> str | None:
     """Why ``mlp`` cannot be tiled (None: it can); runs it once on a few random tokens to check it is token-wise."""
     kind = type(mlp).__name__
     if "forward" in vars(mlp) and getattr(vars(mlp)["forward"], "_fastrl_tiled", False):
@@ -126,6 +126,8 @@ def _refusal(name: str, mlp: nn.Module, n: int) -> str | None:
                 return f"{name} ({kind}) maps [2, 3, {width}] to {got}, not one tensor per token"
             # chunks of 4 and 2 tokens that cross the sequence boundary, as the tiled forward's chunks do
             parts = torch.cat([mlp.forward(x.reshape(1, 6, width)[:, a:b]) for a, b in ((0, 4), (4, 6))], dim=1)
+    except Exception as e:  # noqa: BLE001 - any failure of the check is a refusal that says what happened
+        return f"{name} ({kind}) failed on 6 random {p.dtype} tokens of width {width}: {type(e).__name__}: {e}"
     finally:
         for m, training in modes:
             m.training = training
@@ -164,11 +166,19 @@ class TiledMLP:
         return bool(self._saved)
 
     def undo(self) -> None:
-        """Give every MLP its own ``forward`` back (the instance attribute it had, or none). Idempotent."""
+        """Give every MLP its own ``forward`` back (the instance attribute it had, or none). Idempotent.
+
+        An MLP whose ``forward`` someone replaced after tiling (a hook wrapping ours) is left as it is, with a
+        warning: removing ours would remove theirs too.
+        """
         while self._saved:
             mlp, saved = self._saved.pop()
-            if saved is _MISSING:
-                vars(mlp).pop("forward", None)
+            current = vars(mlp).get("forward")
+            if not getattr(current, "_fastrl_tiled", False):
+                warnings.warn(f"tiled_mlp: the forward of {type(mlp).__name__} was replaced after it was tiled; "
+                              "left as it is (it may still run in chunks)", stacklevel=2)
+            elif saved is _MISSING:
+                del vars(mlp)["forward"]
             else:
                 mlp.forward = saved
 
@@ -195,7 +205,7 @@ def tile_mlp(model: nn.Module, n: int, *, what: str = "model") -> TiledMLP:
             "Gemma or GPT-2 do. Set tiled_mlp=0 for this model."
         )
     for name, mlp in mlps:
-        why = _refusal(name, mlp, n)
+        why = _refusal(name, mlp)
         if why is not None:
             raise ValueError(f"tiled_mlp={n}: cannot tile the {what}'s MLPs: {why}. Set tiled_mlp=0 for this model.")
     return TiledMLP(model, n, mlps)
