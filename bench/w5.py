@@ -6,6 +6,7 @@
                                         #       (the step's extra peak RSS); ~6 min on a quiet 2-core machine
     python -m bench w5 --quick          # CUDA: 0.5B at 24 GiB only; CPU: the 0.5B-scaled architecture only
     python -m bench w5 --workload 1.5B --budget-mb 81920 --lengths 16384,32768,65536
+    python -m bench w5 --workload 0.5B --budget-mb 24576 --providers trl,fastrl+both --out DIR   # a slice
 
 Trainers and options ("configs"): stock ``trl.GRPOTrainer``; ``fastrl.GRPOTrainer`` plain, with
 ``activation_offloading=True``, with ``tiled_mlp=8``, and with both. Each (architecture, config) walks up a grid
@@ -129,7 +130,14 @@ def plan_for(device: str, mode: str) -> W5Plan:
 
 def with_overrides(plan: W5Plan, *, archs: str | None, lengths: str | None, budget_mb: float | None,
                    reps: int | None, warmup: int | None, timeout_s: int | None, threads: int = 0,
-                   options: dict | None = None) -> W5Plan:
+                   options: dict | None = None, configs: str | None = None) -> W5Plan:
+    if configs:
+        want = [c.strip() for c in configs.split(",") if c.strip()]
+        known = {c.name: c for c in plan.configs}
+        unknown = [c for c in want if c not in known]
+        if unknown:
+            raise ValueError(f"w5 --providers: unknown configuration {unknown}; expected a comma list of {list(known)}")
+        plan = replace(plan, configs=tuple(c for c in plan.configs if c.name in want))
     if archs:
         want = [a.strip() for a in archs.split(",") if a.strip()]
         table = ARCHS if plan.device.startswith("cuda") else CPU_ARCHS
@@ -452,7 +460,7 @@ def cli(args, device: str, con, env: dict, out_dir, prefix: str, options: dict |
     try:
         plan = with_overrides(plan_for(device, mode), archs=args.workload, lengths=args.lengths,
                               budget_mb=args.budget_mb, reps=args.reps, warmup=args.warmup, timeout_s=args.timeout,
-                              threads=args.threads, options=options)
+                              threads=args.threads, options=options, configs=args.providers)
     except ValueError as e:
         con.print(f"[red]{e}[/red]")
         return 2
