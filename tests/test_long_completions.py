@@ -110,12 +110,11 @@ def assert_same(ref, got, label: str, rel: float = REL) -> None:
     (l_ref, g_ref), (l_got, g_got) = ref[:2], got[:2]
     assert abs(l_got - l_ref) <= rel * abs(l_ref), f"{label}: loss {l_got!r}, without the option {l_ref!r}"
     assert set(g_got) == set(g_ref) and g_ref, f"{label}: parameters with gradients differ: {set(g_got) ^ set(g_ref)}"
-    for name, ref_g in g_ref.items():
-        scale = ref_g.abs().max().item()
-        err = (g_got[name] - ref_g).abs().max().item()
+    for name, ref_g in g_ref.items():  # relative error of each gradient tensor, as in test_grpo_trainer
+        scale = ref_g.norm().item()
         assert scale > 0, f"{label}: the gradient of {name} is zero: the comparison would be vacuous"
-        assert err <= rel * scale, (f"{label}: gradient of {name} differs by {err:.3g} "
-                                    f"({err / scale:.2e} of its largest element, allowed {rel:.0e})")
+        err = (g_got[name] - ref_g).norm().item() / scale
+        assert err <= rel, f"{label}: gradient of {name} differs by {err:.2e} relative (allowed {rel:.0e})"
 
 
 def assert_untiled(model) -> None:
@@ -216,8 +215,8 @@ def test_activation_offloading_same_loss_and_gradients(tmp_path, monkeypatch):
 def test_tiled_mlp_lowers_peak_rss_of_a_long_step():
     from bench.w4 import W4Shape, point_spec, spawn_point
 
-    # the MLP is most of one layer's memory (intermediate 16x hidden); 2 completions of 2048 tokens
-    s = W4Shape("W5-test", vocab=512, hidden=64, layers=1, heads=2, kv_heads=1, intermediate=1024,
+    # the MLP is most of one layer's memory (intermediate 32x hidden); 2 completions of 2048 tokens
+    s = W4Shape("W5-test", vocab=512, hidden=64, layers=1, heads=2, kv_heads=1, intermediate=2048,
                 tie_embeddings=False, dtype="float32", completions=2, prompt_len=16, lengths=(2048,), budget_mb=0.0)
     specs = [point_spec(s, "fastrl", 2048, "cpu", options={"tiled_mlp": n}, kind="w5", threads=1) for n in (0, 8)]
     with ThreadPoolExecutor(2) as pool:  # separate processes: each has its own peak RSS
@@ -226,9 +225,11 @@ def test_tiled_mlp_lowers_peak_rss_of_a_long_step():
         assert r["status"] == "ok", r.get("reason")
     assert (plain["tiled_mlp"], tiled["tiled_mlp"]) == (0, 8) and plain["activation_checkpointing"]
     assert tiled["loss_value"] == pytest.approx(plain["loss_value"], rel=1e-5)
-    # plain: the [4128, 1024] float32 gate / up / activation / product (17 MB each) and their gradients while the
-    # layer is differentiated; tiled: an eighth of that at a time
-    assert plain["peak_extra_mb"] > 60, plain["peak_extra_mb"]
+    # plain: the [4128, 2048] float32 gate / up / activation / product (34 MB each) and their gradients while the
+    # layer is differentiated; tiled: an eighth of that at a time. Measured (2 cores): plain 216-218 MB, tiled
+    # 88-99 MB (ratio 0.40-0.46); 0.6 leaves room for the allocator's noise, while an MLP that kept its whole
+    # [tokens, intermediate] tensors would stay near 1
+    assert plain["peak_extra_mb"] > 120, plain["peak_extra_mb"]
     assert tiled["peak_extra_mb"] <= 0.6 * plain["peak_extra_mb"], (tiled["peak_extra_mb"], plain["peak_extra_mb"])
 
 
