@@ -3,7 +3,8 @@
     python -m bench w5                  # CUDA: Qwen2.5-0.5B and 1.5B architectures, bf16, 8 completions,
                                         #       budgets 24 GiB and 80 GiB (peak allocated during the step)
                                         # CPU:  CPU-scaled architectures, float32, 2 completions, budget 280 MB
-                                        #       (the step's extra peak RSS); ~6 min on a quiet 2-core machine
+                                        #       (the step's extra peak RSS); 22 points, 25 min on a shared
+                                        #       2-core machine at load average 7-10 (less when quiet)
     python -m bench w5 --quick          # CUDA: 0.5B at 24 GiB only; CPU: the 0.5B-scaled architecture only
     python -m bench w5 --workload 1.5B --budget-mb 81920 --lengths 16384,32768,65536
     python -m bench w5 --workload 0.5B --budget-mb 24576 --providers trl,fastrl+both --out DIR   # a slice
