@@ -4,6 +4,8 @@
     python -m bench c1                   C1 and C1-loss on CPU: fastrl vs materialised torch vs TRL (and Liger on
                                          the loss), checked against the CPU targets
     python -m bench w4                   W4: one GRPOTrainer step, stock TRL vs fastrl, per completion length
+    python -m bench w5                   W5: the longest completion whose GRPO step fits a memory budget, stock TRL
+                                         vs fastrl with activation offloading / tiled MLP (CPU: CPU-scaled)
     python -m bench gpu                  W1-W3 at full size, every provider (for the H100)
     python -m bench                      everything for this device (GPU sizes on CUDA, CPU sizes otherwise)
     python -m bench list                 workloads and providers, and why a provider cannot run here
@@ -29,7 +31,7 @@ from typing import Callable
 import torch
 
 from bench import providers as P
-from bench import report, runner, w4
+from bench import report, runner, w4, w5
 from bench import workloads as W
 
 C1_PROVIDERS = "fastrl,fastrl-fused,torch,trl,liger-fused"
@@ -325,6 +327,23 @@ def _list_command(args, device: str, con) -> int:
     return _list(device, con)
 
 
+def _w5_options(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--workload", help="W5: comma list of architectures (0.5B,1.5B; default both)")
+    ap.add_argument("--providers", help="W5: comma list of configurations: trl, fastrl, fastrl+offload, fastrl+tiled, "
+                                        "fastrl+both (default all)")
+    ap.add_argument("--lengths", help="W5: comma list of completion lengths to search (default: by device and mode)")
+    ap.add_argument("--budget-mb", type=float, help="W5: one step-memory budget in MB (default: 24 and 80 GiB on CUDA)")
+
+
+def _w5_command(args, device: str, con) -> int:
+    """W5 has its own search and files (bench/w5.py)."""
+    env = report.environment(device)
+    out_dir = _out_dir(args, env["device_slug"])
+    opts = {"fastrl_backend": args.fastrl_backend} if args.fastrl_backend else {}
+    prefix = "w5" + ("-smoke" if args.smoke else "-quick" if args.quick else "")
+    return w5.cli(args, device, con, env, out_dir, prefix, options=opts)
+
+
 def _sass_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (default 90: H100 / H200)")
     ap.add_argument("--only", help="only kernels whose name contains this")
@@ -452,6 +471,13 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             "completion whose step fits --budget-mb. CUDA: Qwen2.5-0.5B architecture, bf16, 8 completions of\n"
             "4k-16k tokens; CPU: scaled down (H=256, 1 layer, float32, 2 completions of 256-2048 tokens).",
             (_run_options, _w4_options), _measure),
+    Command("w5", "W5: the longest completion whose GRPO step fits a memory budget, per trainer and option set",
+            "W5: per architecture (Qwen2.5-0.5B, 1.5B from configs, random init) and configuration (stock TRL, fastrl,\n"
+            "fastrl with activation offloading, with the MLP tiled over 8 chunks, with both), the longest completion\n"
+            "whose GRPO step (8 completions on CUDA, bf16) fits the budget (24 and 80 GiB on CUDA; a CPU-scaled variant\n"
+            "in peak RSS), each point in a fresh process. Writes JSON / CSV and a plot of step memory against length.\n"
+            "A full GPU run is long: split it with --workload and --providers.",
+            (_run_options, _w5_options), _w5_command),
     Command("list", "workloads and providers, and why a provider cannot run here",
             "The workloads (GPU and CPU sizes), the providers, and why a provider cannot run on this device.",
             (_device_option,), _list_command),

@@ -25,6 +25,7 @@ is not tried at longer completions.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import os
 import shutil
@@ -32,7 +33,8 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 
-__all__ = ["W4Shape", "shape_for", "run_point", "run", "print_table", "write_files", "TRAINERS"]
+__all__ = ["W4Shape", "shape_for", "run_point", "point_spec", "spawn_point", "run", "print_table", "write_files",
+           "write_csv", "TRAINERS"]
 
 TRAINERS = ("trl", "fastrl")
 LABELS = {"trl": "stock trl.GRPOTrainer (TRL 1.16 chunked LM head)", "fastrl": "fastrl.GRPOTrainer"}
@@ -178,24 +180,31 @@ def run_point(spec: dict) -> dict:
     kw = dict(output_dir=out_dir, use_cpu=not cuda, bf16=s.dtype == "bfloat16",
               report_to="none", save_strategy="no", logging_strategy="no", per_device_train_batch_size=s.completions,
               num_generations=s.completions, max_completion_length=L, loss_type="dapo", disable_tqdm=True)
+    options = spec.get("options", {})
     if which == "fastrl":
         kw["health_checks"] = False
-        if spec.get("options", {}).get("fastrl_backend"):
-            kw["fastrl_backend"] = spec["options"]["fastrl_backend"]
+        # fastrl's own options (W5: activation_offloading, tiled_mlp); bench-only keys are not config fields
+        kw.update({k: v for k, v in options.items() if k in ("fastrl_backend", "activation_offloading", "tiled_mlp")
+                   and v not in (None, False, 0)})
     trainer = cls(model=model, reward_funcs=_reward, args=cfg_cls(**kw), processing_class=tok,
                   train_dataset=Dataset.from_dict({"prompt": ["w1"] * s.completions}))
     trainer.current_gradient_accumulation_steps = 1
     ckpt = _enable_checkpointing(trainer)
     model = trainer.model
     model.train()
+    memory = getattr(trainer, "_fastrl_memory", None)  # fastrl's long-completion options (fastrl.trainers.memory)
     res: dict = {"status": "ok", "reason": "", "activation_checkpointing": ckpt,
                  "model_params": sum(p.numel() for p in model.parameters()), "beta": trainer.beta,
-                 "loss_type": trainer.loss_type}
+                 "loss_type": trainer.loss_type,
+                 "tiled_mlp": memory.tiled_mlp if memory is not None and memory.applied else 0}
 
     def step(inputs) -> float:
-        with trainer.compute_loss_context_manager():
-            loss = trainer.compute_loss(model, inputs)
-        trainer.accelerator.backward(loss)
+        # what Trainer.training_step does once the batch exists, in fastrl's step context (offloading) as
+        # fastrl.GRPOTrainer.training_step enters it
+        with memory.step_context() if memory is not None else contextlib.nullcontext():
+            with trainer.compute_loss_context_manager():
+                loss = trainer.compute_loss(model, inputs)
+            trainer.accelerator.backward(loss)
         return float(loss.detach())
 
     def sync():
@@ -203,9 +212,10 @@ def run_point(spec: dict) -> dict:
             torch.cuda.synchronize()
 
     # warm-up: CUDA at the measured length (compile, autotune, allocator), CPU short (lazy initialisation)
+    warm_len = min(L, int(spec["warmup_len"])) if spec.get("warmup_len") else (L if cuda else min(L, 64))
     try:
         for _ in range(spec.get("warmup", 1)):
-            step(_inputs(s, L if cuda else min(L, 64), device, 1))
+            step(_inputs(s, warm_len, device, 1))
             model.zero_grad(set_to_none=True)
         sync()
     except Exception as e:  # noqa: BLE001
@@ -253,6 +263,8 @@ def run_point(spec: dict) -> dict:
         "step_ms": measure.summarize(times), "peak_extra_mb": max(extras), "peak_total_mb": max(totals),
         "baseline_mb": min(bases), "loss_value": losses[0],
         "path": getattr(trainer, "_fastrl_last_path", "trl") if which == "fastrl" else "trl",
+        # TRL's OffloadActivations ran the steps (built at the first one; none on a CPU-only model)
+        "activation_offloading": memory is not None and memory.offload_context is not None,
         "memory_method": "torch.cuda.max_memory_allocated() minus allocated before the step" if cuda
         else "peak RSS (VmHWM, reset before the step) minus RSS before the step",
     })
@@ -277,14 +289,29 @@ def _row(s: W4Shape, which: str, L: int, status: str, reason: str = "") -> dict:
             "dtype": s.dtype, "budget_mb": s.budget_mb, "workload_note": s.note}
 
 
+def point_spec(s: W4Shape, which: str, L: int, device: str, *, reps: int = 1, warmup: int = 1, threads: int = 0,
+               options: dict | None = None, kind: str = "w4", **extra) -> dict:
+    """The ``bench.worker`` spec of one point (trainer ``which`` at completion length ``L``)."""
+    return {"kind": kind, "shape": s.to_dict(), "trainer": which, "completion_len": L, "device": device,
+            "reps": reps, "warmup": warmup, "threads": threads, "options": options or {}, "seed": 0, **extra}
+
+
+def spawn_point(spec: dict, timeout_s: int) -> dict:
+    """Run one point in a fresh ``bench.worker`` process; a worker the kernel killed (SIGKILL) is an ``oom``."""
+    from bench.runner import _spawn
+
+    res = _spawn(spec, timeout_s)
+    if "killed by signal 9" in res.get("reason", ""):
+        res["status"], res["reason"] = "oom", res["reason"] + " (the kernel's OOM killer, most likely)"
+    return res
+
+
 def run(s: W4Shape, device: str, con, *, reps: int = 1, warmup: int = 1, timeout_s: int = 900, threads: int = 0,
         options: dict | None = None, jobs: int = 1) -> tuple[list[dict], dict]:
     """Every (completion length, trainer) of ``s``, each in a fresh ``bench.worker`` process; returns rows, summary."""
     from concurrent.futures import ThreadPoolExecutor
 
     from rich.markup import escape
-
-    from bench.runner import _spawn
 
     rows: list[dict] = []
     failed: dict[str, int] = {}  # trainer -> the length at which it ran out of memory / failed
@@ -301,20 +328,16 @@ def run(s: W4Shape, device: str, con, *, reps: int = 1, warmup: int = 1, timeout
                 todo.append(which)
 
         def one(which, L=L):
-            spec = {"kind": "w4", "shape": s.to_dict(), "trainer": which, "completion_len": L, "device": device,
-                    "reps": reps, "warmup": warmup, "threads": threads, "options": options or {}, "seed": 0}
+            spec = point_spec(s, which, L, device, reps=reps, warmup=warmup, threads=threads, options=options)
             loads.append(os.getloadavg()[0])
-            r = _spawn(spec, timeout_s)
+            r = spawn_point(spec, timeout_s)
             loads.append(os.getloadavg()[0])
             return r
 
         with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(todo) or 1))) as pool:
             results = list(pool.map(one, todo))
         for which, res in zip(todo, results):
-            reason = res.get("reason", "")
-            if "killed by signal 9" in reason:
-                res["status"], reason = "oom", reason + " (the kernel's OOM killer, most likely)"
-            row = _row(s, which, L, res.get("status", "error"), reason)
+            row = _row(s, which, L, res.get("status", "error"), res.get("reason", ""))
             row.update({k: v for k, v in res.items() if k not in ("status", "reason")})
             if row["status"] == "ok":
                 row["fits_budget"] = row["peak_extra_mb"] <= s.budget_mb
@@ -387,23 +410,27 @@ CSV_COLUMNS = ["workload", "provider", "status", "reason", "completion_len", "co
                "device", "torch", "driver"]
 
 
-def write_files(out_dir, prefix: str, rows: list[dict], summary: dict, env: dict, plots: bool = True) -> list:
-    """``<prefix>.csv`` and ``<prefix>.png`` (memory and step time against the completion length)."""
+def write_csv(path, rows: list[dict], env: dict, columns: list[str]):
+    """One CSV line per row (``step_ms`` flattened to ``step_ms_median`` ...; device, torch, driver from ``env``)."""
     import csv
-    from pathlib import Path
 
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-    p = out_dir / f"{prefix}.csv"
-    with open(p, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         w.writeheader()
         for r in rows:
             flat = {**r, **{f"step_ms_{k}": v for k, v in (r.get("step_ms") or {}).items()}}
             flat.update({k: env.get(k) for k in ("device", "torch", "driver")})
             w.writerow(flat)
-    written.append(p)
+    return path
+
+
+def write_files(out_dir, prefix: str, rows: list[dict], summary: dict, env: dict, plots: bool = True) -> list:
+    """``<prefix>.csv`` and ``<prefix>.png`` (memory and step time against the completion length)."""
+    from pathlib import Path
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = [write_csv(out_dir / f"{prefix}.csv", rows, env, CSV_COLUMNS)]
     if not plots:
         return written
     try:

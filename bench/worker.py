@@ -1,8 +1,8 @@
 """Measure one provider on one workload in this (fresh) process: ``python -m bench.worker SPEC.json RESULT.json``.
 
 The parent (``bench.runner``) writes SPEC (workload, provider, device, repetitions, options) and reads
-RESULT: timings, peak memory, accuracy, or the reason the provider could not run. A W4 spec (``"kind": "w4"``)
-is one GRPOTrainer step instead (``bench.w4.run_point``). Everything a provider
+RESULT: timings, peak memory, accuracy, or the reason the provider could not run. A W4 or W5 spec (``"kind": "w4"``,
+``"w5"``) is one GRPOTrainer step instead (``bench.w4.run_point``). Everything a provider
 imports or allocates dies with this process.
 """
 
@@ -103,7 +103,7 @@ def main(argv: list[str]) -> int:
     with open(argv[0]) as f:
         spec = json.load(f)
     try:
-        if spec.get("kind") == "w4":  # a W4 point: one trainer step (bench/w4.py)
+        if spec.get("kind") in ("w4", "w5"):  # a W4 / W5 point: one trainer step (bench/w4.py)
             from bench.w4 import run_point
 
             res = run_point(spec)

@@ -44,6 +44,7 @@ from fastrl.trainers._lm_head import (
     head_settings_from_config,
     unwrap_causal_lm,
 )
+from fastrl.trainers.memory import MemoryOptions, check_memory_options, during_training
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "fastrl_loss_fn", "install_fastrl_head", "one_pass_config"]
 
@@ -81,6 +82,12 @@ class GRPOConfig(trl.GRPOConfig):
             frozen one; whole sequences when the loss couples a sequence's tokens. Smaller uses less memory.
         health_checks (`bool`, defaults to `True`): attach `fastrl.TrainingHealthCallback`, which warns in plain
             words when KL, ratios, clip fractions, truncation or NaNs look wrong.
+        activation_offloading (`bool`, defaults to `False`): move the activations saved for backward to CPU memory
+            during each training step (TRL's `OffloadActivations`, as `trl.SFTConfig.activation_offloading`).
+            No effect on a CPU-only model. See `fastrl.trainers.memory`.
+        tiled_mlp (`int`, defaults to `0`): `n` > 0 runs every decoder MLP (policy and reference) over `n` chunks
+            of the tokens, each recomputed in backward, so one chunk's `[tokens, intermediate]` activations live
+            at a time; undone when `train()` returns. Same loss and gradients. 0: off.
     """
 
     fused_loss: bool = field(default=True, metadata={"help": "Compute log-probs, entropies and the loss with fastrl."})
@@ -103,6 +110,12 @@ class GRPOConfig(trl.GRPOConfig):
     gradient_checkpointing: bool | None = field(
         default=None, metadata={"help": "Deprecated alias of activation_checkpointing (default: on, as in TRL)."}
     )
+    activation_offloading: bool = field(
+        default=False, metadata={"help": "Offload the activations saved for backward to CPU memory (TRL's)."}
+    )
+    tiled_mlp: int = field(
+        default=0, metadata={"help": "Run each decoder MLP over this many token chunks, recomputed in backward (0: off)."}
+    )
 
     def __post_init__(self):
         if self.gradient_checkpointing is None:
@@ -119,6 +132,7 @@ class GRPOConfig(trl.GRPOConfig):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise ValueError(f"{name} must be None or a positive int, got {value!r}")
+        check_memory_options(self.activation_offloading, self.tiled_mlp)
 
 
 # GRPOConfig's name for a PolicyLossConfig field, where they differ
@@ -444,6 +458,20 @@ class GRPOTrainer(trl.GRPOTrainer):
             from fastrl.trainers.health import TrainingHealthCallback
 
             self.add_callback(TrainingHealthCallback())
+        # long completions: tiled MLPs from here until train() returns; offloading inside each training step
+        self._fastrl_memory = MemoryOptions(
+            self.model, {"policy": self.model, "reference model": getattr(self, "ref_model", None)},
+            activation_offloading=_opt(self.args, "activation_offloading", False),
+            tiled_mlp=_opt(self.args, "tiled_mlp", 0),
+        )
+
+    @during_training
+    def train(self, *args, **kwargs):
+        return super().train(*args, **kwargs)
+
+    def training_step(self, *args, **kwargs):
+        with self._fastrl_memory.step_context():
+            return super().training_step(*args, **kwargs)
 
     def _generate_and_score_completions(self, inputs):
         # TRL 1.16 wraps generation in trl.models.utils.disable_gradient_checkpointing, which reads

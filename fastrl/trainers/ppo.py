@@ -62,6 +62,7 @@ from fastrl.trainers._lm_head import (
     lm_head_logprobs,
     unwrap_causal_lm,
 )
+from fastrl.trainers.memory import MemoryOptions, during_training
 from fastrl.trainers.ppo_config import PPOConfig
 from fastrl.trainers.ppo_math import (
     INVALID_LOGPROB,
@@ -430,6 +431,13 @@ class PPOTrainer(Trainer):
                 stacklevel=2,
             )
         self._check_fused_head(unwrap_causal_lm(model), self.head_settings)
+        # long completions: tiled MLPs in every model the rollout and the updates run, until train() returns
+        # (rollout: no gradients, so chunks only bound the forward's transients; offloading acts on updates only)
+        self._fastrl_memory = MemoryOptions(
+            wrapper, {"policy": model, "value model": value_model, "reference model": ref_model,
+                      "reward model": reward_model},
+            activation_offloading=args.activation_offloading, tiled_mlp=args.tiled_mlp,
+        )
 
         # ---- distributed setup: prepare (policy + value), optimizer, scheduler ---------------------------------
         if args.activation_checkpointing:
@@ -799,7 +807,7 @@ class PPOTrainer(Trainer):
                 mini_batch_inds = b_inds[mini_batch_start : mini_batch_start + args.local_mini_batch_size]
                 micro_starts = range(0, args.local_mini_batch_size, args.per_device_train_batch_size)
                 for ga_idx, micro_batch_start in enumerate(micro_starts):
-                    with self.accelerator.accumulate(model):
+                    with self.accelerator.accumulate(model), self._fastrl_memory.step_context():
                         micro_inds = torch.as_tensor(
                             mini_batch_inds[micro_batch_start : micro_batch_start + args.per_device_train_batch_size],
                             device=self.accelerator.device,
@@ -814,6 +822,7 @@ class PPOTrainer(Trainer):
     # training loop
     # ------------------------------------------------------------------------------------------------------------
 
+    @during_training
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs) -> TrainOutput:
         """Run the PPO updates (all of them, or the rest of them when resuming from a checkpoint)."""
         if kwargs:

@@ -9,6 +9,8 @@ TRL's PPO documentation parse unchanged. Differences, each on purpose:
 - ``generation_kwargs`` (as in TRL's GRPOConfig) overrides the rollout sampling settings; settings known to make
   the KL estimate negative are warned about.
 - ``health_checks`` attaches fastrl's ``TrainingHealthCallback`` (on by default).
+- ``activation_offloading`` and ``tiled_mlp``: long completions on limited memory (``fastrl.trainers.memory``), as
+  in fastrl's ``GRPOConfig``.
 - ``logging_dir``: TensorBoard's log directory. transformers 5 dropped this TrainingArguments field (it reads
   ``TENSORBOARD_LOGGING_DIR``); PPO's documented ``--logging_dir`` flag is kept and handed to the TensorBoard
   callback by the trainer.
@@ -32,6 +34,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from transformers import TrainingArguments
+
+from fastrl.trainers.memory import check_memory_options
 
 __all__ = ["PPOConfig"]
 
@@ -133,6 +137,16 @@ class PPOConfig(TrainingArguments):
     logging_dir: str | None = field(
         default=None, metadata={"help": "TensorBoard log directory (default: output_dir/runs/...)."}
     )
+    activation_offloading: bool = field(
+        default=False,
+        metadata={"help": "Offload the activations saved for backward to CPU memory in each training micro-batch "
+                          "(TRL's OffloadActivations; no effect on CPU)."},
+    )
+    tiled_mlp: int = field(
+        default=0,
+        metadata={"help": "Run every decoder MLP (policy, value, reference, reward) over this many token chunks, "
+                          "recomputed in backward (0: off)."},
+    )
 
     def __post_init__(self):
         if isinstance(self.generation_kwargs, str):
@@ -173,3 +187,4 @@ class PPOConfig(TrainingArguments):
             raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
         if self.generation_kwargs is not None and not isinstance(self.generation_kwargs, dict):
             raise ValueError(f"generation_kwargs must be a dict (or a JSON object string), got {self.generation_kwargs!r}")
+        check_memory_options(self.activation_offloading, self.tiled_mlp)
