@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastrl.kernels.linear_logprob import INTERPRET, NEG_LARGE, _round_to, _tanh
+from fastrl.kernels.linear_logprob import INTERPRET, NEG_LARGE, _round_to, _transform
 
 # Elementwise over a row: wide column blocks keep the loads coalesced and the row loop short.
 BLOCK_C = 2048
@@ -28,12 +28,12 @@ NUM_WARPS = 8
 
 
 @triton.jit
-def _transform(y, logit_scale, softcap, inv_temp, HAS_SOFTCAP: tl.constexpr):
-    """z = softcap(logit_scale * y) / T, softcap c tanh(x / c) only when set."""
-    x = y * logit_scale
-    if HAS_SOFTCAP:
-        x = softcap * _tanh(x / softcap)
-    return x * inv_temp
+def _load_z(y_row, b_ptr, cols, ok, logit_scale, softcap, inv_temp, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """Transformed logits of one block of a row: ``z = softcap(scale * (y + b)) / T`` (0 -> z(0) where not ``ok``)."""
+    y = tl.load(y_row + cols, mask=ok, other=0.0)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    return _transform(y, logit_scale, softcap, inv_temp, HAS_SOFTCAP)
 
 
 @triton.jit
@@ -65,10 +65,8 @@ def _fold_kernel(
     for c0 in range(0, C, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
         ok = cols < C
-        y = tl.load(y_row + cols, mask=ok, other=0.0)
-        if HAS_BIAS:
-            y += tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-        z = tl.where(ok, _transform(y, logit_scale, softcap, inv_temp, HAS_SOFTCAP), NEG_LARGE)
+        z = tl.where(ok, _load_z(y_row, b_ptr, cols, ok, logit_scale, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP),
+                     NEG_LARGE)
         m_new = tl.maximum(m, tl.max(z, axis=0))
         alpha = tl.exp(m - m_new)
         d = z - m_new
@@ -153,10 +151,7 @@ def _grad_kernel(
     for c0 in range(0, C, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
         ok = cols < C
-        y = tl.load(y_row + cols, mask=ok, other=0.0)
-        if HAS_BIAS:
-            y += tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-        z = _transform(y, logit_scale, softcap, inv_temp, HAS_SOFTCAP)
+        z = _load_z(y_row, b_ptr, cols, ok, logit_scale, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP)
         p = tl.exp(z - lse)
         # d logp / d z_j = 1[j = t] - p_j ;  d H / d z_j = -p_j (z_j - lse + H)
         g = -glogp * p - gent * p * (z - lse + ent)
