@@ -3,8 +3,8 @@
 Every provider answers two questions:
 
 * ``unavailable(wl, device)``: cheap, in the parent process, without importing heavy libraries: a reason
-  (``("n/a", why)`` when the provider does not compute this kind of thing, ``("skipped", why)`` when it
-  cannot run here), or None;
+  (``("n/a", why)`` when the provider does not compute this kind of thing or refuses this input by design,
+  ``("skipped", why)`` when it cannot run here), or None;
 * ``build(wl, device, opts)``: in the measuring process, an ``Op`` whose ``prepare(inputs)`` makes the
   provider's arguments (outside the timed region) and whose ``forward(state)`` runs the timed forward and
   returns ``{"loss": scalar | None, "logp": [N] | None, "entropy": [N] | None}``. The backward is always
@@ -12,7 +12,9 @@ Every provider answers two questions:
   is timed the same way.
 
 A provider that fails at run time (an import error on the GPU machine, torch.compile failing on a CPU)
-becomes a row that says why; nothing disappears from the table.
+becomes a row that says why; nothing disappears from the table. A peer that refuses an input (a dtype, a
+shape) is not a failure: its row is "n/a" with the reason, whether the refusal is declared up front
+(``Provider.refuses``) or comes as one of the peer's own errors named in ``Provider.refusal_messages``.
 """
 
 from __future__ import annotations
@@ -191,10 +193,19 @@ class Provider:
     not_for: dict = field(default_factory=dict)  # kind -> why it does not apply
     compile_fails_skip: bool = False  # a failure while compiling is a "skipped" row, not an "error"
     loss_api: str = "reference"  # what of fastrl's loss API its loss op needs: "fused", "reference" or "none"
+    # input the peer refuses by design (a dtype, a shape): workload -> why, or None. Such a row is "n/a" with
+    # that reason, decided in the parent without starting a measuring process.
+    refuses: Callable[[Workload], str | None] | None = None
+    # substrings of the peer's own error messages that mean "this input is not supported" rather than a
+    # failure: a measurement that raises one becomes an "n/a" row quoting it (the net under ``refuses``)
+    refusal_messages: tuple[str, ...] = ()
 
     def unavailable(self, wl: Workload, device: str) -> tuple[str, str] | None:
         if wl.kind not in self.kinds:
             return ("n/a", self.not_for.get(wl.kind, f"does not compute {wl.kind} workloads"))
+        why = self.refuses(wl) if self.refuses is not None else None
+        if why:
+            return ("n/a", why)
         for mod in self.needs:
             if importlib.util.find_spec(mod) is None:
                 return ("skipped", f"not available: `import {mod}` fails (not installed)")
@@ -208,6 +219,16 @@ class Provider:
 
     def build(self, wl: Workload, device: torch.device, opts: dict) -> Op:
         return self.builder(wl, device, opts)
+
+    def is_refusal(self, exc: BaseException) -> bool:
+        """Whether ``exc`` (or an exception it was raised from) is one of this peer's declared refusals."""
+        seen = set()
+        while exc is not None and id(exc) not in seen:
+            seen.add(id(exc))
+            if any(m in str(exc) for m in self.refusal_messages):
+                return True
+            exc = exc.__cause__ or exc.__context__
+        return False
 
 
 # --- fastrl -------------------------------------------------------------------------------------------
@@ -432,6 +453,18 @@ def _build_cce(wl: Workload, device: torch.device, opts: dict) -> Op:
               notes=["linear_cross_entropy, log-prob only (no entropy)", "default gradient filtering"])
 
 
+# Cut Cross-Entropy's backward asserts bf16/fp16 operands (cut_cross_entropy/cce_backward.py); its forward
+# takes float32 too, so only the workloads that need its backward are refused.
+_CCE_BACKWARD_DTYPES = ("bfloat16", "float16")
+_CCE_REFUSALS = ("Backwards requires embeddings to be bf16 or fp16", "Backwards requires classifier to be bf16 or fp16")
+
+
+def _cce_refuses(wl: Workload) -> str | None:
+    if wl.kind == "logprob" and wl.dtype not in _CCE_BACKWARD_DTYPES:
+        return f"refuses {wl.dtype} with a backward: Cut Cross-Entropy's backward takes bf16 or fp16 only"
+    return None
+
+
 _NO_LOGPROBS = "returns a GRPO loss only, not per-token log-probs or entropy"
 _CUDA_TRITON = "a Triton kernel that needs CUDA"
 
@@ -457,7 +490,8 @@ PROVIDERS: dict[str, Provider] = {
                  not_for={"logprob": _NO_LOGPROBS, "forward": _NO_LOGPROBS}),
         Provider("cce", "Cut Cross-Entropy linear_cross_entropy", ("logprob", "forward"), _build_cce,
                  needs=("cut_cross_entropy",), cuda_only="its Triton kernels need CUDA",
-                 not_for={"loss": "computes cross-entropy only: no entropy, no GRPO loss"}),
+                 not_for={"loss": "computes cross-entropy only: no entropy, no GRPO loss"},
+                 refuses=_cce_refuses, refusal_messages=_CCE_REFUSALS),
     ]
 }
 

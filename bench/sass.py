@@ -118,7 +118,7 @@ def compile_spec(spec: Spec, arch: int):
     ty = _TY[spec.dtype]
     dtype = getattr(torch, spec.dtype)
     if spec.matmul:
-        cfg = CONFIGS[(spec.kernel, "sm90" if arch >= 90 else "other", spec.tma, variant_of(dtype, spec.softcap))]
+        cfg = CONFIGS[(spec.kernel, "sm90" if arch >= 90 else "other", spec.tma, variant_of(dtype, spec.softcap, spec.bias))]
         hsrc = f"tensordesc<{ty}[{cfg.block_n},{cfg.block_h}]>" if spec.tma else f"*{ty}"
         wsrc = f"tensordesc<{ty}[{cfg.block_v},{cfg.block_h}]>" if spec.tma else f"*{ty}"
         common = dict(HAS_BIAS=spec.bias, HAS_SOFTCAP=spec.softcap, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v,

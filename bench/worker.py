@@ -61,10 +61,14 @@ def run_spec(spec: dict) -> dict:
         prov = providers.get(name)
         try:
             op = prov.build(wl, device, spec.get("options", {}))
+            sets = [providers.make_inputs(wl, device, spec["seed"] + i) for i in range(n_sets)]
+            states = [op.prepare(s) for s in sets]
         except ProviderUnavailable as e:
             return {"status": "skipped", "reason": str(e)}
-        sets = [providers.make_inputs(wl, device, spec["seed"] + i) for i in range(n_sets)]
-        states = [op.prepare(s) for s in sets]
+        except Exception as e:
+            if prov.is_refusal(e):
+                return _refused(e)
+            raise
     res["notes"] = "; ".join(op.notes)
     res["path"] = op.path
 
@@ -74,6 +78,8 @@ def run_spec(spec: dict) -> dict:
         else:
             m, kept = measure.measure_cpu(op, states, reps, warmup, rows)
     except Exception as e:  # noqa: BLE001 - any failure becomes a row that says why
+        if prov is not None and prov.is_refusal(e):
+            return _refused(e)
         status = "skipped" if prov is not None and prov.compile_fails_skip and _is_compile_error(e) else "error"
         what = f"torch.compile failed on {device.type}" if status == "skipped" else "failed"
         tb = traceback.format_exc(limit=4)
@@ -89,6 +95,11 @@ def run_spec(spec: dict) -> dict:
     res["flops_useful"] = flops(wl, "total")
     res["worker_s"] = time.perf_counter() - t_start
     return res
+
+
+def _refused(e: BaseException) -> dict:
+    """A peer's own refusal of this input (dtype, shape): not applicable, not an error."""
+    return {"status": "n/a", "reason": f"refused this input: {_first_line(e)}"}
 
 
 def _is_compile_error(e: BaseException) -> bool:

@@ -40,25 +40,33 @@ _MID = KernelConfig(128, 128, 64, 8, 3)
 _FP32 = KernelConfig(64, 64, 32, 8, 2)  # IEEE float32 dots run on the FMA units: small tiles, few stages
 
 # (kernel, family, tma, variant) -> config. "kernel": "stats" (fused forward) or "grad" (fused recompute + G);
-# "variant": "fp32" (float32 inputs), "softcap" (the tanh epilogue needs more registers), else "default".
+# "variant": "fp32" (float32 inputs), "softcap" (the tanh epilogue needs more registers), "bias", else "default".
 CONFIGS: dict[tuple[str, str, bool, str], KernelConfig] = {}
 for _k in ("stats", "grad"):
     for _fam in ("sm90", "other", "interpreter"):
         for _tma in (True, False):
             CONFIGS[(_k, _fam, _tma, "default")] = _SMALL
             CONFIGS[(_k, _fam, _tma, "softcap")] = _SMALL
+            CONFIGS[(_k, _fam, _tma, "bias")] = _SMALL
             CONFIGS[(_k, _fam, _tma, "fp32")] = _SMALL if _fam == "interpreter" else _FP32
 # Hopper with TMA: the measured tiles; the tanh epilogue of a softcap does not fit 128x256 in registers
 CONFIGS[("stats", "sm90", True, "default")] = KernelConfig(128, 256, 64, 8, 3)
 CONFIGS[("grad", "sm90", True, "default")] = KernelConfig(128, 256, 64, 8, 4)
 CONFIGS[("stats", "sm90", True, "softcap")] = _MID
 CONFIGS[("grad", "sm90", True, "softcap")] = _MID
+# a bias adds a [BLOCK_V] row to the epilogue: the forward keeps 128x256; the gradient kernel spilled 7 registers
+# there under Triton 3.6 (torch 2.11's), so it takes 128x128
+CONFIGS[("stats", "sm90", True, "bias")] = KernelConfig(128, 256, 64, 8, 3)
+CONFIGS[("grad", "sm90", True, "bias")] = _MID
 
 
-def variant_of(dtype: torch.dtype, has_softcap: bool) -> str:
+def variant_of(dtype: torch.dtype, has_softcap: bool, has_bias: bool = False) -> str:
     if dtype == torch.float32:
         return "fp32"
-    return "softcap" if has_softcap else "default"
+    if has_softcap:
+        return "softcap"
+    return "bias" if has_bias else "default"
+
 
 
 # What FASTRL_AUTOTUNE=1 tries (kept short: every candidate compiles once per key).
@@ -96,7 +104,7 @@ def config_for(kernel: str, device: torch.device, *, H: int, V: int, dtype: torc
     candidate is timed once per key and the fastest is kept for the rest of the process.
     """
     family = gpu_family(device)
-    default = CONFIGS[(kernel, family, use_tma, variant_of(dtype, has_softcap))]
+    default = CONFIGS[(kernel, family, use_tma, variant_of(dtype, has_softcap, has_bias))]
     if launch is None or family == "interpreter" or not autotune_enabled():
         return default
     key = (kernel, family, use_tma, H, V, dtype, has_bias, has_softcap, with_entropy)

@@ -14,16 +14,17 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
-# three that run, two that say why they cannot here
+# three that run, two that say why they cannot here (not installed / CUDA only, or not applicable)
 PROVIDERS = ["fastrl", "fastrl-fused", "torch", "liger-triton", "cce"]
 
 
 def test_bench_cli_smoke(tmp_path):
     # measure what users run: not Triton's interpreter, which tests/conftest.py turns on for this process
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "-m", "bench", "--smoke", "--providers", ",".join(PROVIDERS),
+    cmd = [sys.executable, "-m", "bench", "--smoke", "--device", "cpu", "--providers", ",".join(PROVIDERS),
            "--workload", "C1,W1,W4,sweep-tokens", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     out = proc.stdout
@@ -50,9 +51,10 @@ def test_bench_cli_smoke(tmp_path):
         assert r["total_ms"]["median"] > 0 and r["peak_extra_mb"] is not None
     assert by[("C1-smoke", "fastrl")]["logp_max_abs_err"] < 1e-4  # float32 vs float64, 16 tokens
     assert by[("C1-smoke", "fastrl")]["time_vs_torch"] > 0  # a ratio against torch measured in the same run
-    for key in [("W1-smoke", "liger-triton"), ("C1-smoke", "cce")]:
-        assert by[key]["status"] == "skipped" and by[key]["reason"], key
+    assert by[("W1-smoke", "liger-triton")]["status"] == "skipped" and by[("W1-smoke", "liger-triton")]["reason"]
     assert by[("C1-smoke", "liger-triton")]["status"] == "n/a"
+    # CCE's backward refuses float32 (the smoke dtype): not applicable, with the reason, on any device
+    assert by[("C1-smoke", "cce")]["status"] == "n/a" and "bf16" in by[("C1-smoke", "cce")]["reason"]
     assert by[("C1-loss-smoke", "fastrl-fused")]["loss_value"] == pytest.approx(by[("C1-loss-smoke", "torch")]["loss_value"],
                                                                                 rel=1e-4, abs=1e-5)
 
@@ -73,3 +75,19 @@ def test_bench_cli_smoke(tmp_path):
     assert len(csv_rows) == len(data["rows"])
     assert {"total_ms_median", "peak_extra_mb", "time_vs_torch", "device", "driver"} <= set(csv_rows[0])
     assert (tmp_path / "run-smoke-sweep-tokens.png").stat().st_size > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_bench_cli_smoke_cuda(tmp_path):
+    """`python -m bench --smoke` on a GPU: every provider gets a row, none is an error (a peer that refuses the
+    smoke dtype, as Cut Cross-Entropy's backward refuses float32, is n/a with its reason), and it exits 0."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "bench", "--smoke", "--device", "cuda", "--workload", "C1,W1,W3",
+           "--out", str(tmp_path), "--no-plots"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    rows = [r for r in json.loads((tmp_path / "run-smoke.json").read_text())["rows"] if r["group"] != "floor"]
+    errors = [f"{r['workload']}/{r['provider']}: {r['reason']}" for r in rows if r["status"] == "error"]
+    assert not errors, errors
+    assert all(r["reason"] for r in rows if r["status"] != "ok")
+    assert {r["status"] for r in rows if r["provider"] == "fastrl"} == {"ok"}

@@ -31,6 +31,7 @@ def _stats64(hidden, weight, bias, targets, **tf):
     return lse, z.gather(1, targets[:, None]).squeeze(1), -(p * torch.log_softmax(z, 1)).sum(1)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("tf", [{}, dict(softcap=4.0, temperature=0.8)], ids=["plain", "softcap"])
 def test_fused_stats_tma_and_pointer_loads_agree(dtype, tf):
@@ -47,6 +48,7 @@ def test_fused_stats_tma_and_pointer_loads_agree(dtype, tf):
         assert max_err(x, w) < 2e-5, name
 
 
+@pytest.mark.interpreter
 def test_fused_stats_split_merge_with_target_in_any_split():
     """The target logit comes from split 0's row dot product whichever split holds the target."""
     hidden, weight, b, targets = make_inputs(33, 24, 1000, torch.float32)
@@ -60,6 +62,7 @@ def test_fused_stats_split_merge_with_target_in_any_split():
                 assert max_err(x, w) < 2e-5, f"splits={splits}"
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("use_tma", [True, False], ids=["tma", "pointers"])
 def test_fused_grad_block_both_load_paths(use_tma):
     hidden, weight, b, targets = make_inputs(50, 32, 300, torch.bfloat16)
@@ -78,6 +81,7 @@ def test_fused_grad_block_both_load_paths(use_tma):
     assert rel_err(G, g64[:, :256]) < 2**-7
 
 
+@pytest.mark.interpreter
 def test_hybrid_grad_tile_in_place_across_column_blocks():
     """A bf16 G written over its own float32 logits (first half of each row), over several column blocks."""
     R, C = 7, 2 * F.BLOCK_C + 301
@@ -102,6 +106,7 @@ def test_hybrid_grad_tile_in_place_across_column_blocks():
     assert rel_err(G, want) < 2**-8
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_hybrid_multi_tile_stats_and_chunked_backward(dtype, monkeypatch):
     """Tiny tiles force several row and vocabulary tiles, and the backward's row-chunked weight accumulation."""
@@ -170,7 +175,7 @@ def test_launch_table_covers_every_case_and_autotune_is_opt_in(monkeypatch):
     for kernel in ("stats", "grad"):
         for family in ("sm90", "other", "interpreter"):
             for tma in (True, False):
-                for variant in ("default", "softcap", "fp32"):
+                for variant in ("default", "softcap", "bias", "fp32"):
                     cfg = tuning.CONFIGS[(kernel, family, tma, variant)]
                     assert cfg.block_n * cfg.block_v <= 128 * 256 and cfg.num_stages >= 1
     assert tuning.variant_of(torch.float32, True) == "fp32"

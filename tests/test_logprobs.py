@@ -130,6 +130,7 @@ def test_several_backward_slices(backend):
             assert rel_err(g, r) < 5e-6, f"vocab_chunk={chunk}"
 
 
+@pytest.mark.interpreter
 def test_triton_vocab_splits_merge():
     """The forward kernel splits the vocabulary across programs on a GPU; the merge must be exact."""
     from fastrl.kernels.linear_logprob import linear_stats
@@ -387,6 +388,7 @@ def test_bad_options(kw, match):
         fastrl.fused_logprobs(hidden, weight, targets, **kw)
 
 
+@pytest.mark.interpreter
 def test_backend_env_override(monkeypatch):
     from fastrl.ops.backend import resolve_backend
 

@@ -6,6 +6,7 @@ reference's loss, gradients and metrics.
 """
 
 import itertools
+import zlib
 
 import pytest
 import torch
@@ -106,7 +107,7 @@ def _id(c):
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("config", CONFIGS, ids=_id)
 def test_matches_float64_reference(config, backend):
-    batch = make_batch(seed=hash(_id(config)) % 1000)
+    batch = make_batch(seed=zlib.crc32(_id(config).encode()) % 1000)  # not hash(): it changes per process
     assert_matches(fused(batch, config, backend), reference(batch, config), reference(batch, config, dtype=None),
                    _id(config))
 

@@ -104,6 +104,19 @@ def _lm_inputs(query_responses: torch.Tensor, pad_token_id: int):  # [B, L] -> (
     return input_ids, attention_mask, position_ids
 
 
+# transformers 5.23 renamed gradient_checkpointing* to activation_checkpointing* (the old names stay as deprecated
+# aliases until v6); earlier versions have only the old names.
+def _args_checkpointing(args) -> tuple[bool, dict | None]:  # (on, kwargs) of TrainingArguments
+    if hasattr(args, "activation_checkpointing"):
+        return bool(args.activation_checkpointing), args.activation_checkpointing_kwargs
+    return bool(args.gradient_checkpointing), args.gradient_checkpointing_kwargs
+
+
+def _checkpointing_on(model) -> bool:
+    on = getattr(model, "is_activation_checkpointing", None)
+    return bool(getattr(model, "is_gradient_checkpointing", False) if on is None else on)
+
+
 def _unwrap_engine(model):
     """The module inside a DeepSpeed inference engine (reference / reward model under DeepSpeed)."""
     return model.module if type(model).__name__ == "DeepSpeedEngine" else model
@@ -189,7 +202,7 @@ class PolicyAndValueWrapper(nn.Module):
 
     @property
     def is_gradient_checkpointing(self) -> bool:
-        return any(getattr(m, "is_activation_checkpointing", False) for m in self._models())
+        return any(_checkpointing_on(m) for m in self._models())
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **kwargs):
         for m in self._models():
@@ -440,8 +453,8 @@ class PPOTrainer(Trainer):
         )
 
         # ---- distributed setup: prepare (policy + value), optimizer, scheduler ---------------------------------
-        if args.activation_checkpointing:
-            kw = args.activation_checkpointing_kwargs or {"use_reentrant": False}
+        if _args_checkpointing(args)[0]:
+            kw = _args_checkpointing(args)[1] or {"use_reentrant": False}
             wrapper.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
         self._prepare_for_training(args.num_total_batches, None, None)
         # one optimizer step per minibatch = gradient_accumulation_steps micro-batches (the Trainer's own
@@ -580,7 +593,7 @@ class PPOTrainer(Trainer):
         with (
             unwrap_model_for_generation(
                 self.model_wrapped, self.accelerator, gather_deepspeed3_params=self.args.ds3_gather_for_generation,
-                gradient_checkpointing_kwargs=self.args.activation_checkpointing_kwargs,
+                gradient_checkpointing_kwargs=_args_checkpointing(self.args)[1],
             ) as unwrapped,
             torch.no_grad(),
             self._dist.summon_full_params(self.model_wrapped, recurse=False),
