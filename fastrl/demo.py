@@ -480,6 +480,10 @@ def main(argv: list[str] | None = None, *, shape: dict | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if device == "cpu":
+        # where DeepSpeed is installed (the test extra), transformers' Trainer imports it, and its accelerator
+        # auto-detection warns that it "fell back" to the CPU: on the CPU path that is the plan, so say it up front
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import torch
     import trl
 

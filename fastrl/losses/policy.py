@@ -76,7 +76,9 @@ def _chunks(
 ) -> list[tuple[int, int]] | None:
     """One-pass chunks as ranges of *live* rows (row-major order): whole sequences when the loss couples the
     tokens of a sequence; None when a sequence does not fit in one chunk (then two passes it is)."""
-    budget = requested or max(128, (_TILE_ELEMS.get((device.type, trained_head), 1 << 28) // V) // 128 * 128)
+    rows = _TILE_ELEMS.get((device.type, trained_head), 1 << 28) // V
+    # on a GPU, whole 128-row blocks keep the GEMMs on full tiles; a CPU keeps its small tile (memory first)
+    budget = requested or (max(128, rows // 128 * 128) if device.type == "cuda" else max(1, rows))
     n_live = int(live.sum())  # one host sync: chunk boundaries are host-side ranges
     if granularity == "token":
         return [(c0, min(c0 + budget, n_live)) for c0 in range(0, n_live, budget)]
