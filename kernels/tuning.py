@@ -80,12 +80,17 @@ CANDIDATES: tuple[KernelConfig, ...] = (
 )
 
 
+# Hopper and Blackwell data-centre parts (H100/H200, B200/GB200, B300): TMA and ~227 KB of shared memory per
+# block, which the 128x256 tiles need (144 KB / 192 KB). Consumer Blackwell (sm_120/121) has TMA but ~99 KB.
+_BIG_SMEM_CAPS = {(9, 0), (10, 0), (10, 3)}
+
+
 def gpu_family(device: torch.device) -> str:
-    """'sm90' for Hopper and newer data-centre parts, 'other' for older GPUs, 'interpreter' for CPU tensors."""
+    """'sm90' for the big-shared-memory data-centre parts above, 'other' for every other GPU, 'interpreter' for
+    CPU tensors."""
     if device.type != "cuda":
         return "interpreter"
-    major, _ = torch.cuda.get_device_capability(device)
-    return "sm90" if major >= 9 else "other"
+    return "sm90" if torch.cuda.get_device_capability(device) in _BIG_SMEM_CAPS else "other"
 
 
 def autotune_enabled() -> bool:

@@ -103,14 +103,15 @@ def test_extreme_logits_stay_finite_cuda():
 # ---------------------------------------------------------------- N * V > 2^31, checked in row chunks
 
 
-def check_against_float64_in_row_chunks(dtype, N, H, V, *, rows=512, device="cuda", compute=fastrl.fused_logprobs):
+def check_against_float64_in_row_chunks(dtype, N, H, V, *, rows=512, device="cuda", compute=fastrl.fused_logprobs,
+                                        backend="triton"):
     """check_against_float64's rule at sizes whose float64 logits do not fit: fastrl runs on the whole input
     (that is what is under test), the references (float64, and PyTorch at the input dtype) ``rows`` tokens at
     a time. Row-wise outputs and grad_h compare chunk by chunk; grad_W sums over chunks (float64 for the
     ground truth, float32 then one rounding for PyTorch's own, as one materialised GEMM would give)."""
     hidden, weight, _, targets = make_inputs(N, H, V, dtype, bias=False, device=device)
     a, c = loss_weights(targets.shape, device=device)
-    logp_fast, ent_fast = compute(hidden, weight, targets, backend="triton")
+    logp_fast, ent_fast = compute(hidden, weight, targets, backend=backend)
     g_h, g_w = grads(logp_fast, ent_fast, a, c, [hidden, weight])
     del a, c
 
@@ -151,11 +152,13 @@ def check_against_float64_in_row_chunks(dtype, N, H, V, *, rows=512, device="cud
 
 
 @needs_compiled_cuda
-def test_int64_offsets_cuda():
-    """N * V > 2^31: a 32-bit offset into the [N, V_blk] gradient tile or the vocabulary would wrap."""
+@pytest.mark.parametrize("backend", ["triton-hybrid", "triton-fused"])
+def test_int64_offsets_cuda(backend):
+    """N * V > 2^31: a 32-bit offset into the [N, V_blk] gradient tile or the vocabulary would wrap (each Triton
+    implementation: the fused kernels' tiles span all N rows)."""
     if torch.cuda.mem_get_info()[0] < 12 * 2**30:
         pytest.skip("needs 12 GiB of free GPU memory")
-    check_against_float64_in_row_chunks(torch.bfloat16, 16384, 64, 151936, device="cuda")
+    check_against_float64_in_row_chunks(torch.bfloat16, 16384, 64, 151936, device="cuda", backend=backend)
 
 
 def test_row_chunked_check_agrees_and_catches_a_wrong_row():

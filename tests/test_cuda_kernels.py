@@ -68,10 +68,12 @@ def test_in_place_bf16_gradient_has_no_race_cuda():
         assert ((got - ref.float()).abs() <= 2**-7 * ref.float().abs() + 1e-30).all()
 
 
-@pytest.mark.parametrize("backend", ("triton", *IMPLS))
+@pytest.mark.parametrize("backend", ("triton", "triton-hybrid"))
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
 def test_policy_loss_with_padding_cuda(backend, loss_type):
-    """The one-pass loss on live rows only, in several chunks, against float64 (padding in every row)."""
+    """The one-pass loss on live rows only, in several chunks, against float64 (padding in every row). The
+    one-pass path always runs cuBLAS tiles + the logits_fold kernels (it needs the stored logits), whichever
+    Triton backend is named; path A's fused kernels are checked by the tests above."""
     g = torch.Generator().manual_seed(1)
     B, T, H, V = 6, 700, 896, 32000
     hidden = torch.randn(B, T, H, generator=g).cuda().bfloat16().requires_grad_()
@@ -87,10 +89,11 @@ def test_policy_loss_with_padding_cuda(backend, loss_type):
                                  ref_logprobs=ref, backend=backend, chunk_tokens=1000)
     gh, gw = torch.autograd.grad(loss, [hidden, weight])
     t = torch.where(mask, targets, -100)
-    lp, en = logprobs_reference(hidden, weight, t, dtype=torch.float64)
+    h64, w64 = (x.detach().double().requires_grad_() for x in (hidden, weight))  # float64 leaves: unrounded grads
+    lp, en = logprobs_reference(h64, w64, t)
     loss64, _ = policy_loss_from_logprobs(lp, en, adv.double(), mask, config=config, old_logprobs=old.double(),
                                           ref_logprobs=ref.double())
-    g64 = torch.autograd.grad(loss64, [hidden, weight])
+    g64 = torch.autograd.grad(loss64, [h64, w64])
     assert abs(loss.item() - loss64.item()) <= 1e-4 * (1 + abs(loss64.item()))
     for got, want in zip((gh, gw), g64):
         assert ((got.double() - want).abs().max() / want.abs().max()).item() < 2**-7
@@ -103,6 +106,5 @@ def test_autotune_is_opt_in_and_picks_a_config_cuda(monkeypatch):
     monkeypatch.setenv("FASTRL_AUTOTUNE", "1")
     monkeypatch.setattr(tuning, "_TUNED", {})
     check_against_float64("triton-fused", torch.bfloat16, 256, 512, 8192, device="cuda")
-    assert tuning._TUNED, "FASTRL_AUTOTUNE=1 timed no candidate"
-    for cfg in tuning._TUNED.values():
-        assert cfg in tuning.CANDIDATES or cfg in tuning.CONFIGS.values()
+    # both kernels (the forward statistics and the backward's G) were timed and a choice kept for each
+    assert {key[0] for key in tuning._TUNED} == {"stats", "grad"}, tuning._TUNED

@@ -81,8 +81,10 @@ def check_against_float64(backend, dtype, N, H, V, bias=True, lead=None, device=
         assert e_fast <= e_torch + tol["grad"], (
             f"grad {name}: fastrl relative error {e_fast:.3e} exceeds PyTorch's own {e_torch:.3e} + {tol['grad']:.0e}"
         )
-    if dtype == torch.bfloat16:
-        assert max_err(logp, lp64) < 2e-3, f"bf16 log-probs {max_err(logp, lp64):.2e} from float64 (limit 2e-3)"
+    # an absolute cap too: "no worse than PyTorch" alone would pass a kernel that rounds its logits to the input
+    # dtype, as PyTorch does (that costs 4e-3 to 8e-2 nats here; fastrl's float32 logits about 1e-6)
+    if dtype in (torch.bfloat16, torch.float16):
+        assert max_err(logp, lp64) < 1e-3, f"{dtype} log-probs {max_err(logp, lp64):.2e} from float64 (limit 1e-3)"
     return logp, ent
 
 

@@ -234,6 +234,9 @@ def _one_pass(
         if need_b:
             grad_b += G.sum(0, dtype=cdt)
 
+    # the float32 logits tile (1 GiB at W1) is dead: free it before grad_W's cast allocates its copy
+    del zbuf, stats
+    z = G = None
     with torch.no_grad():
         loss, metrics = inputs.loss(logp_all.view(B, T), ent_all.view(B, T), config)
     grads = (
@@ -275,7 +278,7 @@ def policy_loss(
         hidden: ``[B, T, H]``, float32, bfloat16, float16 or float64: the last hidden states at the positions
             that predict the ``T`` completion tokens (in a causal LM, one position before each token).
         weight: ``[V, H]``, the LM head's weight; ``hidden``'s dtype and device.
-        targets: ``[B, T]``, any integer dtype: the completion token ids. Only positions inside ``mask`` are
+        targets: ``[B, T]``, int32 or int64: the completion token ids. Only positions inside ``mask`` are
             read; they must be in ``[0, V)``.
         advantages: ``[B]`` (one per completion, GRPO) or ``[B, T]`` (per token, PPO), floating; a constant
             (no gradient flows into it).
@@ -361,6 +364,9 @@ def policy_loss(
     tf = LogitTransform(temperature=config.temperature, logit_scale=logit_scale, softcap=softcap)
     B, T, H = hidden.shape
     V = weight.shape[0]
+    if isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch.device != hidden.device:
+        # once here rather than in every one-pass chunk's loss: a host-to-device copy waits for all queued work
+        num_items_in_batch = num_items_in_batch.to(hidden.device)
     inputs = _LossInputs(advantages, mask, old_logprobs, ref_logprobs, importance_weights,
                          num_items_in_batch, sampling_logprobs)
     # Validate every loss input (shapes, missing ref log-probs, ...) before any kernel runs: a dry run of

@@ -18,13 +18,25 @@ __all__ = ["cuda_f32_out", "mm_f32", "addmm_f32"]
 @functools.cache
 def _has_out_dtype() -> bool:
     try:
-        return "dtype_out" in torch.ops.aten.mm.overloads() and "dtype_out" in torch.ops.aten.addmm.overloads()
+        return "dtype_out" in torch.ops.aten.mm.overloads()
     except AttributeError:  # pragma: no cover - very old torch
         return False
 
 
+@functools.cache
+def _addmm_mixed_ok() -> bool:
+    """``addmm(fp32 acc, bf16, bf16, out_dtype=fp32)``: the overload exists from torch 2.8, but before 2.10 it
+    refuses an accumulator whose dtype differs from the operands' ("self and mat2 must have the same dtype")."""
+    try:
+        major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    except ValueError:  # pragma: no cover - unusual version strings
+        return False
+    return (major, minor) >= (2, 10) and "dtype_out" in torch.ops.aten.addmm.overloads()
+
+
 def cuda_f32_out(device: torch.device) -> bool:
-    """Whether cuBLAS can write float32 results from 2-byte operands here (CUDA and torch >= 2.8)."""
+    """Whether cuBLAS can write float32 results from 2-byte operands here (CUDA and torch >= 2.8; fastrl
+    declares torch >= 2.11)."""
     return device.type == "cuda" and _has_out_dtype()
 
 
@@ -46,5 +58,7 @@ def addmm_f32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tens
     if a.dtype == acc.dtype and b.dtype == acc.dtype:
         return acc.addmm_(a, b)
     if cuda_f32_out(acc.device) and acc.dtype == torch.float32:
-        return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        if _addmm_mixed_ok():
+            return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        return acc.add_(torch.mm(a, b, out_dtype=torch.float32))  # torch 2.8 / 2.9: a temporary, then the sum
     return acc.addmm_(_f32(a), _f32(b))
