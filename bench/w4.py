@@ -424,21 +424,34 @@ def write_csv(path, rows: list[dict], env: dict, columns: list[str]):
     return path
 
 
-def write_files(out_dir, prefix: str, rows: list[dict], summary: dict, env: dict, plots: bool = True) -> list:
-    """``<prefix>.csv`` and ``<prefix>.png`` (memory and step time against the completion length)."""
+def csv_and_pyplot(out_dir, prefix: str, rows: list[dict], env: dict, columns: list[str], plots: bool):
+    """Write ``<prefix>.csv``; return (the paths written, matplotlib's pyplot or None when no plot is wanted or
+    matplotlib is missing). Shared by W4 and W5's ``write_files``."""
     from pathlib import Path
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = [write_csv(out_dir / f"{prefix}.csv", rows, env, CSV_COLUMNS)]
+    written = [write_csv(out_dir / f"{prefix}.csv", rows, env, columns)]
     if not plots:
-        return written
+        return written, None
     try:
         import matplotlib
     except ImportError:
-        return written
+        return written, None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return written, plt
+
+
+def write_files(out_dir, prefix: str, rows: list[dict], summary: dict, env: dict, plots: bool = True) -> list:
+    """``<prefix>.csv`` and ``<prefix>.png`` (memory and step time against the completion length)."""
+    from pathlib import Path
+
+    written, plt = csv_and_pyplot(out_dir, prefix, rows, env, CSV_COLUMNS, plots)
+    if plt is None:
+        return written
+    out_dir = Path(out_dir)
 
     s = W4Shape.from_dict(summary["shape"])
     fig, (ax_m, ax_t) = plt.subplots(1, 2, figsize=(12, 4.5))

@@ -35,7 +35,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field, replace
 
-from bench.w4 import GIB, QWEN25_05B, W4Shape, point_spec, spawn_point, write_csv
+from bench.w4 import GIB, QWEN25_05B, W4Shape, csv_and_pyplot, point_spec, spawn_point
 
 __all__ = ["Config", "W5Plan", "CONFIGS", "plan_for", "longest_fit", "run", "summarize", "print_tables", "write_files",
            "cli"]
@@ -408,18 +408,10 @@ def write_files(out_dir, prefix: str, plan: W5Plan, rows: list[dict], env: dict,
     """``<prefix>.csv`` and ``<prefix>.png`` (step memory against completion length, one panel per architecture)."""
     from pathlib import Path
 
+    written, plt = csv_and_pyplot(out_dir, prefix, rows, env, CSV_COLUMNS, plots)
+    if plt is None:
+        return written
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = [write_csv(out_dir / f"{prefix}.csv", rows, env, CSV_COLUMNS)]
-    if not plots:
-        return written
-    try:
-        import matplotlib
-    except ImportError:
-        return written
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     archs = list(plan.shapes)
     fig, axes = plt.subplots(1, len(archs), figsize=(6.5 * len(archs), 4.8), squeeze=False)
     what = "peak allocated during the step (weights + grads + activations), MB" if plan.budget_on == "total" \

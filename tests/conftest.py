@@ -52,6 +52,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for tests of tiny matmuls (threads only add contention on a shared machine)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

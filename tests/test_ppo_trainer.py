@@ -32,13 +32,7 @@ DOCUMENTED_METRICS = (
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny matmuls: intra-op threads only add contention (and the test machine is shared)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny matmuls: one thread (tests/conftest.py)
 
 
 def seq_cls(seed: int):

@@ -29,12 +29,7 @@ from test_ppo_trainer import V, make_trainer, prompt_dataset  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 # ---------------------------------------------------------------- items 8 and 12: configs checked when made

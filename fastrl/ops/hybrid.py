@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from fastrl.kernels import logits_fold as F
+from fastrl.ops import torch_backend as _TB
 from fastrl.ops._gemm import addmm_f32, mm_f32
 from fastrl.ops.config import LogitTransform
 
@@ -30,12 +31,10 @@ MAX_ROWS = 1 << 16  # tokens per backward tile before the rows are chunked as we
 _ALIGN = 256
 
 
-def tile_columns(rows: int, vocab: int, requested: int | None = None, tile_elems: int = TILE_ELEMS) -> int:
-    """Vocabulary columns of a ``rows``-row float32 tile: the requested number, else as many as the budget allows."""
-    if requested is not None:
-        return max(1, min(int(requested), vocab))
-    cols = max(_ALIGN, (tile_elems // max(rows, 1)) // _ALIGN * _ALIGN)
-    return min(cols, vocab)
+def tile_columns(rows: int, vocab: int, requested: int | None = None) -> int:
+    """Vocabulary columns of a ``rows``-row tile on the Triton backends: the requested number, else as many as
+    ``TILE_ELEMS`` allows, in whole 256-column blocks (one rule with the torch backend's, another budget)."""
+    return _TB.tile_columns(rows, vocab, requested, multiple=_ALIGN, tile_elems=TILE_ELEMS)
 
 
 def _transform_kw(tf: LogitTransform) -> dict:

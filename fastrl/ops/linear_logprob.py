@@ -22,10 +22,6 @@ from fastrl.ops.config import LogitTransform
 
 __all__ = ["fused_logprobs", "linear_stats", "linear_backward", "compact_rows"]
 
-# columns of the fused backward's [N, V_blk] gradient tile: N * V_blk <= 2^26 elements
-_TRITON_TILE_ELEMS = 1 << 26
-
-
 @dataclass(frozen=True)
 class _Options:
     tf: LogitTransform
@@ -102,8 +98,9 @@ def linear_backward(
     if opts.backend == "triton-fused":
         from fastrl.kernels import linear_logprob as K
 
-        cols = opts.vocab_chunk or max(256, (_TRITON_TILE_ELEMS // max(N, 1)) // 256 * 256)
-        cols = min(cols, V)
+        from fastrl.ops.hybrid import tile_columns
+
+        cols = tile_columns(N, V, opts.vocab_chunk)  # the [N, V_blk] G tile: the same budget as the hybrid path
         buf = torch.empty((N, cols), dtype=hidden.dtype, device=hidden.device)
         h_mm = hidden
     else:

@@ -15,11 +15,12 @@ from fastrl.ops.config import LogitTransform
 TILE_ELEMS = 1 << 22
 
 
-def tile_columns(n_rows: int, vocab: int, requested: int | None = None, multiple: int = 128) -> int:
+def tile_columns(n_rows: int, vocab: int, requested: int | None = None, multiple: int = 128,
+                 tile_elems: int = TILE_ELEMS) -> int:
     """Vocabulary columns per tile: the requested number, else the largest that keeps the tile bounded."""
     if requested is not None:
         return max(1, min(int(requested), vocab))
-    cols = max(multiple, (TILE_ELEMS // max(n_rows, 1)) // multiple * multiple)
+    cols = max(multiple, (tile_elems // max(n_rows, 1)) // multiple * multiple)
     return min(cols, vocab)
 
 
