@@ -21,6 +21,7 @@ under ``--out`` (default ``bench/results/<device>/``; with ``--smoke``, a new te
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -344,6 +345,42 @@ def _w5_command(args, device: str, con) -> int:
     return w5.cli(args, device, con, env, out_dir, prefix, options=opts)
 
 
+def _targets_options(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("paths", nargs="+", help="result files (gpu*.json, or *.rows.jsonl of a run stopped part-way) "
+                                             "or folders holding them")
+
+
+def _load_rows(path: Path) -> list[dict]:
+    """One run's rows: its JSON when it finished, else the rows it appended as it went (without ratios)."""
+    if path.suffix == ".json":
+        return [r for r in json.loads(path.read_text()).get("rows", []) if r.get("group") != "floor"]
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("group") != "floor"]
+
+
+def _targets_command(args, device: str, con) -> int:
+    """The GPU targets over several runs (e.g. the stages of bench/gpu_session.sh): ratios within each run."""
+    files: list[Path] = []
+    for p in map(Path, args.paths):
+        if not p.exists():
+            con.print(f"[red]{p}: no such file or folder[/red]")
+            return 2
+        found = sorted(p.rglob("gpu*.json")) + sorted(p.rglob("gpu*.rows.jsonl")) if p.is_dir() else [p]
+        # a run that finished has both files: its JSON is the whole record
+        done = {f.with_suffix("") for f in found if f.suffix == ".json"}
+        files += [f for f in found if f.suffix == ".json" or f.with_suffix("").with_suffix("") not in done]
+    if not files:
+        con.print(f"[red]no gpu*.json or gpu*.rows.jsonl under {', '.join(args.paths)}[/red]")
+        return 2
+    rows = []
+    for f in files:
+        run_rows = _load_rows(f)
+        runner.add_ratios(run_rows)  # against the TRL row of the same run only
+        rows += run_rows
+        con.print(f"{f}: {len(run_rows)} rows")
+    _gpu_targets(rows, con)
+    return 0
+
+
 def _sass_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (default 90: H100 / H200)")
     ap.add_argument("--only", help="only kernels whose name contains this")
@@ -371,6 +408,9 @@ def _measure(args, device: str, con) -> int:
     env = report.environment(device)
     out_dir = _out_dir(args, env["device_slug"])
     prefix = args.command + ("-smoke" if args.smoke else "-quick" if args.quick else "")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg.rows_log = str(out_dir / f"{prefix}.rows.jsonl")
+    Path(cfg.rows_log).unlink(missing_ok=True)
 
     what = f"{len(wls)} workloads x {len(provs)} providers" if wls else "W4 only"
     con.print(f"[bold]fastrl bench {args.command}[/bold] ({cfg.mode}) on {env['device']}: torch {env['torch']}, "
@@ -481,6 +521,11 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
     Command("list", "workloads and providers, and why a provider cannot run here",
             "The workloads (GPU and CPU sizes), the providers, and why a provider cannot run on this device.",
             (_device_option,), _list_command),
+    Command("targets", "the GPU targets over the result files of several runs",
+            "Reads the rows of finished runs (gpu*.json) or of runs stopped part-way (gpu*.rows.jsonl), computes the\n"
+            "ratios against TRL within each run, and prints the GPU targets PASS/FAIL, as `python -m bench gpu` does\n"
+            "at the end of one run. For a measurement split into stages (bench/gpu_session.sh).",
+            (_targets_options,), _targets_command),
     Command("sass", "compile every kernel for sm_90 without a GPU; fail on spills or missing HGMMA",
             "Compiles every fastrl kernel at its default launch configuration for a GPU target (no GPU needed) and\n"
             "prints registers, stack, spill loads/stores, shared memory, tensor-core (HGMMA) and TMA instruction\n"

@@ -48,6 +48,9 @@ class RunConfig:
     floor_shape: tuple = (2048, 2048, 2048)
     mode: str = ""  # "quick" | "smoke" | "" (recorded with the results)
     jobs: int = 1  # measuring processes at once; above 1 they compete for the cores (smoke only)
+    # rows are appended here as JSON lines the moment they finish, so a run stopped part-way (a per-command
+    # time limit on a lent GPU) keeps what it measured; None: only the final files
+    rows_log: str | None = None
 
 
 def floor_workload(dtype: str, shape: tuple) -> Workload:
@@ -182,6 +185,11 @@ def run(workloads: list[Workload], provs: list[P.Provider], cfg: RunConfig, cons
             TextColumn("elapsed"), TimeElapsedColumn())
     loads: list[float] = []
 
+    def keep(row: dict) -> None:
+        if cfg.rows_log:
+            with open(cfg.rows_log, "a") as f:
+                f.write(json.dumps(row, default=str) + "\n")
+
     def spec_for(wl: Workload, name: str, is_floor: bool) -> dict:
         return {
             "workload": wl.to_dict(), "provider": name, "device": cfg.device,
@@ -213,6 +221,7 @@ def run(workloads: list[Workload], provs: list[P.Provider], cfg: RunConfig, cons
             else:
                 prog.console.print(f"[red]floor matmul failed: {escape(row['reason'])}[/red]")
             floor_rows.append(row)
+            keep(row)
             prog.advance(task)
         work = [(wl, p) for wl, p, _ in plan if p is not None]
         with ThreadPoolExecutor(max_workers=max(1, cfg.jobs)) as pool:
@@ -227,6 +236,7 @@ def run(workloads: list[Workload], provs: list[P.Provider], cfg: RunConfig, cons
                 row = _finish_row(_row(wl, p.name, p.label, res.get("status", "error"), res.get("reason", "")),
                                   wl, res, floor)
                 rows.append(row)
+                keep(row)
                 prog.console.print(_one_line(row))
                 prog.advance(task)
         prog.update(task, description="done")

@@ -37,3 +37,33 @@ def test_gpu_targets_pass_fail_and_missing():
     assert abs(frozen["value"] - 300 / 2900) < 1e-12 and frozen["pass"]
     assert res["W2-2048"][0]["pass"]
     assert "W3" not in res  # no rows: nothing claimed
+
+
+def test_targets_over_staged_runs(tmp_path):
+    """`python -m bench targets`: rows of a finished run (JSON) and of a run stopped part-way (rows.jsonl, no
+    ratios yet) give the same verdicts as one run; ratios only against the TRL row of the same run."""
+    import io
+    import json
+    from argparse import Namespace
+
+    def row(wl, prov, ms, mb):
+        return dict(workload=wl, group="core", provider=prov, status="ok", total_ms={"median": ms}, peak_extra_mb=mb)
+
+    (tmp_path / "check").mkdir()
+    (tmp_path / "check" / "gpu.json").write_text(json.dumps({"rows": [
+        dict(workload="W1", group="floor", provider="matmul", status="ok"),
+        row("W1", "trl", 132.0, 2900.0), row("W1", "fastrl-fused", 95.0, 3600.0),
+        row("W1-frozen", "fastrl-fused", 90.0, 290.0)]}))
+    # a later stage, stopped by its time limit: only its rows file; its W2 is compared with its own TRL row
+    (tmp_path / "core").mkdir()
+    (tmp_path / "core" / "gpu.rows.jsonl").write_text("\n".join(json.dumps(r) for r in (
+        row("W2", "trl", 35.0, 700.0), row("W2", "fastrl-fused", 31.5, 800.0), row("W3", "fastrl", 30.0, 10.0))))
+    out = io.StringIO()
+    assert cli._targets_command(Namespace(paths=[str(tmp_path)]), "cpu", Console(file=out, width=200)) == 0
+    text = out.getvalue()
+    assert "W1: fastrl-fused time vs trl = 0.72x (target <= 0.75x): PASS" in text
+    assert "W1: fastrl-fused mem vs trl = 1.24x (target <= 1.50x): PASS" in text
+    assert "W1-frozen: fastrl-fused mem vs trl at W1 = 0.10x (target <= 0.20x): PASS" in text
+    assert "W2: fastrl-fused time vs trl = 0.90x (target <= 0.85x): FAIL" in text
+    assert "W3: fastrl time vs trl: not evaluated (no TRL row to compare with)" in text
+    assert cli._targets_command(Namespace(paths=[str(tmp_path / "none")]), "cpu", Console(file=out)) == 2
