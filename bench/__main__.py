@@ -447,7 +447,6 @@ def _measure(args, device: str, con) -> int:
         payload["w4"] = {**w4_summary, "rows": w4_rows}
     title = (f"{args.command} ({cfg.mode}) on {env['device']} | torch {env['torch']} | triton {env['triton']} | "
              f"driver {env['driver']} | ms: median of {cfg.reps if device == 'cpu' else 'do_bench'} runs")
-    out_dir.mkdir(parents=True, exist_ok=True)
     plots = [] if args.no_plots or not rows else report.plot(rows, out_dir, prefix, env)
     json_path, csv_path = out_dir / f"{prefix}.json", out_dir / f"{prefix}.csv"
     written = [json_path]
