@@ -27,7 +27,13 @@ __all__ = ["TILE_ELEMS", "linear_stats", "linear_backward", "tile_columns"]
 
 TILE_ELEMS = 1 << 26  # float32 elements of the logits tile: 256 MB
 ROWS = 4096  # tokens per statistics tile (TRL's token tile; cuBLAS is at full speed there)
-MAX_ROWS = 1 << 16  # tokens per backward tile before the rows are chunked as well
+# Tokens per backward tile before the rows are chunked as well. A tile of TILE_ELEMS holds TILE_ELEMS / rows
+# vocabulary columns, and grad_h's float32 accumulation (addmm_f32 over a [rows, cols] G) moves 8 bytes of [N, H]
+# per 2*cols FLOPs: at 16384 rows the slices keep 4096 columns (1024 FLOP/B, compute-bound on an H100, whose
+# balance is ~300 FLOP/B), where 65536 rows would leave 1024 columns (256 FLOP/B, memory-bound). Chunking the rows
+# instead costs grad_W one float32 [cols, H] read-modify-write per extra chunk: K = 16384 tokens per 8 bytes of
+# output, 4096 FLOP/B. (A roofline choice, not yet timed on a GPU; up to 16384 tokens nothing changes.)
+MAX_ROWS = 1 << 14
 _ALIGN = 256
 
 
