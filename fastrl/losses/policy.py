@@ -38,10 +38,10 @@ __all__ = ["policy_loss", "FusedPolicyLoss"]
 
 _IGNORE = -100
 # Float32 elements of the one-pass [chunk, V] logits tile. With a trained head the float32 [V, H] weight-gradient
-# accumulator is read and written once per chunk, so chunks are large (1 GiB: 1766 tokens at V=151936, 7
-# accumulator passes over 12k tokens) while the step's extra memory stays about 1.25x TRL's at W1 (accumulator
-# 2.5 GB + tile); with a frozen head there is no accumulator and a 256 MiB tile keeps the memory small. A CPU
-# keeps 32 MB tiles (as fast as 64 MB at C1, 48 MB less peak memory).
+# accumulator is read and written once per chunk, so chunks are large (1 GiB: 1766 tokens at V=151936, 1664 in
+# whole 128-row blocks, 8 accumulator passes over W1's ~12k live tokens) while the step's extra memory stays about
+# 1.25x TRL's at W1 (accumulator 2.5 GB + tile); with a frozen head there is no accumulator and a 256 MiB tile
+# keeps the memory small. A CPU keeps 32 MB tiles (as fast as 64 MB at C1, 48 MB less peak memory).
 _TILE_ELEMS = {("cuda", True): 1 << 28, ("cuda", False): 1 << 26, ("cpu", True): 1 << 23, ("cpu", False): 1 << 23}
 
 
@@ -304,9 +304,9 @@ def policy_loss(
             None: ``old_logprobs``, as in TRL.
         logit_scale, softcap, backend, check_finite: as in :func:`fastrl.fused_logprobs` (the temperature is
             ``config.temperature``).
-        chunk_tokens: tokens per one-pass chunk (default: a [chunk, V] float32 tile of 512 MB on a GPU,
-            32 MB on a CPU; whole sequences when the loss couples the tokens of a sequence). Smaller uses
-            less memory.
+        chunk_tokens: tokens per one-pass chunk (default: a [chunk, V] float32 tile of 1 GiB on a GPU with a
+            trained head, 256 MiB with a frozen one, 32 MB on a CPU; whole sequences when the loss couples the
+            tokens of a sequence). Smaller uses less memory.
 
     Returns:
         ``(loss, metrics)``: a 0-dim loss (float32; float64 for float64 inputs), differentiable w.r.t.
