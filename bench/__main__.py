@@ -258,7 +258,22 @@ def _gpu_targets(rows: list[dict], con) -> dict:
                 else:
                     verdict = "[green]PASS[/green]" if res["pass"] else "[red]FAIL[/red]"
                     con.print(f"{what} = {value:.2f}x (target <= {limit:.2f}x): {verdict}")
+    _fastest_paths(rows, con)
     return out
+
+
+def _fastest_paths(rows: list[dict], con) -> dict[str, list[tuple[str, float]]]:
+    """Per workload, fastrl's paths (the fastrl* providers) from fastest to slowest, as time vs TRL's in the same
+    run: the evidence for backend.choose_triton and for which path a loss should take at that shape."""
+    ranked: dict[str, list[tuple[str, float]]] = {}
+    for r in rows:
+        ratio = r.get("time_vs_trl")
+        if r["provider"].startswith("fastrl") and r["status"] == "ok" and ratio is not None:
+            ranked.setdefault(r["workload"], []).append((r["provider"], ratio))
+    for wl_name, paths in ranked.items():
+        paths.sort(key=lambda p: p[1])
+        con.print(f"{wl_name} fastest fastrl path: " + ", ".join(f"{p} {x:.2f}x" for p, x in paths) + " (vs trl)")
+    return ranked
 
 
 def _c1_targets(rows: list[dict], con) -> dict:

@@ -57,7 +57,8 @@ def test_targets_over_staged_runs(tmp_path):
     # a later stage, stopped by its time limit: only its rows file; its W2 is compared with its own TRL row
     (tmp_path / "core").mkdir()
     (tmp_path / "core" / "gpu.rows.jsonl").write_text("\n".join(json.dumps(r) for r in (
-        row("W2", "trl", 35.0, 700.0), row("W2", "fastrl-fused", 31.5, 800.0), row("W3", "fastrl", 30.0, 10.0))))
+        row("W2", "trl", 35.0, 700.0), row("W2", "fastrl-fused", 31.5, 800.0), row("W2", "fastrl-tfused", 28.0, 90.0),
+        row("W3", "fastrl", 30.0, 10.0))))
     out = io.StringIO()
     assert cli._targets_command(Namespace(paths=[str(tmp_path)]), "cpu", Console(file=out, width=200)) == 0
     text = out.getvalue()
@@ -66,4 +67,8 @@ def test_targets_over_staged_runs(tmp_path):
     assert "W1-frozen: fastrl-fused mem vs trl at W1 = 0.10x (target <= 0.20x): PASS" in text
     assert "W2: fastrl-fused time vs trl = 0.90x (target <= 0.85x): FAIL" in text
     assert "W3: fastrl time vs trl: not evaluated (no TRL row to compare with)" in text
+    # which of fastrl's paths is fastest at each shape, within each run
+    assert "W2 fastest fastrl path: fastrl-tfused 0.80x, fastrl-fused 0.90x (vs trl)" in text
+    assert "W1 fastest fastrl path: fastrl-fused 0.72x (vs trl)" in text
+    assert "W3 fastest" not in text
     assert cli._targets_command(Namespace(paths=[str(tmp_path / "none")]), "cpu", Console(file=out)) == 2
