@@ -68,12 +68,12 @@ def test_in_place_bf16_gradient_has_no_race_cuda():
         assert ((got - ref.float()).abs() <= 2**-7 * ref.float().abs() + 1e-30).all()
 
 
-@pytest.mark.parametrize("backend", ("triton", "triton-hybrid"))
+@pytest.mark.parametrize("backend", ("triton-hybrid", "triton-fused"))
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
 def test_policy_loss_with_padding_cuda(backend, loss_type):
-    """The one-pass loss on live rows only, in several chunks, against float64 (padding in every row). The
-    one-pass path always runs cuBLAS tiles + the logits_fold kernels (it needs the stored logits), whichever
-    Triton backend is named; path A's fused kernels are checked by the tests above."""
+    """The loss on live rows only against float64 (padding in every row): on triton-hybrid the one-pass path in
+    several chunks (cuBLAS float32 tiles + the logits_fold kernels); on triton-fused path A on the fused kernels,
+    which never store a logit."""
     g = torch.Generator().manual_seed(1)
     B, T, H, V = 6, 700, 896, 32000
     hidden = torch.randn(B, T, H, generator=g).cuda().bfloat16().requires_grad_()

@@ -170,6 +170,29 @@ def test_path_choice_and_equal_numbers(config, chunk, one_pass, backend, monkeyp
     assert_matches(got, reference(batch, config), reference(batch, config, dtype=None), str(config.loss_type))
 
 
+@pytest.mark.interpreter
+def test_triton_fused_takes_two_passes_on_its_kernels(monkeypatch):
+    """backend="triton-fused" promises no stored logit: the loss takes path A on the fused kernels (never the
+    one-pass float32 tile), with the reference's numbers."""
+    from fastrl.ops import linear_logprob
+
+    calls = _spy_paths(monkeypatch)
+    ran = []
+    real_stats = linear_logprob.linear_stats
+
+    def spy_stats(hidden, weight, bias, targets, tf, backend, *args, **kwargs):
+        ran.append(backend)
+        return real_stats(hidden, weight, bias, targets, tf, backend, *args, **kwargs)
+
+    monkeypatch.setattr(linear_logprob, "linear_stats", spy_stats)
+    config = PolicyLossConfig(loss_type="dapo", beta=0.04, entropy_coef=0.01)
+    batch = make_batch(seed=5)
+    got = fused(batch, config, "triton-fused")
+    assert not calls, f"triton-fused ran the one-pass path: {calls}"
+    assert ran == ["triton-fused"], f"the two-pass path's statistics ran on {ran}"
+    assert_matches(got, reference(batch, config), reference(batch, config, dtype=None), "triton-fused")
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_one_pass_equals_two_pass(backend, monkeypatch):
     config = PolicyLossConfig(loss_type="dapo", beta=0.04, entropy_coef=0.01, delta=2.0)

@@ -9,7 +9,8 @@ Two execution paths, chosen by the configuration (never by the user), with the s
   gradients are ready when the forward returns; backward only scales them.
 * two pass (path A, 8NHV): ``fused_logprobs`` + the loss arithmetic under autograd, for everything else
   (e.g. ``top_entropy_quantile`` < 1, which compares every token's entropy with a batch quantile, or a
-  sequence-level ratio over sequences longer than a chunk). Without gradients it is the forward-only path.
+  sequence-level ratio over sequences longer than a chunk), and always with ``backend="triton-fused"``, whose
+  kernels never store a logit. Without gradients it is the forward-only path.
 
 The loss arithmetic is ``fastrl.reference.policy_loss_from_logprobs`` (TRL 1.16's ``_compute_loss``) in both:
 there is one definition of the loss. For the one-pass path it is differentiated with respect to a [B, T]
@@ -303,7 +304,8 @@ def policy_loss(
             (e.g. vLLM); read only by ``config.off_policy_mask_threshold`` (the off-policy sequence mask).
             None: ``old_logprobs``, as in TRL.
         logit_scale, softcap, backend, check_finite: as in :func:`fastrl.fused_logprobs` (the temperature is
-            ``config.temperature``).
+            ``config.temperature``). With ``backend="triton-fused"`` the loss always takes the two-pass path,
+            on kernels that never store a logit (more FLOPs, less memory than the one-pass tile).
         chunk_tokens: tokens per one-pass chunk (default: a [chunk, V] float32 tile of 1 GiB on a GPU with a
             trained head, 256 MiB with a frozen one, 32 MB on a CPU; whole sequences when the loss couples the
             tokens of a sequence). Smaller uses less memory.
@@ -390,7 +392,10 @@ def policy_loss(
     )
     granularity = config.one_pass_granularity
     chunks = None
-    if torch.is_grad_enabled() and any(need) and granularity is not None:
+    # The one-pass path keeps each chunk's logits in a float32 tile (cuBLAS writes it on the Triton backends).
+    # "triton-fused" promises that no logit is ever stored, so there the loss takes path A on the fused kernels:
+    # 8NHV instead of 6NHV, but no [chunk, V] tile and no float32 [V, H] weight-gradient accumulator.
+    if torch.is_grad_enabled() and any(need) and granularity is not None and name != "triton-fused":
         chunks = _chunks(in_mask, granularity, V, hidden.device, need[1], chunk_tokens)
     if chunks is None:
         # two-pass path (or forward-only under no_grad): the same loss on fused per-token outputs

@@ -73,7 +73,8 @@ class GRPOConfig(trl.GRPOConfig):
             when the loss options allow it; `False` always runs TRL's loss math on fastrl's log-probs.
         fastrl_backend (`str` or `None`, defaults to `None`): `"triton"` (or `"triton-hybrid"` / `"triton-fused"`)
             or `"torch"`; `None` lets fastrl pick
-            (Triton on CUDA, chunked PyTorch on CPU; env `FASTRL_BACKEND` overrides).
+            (Triton on CUDA, chunked PyTorch on CPU; env `FASTRL_BACKEND` overrides). Under `"triton-fused"`, whose
+            kernels never store a logit, `fastrl.policy_loss` computes the loss in two passes.
         fastrl_vocab_chunk (`int` or `None`, defaults to `None`): vocabulary columns per backward tile of the
             log-prob op; `None` bounds the tile automatically (16 MB on CPU, 2^26 float32 elements on GPU).
         fastrl_chunk_tokens (`int` or `None`, defaults to `None`): tokens per chunk of the one-pass policy loss;
