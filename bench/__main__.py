@@ -368,8 +368,10 @@ def _targets_options(ap: argparse.ArgumentParser) -> None:
 def _load_rows(path: Path) -> list[dict]:
     """One run's rows: its JSON when it finished, else the rows it appended as it went (without ratios)."""
     if path.suffix == ".json":
-        return [r for r in json.loads(path.read_text()).get("rows", []) if r.get("group") != "floor"]
-    return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("group") != "floor"]
+        rows = json.loads(path.read_text()).get("rows", [])
+    else:
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return [r for r in rows if r.get("group") != "floor"]
 
 
 def _targets_command(args, device: str, con) -> int:

@@ -2,9 +2,8 @@
 # Wheels that a GPU machine without internet needs for `python -m bench gpu / w4 / w5` and the GPU test-suite,
 # downloaded here into .whl/ (ignored by git) for Python 3.12 on x86-64 Linux. The GPU image this project is
 # measured on has torch 2.11, triton 3.6 and transformers 5.17 (below the trainers' floor, 5.18) but not TRL,
-# Liger, datasets, dill or multiprocess. Carry `.whl` with the command and install it first:
-#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-#       .whl/*.whl && export PYTHONPATH=/tmp/site
+# Liger, datasets, dill or multiprocess. Carry `.whl` with the command: bench/gpu_session.sh installs it there
+# (and fastrl itself, editable, since fastrl.kernels is the kernels/ folder).
 # Versions are the ones this repository's CPU tests run with; override one with e.g. TRANSFORMERS=5.18.0.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,6 +20,5 @@ PKGS=(
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$DEST" "${PKGS[@]}"
-# the editable install of fastrl itself is not needed there: the command runs in the repository root
 ls -1 "$DEST"
 du -sh "$DEST"

@@ -54,6 +54,8 @@ def test_targets_over_staged_runs(tmp_path):
         dict(workload="W1", group="floor", provider="matmul", status="ok"),
         row("W1", "trl", 132.0, 2900.0), row("W1", "fastrl-fused", 95.0, 3600.0),
         row("W1-frozen", "fastrl-fused", 90.0, 290.0)]}))
+    # that run finished, so its rows log is there too: read once, through its JSON
+    (tmp_path / "check" / "gpu.rows.jsonl").write_text(json.dumps(row("W1", "fastrl-fused", 999.0, 1.0)))
     # a later stage, stopped by its time limit: only its rows file; its W2 is compared with its own TRL row
     (tmp_path / "core").mkdir()
     (tmp_path / "core" / "gpu.rows.jsonl").write_text("\n".join(json.dumps(r) for r in (
@@ -62,6 +64,7 @@ def test_targets_over_staged_runs(tmp_path):
     out = io.StringIO()
     assert cli._targets_command(Namespace(paths=[str(tmp_path)]), "cpu", Console(file=out, width=200)) == 0
     text = out.getvalue()
+    assert "gpu.rows.jsonl: 1 rows" not in text and "0.72x" in text and "7.57x" not in text
     assert "W1: fastrl-fused time vs trl = 0.72x (target <= 0.75x): PASS" in text
     assert "W1: fastrl-fused mem vs trl = 1.24x (target <= 1.50x): PASS" in text
     assert "W1-frozen: fastrl-fused mem vs trl at W1 = 0.10x (target <= 0.20x): PASS" in text
