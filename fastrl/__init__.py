@@ -14,6 +14,8 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it, imported on first access (keeps `import fastrl` light)
 _LAZY = {
+    "KeptSet": "fastrl.ops.support",
+    "SamplerRule": "fastrl.ops.support",
     "PolicyLossConfig": "fastrl.losses.config",
     "policy_loss": "fastrl.losses.policy",
     "FusedPolicyLoss": "fastrl.losses.policy",

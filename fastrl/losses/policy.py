@@ -33,7 +33,7 @@ from fastrl.ops._gemm import addmm_f32, mm_f32
 from fastrl.ops.backend import is_triton, resolve_backend
 from fastrl.ops.config import LogitTransform
 from fastrl.ops.linear_logprob import compact_rows, fused_logprobs, unit_stride
-from fastrl.reference import policy_loss_from_logprobs
+from fastrl.losses.arithmetic import policy_loss_from_logprobs
 
 __all__ = ["policy_loss", "FusedPolicyLoss"]
 

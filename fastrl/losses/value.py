@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from fastrl.reference import value_loss_reference
+from fastrl.losses.arithmetic import value_loss_reference
 
 __all__ = ["value_loss"]
 

@@ -212,7 +212,7 @@ def _two_pass_policy_loss(hidden, weight, targets, advantages, mask, *, config, 
                           sampling_logprobs=None, logit_scale=1.0, softcap=None, backend=None, vocab_chunk=None):
     """``fastrl.policy_loss``'s contract, as ``fused_logprobs`` + ``policy_loss_from_logprobs`` (two passes)."""
     from fastrl import fused_logprobs
-    from fastrl.reference import policy_loss_from_logprobs
+    from fastrl.losses.arithmetic import policy_loss_from_logprobs
 
     mask_b = mask.bool()
     logp, ent = fused_logprobs(

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from fastrl.reference import kl_estimate
+from fastrl.losses.arithmetic import kl_estimate
 
 __all__ = [
     "INVALID_LOGPROB",
