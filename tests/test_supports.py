@@ -48,6 +48,7 @@ def random_keptset(targets, V, k_max, seed=0, ignore_index=-100, empty_ignored=T
 def small_tiles(monkeypatch):
     """Force many token chunks in the kept path and in replay_rule (the chunk seams are where bugs hide)."""
     monkeypatch.setitem(kept_mod._TILE, "cpu", 64)
+    monkeypatch.setitem(kept_mod._CAP, "cpu", 12)
     monkeypatch.setattr(rules_mod, "_rows_per_tile", lambda V, device: 3)
 
 
@@ -163,6 +164,22 @@ def test_return_kept_mass(backend):
     # no support: the kept mass is the whole distribution, log 1 = 0
     _, _, zero = fastrl.fused_logprobs(hidden, weight, targets, bias=b, return_kept_mass=True, backend=backend)
     assert zero.eq(0).all()
+
+
+def test_chunk_plan_bounds():
+    """Chunks cover every row once, hold at most ``cap`` ids in their union (or one row) and one bounded tile;
+    overlapping sets give longer chunks than disjoint ones."""
+    V, N = 5000, 300
+    disjoint = fastrl.KeptSet.from_lists([list(range(16 * n, 16 * n + 16)) for n in range(N)], V)
+    shared = fastrl.KeptSet.from_lists([list(range(n % 5, n % 5 + 16)) for n in range(N)], V)
+    for ks, most in ((disjoint, 4), (shared, N)):
+        plan = kept_mod.chunk_plan(ks, V, tile_elems=4096, cap=64)
+        assert [c0 for c0, _ in plan] == [0] + [c1 for _, c1 in plan[:-1]] and plan[-1][1] == N
+        for c0, c1 in plan:
+            u = torch.unique(ks[c0:c1].ids).numel()
+            assert (u <= 64 or c1 - c0 == 1) and (c1 - c0) * u <= 4096
+        assert max(c1 - c0 for c0, c1 in plan) <= most
+    assert len(kept_mod.chunk_plan(shared, V, 4096, 64)) < len(kept_mod.chunk_plan(disjoint, V, 4096, 64)) / 3
 
 
 # ------------------------------------------------------------------------------------ policy_loss
