@@ -5,7 +5,7 @@
 (``replay_rule``) both call it, so there is one definition of every rule.
 
 ``replay_rule`` applies a rule to the model's own logits, token chunk by token chunk: each chunk's logits tile
-(``[chunk, V]`` float32, bounded by ``torch_backend.TILE_ELEMS`` elements, never ``[N, V]``) is computed once
+(``[chunk, V]`` float32, 16 MB on a CPU and 128 MB on CUDA, never ``[N, V]``) is computed once
 (one GEMM, cuBLAS on CUDA with a float32 result, so no logit is rounded to bf16), the rule is applied to it
 (one sort of the tile; top_p needs the order), the target is added where the rule dropped it, and the kept ids
 are appended to a CSR ``KeptSet``. That is **one pass over the vocabulary per token chunk** for every rule,
@@ -29,7 +29,7 @@ from fastrl.ops.support import KeptSet, SamplerRule
 __all__ = ["apply_rule", "replay_rule", "rule_positions"]
 
 
-def _sort_desc(z: torch.Tensor, ties: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _sort_desc(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Values and ids of each row from largest to smallest; equal values in ascending id order (a stable sort of
     ``-z``), which is the order ``ties="index"`` keeps them in."""
     vals, order = torch.sort(z, dim=-1, descending=True, stable=True)
@@ -56,7 +56,7 @@ def _top_k(z: torch.Tensor, k: int, ties: str) -> torch.Tensor:  # bool [n, V]
     if ties == "keep":
         kth = torch.topk(z, k, dim=-1).values[:, -1:]
         return (z >= kth) & (z > -math.inf)
-    vals, order = _sort_desc(z, ties)
+    vals, order = _sort_desc(z)
     keep = (torch.arange(V, device=z.device) < k).expand_as(vals) & (vals > -math.inf)
     return _unsort(keep, order)
 
@@ -66,7 +66,7 @@ def _top_p_vllm(z: torch.Tensor, top_p: float, ties: str) -> torch.Tensor:  # bo
 
     ``keep``: "above" means a strictly larger logit, so tied ids share a fate; ``index``: the ids before it in
     the (value descending, id ascending) order."""
-    vals, order = _sort_desc(z, ties)
+    vals, order = _sort_desc(z)
     p = torch.softmax(vals, dim=-1)
     above = p.cumsum(dim=-1) - p
     if ties == "keep":
@@ -100,7 +100,7 @@ def _transformers(z: torch.Tensor, rule: SamplerRule) -> torch.Tensor:
     if rule.top_p < 1.0:
         # transformers sorts ascending; here the ascending order is the flip of (value desc, id asc), so among
         # equal logits the lowest id comes last: "index" drops the higher ids first
-        vals_d, order = _sort_desc(z, rule.ties)
+        vals_d, order = _sort_desc(z)
         cum = vals_d.flip(-1).softmax(dim=-1).cumsum(dim=-1)
         remove_a = cum <= (1 - rule.top_p)
         remove_a[:, -1] = False
@@ -176,8 +176,13 @@ def rule_positions(
     return torch.arange(T, device=targets.device).repeat(B)
 
 
+# elements of replay_rule's [chunk, V] float32 logits tile: torch_backend's 16 MB on a CPU, 128 MB on CUDA (wider
+# GEMMs; the sort's values and int64 ids add three times that while a tile is ranked)
+_TILE = {"cpu": TB.TILE_ELEMS, "cuda": 1 << 25}
+
+
 def _rows_per_tile(V: int, device: torch.device) -> int:
-    return max(1, TB.TILE_ELEMS // V)
+    return max(1, _TILE.get(device.type, TB.TILE_ELEMS) // V)
 
 
 def logits_tile(
