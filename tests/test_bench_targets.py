@@ -75,3 +75,22 @@ def test_targets_over_staged_runs(tmp_path):
     assert "W1 fastest fastrl path: fastrl-fused 0.72x (vs trl)" in text
     assert "W3 fastest" not in text
     assert cli._targets_command(Namespace(paths=[str(tmp_path / "none")]), "cpu", Console(file=out)) == 2
+
+
+def test_keptset_points_and_one_point_in_process():
+    """`python -m bench keptset`: its points (K 20/64/512 x Zipf/disjoint sets, the full path, the rule) and one
+    tiny point measured in this process (the CLI runs each in a fresh one)."""
+    import torch
+
+    from bench import keptset
+
+    pts = keptset.points("cpu", smoke=False, quick=False)
+    kept = {(p["K"], p["sets"]) for p in pts if p["mode"] == "kept"}
+    assert kept == {(k, s) for k in (20, 64, 512) for s in ("zipf", "uniform")}
+    assert {p["mode"] for p in pts} == {"full", "kept", "rule"} and all(p["V"] == 151936 for p in pts)
+    assert {p["shape"] for p in keptset.points("cuda", False, False)} == {"W1-kept", "W2-kept"}
+    ks, targets = keptset.make_sets(50, 300, 7, "zipf", torch.device("cpu"))
+    assert ks.sizes().eq(7).all() and ks.contains(targets).all()
+    spec = {**keptset.points("cpu", smoke=True, quick=False)[1], "reps": 1, "warmup": 0}
+    res = keptset.run_point(spec)
+    assert res["ms"] > 0 and res["chunks"] >= 1 and 0 < res["union_work_vs_full"] <= 1
