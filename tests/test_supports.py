@@ -161,6 +161,10 @@ def test_return_kept_mass(backend):
     assert (mass <= 1e-6).all() and mass[0, 4] == 0
     lp2, en2 = fastrl.fused_logprobs(hidden, weight, targets, bias=b, support=ks, backend=backend, **tf)
     assert torch.equal(lp2, logp) and torch.equal(en2, ent)
+    # a rule that keeps every id is the full softmax, bit for bit
+    full = fastrl.fused_logprobs(hidden, weight, targets, bias=b, backend=backend, **tf)
+    ident = fastrl.fused_logprobs(hidden, weight, targets, bias=b, backend=backend, support=SR(), **tf)
+    assert all(torch.equal(x, y) for x, y in zip(full, ident))
     # no support: the kept mass is the whole distribution, log 1 = 0
     _, _, zero = fastrl.fused_logprobs(hidden, weight, targets, bias=b, return_kept_mass=True, backend=backend)
     assert zero.eq(0).all()
@@ -331,6 +335,9 @@ def test_rules_match_transformers_warpers(top_k, top_p, min_p):
     smooth, ties = _logit_tiles()
     rule = SR(top_k=top_k, top_p=top_p, min_p=min_p, order="transformers")
     assert torch.equal(apply_rule(smooth, rule), _transformers_mask(smooth, rule))
+    # without ties the two tie rules agree
+    assert torch.equal(apply_rule(smooth, SR(top_k=top_k, top_p=top_p, min_p=min_p, order="transformers",
+                                             ties="index")), _transformers_mask(smooth, rule))
     if top_p == 1.0:  # top_k and min_p keep ties as transformers does; top_p's tie order is torch.sort's there
         assert torch.equal(apply_rule(ties, rule), _transformers_mask(ties, rule))
 
