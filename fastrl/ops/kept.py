@@ -14,10 +14,11 @@ in float32 and float64, and the entries stay finite, so no ``0 * inf``).
 
 The work never walks the vocabulary. Per token chunk: the union ``U`` of the chunk's kept ids, the rows
 ``W[U]`` (and ``b[U]``) gathered once, one GEMM ``[chunk, H] x [H, |U|]`` with a float32 result (cuBLAS with a
-float32 output on CUDA: no logit is rounded to bf16), and a mask of the ids each row did not keep. The
-backward recomputes that tile, forms G, and runs ``grad_h = G W[U]`` and ``G^T h`` (``[|U|, H]``), which is
-``index_add``-ed into a float32 buffer over the rows of the *global* union of kept ids only: no float32
-``[V, H]`` buffer. Work ``2 |U| H`` per token and GEMM, with chunks chosen (``chunk_plan``) so that ``|U|`` stays
+float32 output on CUDA: no logit is rounded to bf16), and the ids each row did not keep filled in. The
+backward recomputes that tile, forms G, and runs ``grad_h = G W[U]`` and ``G^T h`` (``[|U|, H]``), which is added
+to the rows ``U`` of the weight gradient: of the gradient itself for a float32 (float64) head, of a float32 buffer
+over the rows of the *global* union of kept ids for a bf16/fp16 one (cast into the gradient at the end): never
+a float32 ``[V, H]`` buffer. Work ``2 |U| H`` per token and GEMM, with chunks chosen (``chunk_plan``) so that ``|U|`` stays
 within a cap (2048 ids on a CPU, 8192 on CUDA): O(N K H) up to the factor ``max(cap, K) / K`` when the sets are
 disjoint, and far less when they overlap, as neighbouring tokens' sets do (then chunks grow and the GEMMs get
 wide). Memory O(N K) plus one bounded tile and the float32 gradient rows of the kept ids.
