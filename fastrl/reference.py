@@ -19,6 +19,8 @@ __all__ = [
     "transform_logits",
     "logits_reference",
     "logprobs_reference",
+    "masked_logprobs_reference",
+    "rule_mask_reference",
     "kl_estimate",
     "policy_loss_from_logprobs",
     "value_loss_reference",
@@ -92,3 +94,74 @@ def logprobs_reference(
     logp = torch.where(active, logp, zero)
     entropy = torch.where(active, entropy, zero)
     return logp.reshape(lead), entropy.reshape(lead)
+
+
+def masked_logprobs_reference(
+    hidden: torch.Tensor,  # [..., H]
+    weight: torch.Tensor,  # [V, H]
+    targets: torch.Tensor,  # [...] int64
+    kept_mask: torch.Tensor,  # [..., V] bool (or [N, V] for the flattened tokens): True where the id is kept
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    ignore_index: int = -100,
+    dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([...], [...]) in the compute dtype
+    """Log-probabilities and entropies under ``pi^S``: the softmax restricted to each token's kept ids and
+    renormalised (the spec of ``support=``). Materialised; ``dtype=torch.float64`` gives ground truth.
+
+    ``logp = z_t - logsumexp_S(z)``, ``H = -sum_S p log p``; ignored tokens give 0 and no gradient (their mask
+    is not read). The target of a counted token must be kept (a sampled token lies in its set)."""
+    lead = targets.shape
+    h = hidden.reshape(-1, hidden.shape[-1])
+    t = targets.reshape(-1)
+    kept = kept_mask.reshape(t.numel(), -1)
+    z = logits_reference(h, weight, bias, temperature=temperature, logit_scale=logit_scale, softcap=softcap,
+                         dtype=dtype)
+    active = t != ignore_index
+    kept = kept | ~active[:, None]  # ignored rows: any finite row, masked out below
+    logp_all = torch.log_softmax(z.masked_fill(~kept, float("-inf")), dim=-1)
+    safe_t = torch.where(active, t, torch.zeros_like(t))
+    logp = logp_all.gather(-1, safe_t[:, None]).squeeze(-1)
+    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    # dropped ids: logp -inf; select before multiplying so their gradient is 0, not 0 * inf
+    logp_kept = torch.where(kept, logp_all, zero)
+    entropy = -(torch.where(kept, logp_kept.exp(), zero) * logp_kept).sum(-1)
+    logp = torch.where(active, logp, zero)
+    entropy = torch.where(active, entropy, zero)
+    return logp.reshape(lead), entropy.reshape(lead)
+
+
+def rule_mask_reference(
+    hidden: torch.Tensor,  # [..., H]
+    weight: torch.Tensor,  # [V, H]
+    targets: torch.Tensor,  # [...] int64
+    rule,  # fastrl.SamplerRule
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    ignore_index: int = -100,
+    positions: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # kept [N, V] bool, outside [...] bool
+    """The kept mask ``fastrl.replay_rule`` computes, from materialised logits (``fastrl.ops.rules.apply_rule``,
+    the one definition of a rule): each counted token's set extended by its target where the rule dropped it
+    (``outside``); ignored tokens keep nothing."""
+    from fastrl.ops.rules import apply_rule, rule_positions
+
+    pos = rule_positions(targets, rule, positions)
+    t = targets.reshape(-1)
+    z = logits_reference(hidden.reshape(-1, hidden.shape[-1]), weight, bias, temperature=temperature,
+                         logit_scale=logit_scale, softcap=softcap, dtype=dtype)
+    kept = apply_rule(z, rule, pos)
+    active = t != ignore_index
+    rows = active.nonzero().squeeze(1)
+    outside = torch.zeros_like(active)
+    outside[rows] = ~kept[rows, t[rows]]
+    kept[rows, t[rows]] = True
+    kept[~active] = False
+    return kept, outside.reshape(targets.shape)

@@ -210,6 +210,9 @@ def fused_logprobs(
     check_finite: bool = True,
     backend: str | None = None,
     vocab_chunk: int | None = None,
+    support=None,
+    return_kept_mass: bool = False,
+    positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probabilities of ``targets`` and entropies under the LM head, without materialising logits.
 
@@ -237,10 +240,24 @@ def fused_logprobs(
             ``fastrl.ops.backend`` and docs/design.md.
         vocab_chunk: vocabulary columns per logits tile (default: bounded automatically); smaller uses
             less memory, larger gives the GEMMs more work per call.
+        support: None (the full softmax), a ``fastrl.KeptSet`` (one row per token of the flattened ``targets``,
+            ignored tokens included; the ids each token was sampled from) or a ``fastrl.SamplerRule`` (replayed
+            on these logits by ``fastrl.replay_rule``, each counted token's set extended by its target where
+            the rule dropped it). Log-probs and entropies are then those of ``pi^S``, the softmax restricted to
+            the kept set and renormalised, with their gradients; a KeptSet costs O(N K H), never a pass over the
+            vocabulary (``fastrl.ops.kept``); a rule adds one forward pass to find the sets. A counted target
+            outside its KeptSet, an empty set at a counted token, or a KeptSet whose length is not the number of
+            tokens raise ``ValueError`` naming the token.
+        return_kept_mass: True appends a third output, ``log`` of the full-softmax mass of the kept set
+            (``LSE_S - LSE``; 0 without a support, 0 at ignored tokens; not differentiable). Costs one full
+            forward pass over the vocabulary.
+        positions: with a ``SamplerRule`` that has ``min_tokens``: each token's completion position (targets'
+            shape); default: column t of ``[B, T]`` targets is position t (flat targets raise).
 
     Returns:
         ``(logprobs, entropy)``, each of ``targets``' shape, float32 (float64 for float64 inputs);
-        ``entropy`` is None when ``with_entropy=False``.
+        ``entropy`` is None when ``with_entropy=False``; ``(logprobs, entropy, log_kept_mass)`` with
+        ``return_kept_mass=True``.
 
     Differentiable w.r.t. hidden, weight and bias through both outputs; gradients are accumulated in
     float32 and logits are never rounded to the input dtype. An output whose gradient is not needed costs
@@ -279,6 +296,9 @@ def fused_logprobs(
     name = resolve_backend(hidden.device, backend)
     if is_triton(name) and hidden.dtype == torch.float64:
         raise TypeError("the triton backends compute from float32, bfloat16 or float16 inputs; use backend='torch' for float64")
+    if support is not None or return_kept_mass:
+        return _support_logprobs(hidden, weight, bias, targets, tf, with_entropy, ignore_index, check_finite, name,
+                                 vocab_chunk, support, bool(return_kept_mass), positions)
 
     lead = tuple(targets.shape)
     h = unit_stride(hidden.reshape(-1, hidden.shape[-1]))
@@ -307,6 +327,47 @@ def fused_logprobs(
     logp = logp.reshape(lead)
     ent = ent.reshape(lead) if ent is not None else None
     return logp, ent
+
+
+def _support_logprobs(hidden, weight, bias, targets, tf, with_entropy, ignore_index, check_finite, name, vocab_chunk,
+                      support, return_kept_mass, positions):
+    """``fused_logprobs`` under a support (``fastrl.ops.kept``), inputs already checked."""
+    from fastrl.ops.kept import KeptOptions, kept_logprobs, resolve_support
+
+    ks, _outside = resolve_support(support, hidden, weight, bias, targets, tf, ignore_index, positions, name)
+    kw = dict(bias=bias, temperature=tf.temperature, logit_scale=tf.logit_scale, softcap=tf.softcap,
+              with_entropy=with_entropy, ignore_index=ignore_index, check_finite=check_finite, backend=name,
+              vocab_chunk=vocab_chunk)
+    if ks is None:  # the full softmax: the kept mass is 1
+        logp, ent = fused_logprobs(hidden, weight, targets, **kw)
+        return (logp, ent, torch.zeros_like(logp.detach())) if return_kept_mass else (logp, ent)
+    lead = tuple(targets.shape)
+    h = unit_stride(hidden.reshape(-1, hidden.shape[-1]))
+    w = unit_stride(weight)
+    t = targets.reshape(-1).to(torch.int64).contiguous()
+    N = t.shape[0]
+    active = t != ignore_index
+    idx = compact_rows(active)
+    if idx is None:
+        h_live, t_live, ks_live = h, t, ks
+    else:
+        h_live, t_live, ks_live = h.index_select(0, idx), t.index_select(0, idx), ks[idx]
+    needs_grad = torch.is_grad_enabled() and (
+        hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
+    logp, ent, lse_s = kept_logprobs(h_live, w, bias, t_live, ks_live, KeptOptions(tf=tf, with_entropy=with_entropy),
+                                     needs_grad)
+    mass = None
+    if return_kept_mass:  # the one full pass: LSE over the whole vocabulary
+        with torch.no_grad(), torch.autocast(h.device.type, enabled=False):
+            lse_full = linear_stats(h_live, w, bias, t_live, tf, name, False, vocab_chunk)[0]
+        mass = _scatter_rows(lse_s - lse_full, idx, N).reshape(lead)
+    logp, ent = _scatter_rows(logp, idx, N), _scatter_rows(ent, idx, N)
+    if check_finite:
+        check_finite_outputs(logp.detach(), None if ent is None else ent.detach(), active, h, lead)
+    logp = logp.reshape(lead)
+    ent = ent.reshape(lead) if ent is not None else None
+    return (logp, ent, mass) if return_kept_mass else (logp, ent)
 
 
 def unit_stride(x: torch.Tensor) -> torch.Tensor:
