@@ -339,6 +339,13 @@ def _support_head(model, support, K, mask: torch.Tensor, targets: torch.Tensor, 
 
     def head(h_, w_, b_):
         outside = None
+        if isinstance(support, SamplerRule) and support.is_identity:  # keeps every id: the full softmax
+            out = lm_head_logprobs(h_, w_, b_, targets, st, with_entropy=True, support=None,
+                                   return_kept_mass=kept_mass)
+            if stats is not None:
+                stats.append({"tokens": float(targets.numel()), "kept": float(targets.numel() * w_.shape[0]),
+                              "outside": 0.0, **({"mass": float(targets.numel())} if kept_mass else {})})
+            return out
         if isinstance(support, KeptSet):
             kept = support.to(h_.device)[b_idx.to(h_.device) * K + pos.to(h_.device)]
         else:

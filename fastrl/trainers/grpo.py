@@ -239,31 +239,63 @@ def install_fastrl_head(trainer, *, backend: str | None = None, vocab_chunk: int
 
 def _two_pass_policy_loss(hidden, weight, targets, advantages, mask, *, config, old_logprobs=None,
                           ref_logprobs=None, bias=None, importance_weights=None, num_items_in_batch=None,
-                          sampling_logprobs=None, logit_scale=1.0, softcap=None, backend=None, vocab_chunk=None):
-    """``fastrl.policy_loss``'s contract, as ``fused_logprobs`` + ``policy_loss_from_logprobs`` (two passes)."""
+                          sampling_logprobs=None, logit_scale=1.0, softcap=None, backend=None, vocab_chunk=None,
+                          support=None):
+    """``fastrl.policy_loss``'s contract, as ``fused_logprobs`` + ``policy_loss_from_logprobs`` (two passes).
+
+    ``support``: a KeptSet ``[B, T]`` or a SamplerRule (replayed with ``fastrl.replay_rule``; column t is
+    completion position t), with the ``sampling/*`` metrics ``policy_loss(support=)`` gives."""
+    import fastrl
     from fastrl import fused_logprobs
     from fastrl.losses.arithmetic import policy_loss_from_logprobs
+    from fastrl.ops.support import SamplerRule
 
     mask_b = mask.bool()
+    t = targets.masked_fill(~mask_b, -100)
+    kept, outside = support, None
+    if isinstance(support, SamplerRule):
+        kept = None
+        if not support.is_identity:
+            kept, outside = fastrl.replay_rule(hidden.detach(), weight.detach(), t, support,
+                                               bias=None if bias is None else bias.detach(),
+                                               temperature=config.temperature, logit_scale=logit_scale,
+                                               softcap=softcap, backend=backend)
+    extra = {} if kept is None else {"support": kept}
     logp, ent = fused_logprobs(
-        hidden, weight, targets.masked_fill(~mask_b, -100), bias=bias, temperature=config.temperature,
+        hidden, weight, t, bias=bias, temperature=config.temperature,
         logit_scale=logit_scale, softcap=softcap, with_entropy=True, backend=backend, vocab_chunk=vocab_chunk,
+        **extra,
     )
-    return policy_loss_from_logprobs(
+    loss, metrics = policy_loss_from_logprobs(
         logp, ent, advantages, mask_b, config=config, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
         importance_weights=importance_weights, num_items_in_batch=num_items_in_batch,
         sampling_logprobs=sampling_logprobs,
     )
+    if support is not None:
+        n = mask_b.sum().clamp(min=1)
+        if kept is not None:
+            sizes = kept.sizes().reshape(mask_b.shape).to(mask_b.device)
+            metrics["sampling/kept_size_mean"] = (sizes * mask_b).sum().float() / n
+        else:  # an identity rule keeps the whole vocabulary
+            metrics["sampling/kept_size_mean"] = torch.tensor(float(weight.shape[0]), device=mask_b.device)
+        if isinstance(support, SamplerRule):
+            out = outside if outside is not None else torch.zeros_like(mask_b)
+            metrics["sampling/label_outside_frac"] = (out & mask_b).sum().float() / n
+    return loss, metrics
 
 
-def fastrl_loss_fn():
-    """``fastrl.policy_loss`` (one pass) when this build has it; otherwise its two-pass equivalent."""
+def fastrl_loss_fn(support: bool = False):
+    """``fastrl.policy_loss`` (one pass) when this build has it (and, for a ``support``, takes one); otherwise its
+    two-pass equivalent."""
     import fastrl
 
     try:
-        return fastrl.policy_loss
+        fn = fastrl.policy_loss
     except AttributeError:
         return _two_pass_policy_loss
+    if support and not _accepts(fn, "support"):
+        return _two_pass_policy_loss
+    return fn
 
 
 def _accepts(fn, name: str) -> bool:
@@ -333,8 +365,6 @@ def one_pass_reason(trainer, inputs) -> str | None:
     isr = inputs.get("importance_sampling_ratio")
     if trainer.loss_type == "vespo" and isr is not None and isr.shape[-1] == 1:
         return "vespo with sequence-level IS ratios"
-    if getattr(trainer, "_fastrl_replay", "off") != "off" and not _accepts(fn, "support"):
-        return "sampling replay is not supported by fastrl.policy_loss in this build"
     return None
 
 
@@ -369,7 +399,8 @@ def _compute_loss_one_pass(trainer, model, inputs):
         importance_weights=isr,
         num_items_in_batch=n_items,
     )
-    fn = fastrl_loss_fn()
+    support = getattr(trainer, "_fastrl_loss_support", None)  # KeptSet [B, K] or SamplerRule (sampling replay)
+    fn = fastrl_loss_fn(support is not None)
     base = unwrap_causal_lm(acc.unwrap_model(trainer.model))
     st = base._fastrl_head_settings
     extras = {"logit_scale": st.logit_scale if st.logit_scale != 1.0 else None, "softcap": st.softcap,
@@ -379,7 +410,6 @@ def _compute_loss_one_pass(trainer, model, inputs):
     for name, value in extras.items():
         if value is not None and _accepts(fn, name):
             kwargs[name] = value
-    support = getattr(trainer, "_fastrl_loss_support", None)  # KeptSet [B, K] or SamplerRule (sampling replay)
     if support is not None:
         kwargs["support"] = support
     log_mass = support is not None and getattr(trainer, "_fastrl_log_kept_mass", False)

@@ -790,9 +790,15 @@ class PPOTrainer(Trainer):
         elif self.sampling_rule is not None:
             extra["support"] = self.sampling_rule
 
+        loss_fn = fastrl.policy_loss
+        if extra:
+            from fastrl.trainers.grpo import fastrl_loss_fn
+
+            loss_fn = fastrl_loss_fn(support=True)
+
         def head(h, w, b):
             with head_precision(h, w, b, settings) as (h_, w_, b_):
-                return fastrl.policy_loss(
+                return loss_fn(
                     h_, w_, mb_responses, mb_advantage, mb_mask, config=config, old_logprobs=mb_logprobs, bias=b_,
                     logit_scale=settings.logit_scale, softcap=settings.softcap, backend=settings.backend, **extra,
                 )
