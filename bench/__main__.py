@@ -6,7 +6,9 @@
     python -m bench w4                   W4: one GRPOTrainer step, stock TRL vs fastrl, per completion length
     python -m bench w5                   W5: the longest completion whose GRPO step fits a memory budget, stock TRL
                                          vs fastrl with activation offloading / tiled MLP (CPU: CPU-scaled)
-    python -m bench gpu                  W1-W3 at full size, every provider (for the H100)
+    python -m bench gpu                  W1-W3 at full size, every provider (for the H100), then keptset at W1/W2
+    python -m bench keptset              the LM head over a kept set of K in {20, 64, 512} ids vs the full vocabulary
+                                         (V=151936; CPU: N=1024, H=512; CUDA: W1 and W2 shapes)
     python -m bench                      everything for this device (GPU sizes on CUDA, CPU sizes otherwise)
     python -m bench list                 workloads and providers, and why a provider cannot run here
     python -m bench sass                 compile every kernel for sm_90 (no GPU needed): registers, spills,
@@ -360,6 +362,16 @@ def _w5_command(args, device: str, con) -> int:
     return w5.cli(args, device, con, env, out_dir, prefix, options=opts)
 
 
+def _keptset_command(args, device: str, con) -> int:
+    """Kept-set head vs full-vocabulary head (bench/keptset.py): its own points and files."""
+    from bench import keptset
+
+    env = report.environment(device)
+    out_dir = _out_dir(args, env["device_slug"])
+    prefix = "keptset" + ("-smoke" if args.smoke else "-quick" if args.quick else "")
+    return keptset.cli(args, device, con, env, out_dir, prefix)
+
+
 def _targets_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("paths", nargs="+", help="result files (gpu*.json, or *.rows.jsonl of a run stopped part-way) "
                                              "or folders holding them")
@@ -496,6 +508,9 @@ def _measure(args, device: str, con) -> int:
     report.write_json(json_path, payload)
     con.print("wrote " + ", ".join(str(p) for p in written + plots) + f"  ({elapsed + w4_s:.0f} s)")
     bad = [r for r in rows + w4_rows if r["status"] == "error"]
+    if args.command == "gpu" and not args.workload and not args.providers:  # the whole GPU set: keptset too
+        con.print()
+        _keptset_command(args, device, con)
     return 1 if bad and args.smoke else 0
 
 
@@ -534,6 +549,13 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             "in peak RSS), each point in a fresh process. Writes JSON / CSV and a plot of step memory against length.\n"
             "A full GPU run is long: split it with --workload and --providers.",
             (_run_options, _w5_options), _w5_command),
+    Command("keptset", "the LM head over a kept set (K = 20, 64, 512) vs the full vocabulary",
+            "fastrl.fused_logprobs forward + backward with support=KeptSet (K ids per token: Zipf-distributed ids that\n"
+            "recur across tokens, and uniformly random disjoint ones) and with support=SamplerRule(top_k=64), against\n"
+            "the full-vocabulary path on the same inputs, each point in a fresh process: time, extra peak memory and\n"
+            "their ratios. V=151936; CPU: N=1024, H=512, float32 (a few minutes on 2 cores); CUDA: W1 and W2 shapes,\n"
+            "bf16 (also run at the end of `python -m bench gpu`). Target: K=64 fwd+bwd <= 0.1x the full path.",
+            (_run_options,), _keptset_command),
     Command("list", "workloads and providers, and why a provider cannot run here",
             "The workloads (GPU and CPU sizes), the providers, and why a provider cannot run on this device.",
             (_device_option,), _list_command),

@@ -267,6 +267,8 @@ def policy_loss(
     backend: str | None = None,
     chunk_tokens: int | None = None,
     check_finite: bool = True,
+    support=None,  # None | fastrl.KeptSet (B*T rows) | fastrl.SamplerRule
+    positions: torch.Tensor | None = None,  # [B, T] completion positions (SamplerRule.min_tokens)
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO-family (or PPO) policy loss from hidden states and the LM head, fused, with its metrics.
 
@@ -309,6 +311,18 @@ def policy_loss(
         chunk_tokens: tokens per one-pass chunk (default: a [chunk, V] float32 tile of 1 GiB on a GPU with a
             trained head, 256 MiB with a frozen one, 32 MB on a CPU; whole sequences when the loss couples the
             tokens of a sequence). Smaller uses less memory.
+        support: None (the full softmax), a ``fastrl.KeptSet`` with one row per token of ``targets`` (``B * T``
+            rows, row-major; tokens outside ``mask`` may keep nothing) or a ``fastrl.SamplerRule`` replayed on
+            the policy's own logits (``fastrl.replay_rule``; a target the rule dropped is added to its set). The
+            policy's log-probs and entropies are then those of ``pi^S`` (``fused_logprobs(support=...)``) for
+            every loss type and both importance-sampling levels, and ``top_entropy_quantile`` ranks the support
+            entropies. ``old_logprobs`` / ``ref_logprobs`` stay inputs: compute them over the same support. With
+            a support the loss takes path A over the kept ids, O(B T K H), never the one-pass vocabulary tile;
+            ``chunk_tokens`` is not read. The metrics gain ``sampling/kept_size_mean`` (mean kept-set size over
+            the tokens in ``mask``) and, for a rule, ``sampling/label_outside_frac`` (the fraction of those whose
+            target the rule dropped).
+        positions: with a ``SamplerRule`` that has ``min_tokens``: ``[B, T]`` completion positions (default:
+            column t is position t).
 
     Returns:
         ``(loss, metrics)``: a 0-dim loss (float32; float64 for float64 inputs), differentiable w.r.t.
@@ -390,6 +404,9 @@ def policy_loss(
         weight.requires_grad,
         bias is not None and bias.requires_grad,
     )
+    if support is not None:
+        return _support_loss(hidden, weight, bias, eff_targets, in_mask, inputs, config, tf, name, support, positions,
+                             check_finite)
     granularity = config.one_pass_granularity
     chunks = None
     # The one-pass path keeps each chunk's logits in a float32 tile (cuBLAS writes it on the Triton backends).
@@ -421,6 +438,32 @@ def policy_loss(
     if gh is not None:
         gh = gh.view(B, T, H)
     return _AttachGradients.apply(loss, hidden, weight, bias, (gh, gw, gb)), metrics
+
+
+def _support_loss(hidden, weight, bias, eff_targets, in_mask, inputs: _LossInputs, config, tf, name, support,
+                  positions, check_finite):
+    """Path A over the kept set (O(B T K H): no vocabulary walk, so the one-pass tile would buy nothing)."""
+    from fastrl.ops.kept import resolve_support
+    from fastrl.ops.support import SamplerRule
+
+    ks, outside = resolve_support(support, hidden, weight, bias, eff_targets, tf, _IGNORE, positions, name)
+    logp, ent = fused_logprobs(
+        hidden, weight, eff_targets, bias=bias, temperature=tf.temperature, logit_scale=tf.logit_scale,
+        softcap=tf.softcap, with_entropy=True, ignore_index=_IGNORE, check_finite=check_finite, backend=name,
+        support=ks,
+    )
+    loss, metrics = inputs.loss(logp, ent, config)
+    dt, dev = logp.dtype, logp.device
+    live = in_mask.reshape(-1)
+    count = live.sum().clamp(min=1).to(dt)
+    if ks is None:  # a rule that keeps every id
+        sizes = torch.full(live.shape, weight.shape[0], dtype=dt, device=dev)
+    else:
+        sizes = ks.sizes().to(dt)
+    metrics["sampling/kept_size_mean"] = torch.where(live, sizes, 0).sum() / count
+    if isinstance(support, SamplerRule):
+        metrics["sampling/label_outside_frac"] = (outside.reshape(-1) & live).sum().to(dt) / count
+    return loss, metrics
 
 
 class FusedPolicyLoss(nn.Module):

@@ -17,8 +17,10 @@ The work never walks the vocabulary. Per token chunk: the union ``U`` of the chu
 float32 output on CUDA: no logit is rounded to bf16), and a mask of the ids each row did not keep. The
 backward recomputes that tile, forms G, and runs ``grad_h = G W[U]`` and ``G^T h`` (``[|U|, H]``), which is
 ``index_add``-ed into a float32 buffer over the rows of the *global* union of kept ids only: no float32
-``[V, H]`` buffer. Work O(N K H) (about ``2 chunk |U| H`` per chunk and pass), memory O(N K) plus one tile.
-Neighbouring tokens' kept sets overlap, so ``|U|`` is usually far below ``chunk * K``.
+``[V, H]`` buffer. Work ``2 |U| H`` per token and GEMM, with chunks chosen (``chunk_plan``) so that ``|U|`` stays
+within a cap (2048 ids on a CPU, 8192 on CUDA): O(N K H) up to the factor ``max(cap, K) / K`` when the sets are
+disjoint, and far less when they overlap, as neighbouring tokens' sets do (then chunks grow and the GEMMs get
+wide). Memory O(N K) plus one bounded tile and the float32 gradient rows of the kept ids.
 
 Every backend runs this same code (dense GEMMs on cuBLAS on CUDA, on the CPU's BLAS elsewhere): there is no
 vocabulary walk for a Triton kernel to fuse.
@@ -36,13 +38,15 @@ from fastrl.ops._gemm import addmm_f32, cuda_f32_out, mm_f32
 from fastrl.ops.config import LogitTransform
 from fastrl.ops.support import KeptSet
 
-__all__ = ["KeptOptions", "kept_logprobs", "chunk_plan"]
+__all__ = ["KeptOptions", "kept_logprobs", "chunk_plan", "resolve_support"]
 
 # Dropped ids sit this many nats below the row's kept maximum: exp(-1e4) is exactly 0 in float32 and float64,
 # and the value stays finite (softcap's derivative and the entropy's z * p stay 0, never NaN).
 _FILL = 1.0e4
-# elements of the [chunk, |U|] float32 tile (CPU: torch_backend's 16 MB; CUDA: 256 MB)
+# elements of the [chunk, |U|] float32 tile (CPU: torch_backend's 16 MB; CUDA: 256 MB), and the most ids a chunk's
+# union may hold (the work per token is at most max(cap, K) ids; a GPU wants wider GEMMs than a CPU)
 _TILE = {"cpu": TB.TILE_ELEMS, "cuda": 1 << 26}
+_CAP = {"cpu": 2048, "cuda": 8192}
 
 
 @dataclass(frozen=True)
@@ -52,16 +56,33 @@ class KeptOptions:
     tile_elems: int | None = None  # None: _TILE by device
 
 
-def chunk_plan(sizes: torch.Tensor, V: int, tile_elems: int) -> list[tuple[int, int]]:  # [N] kept sizes
-    """Token ranges whose ``[rows, |U|]`` tile stays within ``tile_elems`` for any ids: ``|U| <= min(V, rows*K)``
-    with K the largest set, so rows = sqrt(tile / K) while ``rows * K <= V``, else ``tile / V`` (at least 1)."""
-    N = sizes.numel()
+def chunk_plan(ks: KeptSet, V: int, tile_elems: int, cap: int) -> list[tuple[int, int]]:
+    """Token ranges ``[c0, c1)`` for the union GEMMs, grown greedily from each start by doubling while the chunk's
+    union ``U`` stays within ``cap`` ids and the ``[rows, |U|]`` tile within ``tile_elems``.
+
+    A row costs ``2 |U| H`` FLOPs per GEMM, so ``cap`` bounds the work per token at ``max(cap, K)`` ids whatever
+    the overlap: kept sets that share ids (neighbouring tokens do) give long chunks and large GEMMs; disjoint
+    sets give ``cap // K`` rows per chunk. The start is the largest row count that is safe for any ids
+    (``rows * K_max <= cap``); each doubling costs one ``unique`` over the candidate's ids."""
+    N = len(ks)
     if N == 0:
         return []
+    sizes = ks.sizes()
     k = max(1, int(sizes.max()))
-    r = int(math.isqrt(max(tile_elems // k, 1)))
-    rows = max(min(r, max(V // k, 1)), tile_elems // V, 1)
-    return [(c0, min(c0 + rows, N)) for c0 in range(0, N, rows)]
+    base = max(1, min(cap // k, tile_elems // max(cap, k)))
+    offsets = ks.offsets.tolist()
+    plan, c0 = [], 0
+    while c0 < N:
+        r = min(base, N - c0)
+        while c0 + r < N:
+            r2 = min(2 * r, N - c0)
+            u = torch.unique(ks.ids[offsets[c0] : offsets[c0 + r2]]).numel()
+            if u > cap or r2 * u > tile_elems:
+                break
+            r = r2
+        plan.append((c0, c0 + r))
+        c0 += r
+    return plan
 
 
 def _chunk_tile(
@@ -168,7 +189,7 @@ class KeptLogprobFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, ids, offsets, opts: KeptOptions, V: int):
         ks = KeptSet(ids, offsets, V, validate=False)
-        plan = chunk_plan(ks.sizes(), V, _tile_elems(opts, hidden.device))
+        plan = _plan(ks, V, opts, hidden.device)
         lse, zt, ent = _stats(hidden, weight, bias, targets, ks, opts, plan)
         ctx.save_for_backward(hidden, weight, bias, targets, ids, offsets, lse, ent)
         ctx.opts, ctx.V, ctx.plan = opts, V, plan
@@ -192,8 +213,9 @@ class KeptLogprobFunction(torch.autograd.Function):
         return (gh, gw, gb) + (None,) * 5
 
 
-def _tile_elems(opts: KeptOptions, device: torch.device) -> int:
-    return opts.tile_elems or _TILE.get(device.type, TB.TILE_ELEMS)
+def _plan(ks: KeptSet, V: int, opts: KeptOptions, device: torch.device) -> list[tuple[int, int]]:
+    tile = opts.tile_elems or _TILE.get(device.type, TB.TILE_ELEMS)
+    return chunk_plan(ks, V, tile, _CAP.get(device.type, _CAP["cpu"]))
 
 
 def kept_logprobs(
@@ -214,7 +236,7 @@ def kept_logprobs(
         if needs_grad:
             return KeptLogprobFunction.apply(hidden, weight, bias, targets, ks.ids, ks.offsets, opts, V)
         with torch.no_grad():  # forward only: nothing saved
-            plan = chunk_plan(ks.sizes(), V, _tile_elems(opts, hidden.device))
+            plan = _plan(ks, V, opts, hidden.device)
             lse, zt, ent = _stats(hidden, weight, bias, targets, ks, opts, plan)
             return zt - lse, ent, lse
 

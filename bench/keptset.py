@@ -1,0 +1,217 @@
+"""``python -m bench keptset``: the LM head over a kept set (``support=KeptSet``) against the full vocabulary.
+
+Per point, in a fresh process: ``fastrl.fused_logprobs`` forward + backward (loss ``sum(logp) + 0.01 *
+sum(entropy)``, C1's) with ``support=`` a KeptSet of K ids per token, and the same call without a support
+(the full-vocabulary path A, 8NHV) on the same inputs; and, at K=64, ``support=SamplerRule(top_k=64)`` (the rule
+replayed on the model's own logits: one more full forward pass, then the kept path). Time and extra peak memory
+(CPU: peak RSS over the RSS after the inputs; CUDA: ``max_memory_allocated`` over what the inputs hold), and the
+ratio against the full-vocabulary path in the same process.
+
+Kept sets (the ids, the sampled target among them):
+* ``zipf``: K distinct ids per token drawn from a Zipf(1.1) law over the vocabulary (frequent tokens recur from
+  position to position, as in real samples: neighbouring tokens' sets overlap);
+* ``uniform``: K ids uniformly at random: disjoint sets, the worst case for the union GEMM.
+
+Shapes: CPU N=1024, H=512, V=151936, float32 (C1-like; a few minutes on 2 cores); CUDA W1 (N=16384, H=4096) and
+W2 (H=896), V=151936, bf16.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+KS = (20, 64, 512)
+KINDS = ("zipf", "uniform")
+V_FULL = 151936
+CPU_SHAPES = [("C1-kept", 1024, 512, "float32")]
+GPU_SHAPES = [("W1-kept", 16384, 4096, "bfloat16"), ("W2-kept", 16384, 896, "bfloat16")]
+SMOKE_SHAPES = [("smoke-kept", 64, 32, "float32")]
+
+
+def make_sets(N: int, V: int, K: int, kind: str, device: torch.device, seed: int = 0):
+    """(KeptSet, targets [N]): K distinct ids per token, the target one of them."""
+    import fastrl
+
+    g = torch.Generator().manual_seed(seed)
+    if kind == "zipf":
+        probs = torch.arange(1, V + 1, dtype=torch.float64).pow(-1.1)
+        perm = torch.randperm(V, generator=g)  # which ids are frequent
+        ids = torch.stack([perm[torch.multinomial(probs, K, replacement=False, generator=g)] for _ in range(N)])
+    else:
+        ids = torch.stack([torch.randperm(V, generator=g)[:K] for _ in range(N)])
+    targets = ids[torch.arange(N), torch.randint(0, K, (N,), generator=g)]
+    return fastrl.KeptSet.from_padded(ids, V).to(device), targets.to(device)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One point, in this (fresh) process
+# ---------------------------------------------------------------------------------------------------------------
+
+def run_point(spec: dict) -> dict:
+    import fastrl
+    from bench import measure
+
+    dev = torch.device(spec["device"])
+    N, H, V, K = spec["N"], spec["H"], spec["V"], spec["K"]
+    dt = getattr(torch, spec["dtype"])
+    g = torch.Generator(device=dev).manual_seed(1)
+    hidden = torch.randn(N, H, generator=g, device=dev).to(dt).requires_grad_()
+    weight = (torch.randn(V, H, generator=g, device=dev) * H ** -0.5).to(dt).requires_grad_()
+    ks, targets = make_sets(N, V, K, spec["sets"], dev)
+    mode = spec["mode"]
+    support = {"kept": ks, "full": None, "rule": fastrl.SamplerRule(top_k=K)}[mode]
+    backend = spec.get("backend")
+
+    def step():
+        logp, ent = fastrl.fused_logprobs(hidden, weight, targets, support=support, backend=backend)
+        torch.autograd.grad(logp.sum() + 0.01 * ent.sum(), [hidden, weight])
+
+    res = {}
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        for _ in range(spec["warmup"]):
+            step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(spec["reps"]):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            step()
+            e1.record()
+            torch.cuda.synchronize()
+            times.append(e0.elapsed_time(e1))
+        res["peak_extra_mb"] = (torch.cuda.max_memory_allocated() - base) / measure.MB
+        res["device_name"] = torch.cuda.get_device_name(dev)
+    else:
+        if spec.get("threads"):
+            torch.set_num_threads(spec["threads"])
+        for _ in range(spec["warmup"]):
+            step()
+        import gc
+
+        gc.collect()
+        rss0 = measure._rss_mb()
+        measure._reset_peak()
+        times = []
+        for _ in range(spec["reps"]):
+            t0 = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t0) * 1e3)
+        res["peak_extra_mb"] = max(0.0, measure._peak_rss_mb() - rss0)
+    res["ms"] = statistics.median(times)
+    res["ms_all"] = times
+    sizes = ks.sizes()
+    res["kept_mean"] = float(sizes.float().mean())
+    from fastrl.ops import kept as kept_mod
+
+    plan = kept_mod.chunk_plan(ks, V, kept_mod._TILE.get(dev.type, kept_mod._TILE["cpu"]),
+                               kept_mod._CAP.get(dev.type, kept_mod._CAP["cpu"]))
+    unions = [torch.unique(ks[c0:c1].ids).numel() for c0, c1 in plan]
+    # work of the union GEMMs against the full vocabulary's, per pass: sum(rows * |U|) / (N * V)
+    res["union_work_vs_full"] = sum((c1 - c0) * u for (c0, c1), u in zip(plan, unions)) / (N * V)
+    res["chunks"] = len(plan)
+    res["union_mean"] = statistics.mean(unions)
+    return res
+
+
+def _worker(spec: dict, timeout: int) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        sp, rp = Path(d) / "spec.json", Path(d) / "res.json"
+        sp.write_text(json.dumps(spec))
+        try:
+            proc = subprocess.run([sys.executable, "-m", "bench.keptset", str(sp), str(rp)], timeout=timeout,
+                                  capture_output=True, text=True)
+        except subprocess.TimeoutExpired:
+            return {"status": "error", "reason": f"timed out after {timeout} s"}
+        if not rp.exists():
+            return {"status": "error", "reason": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
+        return json.loads(rp.read_text())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The command
+# ---------------------------------------------------------------------------------------------------------------
+
+def points(device: str, smoke: bool, quick: bool) -> list[dict]:
+    shapes = SMOKE_SHAPES if smoke else (GPU_SHAPES if device == "cuda" else CPU_SHAPES)
+    V = 512 if smoke else V_FULL
+    out = []
+    for name, N, H, dtype in shapes:
+        base = dict(shape=name, N=N, H=H, V=V, dtype=dtype, device=device)
+        out.append({**base, "mode": "full", "K": KS[0], "sets": "zipf"})
+        for K in ((20,) if smoke else (KS[:2] if quick else KS)):
+            for kind in KINDS:
+                out.append({**base, "mode": "kept", "K": K, "sets": kind})
+        out.append({**base, "mode": "rule", "K": 64 if not smoke else 20, "sets": "zipf"})
+    return out
+
+
+def cli(args, device: str, con, env: dict, out_dir: Path, prefix: str) -> int:
+    cuda = device == "cuda"
+    reps = args.reps or (1 if args.smoke else (10 if cuda else 3))
+    warmup = args.warmup if args.warmup is not None else (0 if args.smoke else (2 if cuda else 1))
+    rows = []
+    t0 = time.perf_counter()
+    for p in points(device, args.smoke, args.quick):
+        spec = {**p, "reps": reps if p["mode"] != "full" or cuda else max(1, min(reps, 2)), "warmup": warmup,
+                "threads": args.threads, "backend": args.fastrl_backend}
+        res = _worker(spec, args.timeout or 1200)
+        row = {**p, **res, "status": res.get("status", "ok")}
+        rows.append(row)
+        what = f"{p['shape']} {p['mode']:<4} K={p['K']:<3} {p['sets']:<7}"
+        con.print(f"{what}: " + (f"{res['ms']:.1f} ms, +{res['peak_extra_mb']:.0f} MB" if "ms" in res
+                                 else f"[red]{res.get('reason')}[/red]"))
+    for r in rows:  # ratios against the full-vocabulary path of the same shape
+        full = next((x for x in rows if x["shape"] == r["shape"] and x["mode"] == "full" and "ms" in x), None)
+        if full and "ms" in r:
+            r["time_vs_full"] = r["ms"] / full["ms"]
+            r["mem_vs_full"] = r["peak_extra_mb"] / full["peak_extra_mb"] if full["peak_extra_mb"] > 0 else None
+    elapsed = time.perf_counter() - t0
+    con.print()
+    con.print(f"keptset on {env['device']} | torch {env['torch']} | fwd+bwd of fused_logprobs, "
+              f"loss sum(logp) + 0.01 sum(H) | ms: median of {reps} (full path: of {min(reps, 2) if not cuda else reps})")
+    con.print(f"{'shape':<11}{'path':<6}{'K':>5} {'sets':<8}{'ms':>10}{'x full':>8}{'extra MB':>10}{'x full':>8}"
+              f"{'chunks':>8}{'|U| mean':>10}{'union work':>11}")
+    for r in rows:
+        if "ms" not in r:
+            continue
+        tv, mv = r.get("time_vs_full"), r.get("mem_vs_full")
+        con.print(f"{r['shape']:<11}{r['mode']:<6}{r['K'] if r['mode'] != 'full' else '-':>5} "
+                  f"{r['sets'] if r['mode'] == 'kept' else '-':<8}{r['ms']:>10.1f}{tv:>8.3f}{r['peak_extra_mb']:>10.0f}"
+                  f"{(mv if mv is not None else float('nan')):>8.3f}"
+                  + (f"{r['chunks']:>8}{r['union_mean']:>10.0f}{r['union_work_vs_full']:>11.4f}" if r["mode"] == "kept"
+                     else ""))
+    target = [r for r in rows if r["mode"] == "kept" and r["K"] == 64 and "time_vs_full" in r]
+    for r in target:
+        verdict = "[green]PASS[/green]" if r["time_vs_full"] <= 0.1 else "[red]FAIL[/red]"
+        con.print(f"target K=64 fwd+bwd <= 0.1x full ({r['shape']}, {r['sets']} sets): {r['time_vs_full']:.3f}x {verdict}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{prefix}.json"
+    path.write_text(json.dumps({"command": "keptset", "argv": getattr(args, "argv", []), "env": env,
+                                "elapsed_s": elapsed, "rows": rows}, indent=1))
+    con.print(f"wrote {path}  ({elapsed:.0f} s)")
+    return 1 if args.smoke and any(r["status"] != "ok" for r in rows) else 0
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(Path(argv[0]).read_text())
+    try:
+        res = {"status": "ok", **run_point(spec)}
+    except Exception as e:  # noqa: BLE001 - a row that says why
+        res = {"status": "error", "reason": f"{type(e).__name__}: {str(e)[:300]}"}
+    Path(argv[1]).write_text(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
