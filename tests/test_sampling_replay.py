@@ -50,10 +50,11 @@ def reward_even(completions, **kwargs):
     return out
 
 
-def grpo_trainer(tmp_path, **overrides):
+def grpo_trainer(tmp_path, peft_config=None, **overrides):
     tok = tiny_tokenizer(V)
     model = tiny_qwen2(V, H, 1, seed=0)
-    save_for_reference(model, tmp_path / "ref")
+    if peft_config is None:
+        save_for_reference(model, tmp_path / "ref")
     kw = dict(
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4, max_completion_length=C,
         report_to="none", use_cpu=True, save_strategy="no", logging_steps=1, seed=0, temperature=TEMPERATURE,
@@ -62,7 +63,10 @@ def grpo_trainer(tmp_path, **overrides):
     )
     kw.update(overrides)
     trainer = fastrl.GRPOTrainer(model=model, reward_funcs=reward_even, args=fastrl.GRPOConfig(**kw),
-                                 processing_class=tok, train_dataset=toy_prompt_dataset(tok, n=8, vocab_size=V))
+                                 processing_class=tok, train_dataset=toy_prompt_dataset(tok, n=8, vocab_size=V),
+                                 peft_config=peft_config)
+    if peft_config is not None:  # the reference is the policy without its adapter
+        return trainer
     with torch.no_grad():  # a reference that differs from the policy, so the reference log-probs are checked
         g = torch.Generator().manual_seed(1)
         for p in trainer.ref_model.parameters():
@@ -240,10 +244,16 @@ def test_grpo_misaligned_kept_sets_raise_before_any_step(tmp_path):
     assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
 
 
-def test_grpo_trains_with_replay_accumulation_and_iterations(tmp_path):
-    """A real run: generation, shuffle/split into 2 accumulation steps, 2 iterations per generation."""
+@pytest.mark.parametrize("peft", [False, True])
+def test_grpo_trains_with_replay_accumulation_and_iterations(tmp_path, peft):
+    """A real run: generation, shuffle/split into 2 accumulation steps, 2 iterations per generation; with PEFT
+    (LoRA; the reference is the policy without its adapter) too."""
+    lora = None
+    if peft:
+        lora = pytest.importorskip("peft").LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                      lora_dropout=0.0)
     trainer = grpo_trainer(tmp_path, sampling_replay="kept_set", gradient_accumulation_steps=2,
-                           per_device_train_batch_size=2, max_steps=2)
+                           per_device_train_batch_size=2, max_steps=2, peft_config=lora)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 2
