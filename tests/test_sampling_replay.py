@@ -397,6 +397,13 @@ def test_rule_from_settings():
         rule_from_generation_config(GenerationConfig(do_sample=False))
     assert rule_from_vllm_settings(-1, 0.95, None, {"min_tokens": 2}, [1]) == SamplerRule(
         top_p=0.95, min_tokens=2, stop_token_ids=(1,), order="vllm")
+    from fastrl.trainers.sampling import truncating_settings, warn_if_untruncated
+
+    assert truncating_settings(cfg) == ["top_k=20", "top_p=0.8", "min_p=0.05", "min_new_tokens=3"]
+    full = GenerationConfig(do_sample=True, top_k=0, top_p=1.0)
+    assert truncating_settings(full) == []
+    with pytest.warns(UserWarning, match="whole vocabulary"):
+        warn_if_untruncated(full)
 
 
 def test_kept_sets_travel_with_their_rows():

@@ -56,6 +56,7 @@ from fastrl.trainers.sampling import (
     rule_from_generation_config,
     rule_from_vllm_settings,
     stack_sequences,
+    warn_if_untruncated,
 )
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "fastrl_loss_fn", "install_fastrl_head", "one_pass_config"]
@@ -649,6 +650,8 @@ class GRPOTrainer(trl.GRPOTrainer):
                 self._fastrl_rule = rule_from_generation_config(self.generation_config, self.eos_token_ids)
             return
         # kept_set: who generates must be able to record
+        if not self.use_vllm:
+            warn_if_untruncated(self.generation_config)
         if self.rollout_func is not None:
             raise ValueError("sampling_replay='kept_set' records kept sets where TRL generates; a custom rollout_func "
                              "returns none. Use sampling_replay='rule'.")

@@ -64,7 +64,13 @@ from fastrl.trainers._lm_head import (
 )
 from fastrl.trainers.memory import MemoryOptions, during_training
 from fastrl.trainers.ppo_config import PPOConfig
-from fastrl.trainers.sampling import record_kept_sets, rule_from_generation_config, sequence_rows, stack_sequences
+from fastrl.trainers.sampling import (
+    record_kept_sets,
+    rule_from_generation_config,
+    sequence_rows,
+    stack_sequences,
+    warn_if_untruncated,
+)
 from fastrl.trainers.ppo_math import (
     INVALID_LOGPROB,
     apply_eos_penalty,
@@ -449,6 +455,8 @@ class PPOTrainer(Trainer):
         self.sampling_rule = None
         if self.sampling_replay == "rule":
             self.sampling_rule = rule_from_generation_config(self.generation_config, self.stop_token_id)
+        elif self.sampling_replay == "kept_set":
+            warn_if_untruncated(self.generation_config)
         bad = [b for b in negative_kl_settings(self.generation_config, temperature)
                if b.split("=")[0] not in _REPLAYED.get(self.sampling_replay, ())]
         if bad:

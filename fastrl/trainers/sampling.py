@@ -45,6 +45,8 @@ __all__ = [
     "rule_from_vllm_settings",
     "sequence_rows",
     "stack_sequences",
+    "truncating_settings",
+    "warn_if_untruncated",
 ]
 
 REPLAY_MODES = ("off", "kept_set", "rule")
@@ -262,6 +264,27 @@ def _stop_ids(eos_token_ids) -> tuple[int, ...]:
     return tuple(int(i) for i in eos_token_ids)
 
 
+def truncating_settings(cfg) -> list[str]:
+    """The settings of a ``GenerationConfig`` that remove ids from the sampler's support (empty: ``generate`` keeps
+    the whole vocabulary, and a recorded kept set would hold all of it at every token)."""
+    out = []
+    if cfg.top_k not in (None, 0):
+        out.append(f"top_k={cfg.top_k}")
+    if cfg.top_p is not None and cfg.top_p < 1.0:
+        out.append(f"top_p={cfg.top_p}")
+    if cfg.min_p:
+        out.append(f"min_p={cfg.min_p}")
+    if getattr(cfg, "min_new_tokens", None):
+        out.append(f"min_new_tokens={cfg.min_new_tokens}")
+    for name in _RULE_UNSUPPORTED:
+        v = getattr(cfg, name, None)
+        if v is None or v is False or v == 0 or (name == "typical_p" and v >= 1.0) or (
+                name in ("epsilon_cutoff", "eta_cutoff") and not 0.0 < v < 1.0):
+            continue
+        out.append(f"{name}={v!r}")
+    return out
+
+
 def rule_from_generation_config(cfg, eos_token_ids=None) -> SamplerRule:
     """The ``SamplerRule`` (transformers' order) that reproduces ``generate``'s support under ``cfg`` (a
     ``GenerationConfig``): ``top_k``, ``top_p``, ``min_p``, ``min_new_tokens`` with the EOS ids. A setting that
@@ -269,13 +292,7 @@ def rule_from_generation_config(cfg, eos_token_ids=None) -> SamplerRule:
     if not cfg.do_sample or (cfg.num_beams or 1) != 1:
         raise ValueError(f"sampling_replay='rule' replays multinomial sampling, got do_sample={cfg.do_sample}, "
                          f"num_beams={cfg.num_beams}")
-    bad = []
-    for name in _RULE_UNSUPPORTED:
-        v = getattr(cfg, name, None)
-        if v is None or v is False or v == 0 or (name == "typical_p" and v >= 1.0) or (
-                name in ("epsilon_cutoff", "eta_cutoff") and not 0.0 < v < 1.0):
-            continue
-        bad.append(f"{name}={v!r}")
+    bad = [b for b in truncating_settings(cfg) if b.split("=")[0] in _RULE_UNSUPPORTED]
     if bad:
         raise ValueError("sampling_replay='rule' cannot replay the generation settings " + ", ".join(bad)
                          + " (they change which ids can be sampled); use sampling_replay='kept_set'")
@@ -285,6 +302,19 @@ def rule_from_generation_config(cfg, eos_token_ids=None) -> SamplerRule:
         top_k=int(cfg.top_k or 0), top_p=float(1.0 if cfg.top_p is None else cfg.top_p),
         min_p=float(cfg.min_p or 0.0), min_tokens=min_new, stop_token_ids=stops, order="transformers",
     )
+
+
+def warn_if_untruncated(cfg) -> None:
+    """sampling_replay='kept_set' with a sampler that keeps every id: the recorded sets would hold the whole
+    vocabulary at every token (memory and time for nothing); say so."""
+    if not truncating_settings(cfg):
+        import warnings
+
+        warnings.warn(
+            "sampling_replay='kept_set' but the generation settings keep the whole vocabulary (no top_k, top_p < 1, "
+            "min_p, min_new_tokens, bad words or suppressed tokens): every recorded kept set would be the full "
+            "vocabulary. Use sampling_replay='off'.", stacklevel=3,
+        )
 
 
 def rule_from_vllm_settings(top_k, top_p, min_p, generation_kwargs=None, eos_token_ids=None) -> SamplerRule:
