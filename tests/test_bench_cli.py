@@ -62,7 +62,7 @@ def test_bench_cli_commands(tmp_path):
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert proc.returncode == 0 and line, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
     res = json.loads(line[len("RESULT "):])
-    assert res["commands"] == ["run", "c1", "gpu", "w4", "w5", "list", "targets", "sass"]
+    assert res["commands"] == ["run", "c1", "gpu", "w4", "w5", "keptset", "list", "targets", "sass"]
 
     helps = res["help"]
     assert helps["c1"].startswith("usage: python -m bench c1") and "C1-loss" in helps["c1"]
