@@ -194,9 +194,10 @@ def test_grpo_kept_set_matches_float64_over_recorded_sets(tmp_path, path):
     assert "sampling/label_outside_frac" not in metrics
 
 
-def test_grpo_rule_matches_float64_over_replayed_sets(tmp_path):
+@pytest.mark.parametrize("path", ["one_pass", "trl"])
+def test_grpo_rule_matches_float64_over_replayed_sets(tmp_path, path):
     torch.manual_seed(0)
-    trainer = grpo_trainer(tmp_path, sampling_replay="rule")
+    trainer = grpo_trainer(tmp_path, sampling_replay="rule", one_pass_loss=(path == "one_pass"), log_kept_mass=True)
     assert trainer._fastrl_rule == SamplerRule(top_k=TOP_K, top_p=TOP_P, min_tokens=2, stop_token_ids=(EOS_ID,),
                                                order="transformers")
     trainer.model.train()
@@ -214,7 +215,20 @@ def test_grpo_rule_matches_float64_over_replayed_sets(tmp_path):
             sets[name] = kept.reshape(*ids.shape, V)
             if name == "policy":
                 assert not bool(outside.any()), "the policy sampled outside its own rule"
+        # the policy moves before it is trained on these completions (a second iteration, an earlier micro-batch):
+        # some sampled tokens fall outside its rule now, and their sets are extended by them
+        g = torch.Generator().manual_seed(2)
+        for p in trainer.model.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g))
+        m = copy.deepcopy(trainer.model).double()
+        h = completion_hidden(m, out["prompt_ids"], out["prompt_mask"], ids, out["completion_mask"])
+        kept, outside = rule_mask_reference(h, m.lm_head.weight, targets, trainer._fastrl_rule,
+                                            temperature=TEMPERATURE)
+        sets["policy"] = kept.reshape(*ids.shape, V)
+        outside_frac = outside[mask].double().mean().item()
+        assert outside_frac > 0
     got = trainer_step(trainer, out)
+    assert trainer._fastrl_last_path == path
     # reference log-probs: over the rule on the reference's own logits
     ref = copy.deepcopy(trainer.ref_model).double()
     with torch.no_grad():
@@ -223,8 +237,9 @@ def test_grpo_rule_matches_float64_over_replayed_sets(tmp_path):
     err = (out["ref_per_token_logps"].double() - ref64).abs()[mask].max().item()
     assert err < 2e-5, f"reference log-probs over the reference's rule: max error {err}"
     loss64, grads64, _, _ = float64_step(trainer, out, sets["policy"])
-    assert_step_matches(got, (loss64, grads64), "rule")
-    assert got[2]["sampling/label_outside_frac"] == 0.0
+    assert_step_matches(got, (loss64, grads64), f"rule/{path}")
+    assert got[2]["sampling/label_outside_frac"] == pytest.approx(outside_frac, rel=1e-6)
+    assert 0.0 < got[2]["sampling/kept_mass_mean"] <= 1.0
     assert got[2]["sampling/kept_size_mean"] == pytest.approx(sets["policy"].sum(-1).double()[mask].mean().item())
 
 
@@ -335,6 +350,12 @@ def test_ppo_kept_set_rollout_reference_and_update_over_recorded_sets(tmp_path):
         z = h @ m.lm_head.weight.T
         top = torch.zeros_like(mask3).scatter_(-1, z.topk(TOP_K, -1).indices, True)
         assert torch.equal(top[real], mask3[real])
+    # misaligned: each response paired with another one's kept sets raises before the optimizer step
+    params = [p.detach().clone() for p in trainer.model.parameters()]
+    rolled = dict(batch, kept_sets=sequence_rows(kept, torch.tensor([1, 2, 3, 0, 5, 6, 7, 4])))
+    with pytest.raises(ValueError, match="misaligned|does not contain"):
+        trainer._train_micro_batch(rolled, torch.tensor([0, 1, 2, 3]))
+    assert all(torch.equal(p, q) for p, q in zip(trainer.model.parameters(), params))
     # one micro-batch of the update: the policy loss over the recorded sets against float64
     inds = torch.tensor([2, 0, 3, 1])
     m, h, _ = ppo_float64_logprobs(policy, qr[inds], ctx, mask3[inds])
