@@ -43,6 +43,7 @@ __all__ = [
     "head_precision",
     "head_settings_from_config",
     "lm_head_logprobs",
+    "support_stats",
     "unwrap_causal_lm",
 ]
 
@@ -181,16 +182,41 @@ def lm_head_logprobs(
     targets: torch.Tensor,  # [N] or [B, T], -100 = ignored
     settings: HeadSettings,
     with_entropy: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``fastrl.fused_logprobs`` under the model's logit transform and the trainer's precision settings."""
+    support=None,  # None, a KeptSet (one row per target) or a SamplerRule: log-probs over the sampler's support
+    positions: torch.Tensor | None = None,  # [N]: completion position of each target (a rule's min_tokens)
+    return_kept_mass: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """``fastrl.fused_logprobs`` under the model's logit transform and the trainer's precision settings.
+
+    ``support``/``positions``/``return_kept_mass`` are passed on only when set (``fastrl.fused_logprobs``'s
+    sampling-support arguments); the default call is the one from before supports existed."""
     from fastrl import fused_logprobs
 
+    extra = {}
+    if support is not None:
+        extra["support"] = support
+        if positions is not None:
+            extra["positions"] = positions
+    if return_kept_mass:
+        extra["return_kept_mass"] = True
     with head_precision(hidden, weight, bias, settings) as (h, w, b):
         return fused_logprobs(
             h, w, targets, bias=b, temperature=settings.temperature, logit_scale=settings.logit_scale,
             softcap=settings.softcap, with_entropy=with_entropy, backend=settings.backend,
-            vocab_chunk=settings.vocab_chunk,
+            vocab_chunk=settings.vocab_chunk, **extra,
         )
+
+
+def support_stats(kept, outside: torch.Tensor | None = None, log_kept_mass: torch.Tensor | None = None) -> dict:
+    """Sums for the ``sampling/*`` metrics over the tokens of ``kept`` (counted tokens only): token count, kept ids,
+    targets outside the rule (``outside``, bool per token), full-softmax mass of the support (``log_kept_mass``)."""
+    n = len(kept)
+    out = {"tokens": float(n), "kept": float(kept.sizes().sum()) if n else 0.0}
+    if outside is not None:
+        out["outside"] = float(outside.reshape(-1).sum())
+    if log_kept_mass is not None:
+        out["mass"] = float(log_kept_mass.detach().double().exp().sum())
+    return out
 
 
 def _moe_aux_loss(model, text_config, backbone_outputs, attention_mask):
@@ -221,15 +247,16 @@ def add_fastrl_lm_head(model, settings: HeadSettings) -> None:
 
     @functools.wraps(type(model).forward)  # generate() validates its kwargs against this signature
     def _fastrl_forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None,
-                        fastrl_head_fn=None, **kwargs):
+                        fastrl_head_fn=None, fastrl_support=None, fastrl_completion_length=None,
+                        fastrl_kept_mass=False, **kwargs):
         if not fused_lm_head:
             # the forward from before (TRL's fused wrapper, or the model's own): generation, plain losses
             passed = (("labels", labels), ("shift_labels", shift_labels), ("num_items_in_batch", num_items_in_batch))
             for k, v in passed:
                 if v is not None:
                     kwargs[k] = v
-            if fastrl_head_fn is not None:
-                raise ValueError("fastrl_head_fn needs fused_lm_head=True")
+            if fastrl_head_fn is not None or fastrl_support is not None:
+                raise ValueError("fastrl_head_fn / fastrl_support need fused_lm_head=True")
             return previous_forward(*args, **kwargs)
 
         st: HeadSettings = self._fastrl_head_settings
@@ -261,10 +288,13 @@ def add_fastrl_lm_head(model, settings: HeadSettings) -> None:
         h = hidden[mask]  # [n, H]: only the scored positions (prompt and padding cost nothing)
         t = labels[mask]
 
-        def head(h_, w_, b_):
-            return lm_head_logprobs(h_, w_, b_, t, st, with_entropy=True)
+        if fastrl_support is None:
+            def head(h_, w_, b_):
+                return lm_head_logprobs(h_, w_, b_, t, st, with_entropy=True)
+        else:
+            head = _support_head(self, fastrl_support, fastrl_completion_length, mask, t, st, fastrl_kept_mass)
 
-        logp, ent = call_with_head(head, h, weight, bias)
+        logp, ent = call_with_head(head, h, weight, bias)[:2]
         # masked_scatter keeps an all-masked micro-batch connected to the graph (a differentiable zero), as TRL does
         log_probs = logp.new_zeros(mask.shape).masked_scatter(mask, logp)
         entropy = ent.new_zeros(mask.shape).masked_scatter(mask, ent)
@@ -277,3 +307,59 @@ def add_fastrl_lm_head(model, settings: HeadSettings) -> None:
         return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy, label_mask=mask, aux_loss=aux_loss)
 
     model.forward = types.MethodType(_fastrl_forward, model)
+
+
+def _support_head(model, support, K, mask: torch.Tensor, targets: torch.Tensor, st: HeadSettings, kept_mass: bool):
+    """The head function of a forward called with ``fastrl_support``: log-probs of the scored labels over the
+    sampler's support. ``support``: a KeptSet laid out ``[B, K]`` over the last ``K`` label columns (the completion),
+    or a SamplerRule (``K`` = ``fastrl_completion_length``), replayed on this model's own logits with
+    ``fastrl.replay_rule`` and then scored over the replayed sets. Per-call sums for the ``sampling/*`` metrics
+    are appended to ``model._fastrl_support_stats``."""
+    from fastrl.ops.support import KeptSet, SamplerRule
+
+    B, L1 = mask.shape
+    if isinstance(support, KeptSet):
+        if len(support.lead_shape) != 2 or support.lead_shape[0] != B:
+            raise ValueError(f"fastrl_support must be a KeptSet laid out [B={B}, K], got {support.lead_shape}")
+        K = support.lead_shape[1]
+    elif isinstance(support, SamplerRule):
+        if not isinstance(K, int) or K <= 0:
+            raise ValueError(f"a SamplerRule fastrl_support needs fastrl_completion_length, a positive int, got {K!r}")
+    else:
+        raise TypeError(f"fastrl_support must be a KeptSet or a SamplerRule, got {type(support).__name__}")
+    if K > L1:
+        raise ValueError(f"the support covers {K} completion tokens but the sequence predicts only {L1}")
+    start = L1 - K
+    if bool(mask[:, :start].any()):
+        b, c = (int(i) for i in mask[:, :start].nonzero()[0])
+        raise ValueError(f"label ({b}, {c}) is scored but lies before the {K} completion tokens the support covers")
+    b_idx, c_idx = mask.nonzero(as_tuple=True)  # row-major: the order of hidden[mask]
+    pos = c_idx - start  # completion position of each scored token
+    stats = getattr(model, "_fastrl_support_stats", None)
+
+    def head(h_, w_, b_):
+        outside = None
+        if isinstance(support, SamplerRule) and support.is_identity:  # keeps every id: the full softmax
+            out = lm_head_logprobs(h_, w_, b_, targets, st, with_entropy=True, support=None,
+                                   return_kept_mass=kept_mass)
+            if stats is not None:
+                stats.append({"tokens": float(targets.numel()), "kept": float(targets.numel() * w_.shape[0]),
+                              "outside": 0.0, **({"mass": float(targets.numel())} if kept_mass else {})})
+            return out
+        if isinstance(support, KeptSet):
+            kept = support.to(h_.device)[b_idx.to(h_.device) * K + pos.to(h_.device)]
+        else:
+            import fastrl
+
+            with head_precision(h_, w_, b_, st) as (hh, ww, bb):
+                kept, outside = fastrl.replay_rule(
+                    hh.detach(), ww.detach(), targets, support, bias=None if bb is None else bb.detach(),
+                    temperature=st.temperature, logit_scale=st.logit_scale, softcap=st.softcap, positions=pos,
+                    backend=st.backend,
+                )
+        out = lm_head_logprobs(h_, w_, b_, targets, st, with_entropy=True, support=kept, return_kept_mass=kept_mass)
+        if stats is not None:
+            stats.append(support_stats(kept, outside, out[2] if kept_mass else None))
+        return out
+
+    return head

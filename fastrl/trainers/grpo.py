@@ -17,6 +17,8 @@ What changes, and nothing else:
   and entropies. Both give TRL's numbers and TRL's metric names. (A build without ``fastrl.policy_loss`` uses
   its two-pass equivalent, ``fused_logprobs`` + ``policy_loss_from_logprobs``, on the same route.)
 * ``TrainingHealthCallback`` is attached (``health_checks=False`` turns it off).
+* ``sampling_replay`` (off by default): log-probs, entropies and the loss over the sampler's support, recorded at
+  generation (``"kept_set"``) or replayed from the sampling settings (``"rule"``); see ``fastrl.trainers.sampling``.
 
 The one-pass path reproduces the trainer-level parts of TRL's ``_compute_loss`` around the per-token math of
 ``fastrl.reference.policy_loss_from_logprobs`` (which is TRL's arithmetic with gradient accumulation 1 on one
@@ -28,6 +30,7 @@ controller, the MoE aux loss and the cross-process metric reductions. Scaling: w
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
 from dataclasses import dataclass, field, fields
@@ -45,6 +48,16 @@ from fastrl.trainers._lm_head import (
     unwrap_causal_lm,
 )
 from fastrl.trainers.memory import MemoryOptions, check_memory_options, during_training
+from fastrl.trainers.sampling import (
+    KEPT_KEY,
+    check_replay_options,
+    kept_sets_from_vllm,
+    record_kept_sets,
+    rule_from_generation_config,
+    rule_from_vllm_settings,
+    stack_sequences,
+    warn_if_untruncated,
+)
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "fastrl_loss_fn", "install_fastrl_head", "one_pass_config"]
 
@@ -89,6 +102,14 @@ class GRPOConfig(trl.GRPOConfig):
         tiled_mlp (`int`, defaults to `0`): `n` > 0 runs every decoder MLP (policy and reference) over `n` chunks
             of the tokens, each recomputed in backward, so one chunk's `[tokens, intermediate]` activations live
             at a time; undone when `train()` returns. Same loss and gradients. 0: off.
+        sampling_replay (`str`, defaults to `"off"`): `"off"`: log-probs under the full softmax (stock TRL's
+            numbers). `"kept_set"`: the ids the sampler could draw at each completion token are recorded at
+            generation (transformers `generate`; vLLM colocate with `return_sampling_mask`) and the policy, old and
+            reference log-probs, entropies and the loss are computed over them. `"rule"`: the sampling settings
+            (`top_k`, `top_p`, `min_p`, `min_new_tokens`) are replayed on each model's own logits, extended by the
+            sampled token where it falls outside (logged as `sampling/label_outside_frac`).
+        log_kept_mass (`bool`, defaults to `False`): also log `sampling/kept_mass_mean`, the mean full-softmax
+            probability of the support under the policy (one extra forward pass over the vocabulary).
     """
 
     fused_loss: bool = field(default=True, metadata={"help": "Compute log-probs, entropies and the loss with fastrl."})
@@ -117,6 +138,12 @@ class GRPOConfig(trl.GRPOConfig):
     tiled_mlp: int = field(
         default=0, metadata={"help": "Run each decoder MLP over this many token chunks, recomputed in backward (0: off)."}
     )
+    sampling_replay: str = field(
+        default="off", metadata={"help": "Log-probs over the sampler's support: 'off', 'kept_set' or 'rule'."}
+    )
+    log_kept_mass: bool = field(
+        default=False, metadata={"help": "Log sampling/kept_mass_mean (costs one full forward pass)."}
+    )
 
     def __post_init__(self):
         if self.gradient_checkpointing is None:
@@ -134,6 +161,10 @@ class GRPOConfig(trl.GRPOConfig):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise ValueError(f"{name} must be None or a positive int, got {value!r}")
         check_memory_options(self.activation_offloading, self.tiled_mlp)
+        check_replay_options("GRPOConfig", self.sampling_replay, self.log_kept_mass)
+        if self.sampling_replay != "off" and not self.fused_loss:
+            raise ValueError(f"GRPOConfig.sampling_replay={self.sampling_replay!r} needs fused_loss=True (the support "
+                             "is applied by fastrl's LM head)")
 
 
 # GRPOConfig's name for a PolicyLossConfig field, where they differ
@@ -209,31 +240,63 @@ def install_fastrl_head(trainer, *, backend: str | None = None, vocab_chunk: int
 
 def _two_pass_policy_loss(hidden, weight, targets, advantages, mask, *, config, old_logprobs=None,
                           ref_logprobs=None, bias=None, importance_weights=None, num_items_in_batch=None,
-                          sampling_logprobs=None, logit_scale=1.0, softcap=None, backend=None, vocab_chunk=None):
-    """``fastrl.policy_loss``'s contract, as ``fused_logprobs`` + ``policy_loss_from_logprobs`` (two passes)."""
+                          sampling_logprobs=None, logit_scale=1.0, softcap=None, backend=None, vocab_chunk=None,
+                          support=None):
+    """``fastrl.policy_loss``'s contract, as ``fused_logprobs`` + ``policy_loss_from_logprobs`` (two passes).
+
+    ``support``: a KeptSet ``[B, T]`` or a SamplerRule (replayed with ``fastrl.replay_rule``; column t is
+    completion position t), with the ``sampling/*`` metrics ``policy_loss(support=)`` gives."""
+    import fastrl
     from fastrl import fused_logprobs
     from fastrl.losses.arithmetic import policy_loss_from_logprobs
+    from fastrl.ops.support import SamplerRule
 
     mask_b = mask.bool()
+    t = targets.masked_fill(~mask_b, -100)
+    kept, outside = support, None
+    if isinstance(support, SamplerRule):
+        kept = None
+        if not support.is_identity:
+            kept, outside = fastrl.replay_rule(hidden.detach(), weight.detach(), t, support,
+                                               bias=None if bias is None else bias.detach(),
+                                               temperature=config.temperature, logit_scale=logit_scale,
+                                               softcap=softcap, backend=backend)
+    extra = {} if kept is None else {"support": kept}
     logp, ent = fused_logprobs(
-        hidden, weight, targets.masked_fill(~mask_b, -100), bias=bias, temperature=config.temperature,
+        hidden, weight, t, bias=bias, temperature=config.temperature,
         logit_scale=logit_scale, softcap=softcap, with_entropy=True, backend=backend, vocab_chunk=vocab_chunk,
+        **extra,
     )
-    return policy_loss_from_logprobs(
+    loss, metrics = policy_loss_from_logprobs(
         logp, ent, advantages, mask_b, config=config, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
         importance_weights=importance_weights, num_items_in_batch=num_items_in_batch,
         sampling_logprobs=sampling_logprobs,
     )
+    if support is not None:
+        n = mask_b.sum().clamp(min=1)
+        if kept is not None:
+            sizes = kept.sizes().reshape(mask_b.shape).to(mask_b.device)
+            metrics["sampling/kept_size_mean"] = (sizes * mask_b).sum().float() / n
+        else:  # an identity rule keeps the whole vocabulary
+            metrics["sampling/kept_size_mean"] = torch.tensor(float(weight.shape[0]), device=mask_b.device)
+        if isinstance(support, SamplerRule):
+            out = outside if outside is not None else torch.zeros_like(mask_b)
+            metrics["sampling/label_outside_frac"] = (out & mask_b).sum().float() / n
+    return loss, metrics
 
 
-def fastrl_loss_fn():
-    """``fastrl.policy_loss`` (one pass) when this build has it; otherwise its two-pass equivalent."""
+def fastrl_loss_fn(support: bool = False):
+    """``fastrl.policy_loss`` (one pass) when this build has it (and, for a ``support``, takes one); otherwise its
+    two-pass equivalent."""
     import fastrl
 
     try:
-        return fastrl.policy_loss
+        fn = fastrl.policy_loss
     except AttributeError:
         return _two_pass_policy_loss
+    if support and not _accepts(fn, "support"):
+        return _two_pass_policy_loss
+    return fn
 
 
 def _accepts(fn, name: str) -> bool:
@@ -337,7 +400,8 @@ def _compute_loss_one_pass(trainer, model, inputs):
         importance_weights=isr,
         num_items_in_batch=n_items,
     )
-    fn = fastrl_loss_fn()
+    support = getattr(trainer, "_fastrl_loss_support", None)  # KeptSet [B, K] or SamplerRule (sampling replay)
+    fn = fastrl_loss_fn(support is not None)
     base = unwrap_causal_lm(acc.unwrap_model(trainer.model))
     st = base._fastrl_head_settings
     extras = {"logit_scale": st.logit_scale if st.logit_scale != 1.0 else None, "softcap": st.softcap,
@@ -347,11 +411,17 @@ def _compute_loss_one_pass(trainer, model, inputs):
     for name, value in extras.items():
         if value is not None and _accepts(fn, name):
             kwargs[name] = value
+    if support is not None:
+        kwargs["support"] = support
+    log_mass = support is not None and getattr(trainer, "_fastrl_log_kept_mass", False)
     keys: list[str] = []
 
     def head_fn(hidden, weight, bias):  # hidden [B, K, H]; runs inside the model's forward, head gathered
         with head_precision(hidden, weight, bias, st) as (h, w, b):
             loss, metrics = fn(h, w, completion_ids, advantages, mask, bias=b, **kwargs)
+            if log_mass:
+                metrics = {**metrics, "sampling/kept_mass_mean": kept_mass_mean(
+                    h, w, b, completion_ids, mask, support, config.temperature, st)}
         keys[:] = sorted(metrics)
         return (loss, *[metrics[k] for k in keys])
 
@@ -423,7 +493,69 @@ def _compute_loss_one_pass(trainer, model, inputs):
         store["cispo_clip_ratio"].append(global_mean("cispo_clip_ratio", float(B) if seq_level and K > 1 else n_tok))
     elif trainer.loss_type == "vespo":
         store["vespo/phi_seq_mean"].append(global_mean("vespo/phi_seq_mean", float(B)))
+    for name in SAMPLING_METRICS:
+        if name in metrics:
+            store[name].append(global_mean(name, n_tok))
     return loss
+
+
+SAMPLING_METRICS = ("sampling/kept_size_mean", "sampling/label_outside_frac", "sampling/kept_mass_mean")
+
+
+def kept_mass_mean(hidden, weight, bias, targets, mask, support, temperature: float, st) -> torch.Tensor:
+    """Mean over ``mask`` of the full-softmax probability of the support (``return_kept_mass``; one forward-only
+    pass over the vocabulary, no gradient)."""
+    from fastrl import fused_logprobs
+
+    m = mask.bool()
+    with torch.no_grad():
+        out = fused_logprobs(
+            hidden.detach(), weight.detach(), targets.masked_fill(~m, -100),
+            bias=None if bias is None else bias.detach(), temperature=temperature, logit_scale=st.logit_scale,
+            softcap=st.softcap, with_entropy=False, backend=st.backend, support=support, return_kept_mass=True,
+        )
+        mass = out[-1].double().exp()
+        return (mass * m).sum().div(m.sum().clamp(min=1)).float()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sampling replay: launch checks
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _check_replay_launch(args, replay: str) -> None:
+    """What the config alone rules out, before any model is loaded."""
+    if replay == "kept_set" and getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", "colocate") == "server":
+        raise ValueError(
+            "sampling_replay='kept_set' needs the kept sets from the generator, and a vLLM server (vllm_mode='server') "
+            "returns none to the trainer. Use sampling_replay='rule' (the top_k / top_p / min_p / min_tokens rule "
+            "replayed on the trainer's logits), or vllm_mode='colocate'."
+        )
+
+
+@contextlib.contextmanager
+def _vllm_sampling_masks(args, replay: str):
+    """vLLM colocate with kept_set: TRL builds ``vllm.LLM`` itself; add ``return_sampling_mask=True`` to that call
+    (vLLM >= 0.28). Untested against a real vLLM: none is installed where fastrl is tested."""
+    if replay != "kept_set" or not getattr(args, "use_vllm", False):
+        yield
+        return
+    from trl.generation import vllm_generation
+
+    original = getattr(vllm_generation, "LLM", None)
+    if original is None:  # no vLLM: TRL raises its own error
+        yield
+        return
+
+    def llm(*a, **k):
+        k.setdefault("return_sampling_mask", True)
+        return original(*a, **k)
+
+    vllm_generation.LLM = llm
+    try:
+        yield
+    finally:
+        vllm_generation.LLM = original
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -448,7 +580,12 @@ class GRPOTrainer(trl.GRPOTrainer):
             args = GRPOConfig(f"{name.split('/')[-1]}-GRPO")
         check_loss_options(args)  # a stock trl.GRPOConfig too, and one changed after it was made
         check_launch(args)
-        super().__init__(model, reward_funcs, args, *pargs, **kwargs)
+        replay = _opt(args, "sampling_replay", "off")
+        check_replay_options(type(args).__name__, replay, _opt(args, "log_kept_mass", False))
+        _check_replay_launch(args, replay)
+        with _vllm_sampling_masks(args, replay):
+            super().__init__(model, reward_funcs, args, *pargs, **kwargs)
+        self._setup_sampling_replay(replay)
         if _opt(self.args, "fused_loss", True):
             install_fastrl_head(
                 self, backend=_opt(self.args, "fastrl_backend", None),
@@ -481,13 +618,191 @@ class GRPOTrainer(trl.GRPOTrainer):
         # exactly those three messages, here only; any other warning passes through.
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_TRL_ALIAS_WARNINGS, category=FutureWarning)
-            return super()._generate_and_score_completions(inputs)
+            return self._generate_and_score_completions_replayed(inputs)
 
     def _compute_loss(self, model, inputs):
         # which path the last loss took ("one_pass" or "trl"), for tests and debugging
-        if one_pass_reason(self, inputs) is None:
-            self._fastrl_last_path = "one_pass"
-            return _compute_loss_one_pass(self, model, inputs)
-        self._fastrl_last_path = "trl"
-        return super()._compute_loss(model, inputs)
+        with self._loss_support(inputs):
+            if one_pass_reason(self, inputs) is None:
+                self._fastrl_last_path = "one_pass"
+                return _compute_loss_one_pass(self, model, inputs)
+            self._fastrl_last_path = "trl"
+            return self._trl_loss_with_stats(model, inputs)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # sampling replay (fastrl.trainers.sampling)
+    # ------------------------------------------------------------------------------------------------------------
+
+    def _setup_sampling_replay(self, replay: str) -> None:
+        self._fastrl_replay = replay
+        self._fastrl_log_kept_mass = bool(_opt(self.args, "log_kept_mass", False))
+        self._fastrl_rule = None
+        self._fastrl_pending_kept = None  # per-sequence KeptSets of the generation batch being scored
+        self._fastrl_loss_support = None  # the support of the micro-batch whose loss is being computed
+        self._fastrl_vllm_outputs = None
+        if replay == "off":
+            return
+        if replay == "rule":
+            if self.use_vllm:
+                self._fastrl_rule = rule_from_vllm_settings(self.top_k, self.top_p, self.min_p,
+                                                            self.args.generation_kwargs, self.eos_token_ids)
+            else:
+                self._fastrl_rule = rule_from_generation_config(self.generation_config, self.eos_token_ids)
+            return
+        # kept_set: who generates must be able to record
+        if not self.use_vllm:
+            warn_if_untruncated(self.generation_config)
+        if self.rollout_func is not None:
+            raise ValueError("sampling_replay='kept_set' records kept sets where TRL generates; a custom rollout_func "
+                             "returns none. Use sampling_replay='rule'.")
+        if self.tools:
+            raise ValueError("sampling_replay='kept_set' is not supported with tools (tool-call turns append tokens "
+                             "that were not sampled); use sampling_replay='rule'")
+        if getattr(self, "use_transformers_continuous_batching", False):
+            raise ValueError("sampling_replay='kept_set' records in transformers' generate, not in generate_batch "
+                             "(continuous batching); use sampling_replay='rule'")
+        if self.use_vllm:
+            llm = self.vllm_generation.llm
+            original = llm.generate
+
+            def generate(*a, **k):  # keep vLLM's outputs: TRL drops their sampling masks
+                outputs = original(*a, **k)
+                self._fastrl_vllm_outputs = outputs
+                return outputs
+
+            llm.generate = generate
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if getattr(self, "_fastrl_replay", "off") != "kept_set":
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                 has_tool_images)
+        V = unwrap_causal_lm(self.accelerator.unwrap_model(self.model)).config.get_text_config().vocab_size
+        if self.use_vllm:
+            self._fastrl_vllm_outputs = None
+            completion_ids, logprobs = super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+            outputs = self._fastrl_vllm_outputs
+            if outputs is None:
+                raise RuntimeError("sampling_replay='kept_set': vLLM's outputs were not seen (TRL's colocate path "
+                                   "changed?); use sampling_replay='rule'")
+            kept = kept_sets_from_vllm(outputs, V, device=self.accelerator.device)
+            if len(kept) != len(completion_ids):  # tensor parallel: this rank's share, as TRL slices it
+                rank = torch.distributed.get_rank(group=self.vllm_generation.tp_group)
+                kept = kept[rank * len(completion_ids) : (rank + 1) * len(completion_ids)]
+        else:
+            lm = unwrap_causal_lm(self.accelerator.unwrap_model(self.model))
+            with record_kept_sets(lm) as recorders:
+                completion_ids, logprobs = super()._generate_single_turn(
+                    prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+            if len(recorders) != 1:
+                raise RuntimeError(f"sampling_replay='kept_set': expected one generate call, saw {len(recorders)}")
+            kept = recorders[0].kept_sets([len(c) for c in completion_ids], V)
+        for i, (k, c) in enumerate(zip(kept, completion_ids)):
+            k.check_tokens(torch.as_tensor(list(c), dtype=torch.int64), name=f"the kept set of completion {i}")
+        self._fastrl_pending_kept = kept
+        return completion_ids, logprobs
+
+    def _generate_and_score_completions_replayed(self, inputs):
+        self._fastrl_pending_kept = None
+        try:
+            output = super()._generate_and_score_completions(inputs)
+            if self._fastrl_replay == "kept_set":
+                # one KeptSet per sequence, in a list: TRL's shuffle / split index it together with the tensors
+                output[KEPT_KEY] = list(self._fastrl_pending_kept)
+        finally:
+            self._fastrl_pending_kept = None
+        return output
+
+    @contextlib.contextmanager
+    def _loss_support(self, inputs):
+        replay = getattr(self, "_fastrl_replay", "off")
+        if replay == "off":
+            yield
+            return
+        if replay == "kept_set":
+            seqs = inputs.get(KEPT_KEY)
+            K = inputs["completion_ids"].size(1)
+            if seqs is None or len(seqs) != inputs["completion_ids"].size(0):
+                raise ValueError(f"sampling_replay='kept_set': the batch holds {None if seqs is None else len(seqs)} "
+                                 f"kept sets for {inputs['completion_ids'].size(0)} completions")
+            support = stack_sequences(seqs, K, device=inputs["completion_ids"].device)
+        else:
+            support = self._fastrl_rule
+        self._fastrl_loss_support = support
+        try:
+            yield
+        finally:
+            self._fastrl_loss_support = None
+
+    def _batch_support(self, n_seqs: int, logits_to_keep: int):
+        """The support of the sequences being scored: the loss micro-batch's, or the generation batch's."""
+        if self._fastrl_replay == "rule":
+            return self._fastrl_rule
+        if self._fastrl_loss_support is not None:
+            support = self._fastrl_loss_support
+        elif self._fastrl_pending_kept is not None:
+            support = stack_sequences(self._fastrl_pending_kept, logits_to_keep, device=self.accelerator.device)
+        else:
+            raise RuntimeError("sampling_replay='kept_set': log-probs were asked for sequences with no recorded kept "
+                               "set")
+        if support.lead_shape != (n_seqs, logits_to_keep):
+            raise ValueError(f"sampling_replay='kept_set': the kept sets are laid out {support.lead_shape}, the "
+                             f"sequences being scored ({n_seqs}, {logits_to_keep}): misaligned")
+        return support
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **multimodal):
+        if getattr(self, "_fastrl_replay", "off") == "off":
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+                **multimodal)
+        given = sorted(k for k, v in multimodal.items() if v is not None)
+        if given:
+            raise ValueError(f"sampling_replay={self._fastrl_replay!r} supports text models only, got inputs {given}")
+        support = self._batch_support(input_ids.size(0), logits_to_keep)
+        batch_size = batch_size or input_ids.size(0)
+        logps, entropies, aux = [], [], []
+        for start in range(0, input_ids.size(0), batch_size):  # TRL's loop, each chunk with its rows of the support
+            end = min(start + batch_size, input_ids.size(0))
+            ids, am = input_ids[start:end], attention_mask[start:end]
+            labels = ids.masked_fill(am == 0, -100)
+            labels[:, :-logits_to_keep] = -100
+            chunk = support if self._fastrl_replay == "rule" else support.rows_of_sequences(start, end)
+            extra = {"output_router_logits": True} if compute_aux_loss else {}
+            with self.accelerator.autocast():
+                out = model(input_ids=ids, attention_mask=am, labels=labels, fused_lm_head=True,
+                            fastrl_support=chunk, fastrl_completion_length=logits_to_keep,
+                            fastrl_kept_mass=self._fastrl_collect is not None and self._fastrl_log_kept_mass, **extra)
+            logps.append(out.log_probs[:, -logits_to_keep:])
+            if compute_entropy:
+                entropies.append(out.entropy[:, -logits_to_keep:])
+            if compute_aux_loss:
+                aux.append(out.aux_loss)
+        return (torch.cat(logps), torch.cat(entropies) if compute_entropy else None,
+                torch.stack(aux).mean() if compute_aux_loss else None)
+
+    _fastrl_collect = None
+
+    def _trl_loss_with_stats(self, model, inputs):
+        """TRL's ``_compute_loss`` on fastrl's log-probs; with sampling replay, the ``sampling/*`` metrics of the
+        policy's forward (summed by the patched head over its calls)."""
+        if getattr(self, "_fastrl_replay", "off") == "off":
+            return super()._compute_loss(model, inputs)
+        base = unwrap_causal_lm(self.accelerator.unwrap_model(self.model))
+        base._fastrl_support_stats = self._fastrl_collect = []
+        try:
+            loss = super()._compute_loss(model, inputs)
+            stats = self._fastrl_collect
+        finally:
+            base._fastrl_support_stats = self._fastrl_collect = None
+        mode = "train" if self.model.training else "eval"
+        names = {"kept": "sampling/kept_size_mean", "outside": "sampling/label_outside_frac",
+                 "mass": "sampling/kept_mass_mean"}
+        keys = [k for k in names if stats and k in stats[0]]
+        totals = torch.tensor([[sum(s["tokens"] for s in stats)] + [sum(s[k] for s in stats) for k in keys]],
+                              dtype=torch.float64, device=self.accelerator.device)
+        totals = self.accelerator.reduce(totals, reduction="sum")[0]
+        for i, k in enumerate(keys):
+            self._metrics[mode][names[k]].append((totals[i + 1] / totals[0].clamp(min=1)).item())
+        return loss
 

@@ -9,7 +9,8 @@ warning is also kept in ``callback.events`` as ``(global_step, check_name, messa
 
 At the start of training it also warns about generation settings known to make the KL estimate negative
 (sampling from a distribution other than the policy's: top-k, top-p < 1, min-p, repetition penalty, a forced
-minimum length).
+minimum length), and names ``sampling_replay``, which computes the log-probs over the sampler's kept ids; with
+replay on, only a repetition penalty (which reweights the kept ids) is still named.
 """
 
 from __future__ import annotations
@@ -99,7 +100,8 @@ CHECKS: tuple[Check, ...] = (
     Check("kl_negative", _KL, _kl_negative,
           "{key} = {value:.4g}: the KL estimate is negative beyond its noise (far below zero, or below zero over "
           "several logs in a row), and a true KL never is. The completions were not sampled from the policy being "
-          "trained (top-k / top-p / min-p sampling, a different temperature, a stale inference engine)."),
+          "trained (top-k / top-p / min-p sampling without sampling_replay, a different temperature, a stale "
+          "inference engine)."),
     Check("kl_high", _KL, lambda v, h: math.isfinite(v) and v > HIGH_KL,
           "{key} = {value:.4g} nats per token: the policy has moved far from the reference; the KL penalty is "
           "not holding it (raise beta, lower the learning rate)."),
@@ -188,7 +190,32 @@ class TrainingHealthCallback(TrainerCallback):
         return fired
 
     def check_generation_settings(self, args, model=None) -> list[str]:
-        """Warn about sampling settings that make the KL estimate negative; return the settings named."""
+        """Warn about sampling settings that make the KL estimate negative; return the settings named.
+
+        With ``args.sampling_replay`` on ("kept_set" or "rule") the log-probs are computed over the sampler's
+        support, so the truncation settings (top-k, top-p, min-p, a minimum length) are no longer named; a
+        repetition penalty reweights the kept ids and is still named."""
+        replay = getattr(args, "sampling_replay", "off")
+        bad = self._sampling_settings(args, model)
+        if replay in ("kept_set", "rule"):
+            bad = [b for b in bad if b.startswith("repetition_penalty")]
+        if bad:
+            advice = ("Sample from the full distribution (top_k=0, top_p=1, no min-p, no repetition penalty, no "
+                      "forced minimum length), or set sampling_replay='kept_set' (or 'rule') so that the log-probs "
+                      "are computed over the ids the sampler kept.")
+            if replay != "off":
+                advice = (f"sampling_replay={replay!r} replays which ids were kept, not a penalty's reweighting of "
+                          "them.")
+            self._warn(
+                0, "generation_settings",
+                "generation settings " + ", ".join(bad) + " sample completions from a distribution other than the "
+                "policy's; the per-token log-probs the loss uses are the policy's, so the KL estimate can go "
+                "negative and the ratios drift. " + advice,
+            )
+        return bad
+
+    @staticmethod
+    def _sampling_settings(args, model=None) -> list[str]:
         bad = []
         top_k = getattr(args, "top_k", None)
         if top_k not in (None, 0, -1):
@@ -215,14 +242,6 @@ class TrainingHealthCallback(TrainerCallback):
             v = getattr(gen_cfg, k, None)
             if v and not any(b.startswith(k + "=") for b in bad):
                 bad.append(f"{k}={v} (model.generation_config)")
-        if bad:
-            self._warn(
-                0, "generation_settings",
-                "generation settings " + ", ".join(bad) + " sample completions from a distribution other than the "
-                "policy's; the per-token log-probs the loss uses are the policy's, so the KL estimate can go "
-                "negative and the ratios drift. Sample from the full distribution (top_k=0, top_p=1, no min-p, "
-                "no repetition penalty, no forced minimum length) unless you mean to.",
-            )
         return bad
 
     # ------------------------------------------------------------------------------------------------------

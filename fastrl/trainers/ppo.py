@@ -64,6 +64,13 @@ from fastrl.trainers._lm_head import (
 )
 from fastrl.trainers.memory import MemoryOptions, during_training
 from fastrl.trainers.ppo_config import PPOConfig
+from fastrl.trainers.sampling import (
+    record_kept_sets,
+    rule_from_generation_config,
+    sequence_rows,
+    stack_sequences,
+    warn_if_untruncated,
+)
 from fastrl.trainers.ppo_math import (
     INVALID_LOGPROB,
     apply_eos_penalty,
@@ -242,6 +249,16 @@ def _pad_right(tensors: list[torch.Tensor], value: int) -> torch.Tensor:  # list
 # ---------------------------------------------------------------------------------------------------------------
 # Generation settings
 # ---------------------------------------------------------------------------------------------------------------
+
+# generation settings whose effect on the support each sampling_replay mode reproduces (penalties, a logit bias and a
+# different temperature reweight the kept ids too: no mode reproduces those)
+_REPLAYED = {
+    "kept_set": ("top_k", "top_p", "typical_p", "min_p", "epsilon_cutoff", "eta_cutoff", "no_repeat_ngram_size",
+                 "min_length", "min_new_tokens", "bad_words_ids", "suppress_tokens", "begin_suppress_tokens",
+                 "forced_bos_token_id", "forced_eos_token_id"),
+    "rule": ("top_k", "top_p", "min_p", "min_new_tokens"),
+}
+
 
 def negative_kl_settings(generation_config: GenerationConfig, temperature: float) -> list[str]:
     """Generation settings that sample from something other than ``softmax(logits / temperature)``.
@@ -434,13 +451,22 @@ class PPOTrainer(Trainer):
         )
         self.loss_config = dataclasses.replace(PolicyLossConfig.ppo(args.cliprange), temperature=temperature)
         self.generation_config = self._rollout_generation_config(args.temperature + 1e-7)
-        bad = negative_kl_settings(self.generation_config, temperature)
+        self.sampling_replay = args.sampling_replay
+        self.sampling_rule = None
+        if self.sampling_replay == "rule":
+            self.sampling_rule = rule_from_generation_config(self.generation_config, self.stop_token_id)
+        elif self.sampling_replay == "kept_set":
+            warn_if_untruncated(self.generation_config)
+        bad = [b for b in negative_kl_settings(self.generation_config, temperature)
+               if b.split("=")[0] not in _REPLAYED.get(self.sampling_replay, ())]
         if bad:
             warnings.warn(
                 "PPO rollout generation settings " + ", ".join(bad) + " sample tokens from a distribution other "
                 "than the policy's softmax(logits / temperature), whose log-probs the KL penalty and the PPO ratio "
                 "use: the KL estimate becomes biased and can go negative (TRL Training FAQ). Sample with top_k=0, "
-                "top_p=1.0, no minimum length and no penalties unless you mean to.",
+                "top_p=1.0, no minimum length and no penalties unless you mean to"
+                + (", or set sampling_replay='kept_set' (truncation and minimum length; penalties still reweight)."
+                   if self.sampling_replay == "off" else "; sampling_replay replays the support only."),
                 stacklevel=2,
             )
         self._check_fused_head(unwrap_causal_lm(model), self.head_settings)
@@ -600,58 +626,71 @@ class PPOTrainer(Trainer):
         ):
             yield unwrapped
 
-    def _generate(self, policy: nn.Module, queries: torch.Tensor, batch: int, config: GenerationConfig) -> torch.Tensor:
+    def _generate(self, policy: nn.Module, queries: torch.Tensor, batch: int, config: GenerationConfig,
+                  kept: list | None = None) -> torch.Tensor:
         """``[B, Lq + R]`` query + sampled response, generated ``batch`` prompts at a time (TRL's batch_generation).
 
         The generation config replaces the policy's own for the call, so nothing model-specific (a hub
-        ``generation_config.json`` with top_k / top_p / repetition_penalty) leaks into the sampling.
+        ``generation_config.json`` with top_k / top_p / repetition_penalty) leaks into the sampling. ``kept``: a
+        list that receives one ``KeptSet`` per sequence, the ids each response token could be drawn from
+        (recorded after every warper of ``generate``; sampling_replay="kept_set").
         """
         pad = self.processing_class.pad_token_id
         lm = unwrap_causal_lm(policy)
         saved = lm.generation_config
         lm.generation_config = config
+        recording = record_kept_sets(lm) if kept is not None else contextlib.nullcontext([])
         try:
             chunks = []
-            for i in range(0, queries.shape[0], batch):
-                query = queries[i : i + batch]
-                context_length = query.shape[1]
-                attention_mask = query != pad
-                input_ids = torch.masked_fill(query, ~attention_mask, 0)
-                out = policy.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
-                chunks.append(torch.cat((query, out[:, context_length:]), dim=1))
+            with recording as recorders:
+                for i in range(0, queries.shape[0], batch):
+                    query = queries[i : i + batch]
+                    context_length = query.shape[1]
+                    attention_mask = query != pad
+                    input_ids = torch.masked_fill(query, ~attention_mask, 0)
+                    out = policy.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+                    chunks.append(torch.cat((query, out[:, context_length:]), dim=1))
+                    if kept is not None:
+                        r = out.shape[1] - context_length
+                        kept.extend(recorders[-1].kept_sets([r] * out.shape[0], lm.config.get_text_config().vocab_size))
         finally:
             lm.generation_config = saved
         return _pad_right(chunks, pad)
 
-    def _policy_logprobs_and_values(self, query_responses, targets, context_length):
-        """Forward-only fused log-probs of ``targets`` [b, R] (-100: skip) and values, in one forward."""
+    def _policy_logprobs_and_values(self, query_responses, targets, context_length, support=None):
+        """Forward-only fused log-probs of ``targets`` [b, R] (-100: skip) and values, in one forward; with a
+        ``support`` (sampling replay) over it, plus the log of its full-softmax mass when ``log_kept_mass``."""
         ids, mask, pos = _lm_inputs(query_responses, self.processing_class.pad_token_id)
         settings = self.head_settings
+        mass = support is not None and self.args.log_kept_mass
 
         def head(h, w, b):
-            return lm_head_logprobs(h, w, b, targets, settings, with_entropy=False)
+            return lm_head_logprobs(h, w, b, targets, settings, with_entropy=False, support=support,
+                                    return_kept_mass=mass)
 
-        (logprob, _), value = self.model_wrapped(ids, mask, pos, context_length=context_length, head_fn=head)
-        return logprob, value
+        outs, value = self.model_wrapped(ids, mask, pos, context_length=context_length, head_fn=head)
+        if mass:
+            return outs[0], value, outs[2]
+        return outs[0], value
 
-    def _ref_logprobs(self, query_responses, targets, context_length):
+    def _ref_logprobs(self, query_responses, targets, context_length, support=None):
         ids, mask, pos = _lm_inputs(query_responses, self.processing_class.pad_token_id)
         settings = self.ref_head_settings
 
         def head(h, w, b):
-            return lm_head_logprobs(h, w, b, targets, settings, with_entropy=False)
+            return lm_head_logprobs(h, w, b, targets, settings, with_entropy=False, support=support)
 
         if self.ref_model is None:
             with self.null_ref_context():
-                (logprob, _), _ = self.model_wrapped(
+                outs, _ = self.model_wrapped(
                     ids, mask, pos, context_length=context_length, head_fn=head, with_values=False
                 )
-            return logprob
+            return outs[0]
         # the policy's forward runs under the accelerator's autocast (mixed precision); the reference must
         # be computed the same way, or the KL between two identical models is not 0
         with self.accelerator.autocast():
-            logprob, _ = _fused_head_outputs(_unwrap_engine(self.ref_model), ids, mask, pos, context_length, head)
-        return logprob
+            outs = _fused_head_outputs(_unwrap_engine(self.ref_model), ids, mask, pos, context_length, head)
+        return outs[0]
 
     @torch.no_grad()
     def _rollout(self, queries: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -660,12 +699,15 @@ class PPOTrainer(Trainer):
         tok = self.processing_class
         pad = tok.pad_token_id
         context_length = queries.shape[1]
+        kept_seqs = [] if self.sampling_replay == "kept_set" else None
         with self._unwrapped_for_generation() as unwrapped:
             query_responses = self._generate(
-                unwrapped.policy, queries, args.local_rollout_forward_batch_size, self.generation_config
+                unwrapped.policy, queries, args.local_rollout_forward_batch_size, self.generation_config, kept_seqs
             )
         responses = query_responses[:, context_length:]
         R = responses.shape[1]
+        # the support of every response token (sampling replay): recorded kept sets [B, R], or the rule
+        kept = stack_sequences(kept_seqs, R, device=responses.device) if kept_seqs is not None else None
 
         parts = defaultdict(list)
         for i in range(0, queries.shape[0], args.local_rollout_forward_batch_size):
@@ -680,8 +722,13 @@ class PPOTrainer(Trainer):
             # log-probs only where they are used (positions 0..L); the rest are skipped by the fused op
             padding_mask, _ = padding_masks(sequence_length, R)
             targets = response.masked_fill(padding_mask, _IGNORE)
-            logprob, value = self._policy_logprobs_and_values(query_response, targets, context_length)
-            ref_logprob = self._ref_logprobs(query_response, targets, context_length)
+            fb = query.shape[0]
+            support = kept.rows_of_sequences(i, i + fb) if kept is not None else self.sampling_rule
+            policy_out = self._policy_logprobs_and_values(query_response, targets, context_length, support)
+            logprob, value = policy_out[:2]
+            if len(policy_out) == 3:
+                parts["kept_mass"].append(policy_out[2].double().exp().masked_fill(padding_mask, 0.0))
+            ref_logprob = self._ref_logprobs(query_response, targets, context_length, support)
             # 2. the reward model scores the truncated response
             postprocessed_query_response = torch.cat((query, postprocessed_response), 1)
             _, score, _ = get_reward(self.reward_model, postprocessed_query_response, pad, context_length)
@@ -717,12 +764,17 @@ class PPOTrainer(Trainer):
         advantages, returns = compute_gae(rewards, values, args.gamma, args.lam)
         advantages = masked_whiten(advantages, ~padding_mask)
         advantages = torch.masked_fill(advantages, padding_mask, 0)
-        return dict(
+        batch = dict(
             query_responses=query_responses, responses=responses, postprocessed_responses=postprocessed_responses,
             logprobs=logprobs, ref_logprobs=ref_logprobs, values=values, scores=scores, kl=kl,
             non_score_reward=non_score_reward, advantages=advantages, returns=returns, padding_mask=padding_mask,
             padding_mask_p1=padding_mask_p1, context_length=torch.tensor(context_length),
         )
+        if kept is not None:
+            batch["kept_sets"] = kept  # [B, R] KeptSet: the updates index its rows with the micro-batch's
+        if "kept_mass" in out:
+            batch["kept_mass"] = out["kept_mass"]
+        return batch
 
     # ------------------------------------------------------------------------------------------------------------
     # optimisation
@@ -740,12 +792,23 @@ class PPOTrainer(Trainer):
         config = self.loss_config
         mb_advantage = batch["advantages"][inds]
         mb_logprobs = batch["logprobs"][inds]
+        extra = {}
+        if "kept_sets" in batch:
+            extra["support"] = sequence_rows(batch["kept_sets"], inds)
+        elif self.sampling_rule is not None:
+            extra["support"] = self.sampling_rule
+
+        loss_fn = fastrl.policy_loss
+        if extra:
+            from fastrl.trainers.grpo import fastrl_loss_fn
+
+            loss_fn = fastrl_loss_fn(support=True)
 
         def head(h, w, b):
             with head_precision(h, w, b, settings) as (h_, w_, b_):
-                return fastrl.policy_loss(
+                return loss_fn(
                     h_, w_, mb_responses, mb_advantage, mb_mask, config=config, old_logprobs=mb_logprobs, bias=b_,
-                    logit_scale=settings.logit_scale, softcap=settings.softcap, backend=settings.backend,
+                    logit_scale=settings.logit_scale, softcap=settings.softcap, backend=settings.backend, **extra,
                 )
 
         (pg_loss, pg_metrics), vpred = self.model_wrapped(ids, attn, pos, context_length=context_length, head_fn=head)
@@ -764,7 +827,7 @@ class PPOTrainer(Trainer):
         self.accelerator.backward(loss)
         self.optimizer.step()
         self.optimizer.zero_grad()
-        return {
+        stats = {
             "policy/approxkl_avg": pg_metrics["policy/approxkl_avg"],
             "policy/clipfrac_avg": pg_metrics["policy/clipfrac_avg"],
             "loss/policy_avg": pg_loss.detach(),
@@ -774,6 +837,10 @@ class PPOTrainer(Trainer):
             "val/ratio": pg_metrics["val/ratio"],
             "val/ratio_var": pg_metrics["val/ratio_var"],
         }
+        for name in ("sampling/kept_size_mean", "sampling/label_outside_frac"):  # the supports of this update
+            if name in pg_metrics:
+                stats[name] = pg_metrics[name]
+        return stats
 
     def _check_rollout(self, batch: dict[str, torch.Tensor], update: int) -> None:
         """Raise before any optimizer step when the rollout holds non-finite rewards, values, log-probs or
@@ -908,6 +975,9 @@ class PPOTrainer(Trainer):
                 "objective/scores": batch["scores"].mean(),
             }
             local["objective/rlhf_reward"] = local["objective/non_score_reward"] + local["objective/scores"]
+            n_real = real.sum().clamp(min=1)
+            if "kept_mass" in batch:
+                local["sampling/kept_mass_mean"] = batch["kept_mass"].sum() / n_real
             local.update(stats)
             keys = list(local)
             gathered = acc.gather(torch.stack([local[k].float() for k in keys])[None]).reshape(-1, len(keys)).mean(0)
@@ -919,6 +989,7 @@ class PPOTrainer(Trainer):
                  "loss/value_avg", "val/clipfrac_avg", "policy/entropy_avg", "val/ratio", "val/ratio_var"]
         values = dict(zip(keys, gathered.tolist()))
         metrics.update({k: values[k] for k in order})
+        metrics.update({k: values[k] for k in _SAMPLING_METRICS if k in values})
         metrics["val/num_eos_tokens"] = int(num_eos.sum().item())
         metrics["lr"] = self.lr_scheduler.get_last_lr()[0]
         metrics["episode"] = self.state.episode
@@ -1112,6 +1183,9 @@ class PPOTrainer(Trainer):
 # ---------------------------------------------------------------------------------------------------------------
 # small helpers
 # ---------------------------------------------------------------------------------------------------------------
+
+
+_SAMPLING_METRICS = ("sampling/kept_size_mean", "sampling/label_outside_frac", "sampling/kept_mass_mean")
 
 
 def _exact_div(a: int, b: int, message: str) -> int:

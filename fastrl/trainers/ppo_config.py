@@ -11,6 +11,8 @@ TRL's PPO documentation parse unchanged. Differences, each on purpose:
 - ``health_checks`` attaches fastrl's ``TrainingHealthCallback`` (on by default).
 - ``activation_offloading`` and ``tiled_mlp``: long completions on limited memory (``fastrl.trainers.memory``), as
   in fastrl's ``GRPOConfig``.
+- ``sampling_replay`` / ``log_kept_mass``: log-probs (rollout, reference, updates) over the sampler's support, as in
+  fastrl's ``GRPOConfig`` (``fastrl.trainers.sampling``); ``"off"`` keeps TRL's numbers.
 - ``logging_dir``: TensorBoard's log directory. transformers 5 dropped this TrainingArguments field (it reads
   ``TENSORBOARD_LOGGING_DIR``); PPO's documented ``--logging_dir`` flag is kept and handed to the TensorBoard
   callback by the trainer.
@@ -36,6 +38,7 @@ from typing import Literal
 from transformers import TrainingArguments
 
 from fastrl.trainers.memory import check_memory_options
+from fastrl.trainers.sampling import check_replay_options
 
 __all__ = ["PPOConfig"]
 
@@ -147,6 +150,17 @@ class PPOConfig(TrainingArguments):
         metadata={"help": "Run every decoder MLP (policy, value, reference, reward) over this many token chunks, "
                           "recomputed in backward (0: off)."},
     )
+    sampling_replay: str = field(
+        default="off",
+        metadata={"help": "Log-probs over the sampler's support: 'off' (full softmax, TRL's numbers), 'kept_set' "
+                          "(recorded in generate after every warper) or 'rule' (top_k / top_p / min_p / "
+                          "min_new_tokens replayed on each model's logits)."},
+    )
+    log_kept_mass: bool = field(
+        default=False,
+        metadata={"help": "Log sampling/kept_mass_mean, the policy's full-softmax mass of the support at the rollout "
+                          "(one extra forward pass over the vocabulary)."},
+    )
 
     def __post_init__(self):
         if isinstance(self.generation_kwargs, str):
@@ -188,3 +202,4 @@ class PPOConfig(TrainingArguments):
         if self.generation_kwargs is not None and not isinstance(self.generation_kwargs, dict):
             raise ValueError(f"generation_kwargs must be a dict (or a JSON object string), got {self.generation_kwargs!r}")
         check_memory_options(self.activation_offloading, self.tiled_mlp)
+        check_replay_options("PPOConfig", self.sampling_replay, self.log_kept_mass)
