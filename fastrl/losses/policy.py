@@ -138,7 +138,7 @@ def _check_ref_inputs(config, hidden, weight, bias, ref_logprobs, ref_hidden, re
     return True
 
 
-def _exact_kl(
+def exact_reference_kl(
     hidden: torch.Tensor,  # [B, T, H], the policy; the KL's gradient flows to it, weight and bias
     weight: torch.Tensor,  # [V, H]
     bias: torch.Tensor | None,  # [V]
@@ -150,19 +150,23 @@ def _exact_kl(
     backend: str,
     check_finite: bool,
     support=None,  # a KeptSet: both distributions renormalised over it (sampling replay)
+    ref_tf: LogitTransform | None = None,  # the reference's logit scale / softcap; None: the policy's
 ) -> torch.Tensor:  # [B, T]
     """Per-token KL(pi_theta || pi_ref) over the whole vocabulary (or the support), 0 outside the mask.
 
+    The one definition of the exact reference KL (``policy_loss`` and ``fastrl.PPOTrainer``'s rollout reward):
     ``fused_divergence`` with beta=1 (KL(student || teacher)), the policy as the student and the reference as the
-    teacher, both under the policy's logit transform (one model family: the same scale, softcap, temperature).
+    teacher, under the policy's temperature; the reference's logit scale and softcap are the policy's unless
+    ``ref_tf`` says otherwise (a separate reference model with its own config).
     """
     from fastrl.ops.divergence import fused_divergence
 
+    ref_tf = tf if ref_tf is None else ref_tf
     options = {} if support is None else {"support": support}
     return fused_divergence(
         hidden, weight, ref_hidden.detach(), ref_weight.detach(), beta=1.0, temperature=tf.temperature, bias=bias,
         teacher_bias=None if ref_bias is None else ref_bias.detach(), logit_scale=tf.logit_scale,
-        teacher_logit_scale=tf.logit_scale, softcap=tf.softcap, teacher_softcap=tf.softcap, mask=mask,
+        teacher_logit_scale=ref_tf.logit_scale, softcap=tf.softcap, teacher_softcap=ref_tf.softcap, mask=mask,
         check_finite=check_finite, backend=backend, **options,
     )
 
@@ -508,7 +512,7 @@ def policy_loss(
     name = resolve_backend(hidden.device, backend)
     if exact_kl:
         # the exact KL first, under autograd (its gradient reaches hidden / weight / bias through its own graph)
-        kl = _exact_kl(hidden, weight, bias, ref_hidden, ref_weight, ref_bias, in_mask, tf, name, check_finite)
+        kl = exact_reference_kl(hidden, weight, bias, ref_hidden, ref_weight, ref_bias, in_mask, tf, name, check_finite)
         inputs = dataclasses.replace(inputs, per_token_kl=kl)
 
     need = (

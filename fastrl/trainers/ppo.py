@@ -623,35 +623,77 @@ class PPOTrainer(Trainer):
             lm.generation_config = saved
         return _pad_right(chunks, pad)
 
-    def _policy_logprobs_and_values(self, query_responses, targets, context_length):
-        """Forward-only fused log-probs of ``targets`` [b, R] (-100: skip) and values, in one forward."""
+    def _policy_logprobs_and_values(self, query_responses, targets, context_length, ref=None):
+        """Forward-only fused log-probs of ``targets`` [b, R] (-100: skip) and values, in one forward.
+
+        ``ref``: the reference's ``(hidden [b, R, H_ref], weight, bias)`` (``kl_estimator="exact"``); then the exact
+        per-token KL(pi || pi_ref) [b, R] (0 where the target is skipped) is computed in the same forward, with the
+        policy's head gathered, and returned third.
+        """
         ids, mask, pos = _lm_inputs(query_responses, self.processing_class.pad_token_id)
         settings = self.head_settings
 
         def head(h, w, b):
-            return lm_head_logprobs(h, w, b, targets, settings, with_entropy=False)
+            logprob, _ = lm_head_logprobs(h, w, b, targets, settings, with_entropy=False)
+            if ref is None:
+                return logprob, None
+            from fastrl.losses.policy import exact_reference_kl
+            from fastrl.ops.config import LogitTransform
 
-        (logprob, _), value = self.model_wrapped(ids, mask, pos, context_length=context_length, head_fn=head)
-        return logprob, value
+            ref_h, ref_w, ref_b = ref
+            ref_st = self.ref_head_settings
+            with head_precision(h, w, b, settings) as (h_, w_, b_):
+                kl = exact_reference_kl(
+                    h_, w_, b_, ref_h.to(h_.dtype), ref_w.to(h_.dtype), None if ref_b is None else ref_b.to(h_.dtype),
+                    targets != _IGNORE,
+                    LogitTransform(temperature=settings.temperature, logit_scale=settings.logit_scale,
+                                   softcap=settings.softcap),
+                    settings.backend, True,
+                    ref_tf=LogitTransform(temperature=settings.temperature, logit_scale=ref_st.logit_scale,
+                                          softcap=ref_st.softcap),
+                )
+            return logprob, kl
+
+        (logprob, kl), value = self.model_wrapped(ids, mask, pos, context_length=context_length, head_fn=head)
+        return (logprob, value) if ref is None else (logprob, value, kl)
+
+    def _ref_forward(self, query_responses, context_length, head):
+        """``head(hidden, weight, bias)`` on the reference model's hidden states at the response positions."""
+        ids, mask, pos = _lm_inputs(query_responses, self.processing_class.pad_token_id)
+        if self.ref_model is None:
+            with self.null_ref_context():
+                out, _ = self.model_wrapped(ids, mask, pos, context_length=context_length, head_fn=head,
+                                            with_values=False)
+            return out
+        # the policy's forward runs under the accelerator's autocast (mixed precision); the reference must
+        # be computed the same way, or the KL between two identical models is not 0
+        with self.accelerator.autocast():
+            return _fused_head_outputs(_unwrap_engine(self.ref_model), ids, mask, pos, context_length, head)
 
     def _ref_logprobs(self, query_responses, targets, context_length):
-        ids, mask, pos = _lm_inputs(query_responses, self.processing_class.pad_token_id)
         settings = self.ref_head_settings
 
         def head(h, w, b):
             return lm_head_logprobs(h, w, b, targets, settings, with_entropy=False)
 
-        if self.ref_model is None:
-            with self.null_ref_context():
-                (logprob, _), _ = self.model_wrapped(
-                    ids, mask, pos, context_length=context_length, head_fn=head, with_values=False
-                )
-            return logprob
-        # the policy's forward runs under the accelerator's autocast (mixed precision); the reference must
-        # be computed the same way, or the KL between two identical models is not 0
-        with self.accelerator.autocast():
-            logprob, _ = _fused_head_outputs(_unwrap_engine(self.ref_model), ids, mask, pos, context_length, head)
+        logprob, _ = self._ref_forward(query_responses, context_length, head)
         return logprob
+
+    def _ref_hidden(self, query_responses, context_length):
+        """The reference's ``(hidden [b, R, H_ref], weight, bias)`` for the exact KL of one rollout chunk.
+
+        The hidden states are copied out of the forward (a slice would keep the whole body output alive); the head
+        is held by reference (the reference is frozen), copied only under DeepSpeed ZeRO-3, whose partitioned
+        weight has no storage outside the gather.
+        """
+        from fastrl.trainers._lm_head import _is_zero3_param
+
+        def head(h, w, b):
+            keep = _is_zero3_param(w)
+            return (h.detach().clone(), w.detach().clone() if keep else w.detach(),
+                    None if b is None else (b.detach().clone() if keep else b.detach()))
+
+        return tuple(self._ref_forward(query_responses, context_length, head))
 
     @torch.no_grad()
     def _rollout(self, queries: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -680,14 +722,21 @@ class PPOTrainer(Trainer):
             # log-probs only where they are used (positions 0..L); the rest are skipped by the fused op
             padding_mask, _ = padding_masks(sequence_length, R)
             targets = response.masked_fill(padding_mask, _IGNORE)
-            logprob, value = self._policy_logprobs_and_values(query_response, targets, context_length)
-            ref_logprob = self._ref_logprobs(query_response, targets, context_length)
+            if args.kl_estimator == "exact":
+                # the exact KL needs the reference's hidden states, not its log-probs: one pass over both heads
+                ref = self._ref_hidden(query_response, context_length)
+                logprob, value, kl_part = self._policy_logprobs_and_values(query_response, targets, context_length,
+                                                                           ref=ref)
+                parts["kl"].append(kl_part)
+                del ref
+            else:
+                logprob, value = self._policy_logprobs_and_values(query_response, targets, context_length)
+                parts["ref_logprobs"].append(self._ref_logprobs(query_response, targets, context_length))
             # 2. the reward model scores the truncated response
             postprocessed_query_response = torch.cat((query, postprocessed_response), 1)
             _, score, _ = get_reward(self.reward_model, postprocessed_query_response, pad, context_length)
             parts["postprocessed_responses"].append(postprocessed_response)
             parts["logprobs"].append(logprob)
-            parts["ref_logprobs"].append(ref_logprob)
             parts["sequence_lengths"].append(sequence_length)
             parts["scores"].append(score.float())
             parts["values"].append(value.float())
@@ -703,11 +752,14 @@ class PPOTrainer(Trainer):
         # padding: log-probs after the last real token, values one further
         padding_mask, padding_mask_p1 = padding_masks(sequence_lengths, R)
         logprobs = torch.masked_fill(out["logprobs"], padding_mask, INVALID_LOGPROB)
-        ref_logprobs = torch.masked_fill(out["ref_logprobs"], padding_mask, INVALID_LOGPROB)
+        ref_logprobs = None
+        if "ref_logprobs" in out:
+            ref_logprobs = torch.masked_fill(out["ref_logprobs"], padding_mask, INVALID_LOGPROB)
         values = torch.masked_fill(out["values"], padding_mask_p1, 0)
         # 4. rewards: -kl_coef * kl per token, the score at the end
         rewards, non_score_reward, kl = kl_rewards(
-            logprobs, ref_logprobs, scores, sequence_lengths, args.kl_coef, args.kl_estimator
+            logprobs, ref_logprobs, scores, sequence_lengths, args.kl_coef, args.kl_estimator,
+            per_token_kl=out.get("kl"),
         )
         # 5. whiten rewards
         if args.whiten_rewards:
@@ -717,12 +769,15 @@ class PPOTrainer(Trainer):
         advantages, returns = compute_gae(rewards, values, args.gamma, args.lam)
         advantages = masked_whiten(advantages, ~padding_mask)
         advantages = torch.masked_fill(advantages, padding_mask, 0)
-        return dict(
+        batch = dict(
             query_responses=query_responses, responses=responses, postprocessed_responses=postprocessed_responses,
             logprobs=logprobs, ref_logprobs=ref_logprobs, values=values, scores=scores, kl=kl,
             non_score_reward=non_score_reward, advantages=advantages, returns=returns, padding_mask=padding_mask,
             padding_mask_p1=padding_mask_p1, context_length=torch.tensor(context_length),
         )
+        if ref_logprobs is None:  # kl_estimator="exact": the reference gave its hidden states, not log-probs
+            del batch["ref_logprobs"]
+        return batch
 
     # ------------------------------------------------------------------------------------------------------------
     # optimisation
@@ -784,7 +839,8 @@ class PPOTrainer(Trainer):
             ("scores", "the reward (the reward model's score, after the EOS penalty)", batch["scores"], None),
             ("values", "the value model's values", batch["values"], real_p1),
             ("logprobs", "the policy's rollout log-probs", batch["logprobs"], real),
-            ("ref_logprobs", "the reference policy's log-probs", batch["ref_logprobs"], real),
+            ("ref_logprobs", "the reference policy's log-probs", batch["ref_logprobs"], real) if "ref_logprobs" in batch
+            else ("kl", "the exact KL to the reference policy", batch["kl"], real),
             ("advantages", "the advantages", batch["advantages"], real),
             ("returns", "the returns", batch["returns"], real_p1),
         )
