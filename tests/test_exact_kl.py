@@ -69,7 +69,7 @@ def reference(x: dict, config: PolicyLossConfig, logit_scale: float = 1.0, softc
     h, w, b = (x[k].detach().double().requires_grad_() for k in ("hidden", "weight", "bias"))
     tf = dict(temperature=config.temperature, logit_scale=logit_scale, softcap=softcap)
     logp, ent = logprobs_reference(h, w, x["targets"], bias=b, **tf)
-    kl = divergence_reference(
+    kl, _ = divergence_reference(
         h, w, x["ref_hidden"].double(), x["ref_weight"].double(), beta=1.0, bias=b, teacher_bias=x["ref_bias"].double(),
         temperature=config.temperature, logit_scale=logit_scale, teacher_logit_scale=logit_scale, softcap=softcap,
         teacher_softcap=softcap, mask=x["mask"],
@@ -173,8 +173,8 @@ def test_exact_kl_term_is_beta_times_normalised_kl_without_the_ratio(bias_correc
     l_on, g_on, m_on = fused(x, on)
     l_off, g_off, _ = fused(x, off)
     h, w, b = (x[k].detach().clone().requires_grad_() for k in ("hidden", "weight", "bias"))
-    kl = divergence_reference(h, w, x["ref_hidden"], x["ref_weight"], beta=1.0, bias=b, teacher_bias=x["ref_bias"],
-                              temperature=TEMPERATURE, mask=x["mask"])
+    kl, _ = divergence_reference(h, w, x["ref_hidden"], x["ref_weight"], beta=1.0, bias=b, teacher_bias=x["ref_bias"],
+                                 temperature=TEMPERATURE, mask=x["mask"])
     term = beta * kl[x["mask"]].sum() / x["mask"].sum()
     grads = torch.autograd.grad(term, [h, w, b])
     assert (l_on - l_off).item() == pytest.approx(term.item(), rel=1e-10)
@@ -297,7 +297,7 @@ def test_grpo_exact_kl_logged_equals_float64(tmp_path):
                 hidden = m64.model(input_ids=ids, attention_mask=attn).last_hidden_state[:, -K - 1 : -1]
                 states += [hidden, m64.lm_head.weight]
             mask = inputs["completion_mask"].bool()
-            kl = divergence_reference(*states, beta=1.0, temperature=GT, mask=mask)
+            kl, _ = divergence_reference(*states, beta=1.0, temperature=GT, mask=mask)
             assert inputs["ref_hidden_states"].shape == (ids.size(0), K, GH)
             expected.append((kl.sum() / mask.sum()).item())
         return real(model, inputs)
@@ -366,10 +366,10 @@ def test_ppo_exact_kl_rollout_reward_is_float64_kl(tmp_path):
         for m in (policy, ref):
             out = m.model(input_ids=qr.masked_fill(~attn, 0), attention_mask=attn, position_ids=pos)
             states += [out.last_hidden_state[:, ctx - 1 : -1].double(), m.lm_head.weight.double()]
-        kl = divergence_reference(*states, beta=1.0, temperature=0.9 + 1e-7, mask=real)
+        kl, _ = divergence_reference(*states, beta=1.0, temperature=0.9 + 1e-7, mask=real)
         # PyTorch's own error at the inputs' dtype (float32 logits): a small KL between nearby models is a difference
         # of O(1) log-probabilities, so both lose digits to the same cancellation
-        kl32 = divergence_reference(*[t.float() for t in states], beta=1.0, temperature=0.9 + 1e-7, mask=real)
+        kl32, _ = divergence_reference(*[t.float() for t in states], beta=1.0, temperature=0.9 + 1e-7, mask=real)
     assert kl[real].min() > 0
 
     def err_of(x):
@@ -383,7 +383,9 @@ def test_ppo_exact_kl_rollout_reward_is_float64_kl(tmp_path):
     # a short run: the logged KL (sum over the response, mean over the batch) is never negative
     trainer = make_trainer(tmp_path, kl_estimator="exact")
     trainer.train()
-    assert all(log["objective/kl"] >= 0 and math.isfinite(log["objective/kl"]) for log in updates(trainer))
+    logs = updates(trainer)
+    assert len(logs) == 2 and all(log["objective/kl"] >= 0 and math.isfinite(log["objective/kl"]) for log in logs)
+    assert logs[0]["objective/kl"] == 0.0 and logs[1]["objective/kl"] > 0  # the first rollout: policy == reference
 
 
 def test_ppo_config_kl_estimator():
