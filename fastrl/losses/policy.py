@@ -426,8 +426,9 @@ def policy_loss(
             ``fastrl.fused_divergence(hidden, weight, ref_hidden, ref_weight, beta=1.0, ...)`` under the same
             ``logit_scale``, ``softcap`` and ``config.temperature`` for both models, with its exact gradient
             w.r.t. hidden, weight and bias (none to the reference); placed where the k3 term is, not multiplied by
-            the ratio, and the ``kl`` metric is its exact masked mean. Costs one more pass over both heads'
-            logits (2NHV + 2NH_refV forward, 4NHV backward), never an ``[N, V]`` tensor.
+            the ratio, and the ``kl`` metric is its exact masked mean. Costs ``fused_divergence``'s passes over
+            both heads (2N(H + H_ref)V FLOPs forward; the backward recomputes both heads' tiles and adds 4NHV),
+            on top of the policy loss's, never an ``[N, V]`` tensor.
         logit_scale, softcap, backend, check_finite: as in :func:`fastrl.fused_logprobs` (the temperature is
             ``config.temperature``). With ``backend="triton-fused"`` the loss always takes the two-pass path,
             on kernels that never store a logit (more FLOPs, less memory than the one-pass tile).

@@ -101,9 +101,10 @@ class GRPOConfig(trl.GRPOConfig):
             vocabulary at every completion token, with its exact gradient, computed from both models' last hidden
             states without materialising logits; not multiplied by the `use_bias_correction_kl` ratio (it is
             already the expectation over the next token), and the logged `kl` is its exact mean. Costs one
-            reference forward per generation (as TRL's) plus, per loss, one pass over both LM heads (2NHV + 2NH_refV
-            forward, 4NHV backward), and keeps the reference's hidden states `[B, K, H]` per generation batch
-            (128 MB at 16384 tokens x H=4096 in bf16) instead of its `[B, K]` log-probs. Anything but `"k3"` needs
+            reference body forward per generation (as TRL's; its LM-head pass is skipped) plus, per loss,
+            `fastrl.fused_divergence` over both LM heads (2N(H + H_ref)V FLOPs forward, 2N(H + H_ref)V + 4NHV
+            backward), and keeps the reference's hidden states `[B, K, H]` per generation batch (128 MB at 16384
+            tokens x H=4096 in bf16) instead of its `[B, K]` log-probs. Anything but `"k3"` needs
             `fused_loss=True` and `one_pass_loss=True` (TRL's loss math only knows k3).
     """
 
