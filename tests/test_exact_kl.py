@@ -150,6 +150,29 @@ def test_policy_loss_exact_kl_float64_inputs(monkeypatch, path):
     assert_matches(got, reference(x, config, logit_scale=0.7, softcap=5.0), REL[torch.float64], path)
 
 
+def test_policy_loss_exact_kl_bf16_no_worse_than_pytorch(monkeypatch):
+    """bf16 inputs (one pass): the error against float64 is no worse than PyTorch's own on materialised bf16 logits."""
+    x = make_inputs(seed=8)
+    x16 = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in x.items()}
+    x64 = {k: v.double() if v.is_floating_point() else v for k, v in x16.items()}  # the same (rounded) inputs
+    config = config_for("dapo")
+    calls = force_path(monkeypatch, "one_pass")
+    loss, grads, metrics = fused(x16, config, chunk_tokens=T)
+    assert calls
+    loss64, grads64, metrics64, _ = reference(x64, config)
+    # PyTorch itself: the same reference computed in bf16 (logits rounded to bf16)
+    h, w, b = (x16[k].detach().clone().requires_grad_() for k in ("hidden", "weight", "bias"))
+    logp, ent = logprobs_reference(h, w, x16["targets"], bias=b, temperature=TEMPERATURE)
+    kl, _ = divergence_reference(h, w, x16["ref_hidden"], x16["ref_weight"], bias=b, teacher_bias=x16["ref_bias"],
+                                 temperature=TEMPERATURE, mask=x16["mask"])
+    loss16, _ = policy_loss_from_logprobs(logp, ent, x16["advantages"], x16["mask"], config=config,
+                                          old_logprobs=x16["old_logprobs"], per_token_kl=kl)
+    grads16 = torch.autograd.grad(loss16, [h, w, b])
+    assert abs(loss.double().item() - loss64.item()) <= abs(loss16.double().item() - loss64.item())
+    for name, g, g16, g64 in zip(("hidden", "weight", "bias"), grads, grads16, grads64):
+        assert rel_err(g, g64) <= rel_err(g16, g64), (name, rel_err(g, g64), rel_err(g16, g64))
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("path", ("one_pass", "two_pass"))
 @pytest.mark.parametrize("backend", ("triton",))
@@ -311,6 +334,20 @@ def test_grpo_exact_kl_logged_equals_float64(tmp_path):
         want = sum(expected[2 * step : 2 * step + 2]) / 2
         assert log["kl"] >= 0 and want > 0
         assert log["kl"] == pytest.approx(want, rel=1e-4), f"step {step}: logged kl {log['kl']}, float64 {want}"
+
+
+@pytest.mark.parametrize("estimator, options", [("k2", {}), ("exact", dict(top_entropy_quantile=0.5))])
+def test_grpo_other_estimators_run_on_fastrls_loss(tmp_path, estimator, options):
+    """k1/k2/exact reach fastrl's loss (TRL's loss math only knows k3), the entropy-quantile mask included."""
+    pytest.importorskip("trl")
+    from test_grpo_trainer import _logs, ours
+    from fastrl.trainers.grpo import one_pass_config
+
+    trainer = ours(tmp_path, loss_type="bnpo", beta=0.1, kl_estimator=estimator, max_steps=1, **options)
+    assert one_pass_config(trainer, 0.0).kl_estimator == estimator
+    trainer.train()
+    assert trainer._fastrl_last_path == "one_pass"
+    assert all(math.isfinite(h["kl"]) for h in _logs(trainer))
 
 
 def test_grpo_config_kl_estimator_options(tmp_path):

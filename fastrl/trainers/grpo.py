@@ -380,7 +380,12 @@ def _compute_loss_one_pass(trainer, model, inputs):
     )
     ref_hidden = ref_weight = ref_bias = None
     if exact:
-        ref_hidden = inputs["ref_hidden_states"]
+        ref_hidden = inputs.get("ref_hidden_states")
+        if ref_hidden is None or getattr(trainer, "_fastrl_ref_head", None) is None:
+            raise ValueError(
+                "kl_estimator='exact' needs the batch's ref_hidden_states (the reference model's last hidden states), "
+                "which fastrl.GRPOTrainer._generate_and_score_completions adds; this batch has none"
+            )
         ref_weight, ref_bias = trainer._fastrl_ref_head
     fn = fastrl_loss_fn()
     base = unwrap_causal_lm(acc.unwrap_model(trainer.model))
