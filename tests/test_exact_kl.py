@@ -260,6 +260,15 @@ def test_bad_input_named_errors(monkeypatch):
             _bad(x, config, **override)
     with pytest.raises(ValueError, match="kl_estimator"):
         PolicyLossConfig(kl_estimator="k4")
+    monkeypatch.undo()
+    # a non-finite reference inside the mask: named as the caller knows it; outside the mask it is never read
+    nan = x["ref_hidden"].clone()
+    nan[0, 1, 2] = float("nan")
+    with pytest.raises(FloatingPointError, match=r"exact KL at token \(0, 1\).*ref_hidden holds inf/nan"):
+        _bad(x, exact, ref_hidden=nan)
+    nan = x["ref_hidden"].clone()
+    nan[1, 6] = float("nan")
+    assert torch.isfinite(_bad(x, exact, ref_hidden=nan)[0])
     # the arithmetic on log-probs
     lp = x["old_logprobs"]
     with pytest.raises(ValueError, match="per_token_kl is None"):

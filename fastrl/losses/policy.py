@@ -163,12 +163,17 @@ def exact_reference_kl(
 
     ref_tf = tf if ref_tf is None else ref_tf
     options = {} if support is None else {"support": support}
-    return fused_divergence(
-        hidden, weight, ref_hidden.detach(), ref_weight.detach(), beta=1.0, temperature=tf.temperature, bias=bias,
-        teacher_bias=None if ref_bias is None else ref_bias.detach(), logit_scale=tf.logit_scale,
-        teacher_logit_scale=ref_tf.logit_scale, softcap=tf.softcap, teacher_softcap=ref_tf.softcap, mask=mask,
-        check_finite=check_finite, backend=backend, **options,
-    )
+    try:
+        return fused_divergence(
+            hidden, weight, ref_hidden.detach(), ref_weight.detach(), beta=1.0, temperature=tf.temperature, bias=bias,
+            teacher_bias=None if ref_bias is None else ref_bias.detach(), logit_scale=tf.logit_scale,
+            teacher_logit_scale=ref_tf.logit_scale, softcap=tf.softcap, teacher_softcap=ref_tf.softcap, mask=mask,
+            check_finite=check_finite, backend=backend, **options,
+        )
+    except (FloatingPointError, ValueError, TypeError) as e:
+        # name the arguments as the caller knows them (the reference is fused_divergence's teacher)
+        message = str(e).replace("teacher_", "ref_").replace("non-finite divergence", "non-finite exact KL")
+        raise type(e)(message) from None
 
 
 def _chunks(
@@ -558,7 +563,8 @@ class FusedPolicyLoss(nn.Module):
     """``nn.Module`` form of :func:`policy_loss` with a fixed configuration.
 
     ``forward(hidden, weight, targets, advantages, mask, **kwargs)`` takes the arguments of ``policy_loss``
-    after ``config`` (old_logprobs, ref_logprobs, bias, importance_weights, num_items_in_batch, ...).
+    after ``config`` (old_logprobs, ref_logprobs, bias, importance_weights, num_items_in_batch, ref_hidden,
+    ref_weight, ref_bias, ...).
     """
 
     def __init__(self, config: PolicyLossConfig | None = None, **options):
