@@ -583,6 +583,17 @@ class GRPOTrainer(trl.GRPOTrainer):
             return (h.detach().clone(),)  # a copy: the slice would keep the whole [B, L, H] output alive
 
         if self.ref_model is not None:
+            # fastrl.policy_loss applies the policy's logit transform to both heads (one model family, as TRL builds
+            # the reference from the policy's checkpoint); refuse a reference whose config says otherwise
+            ours = unwrap_causal_lm(self.accelerator.unwrap_model(self.model))._fastrl_head_settings
+            theirs = getattr(unwrap_causal_lm(self.accelerator.unwrap_model(self.ref_model)), "_fastrl_head_settings",
+                             None)
+            if theirs is not None and (theirs.logit_scale, theirs.softcap) != (ours.logit_scale, ours.softcap):
+                raise ValueError(
+                    "kl_estimator='exact' needs the reference model's logit transform to be the policy's, got "
+                    f"logit_scale={theirs.logit_scale}, softcap={theirs.softcap} for the reference and "
+                    f"logit_scale={ours.logit_scale}, softcap={ours.softcap} for the policy"
+                )
             model, ctx = self.ref_model, contextlib.nullcontext
         else:  # PEFT: the base model (adapters disabled), or the "ref" adapter when re-training an adapter
             peft_model = self.accelerator.unwrap_model(self.model)
