@@ -213,5 +213,7 @@ class PolicyLossConfig:
         # - sapo: sigmoid gate of the token's own coef_1; luspo: row sum then mean over B;
         # - delta: a per-token clamp; KL (any estimator, with or without bias correction): per-token in logp
         #   and ref_logp, times the token's own coef_1; IS weights: given constants;
+        # - the exact KL ("exact"): an additive term, beta * KL_t times a batch-constant weight, whose gradient
+        #   flows through its own graph (fastrl.losses.policy), not through logp / entropy;
         # - entropy bonus: d/dH_n = -coef * m_n / (number of masked tokens), a batch constant.
         return "token"

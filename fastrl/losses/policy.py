@@ -80,7 +80,7 @@ class _LossInputs:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _check_ref_inputs(config, hidden, weight, bias, ref_logprobs, ref_hidden, ref_weight, ref_bias) -> bool:
+def _check_ref_inputs(config, hidden, weight, ref_logprobs, ref_hidden, ref_weight, ref_bias) -> bool:
     """Validate the reference-model inputs of the exact KL; True when the loss needs the exact KL.
 
     Runs before any kernel. With ``kl_estimator="exact"`` and ``beta != 0``: ``ref_hidden`` ``[B, T, H_ref]`` and
@@ -490,7 +490,7 @@ def policy_loss(
                       num_items_in_batch=num_items_in_batch)
     if hidden.dim() != 3:
         raise ValueError(f"hidden must be [B, T, H] for a policy loss, got shape {tuple(hidden.shape)}")
-    exact_kl = _check_ref_inputs(config, hidden, weight, bias, ref_logprobs, ref_hidden, ref_weight, ref_bias)
+    exact_kl = _check_ref_inputs(config, hidden, weight, ref_logprobs, ref_hidden, ref_weight, ref_bias)
     if tuple(mask.shape) != tuple(targets.shape):
         raise ValueError(f"mask must have targets' shape {tuple(targets.shape)}, got {tuple(mask.shape)}")
     if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or chunk_tokens <= 0):
