@@ -175,7 +175,7 @@ def test_policy_loss_exact_kl_bf16_no_worse_than_pytorch(monkeypatch):
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("path", ("one_pass", "two_pass"))
-@pytest.mark.parametrize("backend", ("triton",))
+@pytest.mark.parametrize("backend", ("triton", "triton-fused"))
 def test_policy_loss_exact_kl_triton(monkeypatch, backend, path):
     x = make_inputs(seed=5)
     config = config_for("grpo", importance_sampling_level="token")
