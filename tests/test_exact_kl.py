@@ -181,7 +181,7 @@ def test_policy_loss_exact_kl_triton(monkeypatch, backend, path):
     config = config_for("grpo", importance_sampling_level="token")
     calls = force_path(monkeypatch, path)
     got = fused(x, config, backend=backend, chunk_tokens=4)
-    assert bool(calls) == (path == "one_pass")
+    assert bool(calls) == (path == "one_pass" and backend != "triton-fused")  # triton-fused: always two passes
     assert_matches(got, reference(x, config), REL[torch.float32], f"{backend}/{path}")
 
 
