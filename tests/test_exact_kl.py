@@ -345,6 +345,33 @@ def test_grpo_exact_kl_logged_equals_float64(tmp_path):
         assert log["kl"] == pytest.approx(want, rel=1e-4), f"step {step}: logged kl {log['kl']}, float64 {want}"
 
 
+def test_grpo_reference_hidden_states(tmp_path):
+    """What the trainer keeps for the exact KL: the reference body's own hidden states at the positions that predict
+    the completion, and its head by reference, copied when it is a ZeRO-3 partitioned weight (no storage outside
+    the gather; without DeepSpeed the gather is a no-op and a ``ds_id`` marks the weight)."""
+    pytest.importorskip("trl")
+    from test_grpo_trainer import C, make_batch, ours
+
+    trainer = ours(tmp_path, beta=0.1, kl_estimator="exact")
+    batch = make_batch(trainer)
+    states = trainer._reference_hidden_states(batch)
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    attn = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    with torch.no_grad():
+        own = trainer.ref_model.model(input_ids=ids, attention_mask=attn).last_hidden_state[:, -C - 1 : -1]
+    assert torch.equal(states, own) and states.is_contiguous()
+    weight = trainer.ref_model.lm_head.weight
+    assert trainer._fastrl_ref_head[0].data_ptr() == weight.data_ptr()
+    weight.ds_id = 0
+    try:
+        again = trainer._reference_hidden_states(batch)
+    finally:
+        del weight.ds_id
+    assert torch.equal(again, states)
+    assert trainer._fastrl_ref_head[0].data_ptr() != weight.data_ptr()
+    assert torch.equal(trainer._fastrl_ref_head[0], weight)
+
+
 @pytest.mark.parametrize("estimator, options", [("k2", {}), ("exact", dict(top_entropy_quantile=0.5))])
 def test_grpo_other_estimators_run_on_fastrls_loss(tmp_path, estimator, options):
     """k1/k2/exact reach fastrl's loss (TRL's loss math only knows k3), the entropy-quantile mask included."""
