@@ -17,6 +17,7 @@ _LAZY = {
     "KeptSet": "fastrl.ops.support",
     "SamplerRule": "fastrl.ops.support",
     "replay_rule": "fastrl.ops.rules",
+    "fused_divergence": "fastrl.ops.divergence",
     "PolicyLossConfig": "fastrl.losses.config",
     "policy_loss": "fastrl.losses.policy",
     "FusedPolicyLoss": "fastrl.losses.policy",

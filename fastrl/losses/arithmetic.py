@@ -51,7 +51,8 @@ def _check_shape(name: str, t: object, shapes: tuple[tuple[int, ...], ...], expe
 
 
 def _check_policy_inputs(
-    logprobs, entropy, advantages, mask, config, old_logprobs, ref_logprobs, importance_weights, sampling_logprobs
+    logprobs, entropy, advantages, mask, config, old_logprobs, ref_logprobs, importance_weights, sampling_logprobs,
+    per_token_kl=None,
 ) -> None:
     if not isinstance(config, PolicyLossConfig):
         raise TypeError(f"config must be a PolicyLossConfig, got {type(config).__name__}")
@@ -80,7 +81,27 @@ def _check_policy_inputs(
             f"entropy is None but the loss needs it (entropy_coef={config.entropy_coef}, "
             f"top_entropy_quantile={config.top_entropy_quantile})"
         )
-    if config.beta != 0.0 and ref_logprobs is None:
+    if config.kl_estimator == "exact":
+        if ref_logprobs is not None:
+            raise ValueError(
+                "ref_logprobs must be None with kl_estimator='exact' (the exact KL is not a function of the sampled "
+                "token's log-probs): pass the per-token exact KL as per_token_kl"
+            )
+        if config.beta != 0.0 and per_token_kl is None:
+            raise ValueError(
+                f"per_token_kl is None but beta={config.beta} with kl_estimator='exact' needs the per-token exact KL "
+                "([B, T], e.g. fastrl.fused_divergence(..., beta=1.0))"
+            )
+        if per_token_kl is not None:
+            _check_shape("per_token_kl", per_token_kl, ((B, T),), "[B, T]", logprobs)
+            if not per_token_kl.is_floating_point():
+                raise TypeError(f"per_token_kl must be a floating tensor, got {per_token_kl.dtype}")
+    elif per_token_kl is not None:
+        raise ValueError(
+            f"per_token_kl is given but kl_estimator={config.kl_estimator!r}: it is read only with "
+            "kl_estimator='exact' (the other estimators are computed from ref_logprobs)"
+        )
+    if config.beta != 0.0 and config.kl_estimator != "exact" and ref_logprobs is None:
         raise ValueError(f"ref_logprobs is None but beta={config.beta} needs the reference log-probs")
 
 
@@ -136,6 +157,7 @@ def policy_loss_from_logprobs(
     importance_weights: torch.Tensor | None = None,  # [B] or [B, T] vLLM truncated/masked IS ratio
     num_items_in_batch: torch.Tensor | int | float | None = None,  # dapo/cispo/vespo normaliser
     sampling_logprobs: torch.Tensor | None = None,  # [B, T] inference-engine log-probs (off-policy mask)
+    per_token_kl: torch.Tensor | None = None,  # [B, T] exact KL(pi || pi_ref), differentiable; kl_estimator="exact"
     with_metrics: bool = True,  # False: the loss alone (the one-pass path's per-chunk gradient evaluations)
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # (0-dim loss, {name: detached 0-dim metric})
     """The GRPO-family policy loss of TRL 1.16's ``GRPOTrainer._compute_loss``, from per-token log-probs.
@@ -146,6 +168,14 @@ def policy_loss_from_logprobs(
     ``num_items_in_batch`` defaults to the number of masked tokens (TRL's value with one process and
     ``steps_per_generation == 1``). ``sampling_logprobs`` feeds only the off-policy mask and defaults to
     ``old_logprobs``, as in TRL. Advantages, old/ref/sampling log-probs and IS weights are treated as constants.
+
+    ``config.kl_estimator == "exact"``: ``per_token_kl`` (``[B, T]``, the whole-vocabulary KL(pi || pi_ref) at each
+    position, differentiable: its gradient flows to whatever produced it) takes the place of the k1/k2/k3 estimate
+    and ``ref_logprobs`` must be None. It enters as ``+ beta * per_token_kl``, normalised like every other term,
+    and is not multiplied by the ratio (``use_bias_correction_kl`` corrects a sampled-token estimate for the
+    off-policy sample; the exact KL is already the expectation over the next token, see ``PolicyLossConfig``).
+    The loss is additive in it: ``d loss / d per_token_kl`` is ``beta`` times the loss type's constant weight of
+    each token.
 
     Computed in ``logprobs.dtype``, with no host synchronisation. Masked tokens are read through
     ``torch.where``, so whatever they hold (even inf/NaN, where TRL's ``x * mask`` would give NaN) contributes
@@ -162,7 +192,8 @@ def policy_loss_from_logprobs(
     variance of the ratio, sequence ratios broadcast to their tokens).
     """
     _check_policy_inputs(
-        logprobs, entropy, advantages, mask, config, old_logprobs, ref_logprobs, importance_weights, sampling_logprobs
+        logprobs, entropy, advantages, mask, config, old_logprobs, ref_logprobs, importance_weights, sampling_logprobs,
+        per_token_kl,
     )
     dtype, device = logprobs.dtype, logprobs.device
     B, T = logprobs.shape
@@ -208,8 +239,11 @@ def policy_loss_from_logprobs(
         log_importance_weights = log_importance_weights.unsqueeze(-1)
     coef_1 = torch.exp(log_importance_weights)  # [B, T] or [B, 1]
 
-    per_token_kl = None
-    if config.beta != 0.0:
+    if config.beta == 0.0:
+        per_token_kl = None
+    elif config.kl_estimator == "exact":
+        per_token_kl = masked(per_token_kl)  # no ratio: already the expectation over the next token
+    else:
         per_token_kl = kl_estimate(logp, masked(ref_logprobs.detach()), config.kl_estimator)
         if config.use_bias_correction_kl:
             per_token_kl = per_token_kl * coef_1

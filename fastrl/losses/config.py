@@ -2,7 +2,7 @@
 
 Every field mirrors an argument of TRL 1.16's ``GRPOConfig`` that ``GRPOTrainer._compute_loss`` reads and that
 changes the loss value or its gradient; names and defaults are TRL's, except ``epsilon_low`` (TRL: ``epsilon``),
-``kl_estimator`` (a fastrl extension, TRL hard-codes k3) and ``max_completion_length`` (TRL defaults it to 512
+``kl_estimator`` (a fastrl extension, TRL hard-codes k3; ``"exact"`` is the whole-vocabulary KL) and ``max_completion_length`` (TRL defaults it to 512
 as a generation length; here it is only the dr_grpo normaliser and must be given for dr_grpo).
 The arithmetic that uses them is ``fastrl.reference.policy_loss_from_logprobs``.
 """
@@ -15,7 +15,9 @@ import math
 __all__ = ["LOSS_TYPES", "KL_ESTIMATORS", "IMPORTANCE_SAMPLING_LEVELS", "PolicyLossConfig"]
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
-KL_ESTIMATORS = ("k1", "k2", "k3")
+# k1/k2/k3 estimate KL(pi || pi_ref) from the sampled token's log-probs; "exact" is the KL itself, summed over the
+# whole vocabulary at every position from both models' hidden states (fastrl.fused_divergence, beta=1)
+KL_ESTIMATORS = ("k1", "k2", "k3", "exact")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 # Loss types whose per-token term is TRL's -min(coef_1 * A, clip(coef_1) * A), the only place TRL reads `delta`.
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
@@ -44,6 +46,15 @@ class PolicyLossConfig:
       setting it with another loss type is a ``ValueError`` rather than a silent no-op.
     - ``beta`` = 0.0: KL coefficient; ``kl_estimator`` = "k3" (TRL only has k3; k1/k2 are placed the same way);
       ``use_bias_correction_kl`` = True multiplies the per-token KL by the (differentiable) ratio ``coef_1``.
+      ``kl_estimator="exact"``: the per-token KL is ``KL(pi_theta(.|s_t) || pi_ref(.|s_t))`` summed over the whole
+      vocabulary (``fastrl.fused_divergence(..., beta=1.0)`` from both models' last hidden states), with its exact
+      gradient, placed and normalised where the k3 term is. It is *not* multiplied by ``coef_1`` whatever
+      ``use_bias_correction_kl`` says: k1/k2/k3 are functions of the one sampled token, so an off-policy sample
+      needs the ratio to estimate the KL of the current policy; the exact KL is already the expectation over the
+      next token under the current policy, and a ratio would only re-weight the positions (TRL's k3 times the
+      ratio has the exact KL as its expectation at each position). The loss then takes ``per_token_kl``
+      (``policy_loss_from_logprobs``) or ``ref_hidden`` / ``ref_weight`` (``fastrl.policy_loss``), never
+      ``ref_logprobs``.
     - ``entropy_coef`` = 0.0: entropy bonus ``loss - entropy_coef * masked_mean(entropy)``. TRL's adaptive
       variant (``use_adaptive_entropy``, ``entropy_target``, ``entropy_coef_min/max/delta``) is trainer state
       updated at optimizer-step boundaries from window-global, cross-process entropy, not a per-batch formula:
@@ -202,5 +213,7 @@ class PolicyLossConfig:
         # - sapo: sigmoid gate of the token's own coef_1; luspo: row sum then mean over B;
         # - delta: a per-token clamp; KL (any estimator, with or without bias correction): per-token in logp
         #   and ref_logp, times the token's own coef_1; IS weights: given constants;
+        # - the exact KL ("exact"): an additive term, beta * KL_t times a batch-constant weight, whose gradient
+        #   flows through its own graph (fastrl.losses.policy), not through logp / entropy;
         # - entropy bonus: d/dH_n = -coef * m_n / (number of masked tokens), a batch constant.
         return "token"

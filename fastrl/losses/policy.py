@@ -20,6 +20,7 @@ sequence-) separable loss the gradient of the rows just computed does not depend
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -57,14 +58,122 @@ class _LossInputs:
     importance_weights: torch.Tensor | None
     num_items_in_batch: torch.Tensor | int | float | None
     sampling_logprobs: torch.Tensor | None
+    per_token_kl: torch.Tensor | None = None  # [B, T] exact KL (kl_estimator="exact"), may carry a graph
 
     def loss(self, logp: torch.Tensor, entropy: torch.Tensor, config: PolicyLossConfig, metrics: bool = True):
         return policy_loss_from_logprobs(
             logp, entropy, self.advantages, self.mask, config=config, old_logprobs=self.old_logprobs,
             ref_logprobs=self.ref_logprobs, importance_weights=self.importance_weights,
             num_items_in_batch=self.num_items_in_batch, sampling_logprobs=self.sampling_logprobs,
-            with_metrics=metrics,
+            per_token_kl=self.per_token_kl, with_metrics=metrics,
         )
+
+    def constant_kl(self) -> _LossInputs:
+        """The same inputs with the exact KL detached (the one-pass path's per-chunk gradient evaluations)."""
+        if self.per_token_kl is None:
+            return self
+        return dataclasses.replace(self, per_token_kl=self.per_token_kl.detach())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The exact reference KL (kl_estimator="exact")
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _check_ref_inputs(config, hidden, weight, ref_logprobs, ref_hidden, ref_weight, ref_bias) -> bool:
+    """Validate the reference-model inputs of the exact KL; True when the loss needs the exact KL.
+
+    Runs before any kernel. With ``kl_estimator="exact"`` and ``beta != 0``: ``ref_hidden`` ``[B, T, H_ref]`` and
+    ``ref_weight`` ``[V, H_ref]`` (the policy's vocabulary; the hidden width may differ), ``ref_bias`` None or
+    ``[V]``, floating, on hidden's device, no ``ref_logprobs``. Otherwise none of the three may be given.
+    """
+    given = [n for n, t in (("ref_hidden", ref_hidden), ("ref_weight", ref_weight), ("ref_bias", ref_bias))
+             if t is not None]
+    if config.kl_estimator != "exact":
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} given but config.kl_estimator={config.kl_estimator!r}: the reference model's "
+                "hidden states and head are read only with kl_estimator='exact' (k1/k2/k3 take ref_logprobs)"
+            )
+        return False
+    if ref_logprobs is not None:
+        raise ValueError(
+            "ref_logprobs must be None with config.kl_estimator='exact': the exact KL is computed over the whole "
+            "vocabulary from the reference model's last hidden states and head (ref_hidden, ref_weight, ref_bias)"
+        )
+    if config.beta == 0.0:
+        return False  # no KL term: the reference inputs, if any, are not read
+    for name, t in (("ref_hidden", ref_hidden), ("ref_weight", ref_weight)):
+        if t is None:
+            raise ValueError(
+                f"{name} is None but config.kl_estimator='exact' with beta={config.beta} needs the reference "
+                "model's last hidden states ref_hidden [B, T, H_ref] and LM-head weight ref_weight [V, H_ref]"
+            )
+    for name, t in (("ref_hidden", ref_hidden), ("ref_weight", ref_weight), ("ref_bias", ref_bias)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t is not None and not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating tensor, got {t.dtype}")
+        if t is not None and t.device != hidden.device:
+            raise ValueError(f"{name} must be on hidden's device {hidden.device}, got {t.device}")
+    B, T = hidden.shape[:2]
+    if ref_hidden.dim() != 3 or tuple(ref_hidden.shape[:2]) != (B, T):
+        raise ValueError(
+            f"ref_hidden must be [B, T, H_ref] = [{B}, {T}, H_ref] (the reference model's last hidden states at "
+            f"hidden's positions), got shape {tuple(ref_hidden.shape)}"
+        )
+    V = weight.shape[0]
+    if ref_weight.dim() != 2 or ref_weight.shape[1] != ref_hidden.shape[2]:
+        raise ValueError(
+            f"ref_weight must be [V, H_ref] with H_ref = ref_hidden.shape[-1] = {ref_hidden.shape[2]}, got shape "
+            f"{tuple(ref_weight.shape)}"
+        )
+    if ref_weight.shape[0] != V:
+        raise ValueError(
+            f"ref_weight's vocabulary must be the policy's (V = weight.shape[0] = {V}): the KL compares the two "
+            f"distributions token by token, got ref_weight with V = {ref_weight.shape[0]}"
+        )
+    if ref_bias is not None and tuple(ref_bias.shape) != (V,):
+        raise ValueError(f"ref_bias must be None or [V] = [{V}], got shape {tuple(ref_bias.shape)}")
+    return True
+
+
+def exact_reference_kl(
+    hidden: torch.Tensor,  # [B, T, H], the policy; the KL's gradient flows to it, weight and bias
+    weight: torch.Tensor,  # [V, H]
+    bias: torch.Tensor | None,  # [V]
+    ref_hidden: torch.Tensor,  # [B, T, H_ref], a constant
+    ref_weight: torch.Tensor,  # [V, H_ref], a constant
+    ref_bias: torch.Tensor | None,  # [V], a constant
+    mask: torch.Tensor,  # [B, T] bool
+    tf: LogitTransform,
+    backend: str,
+    check_finite: bool,
+    support=None,  # a KeptSet: both distributions renormalised over it (sampling replay)
+    ref_tf: LogitTransform | None = None,  # the reference's logit scale / softcap; None: the policy's
+) -> torch.Tensor:  # [B, T]
+    """Per-token KL(pi_theta || pi_ref) over the whole vocabulary (or the support), 0 outside the mask.
+
+    The one definition of the exact reference KL (``policy_loss`` and ``fastrl.PPOTrainer``'s rollout reward):
+    ``fused_divergence`` with beta=1 (KL(student || teacher)), the policy as the student and the reference as the
+    teacher, under the policy's temperature; the reference's logit scale and softcap are the policy's unless
+    ``ref_tf`` says otherwise (a separate reference model with its own config).
+    """
+    from fastrl.ops.divergence import fused_divergence
+
+    ref_tf = tf if ref_tf is None else ref_tf
+    options = {} if support is None else {"support": support}
+    try:
+        return fused_divergence(
+            hidden, weight, ref_hidden.detach(), ref_weight.detach(), beta=1.0, temperature=tf.temperature, bias=bias,
+            teacher_bias=None if ref_bias is None else ref_bias.detach(), logit_scale=tf.logit_scale,
+            teacher_logit_scale=ref_tf.logit_scale, softcap=tf.softcap, teacher_softcap=ref_tf.softcap, mask=mask,
+            check_finite=check_finite, backend=backend, **options,
+        )
+    except (FloatingPointError, ValueError, TypeError) as e:
+        # name the arguments as the caller knows them (the reference is fused_divergence's teacher)
+        message = str(e).replace("teacher_", "ref_").replace("non-finite divergence", "non-finite exact KL")
+        raise type(e)(message) from None
 
 
 def _chunks(
@@ -100,6 +209,10 @@ def _chunks(
 class _AttachGradients(torch.autograd.Function):
     """Return the loss value; backward hands out the gradients computed in the forward, scaled.
 
+    With the exact KL (``kl_estimator="exact"``) the loss value itself carries a graph back to the KL (the loss is
+    additive in it): backward also hands ``grad_out`` to that graph, whose gradients autograd adds to the ones
+    computed in the forward. Without it the loss has no graph and nothing more happens.
+
     The gradients are saved tensors, so PyTorch's rules hold for them: the first backward frees them unless
     ``retain_graph=True``; a second backward through a retained graph hands them out again (they accumulate,
     as for any op), one through a freed graph raises PyTorch's "backward through the graph a second time".
@@ -125,7 +238,7 @@ class _AttachGradients(torch.autograd.Function):
         def scale(g):
             return None if g is None else g * grad_out.to(g.dtype)
 
-        return None, scale(gh), scale(gw), scale(gb), None
+        return (grad_out if ctx.needs_input_grad[0] else None), scale(gh), scale(gw), scale(gb), None
 
 
 def _one_pass(
@@ -151,6 +264,9 @@ def _one_pass(
     if triton:
         from fastrl.kernels import logits_fold as F
     idx = compact_rows(targets != _IGNORE)  # live rows only: padding costs nothing and cannot poison grad_W
+    # The loss is additive in the exact KL, so the per-token gradients w.r.t. logp / entropy do not depend on it:
+    # the chunks treat it as a constant, and its own gradient flows through the final loss's graph (below).
+    full_inputs, inputs = inputs, inputs.constant_kl()
     # placeholders for rows not yet computed: ratio 1 against old log-probs, zero entropy
     if inputs.old_logprobs is not None:
         logp_all = inputs.old_logprobs.detach().reshape(-1).to(cdt).clone()
@@ -238,8 +354,9 @@ def _one_pass(
     # the float32 logits tile (1 GiB at W1) is dead: free it before grad_W's cast allocates its copy
     del zbuf, stats
     z = G = None
-    with torch.no_grad():
-        loss, metrics = inputs.loss(logp_all.view(B, T), ent_all.view(B, T), config)
+    kl_graph = full_inputs.per_token_kl is not None and full_inputs.per_token_kl.requires_grad
+    with torch.set_grad_enabled(kl_graph):  # log-probs and entropies enter as constants; only the KL has a graph
+        loss, metrics = full_inputs.loss(logp_all.view(B, T), ent_all.view(B, T), config)
     grads = (
         grad_h,
         grad_w.to(weight.dtype) if need_w else None,
@@ -262,6 +379,9 @@ def policy_loss(
     importance_weights: torch.Tensor | None = None,  # [B] or [B, T]
     num_items_in_batch: torch.Tensor | int | float | None = None,
     sampling_logprobs: torch.Tensor | None = None,  # [B, T]; only for config.off_policy_mask_threshold
+    ref_hidden: torch.Tensor | None = None,  # [B, T, H_ref]; config.kl_estimator == "exact" (instead of ref_logprobs)
+    ref_weight: torch.Tensor | None = None,  # [V, H_ref]
+    ref_bias: torch.Tensor | None = None,  # [V]
     logit_scale: float = 1.0,
     softcap: float | None = None,
     backend: str | None = None,
@@ -293,7 +413,8 @@ def policy_loss(
             so the ratio is 1 with the gradient of ``logp`` (TRL's case when each generation is trained on
             once).
         ref_logprobs: ``[B, T]``, floating: log-probs under the reference model, for the KL term; required
-            when ``config.beta != 0``, unused otherwise.
+            when ``config.beta != 0`` with a k1/k2/k3 ``kl_estimator``, unused when beta is 0; must be None with
+            ``kl_estimator="exact"``.
         bias: ``[V]`` or None; ``hidden``'s dtype.
         importance_weights: ``[B]`` or ``[B, T]`` (``[B, T]`` for vespo), floating, or None (all 1): a weight
             on each token's policy term (not on the KL): TRL's vLLM importance-sampling correction, the
@@ -305,6 +426,16 @@ def policy_loss(
         sampling_logprobs: ``[B, T]``, floating: log-probs from the engine that sampled the completions
             (e.g. vLLM); read only by ``config.off_policy_mask_threshold`` (the off-policy sequence mask).
             None: ``old_logprobs``, as in TRL.
+        ref_hidden, ref_weight, ref_bias: with ``config.kl_estimator="exact"`` and ``beta != 0`` (required then;
+            refused with another estimator): the reference model's last hidden states ``[B, T, H_ref]`` at the
+            same positions, its LM-head weight ``[V, H_ref]`` (same vocabulary, any hidden width) and bias. The KL
+            term is then the exact ``KL(pi_theta || pi_ref)`` over the whole vocabulary at every token in the mask,
+            ``fastrl.fused_divergence(hidden, weight, ref_hidden, ref_weight, beta=1.0, ...)`` under the same
+            ``logit_scale``, ``softcap`` and ``config.temperature`` for both models, with its exact gradient
+            w.r.t. hidden, weight and bias (none to the reference); placed where the k3 term is, not multiplied by
+            the ratio, and the ``kl`` metric is its exact masked mean. Costs ``fused_divergence``'s passes over
+            both heads (2N(H + H_ref)V FLOPs forward; the backward recomputes both heads' tiles and adds 4NHV),
+            on top of the policy loss's, never an ``[N, V]`` tensor.
         logit_scale, softcap, backend, check_finite: as in :func:`fastrl.fused_logprobs` (the temperature is
             ``config.temperature``). With ``backend="triton-fused"`` the loss always takes the two-pass path,
             on kernels that never store a logit (more FLOPs, less memory than the one-pass tile).
@@ -320,7 +451,8 @@ def policy_loss(
             a support the loss takes path A over the kept ids, O(B T K H), never the one-pass vocabulary tile;
             ``chunk_tokens`` is not read. The metrics gain ``sampling/kept_size_mean`` (mean kept-set size over
             the tokens in ``mask``) and, for a rule, ``sampling/label_outside_frac`` (the fraction of those whose
-            target the rule dropped).
+            target the rule dropped). With ``kl_estimator="exact"`` the exact KL is over the support too (both
+            models renormalised over each token's kept set; for a rule, the set replayed on the policy's logits).
         positions: with a ``SamplerRule`` that has ``min_tokens``: ``[B, T]`` completion positions (default:
             column t is position t).
 
@@ -373,6 +505,7 @@ def policy_loss(
                       num_items_in_batch=num_items_in_batch)
     if hidden.dim() != 3:
         raise ValueError(f"hidden must be [B, T, H] for a policy loss, got shape {tuple(hidden.shape)}")
+    exact_kl = _check_ref_inputs(config, hidden, weight, ref_logprobs, ref_hidden, ref_weight, ref_bias)
     if tuple(mask.shape) != tuple(targets.shape):
         raise ValueError(f"mask must have targets' shape {tuple(targets.shape)}, got {tuple(mask.shape)}")
     if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or chunk_tokens <= 0):
@@ -389,7 +522,7 @@ def policy_loss(
     # the O(B T) loss arithmetic on zeros.
     with torch.no_grad():
         z0 = torch.zeros((B, T), dtype=TB.acc_dtype(hidden.dtype), device=hidden.device)
-        inputs.loss(z0, z0, config)
+        (dataclasses.replace(inputs, per_token_kl=z0) if exact_kl else inputs).loss(z0, z0, config)
     check_loss_values(targets, advantages, mask, config=config, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                       importance_weights=importance_weights, num_items_in_batch=num_items_in_batch,
                       ignore_index=_IGNORE, check_finite=check_finite)
@@ -398,6 +531,18 @@ def policy_loss(
     eff_targets = torch.where(in_mask, targets.to(torch.int64), torch.full_like(targets, _IGNORE, dtype=torch.int64))
     check_targets(eff_targets, V, _IGNORE)
     name = resolve_backend(hidden.device, backend)
+    kept = outside = None
+    if support is not None:
+        from fastrl.ops.kept import resolve_support
+
+        # a KeptSet is checked against the targets; a rule is replayed on the policy's own logits (no grad)
+        kept, outside = resolve_support(support, hidden, weight, bias, eff_targets, tf, _IGNORE, positions, name)
+    if exact_kl:
+        # the exact KL first, under autograd (its gradient reaches hidden / weight / bias through its own graph);
+        # with a support, over it (a rule: the policy's replayed sets, both distributions renormalised there)
+        kl = exact_reference_kl(hidden, weight, bias, ref_hidden, ref_weight, ref_bias, in_mask, tf, name, check_finite,
+                                support=kept)
+        inputs = dataclasses.replace(inputs, per_token_kl=kl)
 
     need = (
         hidden.requires_grad,
@@ -405,8 +550,8 @@ def policy_loss(
         bias is not None and bias.requires_grad,
     )
     if support is not None:
-        return _support_loss(hidden, weight, bias, eff_targets, in_mask, inputs, config, tf, name, support, positions,
-                             check_finite)
+        return _support_loss(hidden, weight, bias, eff_targets, in_mask, inputs, config, tf, name, support, kept,
+                             outside, check_finite)
     granularity = config.one_pass_granularity
     chunks = None
     # The one-pass path keeps each chunk's logits in a float32 tile (cuBLAS writes it on the Triton backends).
@@ -441,12 +586,11 @@ def policy_loss(
 
 
 def _support_loss(hidden, weight, bias, eff_targets, in_mask, inputs: _LossInputs, config, tf, name, support,
-                  positions, check_finite):
-    """Path A over the kept set (O(B T K H): no vocabulary walk, so the one-pass tile would buy nothing)."""
-    from fastrl.ops.kept import resolve_support
+                  ks, outside, check_finite):
+    """Path A over the kept set ``ks`` (``resolve_support``'s; None: a rule that keeps every id): O(B T K H), no
+    vocabulary walk, so the one-pass tile would buy nothing."""
     from fastrl.ops.support import SamplerRule
 
-    ks, outside = resolve_support(support, hidden, weight, bias, eff_targets, tf, _IGNORE, positions, name)
     logp, ent = fused_logprobs(
         hidden, weight, eff_targets, bias=bias, temperature=tf.temperature, logit_scale=tf.logit_scale,
         softcap=tf.softcap, with_entropy=True, ignore_index=_IGNORE, check_finite=check_finite, backend=name,
@@ -470,7 +614,8 @@ class FusedPolicyLoss(nn.Module):
     """``nn.Module`` form of :func:`policy_loss` with a fixed configuration.
 
     ``forward(hidden, weight, targets, advantages, mask, **kwargs)`` takes the arguments of ``policy_loss``
-    after ``config`` (old_logprobs, ref_logprobs, bias, importance_weights, num_items_in_batch, ...).
+    after ``config`` (old_logprobs, ref_logprobs, bias, importance_weights, num_items_in_batch, ref_hidden,
+    ref_weight, ref_bias, ...).
     """
 
     def __init__(self, config: PolicyLossConfig | None = None, **options):

@@ -19,6 +19,11 @@ What changes, and nothing else:
 * ``TrainingHealthCallback`` is attached (``health_checks=False`` turns it off).
 * ``sampling_replay`` (off by default): log-probs, entropies and the loss over the sampler's support, recorded at
   generation (``"kept_set"``) or replayed from the sampling settings (``"rule"``); see ``fastrl.trainers.sampling``.
+* ``kl_estimator`` (fastrl only; TRL hard-codes k3): ``"k1"``, ``"k2"`` or ``"exact"``. With ``"exact"`` (and
+  ``beta != 0``) the KL term is the exact per-token ``KL(pi_theta || pi_ref)`` over the whole vocabulary
+  (``fastrl.policy_loss(..., ref_hidden=, ref_weight=)``, i.e. ``fastrl.fused_divergence``); the trainer then keeps
+  the reference model's last hidden states at the completion positions in the batch (``ref_hidden_states``,
+  ``[B, K, H]``) instead of its log-probs (see ``GRPOTrainer._reference_hidden_states`` for why and what it costs).
 
 The one-pass path reproduces the trainer-level parts of TRL's ``_compute_loss`` around the per-token math of
 ``fastrl.reference.policy_loss_from_logprobs`` (which is TRL's arithmetic with gradient accumulation 1 on one
@@ -110,6 +115,17 @@ class GRPOConfig(trl.GRPOConfig):
             sampled token where it falls outside (logged as `sampling/label_outside_frac`).
         log_kept_mass (`bool`, defaults to `False`): also log `sampling/kept_mass_mean`, the mean full-softmax
             probability of the support under the policy (one extra forward pass over the vocabulary).
+        kl_estimator (`str`, defaults to `"k3"`): the per-token KL term weighted by `beta`. `"k3"` is TRL's
+            (`exp(r) - r - 1`, `r = ref_logp - logp` of the sampled token); `"k1"` (`-r`, can be negative) and `"k2"`
+            (`r^2 / 2`) are placed the same way. `"exact"`: `KL(pi_theta || pi_ref)` summed over the whole
+            vocabulary at every completion token, with its exact gradient, computed from both models' last hidden
+            states without materialising logits; not multiplied by the `use_bias_correction_kl` ratio (it is
+            already the expectation over the next token), and the logged `kl` is its exact mean. Costs one
+            reference body forward per generation (as TRL's; its LM-head pass is skipped) plus, per loss,
+            `fastrl.fused_divergence` over both LM heads (2N(H + H_ref)V FLOPs forward, 2N(H + H_ref)V + 4NHV
+            backward), and keeps the reference's hidden states `[B, K, H]` per generation batch (128 MB at 16384
+            tokens x H=4096 in bf16) instead of its `[B, K]` log-probs. Anything but `"k3"` needs
+            `fused_loss=True` and `one_pass_loss=True` (TRL's loss math only knows k3).
     """
 
     fused_loss: bool = field(default=True, metadata={"help": "Compute log-probs, entropies and the loss with fastrl."})
@@ -144,6 +160,10 @@ class GRPOConfig(trl.GRPOConfig):
     log_kept_mass: bool = field(
         default=False, metadata={"help": "Log sampling/kept_mass_mean (costs one full forward pass)."}
     )
+    kl_estimator: str = field(
+        default="k3",
+        metadata={"help": "Per-token KL term: 'k3' (TRL's), 'k1', 'k2' or 'exact' (whole-vocabulary KL to the reference)."},
+    )
 
     def __post_init__(self):
         if self.gradient_checkpointing is None:
@@ -165,6 +185,12 @@ class GRPOConfig(trl.GRPOConfig):
         if self.sampling_replay != "off" and not self.fused_loss:
             raise ValueError(f"GRPOConfig.sampling_replay={self.sampling_replay!r} needs fused_loss=True (the support "
                              "is applied by fastrl's LM head)")
+        if self.kl_estimator != "k3" and self.beta != 0.0 and not (self.fused_loss and self.one_pass_loss):
+            raise ValueError(
+                f"GRPOConfig.kl_estimator={self.kl_estimator!r} needs fastrl's policy loss (fused_loss=True and "
+                f"one_pass_loss=True), got fused_loss={self.fused_loss}, one_pass_loss={self.one_pass_loss}: TRL's "
+                "loss math only computes the k3 estimate"
+            )
 
 
 # GRPOConfig's name for a PolicyLossConfig field, where they differ
@@ -189,6 +215,7 @@ def check_loss_options(args) -> None:
         importance_sampling_level=args.importance_sampling_level, temperature=args.temperature,
         max_completion_length=args.max_completion_length, top_entropy_quantile=args.top_entropy_quantile,
         off_policy_mask_threshold=getattr(args, "off_policy_mask_threshold", None),
+        kl_estimator=getattr(args, "kl_estimator", "k3"),  # a stock trl.GRPOConfig has none: TRL's k3
     )
     for name in ("sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
                  "vespo_lambda_neg", "use_bias_correction_kl"):
@@ -318,7 +345,7 @@ def one_pass_config(trainer, entropy_coef: float):
         epsilon_high=trainer.epsilon_high,
         delta=a.delta if trainer.loss_type in CLIPPED_LOSS_TYPES else None,  # TRL reads it only there
         beta=trainer.beta,
-        kl_estimator="k3",
+        kl_estimator=_opt(a, "kl_estimator", "k3"),
         use_bias_correction_kl=bool(a.use_bias_correction_kl),
         entropy_coef=float(entropy_coef),
         importance_sampling_level=trainer.importance_sampling_level,
@@ -344,6 +371,16 @@ def _applied_entropy_coef(trainer) -> float:
     return trainer.entropy_coef
 
 
+def fastrl_kl(trainer) -> bool:
+    """Whether the loss has a KL term that only fastrl's loss computes (``kl_estimator`` other than TRL's k3)."""
+    return trainer.beta != 0.0 and _opt(trainer.args, "kl_estimator", "k3") != "k3"
+
+
+def exact_kl(trainer) -> bool:
+    """Whether the loss has the exact KL term (the reference's hidden states replace its log-probs)."""
+    return trainer.beta != 0.0 and _opt(trainer.args, "kl_estimator", "k3") == "exact"
+
+
 def one_pass_reason(trainer, inputs) -> str | None:
     """Why this batch cannot take the one-pass path (None: it can)."""
     if not _opt(trainer.args, "fused_loss", True) or not _opt(trainer.args, "one_pass_loss", True):
@@ -352,7 +389,9 @@ def one_pass_reason(trainer, inputs) -> str | None:
         return "fastrl's head is not installed"
     if any(inputs.get(k) is not None for k in _MULTIMODAL_KEYS):
         return "multimodal inputs"
-    if trainer.top_entropy_quantile < 1.0:
+    # fastrl.policy_loss computes the entropy mask (two passes) with the quantile of this process's tokens, which is
+    # TRL's (cross-process) quantile on one process; with a KL only fastrl computes, that is the route
+    if trainer.top_entropy_quantile < 1.0 and not (fastrl_kl(trainer) and trainer.accelerator.num_processes == 1):
         return "top_entropy_quantile < 1 couples every sequence of the batch"
     fn = fastrl_loss_fn()
     settings = unwrap_causal_lm(trainer.accelerator.unwrap_model(trainer.model))._fastrl_head_settings
@@ -393,14 +432,24 @@ def _compute_loss_one_pass(trainer, model, inputs):
         isr = inputs.get("importance_sampling_ratio")
         if isr is not None and isr.dim() == 2 and isr.shape[1] == 1 and K != 1:
             isr = isr.squeeze(1)  # TRL's sequence-level ratio is [B, 1]; fastrl takes [B]
+    exact = exact_kl(trainer)
     kwargs = dict(
         config=config,
         old_logprobs=inputs.get("old_per_token_logps"),
-        ref_logprobs=inputs.get("ref_per_token_logps") if trainer.beta != 0.0 else None,
+        ref_logprobs=inputs.get("ref_per_token_logps") if trainer.beta != 0.0 and not exact else None,
         importance_weights=isr,
         num_items_in_batch=n_items,
     )
     support = getattr(trainer, "_fastrl_loss_support", None)  # KeptSet [B, K] or SamplerRule (sampling replay)
+    ref_hidden = ref_weight = ref_bias = None
+    if exact:
+        ref_hidden = inputs.get("ref_hidden_states")
+        if ref_hidden is None or getattr(trainer, "_fastrl_ref_head", None) is None:
+            raise ValueError(
+                "kl_estimator='exact' needs the batch's ref_hidden_states (the reference model's last hidden states), "
+                "which fastrl.GRPOTrainer._generate_and_score_completions adds; this batch has none"
+            )
+        ref_weight, ref_bias = trainer._fastrl_ref_head
     fn = fastrl_loss_fn(support is not None)
     base = unwrap_causal_lm(acc.unwrap_model(trainer.model))
     st = base._fastrl_head_settings
@@ -418,6 +467,9 @@ def _compute_loss_one_pass(trainer, model, inputs):
 
     def head_fn(hidden, weight, bias):  # hidden [B, K, H]; runs inside the model's forward, head gathered
         with head_precision(hidden, weight, bias, st) as (h, w, b):
+            if exact:  # the reference in the policy head's precision (a constant: no gradient)
+                kwargs.update(ref_hidden=ref_hidden.to(h.dtype), ref_weight=ref_weight.to(h.dtype),
+                              ref_bias=None if ref_bias is None else ref_bias.to(h.dtype))
             loss, metrics = fn(h, w, completion_ids, advantages, mask, bias=b, **kwargs)
             if log_mass:
                 metrics = {**metrics, "sampling/kept_mass_mean": kept_mass_mean(
@@ -618,14 +670,30 @@ class GRPOTrainer(trl.GRPOTrainer):
         # exactly those three messages, here only; any other warning passes through.
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_TRL_ALIAS_WARNINGS, category=FutureWarning)
-            return self._generate_and_score_completions_replayed(inputs)
+            if not exact_kl(self):
+                return self._generate_and_score_completions_replayed(inputs)
+            # The exact KL needs the reference's hidden states, not its log-probs: TRL's reference pass (the only
+            # place its generation reads beta) is skipped, and the hidden states are taken once per generation.
+            beta, self.beta = self.beta, 0.0
+            try:
+                output = self._generate_and_score_completions_replayed(inputs)
+            finally:
+                self.beta = beta
+            output["ref_hidden_states"] = self._reference_hidden_states(output)
+            return output
 
     def _compute_loss(self, model, inputs):
         # which path the last loss took ("one_pass" or "trl"), for tests and debugging
         with self._loss_support(inputs):
-            if one_pass_reason(self, inputs) is None:
+            reason = one_pass_reason(self, inputs)
+            if reason is None:
                 self._fastrl_last_path = "one_pass"
                 return _compute_loss_one_pass(self, model, inputs)
+            if fastrl_kl(self):
+                raise ValueError(
+                    f"GRPOConfig.kl_estimator={self.args.kl_estimator!r} needs fastrl's policy loss, which this batch "
+                    f"cannot take ({reason}); TRL's loss math only computes the k3 estimate"
+                )
             self._fastrl_last_path = "trl"
             return self._trl_loss_with_stats(model, inputs)
 
@@ -805,4 +873,67 @@ class GRPOTrainer(trl.GRPOTrainer):
         for i, k in enumerate(keys):
             self._metrics[mode][names[k]].append((totals[i + 1] / totals[0].clamp(min=1)).item())
         return loss
+
+    @torch.no_grad()
+    def _reference_hidden_states(self, batch) -> torch.Tensor:  # [B, K, H_ref]
+        """The reference model's last hidden states that predict the completion tokens, and (kept on the trainer as
+        ``_fastrl_ref_head``) its LM-head weight and bias: what the exact KL needs at loss time.
+
+        Why stored rather than recomputed at loss time: the reference body then runs once per generation, as TRL's
+        reference log-probs do, whatever ``num_iterations`` and gradient accumulation are, and the batch splits
+        (``shuffle_sequence_dict`` / ``split_tensor_dict``, dim 0) carry the ``[B, K, H]`` tensor with the rest.
+        The cost is memory: ``B * K * H_ref`` values per generation batch in the body's output dtype (128 MB at
+        16384 completion tokens x 4096 in bf16), against TRL's ``B * K`` float32 log-probs; recomputing would
+        instead cost a reference forward per micro-batch and iteration. The head is the reference model's own
+        (PEFT without a separate reference: the base model with adapters disabled, i.e. the same head); it is
+        held by reference, copied only when its storage may change or vanish before the loss (DeepSpeed ZeRO-3
+        partitions, ``sync_ref_model``).
+        """
+        from trl.trainer.utils import use_adapter
+
+        from fastrl.trainers._lm_head import _is_zero3_param
+
+        if any(batch.get(k) is not None for k in _MULTIMODAL_KEYS):
+            raise ValueError("GRPOConfig.kl_estimator='exact' does not support multimodal inputs yet")
+        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+        K = batch["completion_ids"].size(1)
+        mode = "train" if self.model.training else "eval"
+        step = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
+        copy_head = bool(getattr(self.args, "sync_ref_model", False))
+        head: list = []
+
+        def capture(h, w, b):  # runs inside the reference's forward, its head gathered
+            if not head:
+                keep = copy_head or _is_zero3_param(w)
+                head[:] = [w.detach().clone() if keep else w.detach(),
+                           None if b is None else (b.detach().clone() if keep else b.detach())]
+            return (h.detach().clone(),)  # a copy: the slice would keep the whole [B, L, H] output alive
+
+        if self.ref_model is not None:
+            # fastrl.policy_loss applies the policy's logit transform to both heads (one model family, as TRL builds
+            # the reference from the policy's checkpoint); refuse a reference whose config says otherwise
+            ours = unwrap_causal_lm(self.accelerator.unwrap_model(self.model))._fastrl_head_settings
+            theirs = getattr(unwrap_causal_lm(self.accelerator.unwrap_model(self.ref_model)), "_fastrl_head_settings",
+                             None)
+            if theirs is not None and (theirs.logit_scale, theirs.softcap) != (ours.logit_scale, ours.softcap):
+                raise ValueError(
+                    "kl_estimator='exact' needs the reference model's logit transform to be the policy's, got "
+                    f"logit_scale={theirs.logit_scale}, softcap={theirs.softcap} for the reference and "
+                    f"logit_scale={ours.logit_scale}, softcap={ours.softcap} for the policy"
+                )
+            model, ctx = self.ref_model, contextlib.nullcontext
+        else:  # PEFT: the base model (adapters disabled), or the "ref" adapter when re-training an adapter
+            peft_model = self.accelerator.unwrap_model(self.model)
+            name = "ref" if "ref" in peft_model.peft_config else None
+            model, ctx = self.model, lambda: use_adapter(peft_model, adapter_name=name)
+        parts = []
+        for start in range(0, input_ids.size(0), step):
+            with ctx(), self.accelerator.autocast():
+                out = model(input_ids=input_ids[start : start + step],
+                            attention_mask=attention_mask[start : start + step], fused_lm_head=True,
+                            logits_to_keep=K, fastrl_head_fn=capture)
+            parts.append(out.head_outputs[0])
+        self._fastrl_ref_head = tuple(head)
+        return torch.cat(parts, dim=0)
 

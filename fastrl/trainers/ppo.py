@@ -657,40 +657,87 @@ class PPOTrainer(Trainer):
             lm.generation_config = saved
         return _pad_right(chunks, pad)
 
-    def _policy_logprobs_and_values(self, query_responses, targets, context_length, support=None):
-        """Forward-only fused log-probs of ``targets`` [b, R] (-100: skip) and values, in one forward; with a
-        ``support`` (sampling replay) over it, plus the log of its full-softmax mass when ``log_kept_mass``."""
+    def _policy_logprobs_and_values(self, query_responses, targets, context_length, support=None, ref=None):
+        """Forward-only fused log-probs of ``targets`` [b, R] (-100: skip) and values, in one forward.
+
+        ``support`` (sampling replay): the log-probs are over it. ``ref``: the reference's ``(hidden [b, R, H_ref],
+        weight, bias)`` (``kl_estimator="exact"``): the exact per-token KL(pi || pi_ref) [b, R] (0 where the target
+        is skipped) is computed in the same forward, with the policy's head gathered, over the same support (a
+        rule: the set replayed on the policy's logits). Returns ``(logprob, value, extras)``: ``extras["kl"]``
+        (with ``ref``) and ``extras["kept_mass"]``, the log of the support's full-softmax mass (``log_kept_mass``),
+        each None when not asked for.
+        """
         ids, mask, pos = _lm_inputs(query_responses, self.processing_class.pad_token_id)
         settings = self.head_settings
         mass = support is not None and self.args.log_kept_mass
 
         def head(h, w, b):
-            return lm_head_logprobs(h, w, b, targets, settings, with_entropy=False, support=support,
-                                    return_kept_mass=mass)
+            sup, kl = support, None
+            if ref is not None:
+                from fastrl.losses.policy import exact_reference_kl
+                from fastrl.ops.config import LogitTransform
+                from fastrl.ops.kept import resolve_support
 
-        outs, value = self.model_wrapped(ids, mask, pos, context_length=context_length, head_fn=head)
-        if mass:
-            return outs[0], value, outs[2]
-        return outs[0], value
+                ref_h, ref_w, ref_b = ref
+                ref_st = self.ref_head_settings
+                tf = LogitTransform(temperature=settings.temperature, logit_scale=settings.logit_scale,
+                                    softcap=settings.softcap)
+                with head_precision(h, w, b, settings) as (h_, w_, b_):
+                    if sup is not None:  # one kept set for the log-probs and the KL
+                        sup, _ = resolve_support(sup, h_, w_, b_, targets, tf, _IGNORE, None, settings.backend)
+                    kl = exact_reference_kl(
+                        h_, w_, b_, ref_h.to(h_.dtype), ref_w.to(h_.dtype),
+                        None if ref_b is None else ref_b.to(h_.dtype), targets != _IGNORE, tf, settings.backend, True,
+                        support=sup,
+                        ref_tf=LogitTransform(temperature=settings.temperature, logit_scale=ref_st.logit_scale,
+                                              softcap=ref_st.softcap),
+                    )
+            outs = lm_head_logprobs(h, w, b, targets, settings, with_entropy=False, support=sup,
+                                    return_kept_mass=mass and sup is not None)
+            kept_mass = outs[2] if mass and sup is not None else (torch.zeros_like(outs[0]) if mass else None)
+            return outs[0], kept_mass, kl
+
+        (logprob, kept_mass, kl), value = self.model_wrapped(ids, mask, pos, context_length=context_length,
+                                                             head_fn=head)
+        return logprob, value, {"kl": kl, "kept_mass": kept_mass}
+
+    def _ref_forward(self, query_responses, context_length, head):
+        """``head(hidden, weight, bias)`` on the reference model's hidden states at the response positions."""
+        ids, mask, pos = _lm_inputs(query_responses, self.processing_class.pad_token_id)
+        if self.ref_model is None:
+            with self.null_ref_context():
+                out, _ = self.model_wrapped(ids, mask, pos, context_length=context_length, head_fn=head,
+                                            with_values=False)
+            return out
+        # the policy's forward runs under the accelerator's autocast (mixed precision); the reference must
+        # be computed the same way, or the KL between two identical models is not 0
+        with self.accelerator.autocast():
+            return _fused_head_outputs(_unwrap_engine(self.ref_model), ids, mask, pos, context_length, head)
 
     def _ref_logprobs(self, query_responses, targets, context_length, support=None):
-        ids, mask, pos = _lm_inputs(query_responses, self.processing_class.pad_token_id)
         settings = self.ref_head_settings
 
         def head(h, w, b):
             return lm_head_logprobs(h, w, b, targets, settings, with_entropy=False, support=support)
 
-        if self.ref_model is None:
-            with self.null_ref_context():
-                outs, _ = self.model_wrapped(
-                    ids, mask, pos, context_length=context_length, head_fn=head, with_values=False
-                )
-            return outs[0]
-        # the policy's forward runs under the accelerator's autocast (mixed precision); the reference must
-        # be computed the same way, or the KL between two identical models is not 0
-        with self.accelerator.autocast():
-            outs = _fused_head_outputs(_unwrap_engine(self.ref_model), ids, mask, pos, context_length, head)
-        return outs[0]
+        logprob, _ = self._ref_forward(query_responses, context_length, head)
+        return logprob
+
+    def _ref_hidden(self, query_responses, context_length):
+        """The reference's ``(hidden [b, R, H_ref], weight, bias)`` for the exact KL of one rollout chunk.
+
+        The hidden states are copied out of the forward (a slice would keep the whole body output alive); the head
+        is held by reference (the reference is frozen), copied only under DeepSpeed ZeRO-3, whose partitioned
+        weight has no storage outside the gather.
+        """
+        from fastrl.trainers._lm_head import _is_zero3_param
+
+        def head(h, w, b):
+            keep = _is_zero3_param(w)
+            return (h.detach().clone(), w.detach().clone() if keep else w.detach(),
+                    None if b is None else (b.detach().clone() if keep else b.detach()))
+
+        return tuple(self._ref_forward(query_responses, context_length, head))
 
     @torch.no_grad()
     def _rollout(self, queries: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -724,17 +771,22 @@ class PPOTrainer(Trainer):
             targets = response.masked_fill(padding_mask, _IGNORE)
             fb = query.shape[0]
             support = kept.rows_of_sequences(i, i + fb) if kept is not None else self.sampling_rule
-            policy_out = self._policy_logprobs_and_values(query_response, targets, context_length, support)
-            logprob, value = policy_out[:2]
-            if len(policy_out) == 3:
-                parts["kept_mass"].append(policy_out[2].double().exp().masked_fill(padding_mask, 0.0))
-            ref_logprob = self._ref_logprobs(query_response, targets, context_length, support)
+            # the exact KL needs the reference's hidden states, not its log-probs: one pass over both heads
+            ref = self._ref_hidden(query_response, context_length) if args.kl_estimator == "exact" else None
+            logprob, value, extras = self._policy_logprobs_and_values(query_response, targets, context_length,
+                                                                      support, ref=ref)
+            if extras["kept_mass"] is not None:
+                parts["kept_mass"].append(extras["kept_mass"].double().exp().masked_fill(padding_mask, 0.0))
+            if ref is not None:
+                parts["kl"].append(extras["kl"])
+                del ref
+            else:
+                parts["ref_logprobs"].append(self._ref_logprobs(query_response, targets, context_length, support))
             # 2. the reward model scores the truncated response
             postprocessed_query_response = torch.cat((query, postprocessed_response), 1)
             _, score, _ = get_reward(self.reward_model, postprocessed_query_response, pad, context_length)
             parts["postprocessed_responses"].append(postprocessed_response)
             parts["logprobs"].append(logprob)
-            parts["ref_logprobs"].append(ref_logprob)
             parts["sequence_lengths"].append(sequence_length)
             parts["scores"].append(score.float())
             parts["values"].append(value.float())
@@ -750,11 +802,14 @@ class PPOTrainer(Trainer):
         # padding: log-probs after the last real token, values one further
         padding_mask, padding_mask_p1 = padding_masks(sequence_lengths, R)
         logprobs = torch.masked_fill(out["logprobs"], padding_mask, INVALID_LOGPROB)
-        ref_logprobs = torch.masked_fill(out["ref_logprobs"], padding_mask, INVALID_LOGPROB)
+        ref_logprobs = None
+        if "ref_logprobs" in out:
+            ref_logprobs = torch.masked_fill(out["ref_logprobs"], padding_mask, INVALID_LOGPROB)
         values = torch.masked_fill(out["values"], padding_mask_p1, 0)
         # 4. rewards: -kl_coef * kl per token, the score at the end
         rewards, non_score_reward, kl = kl_rewards(
-            logprobs, ref_logprobs, scores, sequence_lengths, args.kl_coef, args.kl_estimator
+            logprobs, ref_logprobs, scores, sequence_lengths, args.kl_coef, args.kl_estimator,
+            per_token_kl=out.get("kl"),
         )
         # 5. whiten rewards
         if args.whiten_rewards:
@@ -774,6 +829,8 @@ class PPOTrainer(Trainer):
             batch["kept_sets"] = kept  # [B, R] KeptSet: the updates index its rows with the micro-batch's
         if "kept_mass" in out:
             batch["kept_mass"] = out["kept_mass"]
+        if ref_logprobs is None:  # kl_estimator="exact": the reference gave its hidden states, not log-probs
+            del batch["ref_logprobs"]
         return batch
 
     # ------------------------------------------------------------------------------------------------------------
@@ -851,7 +908,8 @@ class PPOTrainer(Trainer):
             ("scores", "the reward (the reward model's score, after the EOS penalty)", batch["scores"], None),
             ("values", "the value model's values", batch["values"], real_p1),
             ("logprobs", "the policy's rollout log-probs", batch["logprobs"], real),
-            ("ref_logprobs", "the reference policy's log-probs", batch["ref_logprobs"], real),
+            ("ref_logprobs", "the reference policy's log-probs", batch["ref_logprobs"], real) if "ref_logprobs" in batch
+            else ("kl", "the exact KL to the reference policy", batch["kl"], real),
             ("advantages", "the advantages", batch["advantages"], real),
             ("returns", "the returns", batch["returns"], real_p1),
         )

@@ -3,7 +3,11 @@
 Names, defaults and command-line flags are TRL's (its ``OnPolicyConfig`` + ``PPOConfig``), so the command lines of
 TRL's PPO documentation parse unchanged. Differences, each on purpose:
 
-- ``kl_estimator`` also accepts ``"k2"`` (fastrl computes all three; TRL offered k1 and k3).
+- ``kl_estimator`` also accepts ``"k2"`` (fastrl computes all three; TRL offered k1 and k3) and ``"exact"``: the
+  per-token KL in the non-score reward is then ``KL(pi || pi_ref)`` over the whole vocabulary at each response
+  position (never negative, no sampling noise), from both models' last hidden states during the rollout, without
+  materialising logits (``fastrl.losses.policy.exact_reference_kl``; one pass over both LM heads per rollout chunk
+  instead of the reference's log-prob pass).
 - The older (trl <= 0.11) ``non_eos_penalty`` / ``penalty_reward_value`` pair is accepted next to
   ``missing_eos_penalty``; setting both styles at once is an error instead of a silent double penalty.
 - ``generation_kwargs`` (as in TRL's GRPOConfig) overrides the rollout sampling settings; settings known to make
@@ -42,7 +46,7 @@ from fastrl.trainers.sampling import check_replay_options
 
 __all__ = ["PPOConfig"]
 
-_KL_ESTIMATORS = ("k1", "k2", "k3")
+_KL_ESTIMATORS = ("k1", "k2", "k3", "exact")
 
 
 @dataclass
@@ -118,9 +122,10 @@ class PPOConfig(TrainingArguments):
     num_ppo_epochs: int = field(default=4, metadata={"help": "Number of epochs to train."})
     whiten_rewards: bool = field(default=False, metadata={"help": "Whether to whiten the rewards."})
     kl_coef: float = field(default=0.05, metadata={"help": "KL coefficient."})
-    kl_estimator: Literal["k1", "k2", "k3"] = field(
+    kl_estimator: Literal["k1", "k2", "k3", "exact"] = field(
         default="k1",
-        metadata={"help": "KL estimator: 'k1' (unbiased, can be negative), 'k3' (unbiased, never negative, lower variance), 'k2'."},
+        metadata={"help": "KL estimator: 'k1' (unbiased, can be negative), 'k3' (unbiased, never negative, lower variance), 'k2', "
+                          "'exact' (the whole-vocabulary KL at each position)."},
     )
     cliprange: float = field(default=0.2, metadata={"help": "Clip range."})
     vf_coef: float = field(default=0.1, metadata={"help": "Value function coefficient."})

@@ -38,8 +38,9 @@ __all__ = [
 # TRL fills the log-probs of padding positions with 1.0, a value no log-probability can take, so that the
 # KL there is exactly 0 (both sides hold the same number).
 INVALID_LOGPROB = 1.0
-# TRL's PPOv2 offers k1 (default) and k3; k2 is fastrl's addition (same placement).
-KL_ESTIMATORS = ("k1", "k2", "k3")
+# TRL's PPOv2 offers k1 (default) and k3; k2 is fastrl's addition (same placement); "exact" is the whole-vocabulary
+# KL(pi || pi_ref) at each position, computed from both models' hidden states (fastrl.losses.policy.exact_reference_kl)
+KL_ESTIMATORS = ("k1", "k2", "k3", "exact")
 
 
 def first_true_indices(bools: torch.Tensor, dtype: torch.dtype = torch.long) -> torch.Tensor:  # [...]
@@ -117,12 +118,15 @@ def kl_rewards(
     sequence_lengths: torch.Tensor,  # [B]
     kl_coef: float,
     kl_estimator: str = "k1",
+    per_token_kl: torch.Tensor | None = None,  # [B, R] exact KL, 0 at padding; kl_estimator="exact" only
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # (rewards, non_score_reward, kl), each [B, R]
     """Per-token rewards: ``-kl_coef * kl`` everywhere, plus the score at the end of the response.
 
     ``kl``: TRL's ``logr = ref_logprobs - logprobs``; k1 ``-logr``, k3 ``exp(logr) - 1 - logr`` (never negative),
     k2 ``logr^2 / 2`` (``fastrl.reference.kl_estimate``). Padding positions, filled with ``INVALID_LOGPROB`` on
-    both sides, get exactly 0.
+    both sides, get exactly 0. ``kl_estimator="exact"``: ``kl`` is ``per_token_kl``, the exact KL(pi || pi_ref) over
+    the whole vocabulary at each position (never negative; 0 at padding), and the log-prob arguments are not read
+    (``ref_logprobs`` may be None).
 
     Where the score goes (TRL's ``actual_end``): at ``L + 1``, one past the last real token, when the response
     has room for it, else at ``L``. So a response that stopped early is scored at the first padding position,
@@ -130,7 +134,17 @@ def kl_rewards(
     """
     if kl_estimator not in KL_ESTIMATORS:
         raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
-    kl = kl_estimate(logprobs, ref_logprobs, kl_estimator)
+    if kl_estimator == "exact":
+        if not isinstance(per_token_kl, torch.Tensor) or per_token_kl.shape != logprobs.shape:
+            got = tuple(per_token_kl.shape) if isinstance(per_token_kl, torch.Tensor) else per_token_kl
+            raise ValueError(
+                f"per_token_kl must be a [B, R] = {list(logprobs.shape)} tensor with kl_estimator='exact', got {got}"
+            )
+        kl = per_token_kl.to(logprobs.dtype)
+    else:
+        if per_token_kl is not None:
+            raise ValueError(f"per_token_kl is read only with kl_estimator='exact', got kl_estimator={kl_estimator!r}")
+        kl = kl_estimate(logprobs, ref_logprobs, kl_estimator)
     non_score_reward = -kl_coef * kl
     rewards = non_score_reward.clone()
     actual_start = torch.arange(rewards.size(0), device=rewards.device)
