@@ -470,3 +470,32 @@ def test_ppo_config_kl_estimator():
         kl_rewards(lp, None, torch.zeros(2), torch.tensor([1, 2]), 0.1, "exact")
     with pytest.raises(ValueError, match="per_token_kl is read only"):
         kl_rewards(lp, lp, torch.zeros(2), torch.tensor([1, 2]), 0.1, "k1", per_token_kl=lp)
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_exact_kl_over_a_kept_set_matches_float64(loss_type):
+    """Sampling replay and the exact KL together: the policy's log-probs and the KL are both over each token's kept
+    set (both models renormalised there), against float64 masked log-softmax and divergence_reference(support=)."""
+    from fastrl.reference import masked_logprobs_reference
+
+    x = make_inputs(seed=7)
+    g = torch.Generator().manual_seed(11)
+    keep = torch.rand(B * T, V, generator=g) < 0.3
+    keep[torch.arange(B * T), x["targets"].reshape(-1)] = True  # a sampled token is in its set
+    ks = fastrl.KeptSet.from_mask(keep.view(B, T, V))
+    config = config_for(loss_type)
+    h, w, b = (x[k].detach().double().requires_grad_() for k in ("hidden", "weight", "bias"))
+    logp, ent = masked_logprobs_reference(h, w, x["targets"], keep, bias=b, temperature=TEMPERATURE)
+    kl, _ = divergence_reference(
+        h, w, x["ref_hidden"].double(), x["ref_weight"].double(), beta=1.0, bias=b, teacher_bias=x["ref_bias"].double(),
+        temperature=TEMPERATURE, mask=x["mask"], support=ks,
+    )
+    old = x["old_logprobs"].double()
+    loss64, metrics64 = policy_loss_from_logprobs(logp, ent, x["advantages"].double(), x["mask"], config=config,
+                                                  old_logprobs=old, per_token_kl=kl)
+    grads64 = torch.autograd.grad(loss64, [h, w, b])
+    got = fused(x, config, support=ks)
+    assert_matches(got, (loss64.detach(), grads64, metrics64, kl.detach()), REL[torch.float32], f"{loss_type} kept set")
+    # the support changes the KL: the full-vocabulary KL is a different number
+    full = fused(x, config)
+    assert abs(full[2]["kl"].item() - got[2]["kl"].item()) > 1e-4
