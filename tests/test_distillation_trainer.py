@@ -333,3 +333,83 @@ def test_distillation_loss_bad_input():
         distillation_loss(hs, ht, ws, wt[:V], torch.ones(2, 4), beta=0.5, student=st, teacher=st)
     with pytest.raises(ValueError, match="one temperature"):
         distillation_loss(hs, ht, ws, wt[:V], mask, beta=0.5, student=st, teacher=HeadSettings(temperature=1.0))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# distillation_loss itself, against TRL's _chunked_divergence_loss on the same tensors
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _loss_inputs(seed=0, bias=True):
+    g = torch.Generator().manual_seed(seed)
+    hs = torch.randn(3, 7, H, generator=g, requires_grad=True)
+    ht = torch.randn(3, 7, H_TEACHER, generator=g)
+    ws = torch.nn.Parameter(torch.randn(V, H, generator=g) * 0.3)
+    wt = torch.randn(V, H_TEACHER, generator=g) * 0.3
+    bs = torch.nn.Parameter(torch.randn(V, generator=g)) if bias else None
+    bt = torch.randn(V, generator=g) if bias else None
+    mask = torch.ones(3, 7, dtype=torch.int64)
+    mask[0, 4:] = 0
+    mask[2, :2] = 0
+    return hs, ht, ws, wt, bs, bt, mask
+
+
+@pytest.mark.parametrize("beta", (0.0, 0.3, 1.0))
+@pytest.mark.parametrize("num_items", (None, 40))
+def test_distillation_loss_equals_trl(beta, num_items):
+    from trl.trainer.distillation_trainer import _chunked_divergence_loss
+
+    from fastrl.trainers._lm_head import HeadSettings
+    from fastrl.trainers.distillation import distillation_loss
+
+    hs, ht, ws, wt, bs, bt, mask = _loss_inputs()
+    s, t = HeadSettings(temperature=0.7, logit_scale=1.3, softcap=5.0), HeadSettings(temperature=0.7, softcap=3.0)
+    out = []
+    for which in ("trl", "fastrl"):
+        hs.grad = ws.grad = bs.grad = None
+        if which == "trl":
+            loss, ent, n = _chunked_divergence_loss(
+                hs, ht, ws, wt, mask, beta, num_items_in_batch=num_items, student_lm_head_bias=bs,
+                teacher_lm_head_bias=bt, student_logit_scale=1.3, student_final_logit_softcapping=5.0,
+                teacher_final_logit_softcapping=3.0, temperature=0.7)
+        else:
+            loss, ent, n = distillation_loss(hs, ht, ws, wt, mask, beta=beta, student=s, teacher=t,
+                                             num_items_in_batch=num_items, student_bias=bs, teacher_bias=bt)
+        loss.backward()
+        out.append((loss.detach(), ent, n, hs.grad.clone(), ws.grad.clone(), bs.grad.clone()))
+    (l_ref, e_ref, n_ref, *g_ref), (l_got, e_got, n_got, *g_got) = out
+    assert int(n_got) == int(n_ref) == int(mask.sum())
+    torch.testing.assert_close(l_got, l_ref, rtol=REL, atol=0)
+    torch.testing.assert_close(e_got, e_ref, rtol=REL, atol=0)
+    for name, a, b in zip(("hidden", "weight", "bias"), g_got, g_ref):
+        assert rel_err(a, b) <= REL, f"grad {name}: {rel_err(a, b):.2e}"
+    assert g_got[0][0, 4:].abs().max() == 0 and g_got[0][2, :2].abs().max() == 0  # masked tokens: no gradient
+
+
+@pytest.mark.parametrize("marked", ("student", "teacher", "both"))
+def test_zero3_route_matches_direct(marked):
+    """The DeepSpeed ZeRO-3 route (heads gathered for the forward, gathered again and recomputed in the backward)
+    gives the direct route's loss and gradients. Without DeepSpeed the gather is a no-op; ``ds_id`` marks a head
+    as partitioned (and ``ds_shape`` gives its full shape, as DeepSpeed's does)."""
+    from fastrl.trainers._lm_head import HeadSettings
+    from fastrl.trainers.distillation import distillation_loss
+
+    hs, ht, ws, wt, bs, bt, mask = _loss_inputs(seed=1)
+    wt = torch.nn.Parameter(wt, requires_grad=False)
+    s = HeadSettings(temperature=0.8)
+    results = []
+    for zero3 in (False, True):
+        for w, who in ((ws, "student"), (wt, "teacher")):
+            if zero3 and marked in (who, "both"):
+                w.ds_id, w.ds_shape = 0, w.shape
+        hs.grad = ws.grad = bs.grad = None
+        loss, ent, _ = distillation_loss(hs, ht, ws, wt, mask, beta=0.5, student=s, teacher=s, student_bias=bs,
+                                         teacher_bias=bt)
+        (loss * 2.0).backward()
+        results.append((loss.detach(), ent, hs.grad.clone(), ws.grad.clone(), bs.grad.clone()))
+    for w in (ws, wt):
+        for attr in ("ds_id", "ds_shape"):
+            if hasattr(w, attr):
+                delattr(w, attr)
+    for a, b in zip(*results):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-8)
