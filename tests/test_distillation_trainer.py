@@ -413,3 +413,39 @@ def test_zero3_route_matches_direct(marked):
                 delattr(w, attr)
     for a, b in zip(*results):
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-8)
+
+
+def test_no_full_logits_in_a_training_step(tmp_path):
+    """Every tensor produced while the loss runs forward and backward (both models' bodies, the divergence) is
+    smaller than one model's [batch, completion, vocab] logits. The vocabulary is large enough (2^17) that fastrl's
+    bounded tiles are a fraction of it, as at real sizes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    big_v, c = 1 << 17, 64
+    trainer = make_trainer(fastrl.DistillationTrainer, fastrl.DistillationConfig, tmp_path,
+                           model=tiny_qwen2(big_v, 16, 1, seed=0), teacher=tiny_qwen2(big_v, 24, 1, seed=1))
+    g = torch.Generator().manual_seed(0)
+    inputs = dict(
+        prompt_ids=torch.randint(3, big_v, (B, P), generator=g), prompt_mask=torch.ones(B, P, dtype=torch.int64),
+        completion_ids=torch.randint(3, big_v, (B, c), generator=g),
+        completion_mask=torch.ones(B, c, dtype=torch.int64), num_items_in_batch=torch.tensor(B * c),
+    )
+    largest = []
+
+    class Largest(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if getattr(func, "is_view", False):
+                return out  # a view allocates nothing
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    largest.append((t.numel(), str(func), tuple(t.shape)))
+            return out
+
+    trainer.beta = 0.5
+    trainer.model.train()
+    with Largest():
+        trainer.compute_loss(trainer.model, inputs).backward()
+    assert trainer._fastrl_last_path == "fused"
+    numel, op, shape = max(largest)
+    assert numel < B * c * big_v, f"{op} produced {shape}: as large as the [B, C, V] logits ({B}x{c}x{big_v})"
