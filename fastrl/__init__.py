@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "KeptSet": "fastrl.ops.support",
     "SamplerRule": "fastrl.ops.support",
+    "fused_divergence": "fastrl.ops.divergence",
     "PolicyLossConfig": "fastrl.losses.config",
     "policy_loss": "fastrl.losses.policy",
     "FusedPolicyLoss": "fastrl.losses.policy",

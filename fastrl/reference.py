@@ -10,6 +10,7 @@ The math (docs/design.md, "The math"): logits ``y = h W^T + b``; transformed ``z
 
 from __future__ import annotations
 
+import math
 
 import torch
 
@@ -19,6 +20,7 @@ __all__ = [
     "transform_logits",
     "logits_reference",
     "logprobs_reference",
+    "divergence_reference",
     "kl_estimate",
     "policy_loss_from_logprobs",
     "value_loss_reference",
@@ -92,3 +94,61 @@ def logprobs_reference(
     logp = torch.where(active, logp, zero)
     entropy = torch.where(active, entropy, zero)
     return logp.reshape(lead), entropy.reshape(lead)
+
+
+def divergence_reference(
+    hidden: torch.Tensor,  # [..., H] student
+    weight: torch.Tensor,  # [V, H]
+    teacher_hidden: torch.Tensor,  # [..., H_t]
+    teacher_weight: torch.Tensor,  # [V, H_t]
+    *,
+    beta: float = 1.0,
+    temperature: float = 1.0,
+    bias: torch.Tensor | None = None,
+    teacher_bias: torch.Tensor | None = None,
+    logit_scale: float = 1.0,
+    teacher_logit_scale: float = 1.0,
+    softcap: float | None = None,
+    teacher_softcap: float | None = None,
+    mask: torch.Tensor | None = None,  # [...]: 0 where a token does not count
+    support=None,  # fastrl.KeptSet, rows = the flattened tokens, or None (the whole vocabulary)
+    dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # divergence [...], student entropy [...]
+    """Per-token divergence between student ``p_s`` and teacher ``p_t`` and the student's entropy, materialised.
+
+    ``beta=0``: KL(p_t || p_s); ``beta=1``: KL(p_s || p_t); ``0 < beta < 1``: the generalized JSD of TRL 1.16's
+    ``DistillationTrainer``, ``beta KL(p_t || m) + (1 - beta) KL(p_s || m)`` with ``m = (1 - beta) p_s + beta p_t``
+    (no temperature**2 factor, as TRL). Each model's logits are transformed by its own scale and softcap, then
+    both by ``temperature``. ``support``: both distributions renormalised over each token's kept set.
+    ``dtype`` as in ``logprobs_reference`` (None: the input dtype; float64: ground truth). Masked tokens give 0.
+    """
+    lead = hidden.shape[:-1]
+    zs = logits_reference(hidden.reshape(-1, hidden.shape[-1]), weight, bias, temperature=temperature,
+                          logit_scale=logit_scale, softcap=softcap, dtype=dtype)
+    zt = logits_reference(teacher_hidden.reshape(-1, teacher_hidden.shape[-1]), teacher_weight, teacher_bias,
+                          temperature=temperature, logit_scale=teacher_logit_scale, softcap=teacher_softcap,
+                          dtype=dtype if dtype is not None else zs.dtype).to(zs.dtype)
+    if support is not None:
+        keep = support.to_mask().to(zs.device)
+        zs, zt = zs.masked_fill(~keep, float("-inf")), zt.masked_fill(~keep, float("-inf"))
+        # log-probs of ids outside the set: 0 (their probabilities are 0), so no 0 * inf anywhere, gradients included
+        ls = torch.where(keep, torch.log_softmax(zs, -1), 0.0)
+        lt = torch.where(keep, torch.log_softmax(zt, -1), 0.0)
+        ps, pt = ls.exp() * keep, lt.exp() * keep
+    else:
+        ls, lt = torch.log_softmax(zs, -1), torch.log_softmax(zt, -1)
+        ps, pt = ls.exp(), lt.exp()
+    if beta == 0.0:
+        div = (pt * (lt - ls)).sum(-1)
+    elif beta == 1.0:
+        div = (ps * (ls - lt)).sum(-1)
+    else:
+        log_m = torch.logaddexp(ls + math.log(1 - beta), lt + math.log(beta))
+        div = (beta * pt * (lt - log_m) + (1 - beta) * ps * (ls - log_m)).sum(-1)
+    entropy = -(ps * ls).sum(-1)
+    if mask is not None:
+        on = mask.reshape(-1).to(div.device) != 0
+        zero = torch.zeros((), dtype=div.dtype, device=div.device)
+        div, entropy = torch.where(on, div, zero), torch.where(on, entropy, zero)
+        lead = mask.shape
+    return div.reshape(lead), entropy.reshape(lead)

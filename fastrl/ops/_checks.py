@@ -131,3 +131,36 @@ def check_finite_outputs(
         f"non-finite {what} at token {pos} (value {float(logp[n] if what == 'log-prob' else entropy[n])}): "
         f"{culprit}. Pass check_finite=False to skip this check."
     )
+
+
+def check_head(hidden, weight, bias, *, hidden_name: str, weight_name: str, bias_name: str) -> None:
+    """One LM head's inputs, named as the caller's arguments are: types, ``[..., H]`` / ``[V, H]`` / ``[V]``
+    shapes, float dtypes shared by the three, one device (``fused_divergence`` checks two heads this way)."""
+    for name, t in ((hidden_name, hidden), (weight_name, weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if hidden.dim() not in (2, 3):
+        raise ValueError(f"{hidden_name} must be [N, H] or [B, T, H], got shape {tuple(hidden.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"{weight_name} must be [V, H] with H = {hidden_name}.shape[-1] = {hidden.shape[-1]}, "
+                         f"got shape {tuple(weight.shape)}")
+    if weight.shape[0] == 0:
+        raise ValueError(f"{weight_name} has an empty vocabulary (V = 0)")
+    if hidden.dtype not in _FLOAT:
+        raise TypeError(f"{hidden_name} must be float32, bfloat16, float16 or float64, got {hidden.dtype}")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"{weight_name} and {hidden_name} must share a dtype, got {hidden_name} {hidden.dtype} and "
+                        f"{weight_name} {weight.dtype}")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"{bias_name} must be a torch.Tensor or None, got {type(bias).__name__}")
+        if tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"{bias_name} must be [V] = [{weight.shape[0]}], got shape {tuple(bias.shape)}")
+        if bias.dtype != hidden.dtype:
+            raise TypeError(f"{bias_name} must have {hidden_name}'s dtype {hidden.dtype}, got {bias.dtype}")
+    where = {(hidden_name, hidden.device), (weight_name, weight.device)}
+    if bias is not None:
+        where.add((bias_name, bias.device))
+    if len({d for _, d in where}) > 1:
+        said = ", ".join(f"{n} on {d}" for n, d in sorted(where, key=lambda x: x[0]))
+        raise ValueError(f"all inputs must be on one device, got {said}")

@@ -1,0 +1,527 @@
+"""Fused divergence between two LM heads (student and teacher): the autograd Function and the public function.
+
+Per token, student ``p_s = softmax(z_s)`` and teacher ``p_t = softmax(z_t)``, each from its own hidden state and
+head (``z = softcap(scale * (h W^T + b)) / T``, the same transform as ``fused_logprobs``; the hidden widths may
+differ, the vocabulary may not). ``beta`` picks the divergence, exactly as TRL 1.16's ``DistillationTrainer``:
+
+* ``beta = 0``: forward KL(p_t || p_s) = sum p_t (z_t - z_s) - lse_t + lse_s
+* ``beta = 1``: reverse KL(p_s || p_t) = sum p_s (z_s - z_t) - lse_s + lse_t
+* ``0 < beta < 1``: the generalized JSD ``beta KL(p_t || m) + (1 - beta) KL(p_s || m)``, ``m = (1-beta) p_s + beta p_t``
+
+Neither model's ``[N, V]`` logits are held. The KLs take one pass over matching vocabulary tiles of both heads with
+online statistics (running max ``m``, ``s = sum e^(z-m)`` and a cross term ``c = sum e^(z-m) (d_self - d_other)`` of
+the max-shifted logits ``d = z - m``, all re-based when a max moves); the JSD needs both normalisers before the
+mixture, so a statistics pass, then the divergence pass. The backward recomputes each vocabulary slice of both
+heads and forms the student's ``G = dD/dy`` (docs/design.md, "Divergences"):
+
+* forward KL: ``dD/dz_s = p_s - p_t``; reverse KL: ``p_s (log p_s - log p_t - KL)``;
+* JSD: ``(1 - beta) p_s (log p_s - log m - KL(p_s || m))`` (the ``m``-terms of the chain rule sum to a constant
+  that the softmax Jacobian removes);
+* the student's entropy: ``-p_s (log p_s + H)``.
+
+The teacher receives no gradient. Tokens whose ``mask`` is 0 are dropped before any GEMM (``compact_rows``).
+With ``support=`` (a ``KeptSet``) both distributions are renormalised over each token's kept ids: per chunk of
+tokens the union of their ids is gathered from both heads and the ids a token did not keep are masked, O(N K H).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from fastrl.ops._checks import autocast_inputs, check_head, dense_bias
+from fastrl.ops.backend import is_triton, resolve_backend
+from fastrl.ops.config import LogitTransform
+from fastrl.ops.linear_logprob import compact_rows, unit_stride
+from fastrl.ops.support import KeptSet, _token_name
+from fastrl.ops.torch_backend import acc_dtype, tile_columns
+
+__all__ = ["fused_divergence", "divergence_forward", "divergence_backward", "DivergenceFunction"]
+
+FORWARD_KL, REVERSE_KL, JSD = 0, 1, 2
+# float32 elements per [rows, cols] tile; 5 such tiles are alive at once (both heads' logits and 3 scratch tiles).
+# 1M elements (4 MB) keeps the elementwise passes in the CPU's L2/L3 while the GEMMs still get >= 128 columns.
+TILE_ELEMS = 1 << 20
+SUPPORT_ROWS = 256  # tokens per chunk on the kept-set path: the union of their ids is one gathered block
+_TINY = torch.finfo(torch.float32).tiny  # log(m) where both probabilities underflow: finite, and weighted by 0
+
+
+@dataclass(frozen=True)
+class _Options:
+    beta: float
+    student: LogitTransform
+    teacher: LogitTransform
+    with_entropy: bool
+    backend: str  # concrete backend name
+
+    @property
+    def mode(self) -> int:
+        return FORWARD_KL if self.beta == 0.0 else REVERSE_KL if self.beta == 1.0 else JSD
+
+
+@dataclass
+class _Tile:
+    rows: slice  # token rows (of the compacted tokens)
+    v0: int = 0  # dense columns [v0, v1) ...
+    v1: int = 0
+    ids: torch.Tensor | None = None  # ... or, on the kept-set path, these vocabulary ids [C]
+    keep: torch.Tensor | None = None  # [R, C] bool: id kept by the row (kept-set path only)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        r = self.rows.stop - self.rows.start
+        return r, (self.v1 - self.v0) if self.ids is None else self.ids.numel()
+
+
+def _tiles(N: int, V: int, support: KeptSet | None, vocab_outer: bool = False) -> Iterator[_Tile]:
+    """The [rows, cols] tiles that cover every (token, kept id) pair once, each row's tiles in vocabulary order."""
+    if support is None:
+        cols = tile_columns(N, V, tile_elems=TILE_ELEMS)
+        for v0 in range(0, V, cols):
+            yield _Tile(slice(0, N), v0, min(v0 + cols, V))
+        return
+    for n0 in range(0, N, SUPPORT_ROWS):
+        n1 = min(n0 + SUPPORT_ROWS, N)
+        part = support[n0:n1]
+        union = torch.unique(part.ids)  # sorted
+        R, U = n1 - n0, union.numel()
+        keep = torch.zeros((R, U), dtype=torch.bool, device=union.device)
+        row_of = torch.repeat_interleave(torch.arange(R, device=union.device), part.sizes())
+        keep[row_of, torch.searchsorted(union, part.ids)] = True
+        cols = tile_columns(R, U, tile_elems=TILE_ELEMS) if U else 1
+        for c0 in range(0, U, cols):
+            yield _Tile(slice(n0, n1), ids=union[c0 : c0 + cols], keep=keep[:, c0 : c0 + cols])
+
+
+def _buffers(N: int, V: int, support: KeptSet | None, cdt: torch.dtype, dev: torch.device) -> list[torch.Tensor]:
+    """The five flat tile buffers (both heads' logits, three scratch), each as large as the largest tile."""
+    elems = TILE_ELEMS if support is not None else max(N, 1) * tile_columns(N, V, tile_elems=TILE_ELEMS)
+    return [torch.empty(elems, dtype=cdt, device=dev) for _ in range(5)]
+
+
+class _Head:
+    """One model's LM head as the tiles read it: hidden in the compute dtype, the raw weight and bias, the transform."""
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tf: LogitTransform,
+                 cdt: torch.dtype):
+        self.h = hidden.to(cdt)  # [N, H], upcast once (a no-op for float32)
+        self.dtype = hidden.dtype  # the input dtype, that of the gradients returned
+        self.weight, self.bias, self.tf, self.cdt = weight, bias, tf, cdt
+
+    def weight_block(self, tile: _Tile) -> torch.Tensor:  # [C, H] compute dtype
+        w = self.weight[tile.v0 : tile.v1] if tile.ids is None else self.weight.index_select(0, tile.ids)
+        return w.to(self.cdt)
+
+    def logits(self, tile: _Tile, buf: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
+        """Transformed logits of the tile [R, C], written into ``buf``; masked (-inf) where a row did not keep an id."""
+        R, C = tile.shape
+        w = self.weight_block(tile) if w is None else w
+        z = torch.mm(self.h[tile.rows], w.T, out=buf[: R * C].view(R, C))
+        if self.bias is not None:
+            z += self.bias[tile.v0 : tile.v1] if tile.ids is None else self.bias.index_select(0, tile.ids)
+        return self.tf.apply_(z)
+
+
+def _like(buf: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A flat buffer's first elements viewed with ``x``'s shape (an ``out=`` that is never resized)."""
+    return buf[: x.numel()].view_as(x)
+
+
+def _rowdot(a: torch.Tensor, b: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:  # [R, C] x [R, C] -> [R]
+    return torch.mul(a, b, out=_like(buf, a)).sum(1)
+
+
+def _finite_max(m: torch.Tensor) -> torch.Tensor:
+    """The running max with -inf (nothing folded yet) replaced by 0, so ``z - m`` and ``m_old - m`` never give nan."""
+    return torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+
+
+def _log_mix_(ps: torch.Tensor, pt: torch.Tensor, beta: float, out: torch.Tensor) -> torch.Tensor:
+    """``log((1 - beta) p_s + beta p_t)`` into ``out``; clamped where both underflow (their terms carry weight 0)."""
+    return torch.mul(ps, 1.0 - beta, out=_like(out, ps)).add_(pt, alpha=beta).clamp_min_(_TINY).log_()
+
+
+def _fold(zs, zt, st, keep, mode: int, with_entropy: bool, bufs) -> None:
+    """Fold one tile of both heads into the rows' online statistics ``st`` = (m_s, s_s, u_s, c, m_t, s_t) [6, R].
+
+    ``u_s = sum e^(d_s) d_s`` (the entropy), ``c`` the cross term of the KL direction (``mode``); d = z - m.
+    """
+    m_s, s_s, u_s, c, m_t, s_t = st.unbind(0)
+    if keep is not None:
+        zs.masked_fill_(~keep, float("-inf"))
+        zt.masked_fill_(~keep, float("-inf"))
+    ms_new, mt_new = torch.maximum(m_s, zs.amax(1)), torch.maximum(m_t, zt.amax(1))
+    ms0, mt0 = _finite_max(ms_new), _finite_max(mt_new)
+    ds, dt = zs.sub_(ms0[:, None]), zt.sub_(mt0[:, None])
+    es, et = torch.exp(ds, out=_like(bufs[0], ds)), torch.exp(dt, out=_like(bufs[1], dt))
+    if keep is not None:  # ids a row did not keep: e = 0 already; d = 0 so that e * d = 0, not 0 * inf
+        ds.masked_fill_(~keep, 0.0)
+        dt.masked_fill_(~keep, 0.0)
+    a_s, a_t = torch.exp(m_s - ms0), torch.exp(m_t - mt0)
+    # how far each reference point moved (0 while nothing is folded: no -inf * 0)
+    sh_s = torch.where(s_s > 0, m_s - ms0, torch.zeros_like(s_s))
+    sh_t = torch.where(s_t > 0, m_t - mt0, torch.zeros_like(s_t))
+    if with_entropy:
+        u_s.copy_(a_s * (u_s + sh_s * s_s) + _rowdot(es, ds, bufs[2]))
+    if mode == FORWARD_KL:  # c = sum e^(d_t) (d_t - d_s)
+        c.copy_(a_t * (c + (sh_t - sh_s) * s_t) + _rowdot(et, torch.sub(dt, ds, out=ds), bufs[2]))
+    elif mode == REVERSE_KL:  # c = sum e^(d_s) (d_s - d_t)
+        c.copy_(a_s * (c + (sh_s - sh_t) * s_s) + _rowdot(es, torch.sub(ds, dt, out=dt), bufs[2]))
+    s_s.copy_(a_s * s_s + es.sum(1))
+    s_t.copy_(a_t * s_t + et.sum(1))
+    m_s.copy_(ms_new)
+    m_t.copy_(mt_new)
+
+
+def _jsd_terms(zs, zt, lse_s, lse_t, beta: float, keep, bufs) -> tuple[torch.Tensor, torch.Tensor]:
+    """One tile's share of (JSD, KL(p_s || m)) per row [R] each; overwrites zs, zt."""
+    ls, lt = zs.sub_(lse_s[:, None]), zt.sub_(lse_t[:, None])
+    ps, pt = torch.exp(ls, out=_like(bufs[0], ls)), torch.exp(lt, out=_like(bufs[1], lt))
+    if keep is not None:
+        ls.masked_fill_(~keep, 0.0)
+        lt.masked_fill_(~keep, 0.0)
+    lm = _log_mix_(ps, pt, beta, bufs[2])
+    ls.sub_(lm)
+    lt.sub_(lm)  # lm (in bufs[2]) is dead from here: the row dots may use its buffer
+    kl_sm, kl_tm = _rowdot(ps, ls, bufs[2]), _rowdot(pt, lt, bufs[2])
+    return beta * kl_tm + (1.0 - beta) * kl_sm, kl_sm
+
+
+def divergence_forward(
+    student: _Head, teacher: _Head, support: KeptSet | None, opts: _Options,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(divergence [N], entropy [N] | None, lse_s [N], lse_t [N], aux [N]): aux is the KL for the KL modes and
+    KL(p_s || m) for the JSD (what the backward needs)."""
+    N, V = student.h.shape[0], student.weight.shape[0]
+    cdt, dev = student.cdt, student.h.device
+    mode = opts.mode
+    st = torch.zeros((6, N), dtype=cdt, device=dev)
+    st[0].fill_(float("-inf"))
+    st[4].fill_(float("-inf"))
+    bufs = _buffers(N, V, support, cdt, dev)
+    for tile in _tiles(N, V, support):
+        zs, zt = student.logits(tile, bufs[3]), teacher.logits(tile, bufs[4])
+        _fold(zs, zt, st[:, tile.rows], tile.keep, mode, opts.with_entropy, bufs)
+    m_s, s_s, u_s, c, m_t, s_t = st.unbind(0)
+    log_ss, log_st = torch.log(s_s), torch.log(s_t)
+    lse_s, lse_t = _finite_max(m_s) + log_ss, _finite_max(m_t) + log_st
+    entropy = log_ss - u_s / s_s if opts.with_entropy else None
+    if mode == FORWARD_KL:
+        div = c / s_t - log_st + log_ss
+        aux = div
+    elif mode == REVERSE_KL:
+        div = c / s_s - log_ss + log_st
+        aux = div
+    else:
+        div = torch.zeros(N, dtype=cdt, device=dev)
+        aux = torch.zeros(N, dtype=cdt, device=dev)
+        for tile in _tiles(N, V, support):
+            zs, zt = student.logits(tile, bufs[3]), teacher.logits(tile, bufs[4])
+            if tile.keep is not None:
+                zs.masked_fill_(~tile.keep, float("-inf"))
+                zt.masked_fill_(~tile.keep, float("-inf"))
+            j, k = _jsd_terms(zs, zt, lse_s[tile.rows], lse_t[tile.rows], opts.beta, tile.keep, bufs)
+            div[tile.rows] += j
+            aux[tile.rows] += k
+    return div, entropy, lse_s, lse_t, aux
+
+
+def _student_grad(zs, zt, lse_s, lse_t, aux, entropy, gd, ge, opts: _Options, keep, bufs) -> torch.Tensor:
+    """G = dL/dy_s over one tile [R, C] for ``L = sum gd * D + ge * H``; overwrites zs, zt (G lands in one of them)."""
+    dzdy = opts.student.dz_dy(zs)  # a float, or a tile with a softcap (taken before zs is reused)
+    if keep is not None:
+        zs.masked_fill_(~keep, float("-inf"))
+        zt.masked_fill_(~keep, float("-inf"))
+    mode, beta = opts.mode, opts.beta
+    gd = gd if gd is not None else torch.zeros_like(lse_s)
+    ls, lt = zs.sub_(lse_s[:, None]), zt.sub_(lse_t[:, None])
+    ps = torch.exp(ls, out=_like(bufs[0], ls))
+    # every case is p_s * (a log p_s + b log p_t|m + c) (+ a p_t term for the forward KL), a, b, c per row
+    a = -ge if ge is not None else torch.zeros_like(gd)
+    cst = -ge * entropy if ge is not None else torch.zeros_like(gd)
+    if mode == FORWARD_KL:  # gd (p_s - p_t) - ge p_s (log p_s + H)
+        pt = torch.exp(lt, out=_like(bufs[1], lt))
+        g = ls.mul_(a[:, None]).add_((gd + cst)[:, None]).mul_(ps).sub_(pt.mul_(gd[:, None]))
+    elif mode == REVERSE_KL:  # gd p_s (log p_s - log p_t - KL) - ge p_s (log p_s + H)
+        g = ls.mul_((a + gd)[:, None]).sub_(lt.mul_(gd[:, None])).add_((cst - gd * aux)[:, None]).mul_(ps)
+    else:  # (1 - beta) gd p_s (log p_s - log m - KL(p_s || m)) - ge p_s (log p_s + H)
+        pt = torch.exp(lt, out=_like(bufs[1], lt))
+        lm = _log_mix_(ps, pt, beta, bufs[2])
+        w = (1.0 - beta) * gd
+        g = ls.mul_((a + w)[:, None]).sub_(lm.mul_(w[:, None])).add_((cst - w * aux)[:, None]).mul_(ps)
+    if keep is not None:  # ids not kept: p_s = 0 times -inf above; their gradient is exactly 0
+        g.masked_fill_(~keep, 0.0)
+    if not isinstance(dzdy, float) or dzdy != 1.0:
+        g.mul_(dzdy)
+    return g
+
+
+def divergence_backward(
+    student: _Head, teacher: _Head, support: KeptSet | None, opts: _Options,
+    lse_s: torch.Tensor, lse_t: torch.Tensor, aux: torch.Tensor, entropy: torch.Tensor | None,
+    grad_div: torch.Tensor | None, grad_ent: torch.Tensor | None,  # [N] compute dtype
+    need: tuple[bool, bool, bool],  # (hidden, weight, bias)
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Student gradients, vocabulary-sliced: each slice's G [N, C] is formed once, ``grad_W[slice] = G^T h`` is one
+    GEMM written once (no float32 [V, H] buffer), ``grad_h += G W[slice]`` accumulates in the compute dtype. On the
+    kept-set path the weight gradient is added into the kept rows only (``index_add_``)."""
+    need_h, need_w, need_b = need
+    h, weight, bias = student.h, student.weight, student.bias
+    N, V = h.shape[0], weight.shape[0]
+    cdt, dev = student.cdt, h.device
+    grad_h = torch.zeros_like(h) if need_h else None
+    grad_b = torch.zeros((V,), dtype=cdt, device=dev) if need_b else None
+    w_acc = None
+    if need_w:
+        grad_w = torch.zeros_like(weight) if support is not None else torch.empty_like(weight)
+        # the kept-set path adds per token chunk: in float32 for a 2-byte weight, over the kept ids' rows only
+        if support is not None and weight.dtype != cdt:
+            kept = torch.unique(support.ids)
+            w_acc = torch.zeros((kept.numel(), h.shape[1]), dtype=cdt, device=dev)
+    bufs = _buffers(N, V, support, cdt, dev)
+    for tile in _tiles(N, V, support):
+        r = tile.rows
+        w = student.weight_block(tile)
+        zs, zt = student.logits(tile, bufs[3], w), teacher.logits(tile, bufs[4])
+        g = _student_grad(zs, zt, lse_s[r], lse_t[r], aux[r], None if entropy is None else entropy[r],
+                          None if grad_div is None else grad_div[r], None if grad_ent is None else grad_ent[r],
+                          opts, tile.keep, bufs)
+        if need_h:
+            grad_h[r].addmm_(g, w)
+        if need_w:
+            if tile.ids is None:
+                if grad_w.dtype == cdt:
+                    torch.mm(g.T, h, out=grad_w[tile.v0 : tile.v1])  # written once, no temporary
+                else:
+                    grad_w[tile.v0 : tile.v1] = torch.mm(g.T, h)
+            elif w_acc is None:
+                grad_w.index_add_(0, tile.ids, torch.mm(g.T, h[r]))
+            else:
+                w_acc.index_add_(0, torch.searchsorted(kept, tile.ids), torch.mm(g.T, h[r]))
+        if need_b:
+            if tile.ids is None:
+                grad_b[tile.v0 : tile.v1] = g.sum(0)
+            else:
+                grad_b.index_add_(0, tile.ids, g.sum(0))
+    if w_acc is not None:
+        grad_w[kept] = w_acc.to(grad_w.dtype)
+    return (
+        grad_h.to(student.dtype) if need_h else None,
+        grad_w if need_w else None,
+        grad_b.to(bias.dtype) if need_b else None,
+    )
+
+
+class DivergenceFunction(torch.autograd.Function):
+    """(hidden [N,H], weight [V,H], bias, teacher_hidden [N,H_t], teacher_weight [V,H_t], teacher_bias, support,
+    opts) -> (divergence [N], entropy [N] | None). Every row is a counted token; the teacher gets no gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, support, opts):
+        cdt = acc_dtype(hidden.dtype)
+        student = _Head(hidden, weight, bias, opts.student, cdt)
+        teacher = _Head(teacher_hidden, teacher_weight, teacher_bias, opts.teacher, cdt)
+        div, ent, lse_s, lse_t, aux = divergence_forward(student, teacher, support, opts)
+        ctx.save_for_backward(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, lse_s, lse_t, aux,
+                              ent)
+        ctx.support, ctx.opts = support, opts
+        ctx.set_materialize_grads(False)
+        return div, ent
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_div, grad_ent):
+        hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, lse_s, lse_t, aux, ent = ctx.saved_tensors
+        need = tuple(ctx.needs_input_grad[:3])
+        none = (None,) * 5
+        if (grad_div is None and grad_ent is None) or not any(need):
+            return (None, None, None) + none
+        opts: _Options = ctx.opts
+        cdt = lse_s.dtype
+        grad_div = None if grad_div is None else grad_div.to(cdt)
+        grad_ent = None if grad_ent is None else grad_ent.to(cdt)
+        with torch.autocast(hidden.device.type, enabled=False):
+            student = _Head(hidden, weight, bias, opts.student, cdt)
+            teacher = _Head(teacher_hidden, teacher_weight, teacher_bias, opts.teacher, cdt)
+            gh, gw, gb = divergence_backward(student, teacher, ctx.support, opts, lse_s, lse_t, aux, ent, grad_div,
+                                             grad_ent, need)
+        return (gh, gw, gb) + none
+
+
+def _check_number(name: str, v, lo: float | None = None, hi: float | None = None) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ValueError(f"{name} must be a finite number, got {v!r}")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {v!r}")
+
+
+def _transform(temperature, logit_scale, softcap, prefix: str) -> LogitTransform:
+    """A LogitTransform whose errors name the caller's argument (``teacher_logit_scale``, ...)."""
+    for name, v in (("logit_scale", logit_scale), ("softcap", softcap)):
+        if name == "softcap" and v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ValueError(f"{prefix}{name} must be {'None or ' if name == 'softcap' else ''}a finite number > 0, "
+                             f"got {v!r}")
+    return LogitTransform(temperature=temperature, logit_scale=logit_scale, softcap=softcap)
+
+
+def _check_finite(div, ent, active, hidden, teacher_hidden, lead) -> None:
+    """Raise if a counted token's divergence or entropy is not finite, naming the token and the input at fault."""
+    bad = ~torch.isfinite(div)
+    if ent is not None:
+        bad |= ~torch.isfinite(ent)
+    bad &= active
+    if not bool(bad.any()):
+        return
+    n = int(bad.nonzero()[0, 0])
+    what, value = ("divergence", div[n]) if not torch.isfinite(div[n]) else ("entropy", ent[n])
+    if not bool(torch.isfinite(hidden[n]).all()):
+        culprit = "hidden holds inf/nan there"
+    elif not bool(torch.isfinite(teacher_hidden[n]).all()):
+        culprit = "teacher_hidden holds inf/nan there"
+    else:
+        culprit = ("both hidden states are finite there, so weight, teacher_weight or a bias holds inf/nan, or the "
+                   "logits overflow")
+    raise FloatingPointError(f"non-finite {what} at {_token_name(n, lead)} (value {float(value)}): {culprit}. "
+                             "Pass check_finite=False to skip this check.")
+
+
+def fused_divergence(
+    hidden: torch.Tensor,  # [N, H] or [B, T, H]: the student's last hidden states
+    weight: torch.Tensor,  # [V, H]: the student's LM head
+    teacher_hidden: torch.Tensor,  # [N, H_t] or [B, T, H_t]
+    teacher_weight: torch.Tensor,  # [V, H_t]
+    *,
+    beta: float = 1.0,
+    temperature: float = 1.0,
+    bias: torch.Tensor | None = None,  # [V]
+    teacher_bias: torch.Tensor | None = None,  # [V]
+    logit_scale: float = 1.0,
+    teacher_logit_scale: float = 1.0,
+    softcap: float | None = None,
+    teacher_softcap: float | None = None,
+    mask: torch.Tensor | None = None,  # hidden's leading shape; 0 / False: the token does not count
+    with_entropy: bool = False,
+    check_finite: bool = True,
+    backend: str | None = None,
+    support: KeptSet | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Per-token divergence between the student's and the teacher's next-token distributions, without logits.
+
+    ``beta=0``: KL(teacher || student) (forward KL); ``beta=1``: KL(student || teacher) (reverse KL, the exact
+    per-token KL to a reference policy); ``0 < beta < 1``: TRL 1.16's generalized JSD, ``beta KL(p_t || m) +
+    (1 - beta) KL(p_s || m)`` with ``m = (1 - beta) p_s + beta p_t``. Each model's distribution is
+    ``softmax(softcap(scale * (h W^T + b)) / temperature)`` with its own scale and softcap (TRL's order); no
+    ``temperature**2`` factor, as TRL.
+
+    Args:
+        hidden, weight, bias: the student (float32/bf16/fp16/float64; one dtype and device). Gradients flow to
+            these three.
+        teacher_hidden, teacher_weight, teacher_bias: the teacher, with its own hidden width ``H_t`` and the same
+            vocabulary ``V`` and leading shape. It gets no gradient (its tensors are read detached).
+        beta: in [0, 1]. temperature: > 0, divides both models' logits.
+        mask: hidden's leading shape, any dtype (nonzero = counted). Masked tokens give 0 and no gradient, and are
+            never computed.
+        with_entropy: also return the student's entropy (differentiable).
+        check_finite: raise ``FloatingPointError`` naming the first counted token whose divergence or entropy is
+            not finite and the input at fault.
+        backend: as ``fused_logprobs``; the divergence runs its chunked-PyTorch implementation on every device.
+        support: a ``fastrl.KeptSet`` (one row per token of the leading shape, masked tokens included): both
+            distributions renormalised over each token's kept ids (the exact KL under a truncating sampler).
+
+    Returns:
+        ``divergence`` of ``mask``'s shape (hidden's leading shape without a mask), float32 (float64 for float64
+        inputs); ``(divergence, entropy)`` with ``with_entropy=True``.
+
+    Memory beyond inputs and outputs: O(N) statistics plus bounded tiles of each model (no ``[N, V]``, no float32
+    ``[V, H]``). Cost: the KLs 2N(H+H_t)V FLOPs forward, the JSD twice that (a statistics pass first); the backward
+    recomputes both heads' tiles and adds 4NHV for the student's gradients.
+    """
+    hidden, weight, bias = autocast_inputs(hidden, weight, bias)
+    teacher_hidden, teacher_weight, teacher_bias = autocast_inputs(teacher_hidden, teacher_weight, teacher_bias)
+    check_head(hidden, weight, bias, hidden_name="hidden", weight_name="weight", bias_name="bias")
+    if isinstance(teacher_weight, torch.Tensor) and teacher_weight.dim() == 2 and teacher_weight.shape[0] != weight.shape[0]:
+        raise ValueError(f"the vocabularies differ: weight has V = {weight.shape[0]} rows, teacher_weight "
+                         f"{teacher_weight.shape[0]}; the divergence compares distributions over one vocabulary")
+    check_head(teacher_hidden, teacher_weight, teacher_bias, hidden_name="teacher_hidden",
+               weight_name="teacher_weight", bias_name="teacher_bias")
+    lead = tuple(hidden.shape[:-1])
+    if tuple(teacher_hidden.shape[:-1]) != lead:
+        raise ValueError(f"teacher_hidden must have hidden's leading shape {lead}, got "
+                         f"{tuple(teacher_hidden.shape[:-1])}")
+    if teacher_hidden.device != hidden.device:
+        raise ValueError(f"teacher and student must be on one device, got hidden on {hidden.device} and "
+                         f"teacher_hidden on {teacher_hidden.device}")
+    _check_number("beta", beta, 0.0, 1.0)
+    beta = float(beta)
+    tf_s = _transform(temperature, logit_scale, softcap, "")
+    tf_t = _transform(temperature, teacher_logit_scale, teacher_softcap, "teacher_")
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor):
+            raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
+        if tuple(mask.shape) != lead:
+            raise ValueError(f"mask must have hidden's leading shape {lead}, got {tuple(mask.shape)}")
+        if mask.device != hidden.device:
+            raise ValueError(f"mask must be on hidden's device {hidden.device}, got {mask.device}")
+        if mask.dtype != torch.bool:
+            odd = (mask != 0) & (mask != 1)
+            if bool(odd.any()):
+                pos = tuple(int(i) for i in odd.nonzero()[0])
+                raise ValueError(f"mask must be bool or hold only 0 and 1, got {mask[pos].item()} at position {pos}: "
+                                 "it selects tokens, it does not weight them")
+    for name, flag in (("with_entropy", with_entropy), ("check_finite", check_finite)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    N = math.prod(lead)
+    active = (mask.reshape(-1) != 0) if mask is not None else torch.ones(N, dtype=torch.bool, device=hidden.device)
+    if support is not None:
+        if not isinstance(support, KeptSet):
+            raise TypeError(f"support must be a fastrl.KeptSet or None, got {type(support).__name__}")
+        if support.vocab_size != weight.shape[0]:
+            raise ValueError(f"support has vocab_size {support.vocab_size}, the heads have V = {weight.shape[0]}")
+        if len(support) != N:
+            raise ValueError(f"support has {len(support)} tokens, expected one per token of the leading shape {lead} "
+                             f"({N})")
+        support = support.to(hidden.device)
+        empty = active & (support.sizes() == 0)
+        if bool(empty.any()):
+            raise ValueError(f"support is empty at counted {_token_name(int(empty.nonzero()[0, 0]), lead)}: every "
+                             "counted token must keep at least one id")
+    name = resolve_backend(hidden.device, backend)
+    if is_triton(name) and hidden.dtype == torch.float64:
+        raise TypeError("the triton backends compute from float32, bfloat16 or float16 inputs; use backend='torch' "
+                        "for float64")
+    opts = _Options(beta=beta, student=tf_s, teacher=tf_t, with_entropy=with_entropy, backend=name)
+
+    h = unit_stride(hidden.reshape(-1, hidden.shape[-1]))
+    ht = unit_stride(teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1]))
+    w, wt = unit_stride(weight), unit_stride(teacher_weight.detach())
+    b, bt = dense_bias(bias), dense_bias(None if teacher_bias is None else teacher_bias.detach())
+    idx = compact_rows(active)
+    if idx is not None:
+        h, ht = h.index_select(0, idx), ht.index_select(0, idx)
+        support = support[idx] if support is not None else None
+
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    with torch.autocast(h.device.type, enabled=False):
+        if needs_grad:
+            div, ent = DivergenceFunction.apply(h, w, b, ht, wt, bt, support, opts)
+        else:
+            with torch.no_grad():
+                cdt = acc_dtype(h.dtype)
+                div, ent, *_ = divergence_forward(_Head(h, w, b, tf_s, cdt), _Head(ht, wt, bt, tf_t, cdt), support,
+                                                  opts)
+    if idx is not None:
+        div = div.new_zeros((N,)).index_copy(0, idx, div)
+        ent = None if ent is None else ent.new_zeros((N,)).index_copy(0, idx, ent)
+    if check_finite:
+        _check_finite(div.detach(), None if ent is None else ent.detach(), active,
+                      hidden.reshape(-1, hidden.shape[-1]), teacher_hidden.reshape(-1, teacher_hidden.shape[-1]), lead)
+    div = div.reshape(lead)
+    if with_entropy:
+        return div, ent.reshape(lead)
+    return div
