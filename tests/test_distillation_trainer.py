@@ -527,3 +527,16 @@ def test_distillation_loss_bf16_accuracy(beta):
     for i, what in enumerate(("loss", "grad hidden", "grad weight")):
         tol = 1e-6 if i == 0 else 5e-4
         assert errs["fastrl"][i] <= errs["trl"][i] + tol, f"{what}: fastrl {errs['fastrl'][i]:.2e}, TRL {errs['trl'][i]:.2e}"
+
+
+@pytest.mark.parametrize("name", ("DistillationTrainer", "DistillationConfig"))
+def test_lazy_export_without_trl_names_the_extra(monkeypatch, name):
+    import sys
+
+    assert name in fastrl.__all__
+    monkeypatch.setitem(sys.modules, "trl", None)  # as if `pip install -e .` without [trl]
+    monkeypatch.delitem(sys.modules, "fastrl.trainers.distillation", raising=False)
+    monkeypatch.delitem(vars(fastrl), name, raising=False)  # drop the cached lazy attribute (restored afterwards)
+    with pytest.raises(ModuleNotFoundError) as info:
+        exec(f"from fastrl import {name}", {})
+    assert f"fastrl.{name} needs the package 'trl'" in str(info.value) and 'pip install "fastrl[trl]"' in str(info.value)
