@@ -93,7 +93,8 @@ def main(argv=None):
     rows = []
     for which in ("trl", "fastrl"):
         cmd = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--_worker", which]
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(a.threads)}
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+               "OMP_NUM_THREADS": str(a.threads)}
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         line = next((x for x in reversed(proc.stdout.splitlines()) if x.startswith("MEASURE ")), None)
         if line is None:

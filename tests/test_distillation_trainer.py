@@ -526,7 +526,8 @@ def test_distillation_loss_bf16_accuracy(beta):
     errs = {w: [rel_err(a, b) for a, b in zip(res[w], truth)] for w in ("trl", "fastrl")}
     for i, what in enumerate(("loss", "grad hidden", "grad weight")):
         tol = 1e-6 if i == 0 else 5e-4
-        assert errs["fastrl"][i] <= errs["trl"][i] + tol, f"{what}: fastrl {errs['fastrl'][i]:.2e}, TRL {errs['trl'][i]:.2e}"
+        assert errs["fastrl"][i] <= errs["trl"][i] + tol, \
+            f"{what}: fastrl {errs['fastrl'][i]:.2e}, TRL {errs['trl'][i]:.2e} (relative error against float64)"
 
 
 @pytest.mark.parametrize("name", ("DistillationTrainer", "DistillationConfig"))
@@ -539,4 +540,5 @@ def test_lazy_export_without_trl_names_the_extra(monkeypatch, name):
     monkeypatch.delitem(vars(fastrl), name, raising=False)  # drop the cached lazy attribute (restored afterwards)
     with pytest.raises(ModuleNotFoundError) as info:
         exec(f"from fastrl import {name}", {})
-    assert f"fastrl.{name} needs the package 'trl'" in str(info.value) and 'pip install "fastrl[trl]"' in str(info.value)
+    msg = str(info.value)
+    assert f"fastrl.{name} needs the package 'trl'" in msg and 'pip install "fastrl[trl]"' in msg

@@ -94,7 +94,8 @@ class DistillationConfig(trl.DistillationConfig):
         default=False, metadata={"help": "Offload the activations saved for backward to CPU memory (TRL's)."}
     )
     tiled_mlp: int = field(
-        default=0, metadata={"help": "Run each decoder MLP over this many token chunks, recomputed in backward (0: off)."}
+        default=0,
+        metadata={"help": "Run each decoder MLP over this many token chunks, recomputed in backward (0: off)."},
     )
 
     def __post_init__(self):
