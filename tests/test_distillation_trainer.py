@@ -281,12 +281,16 @@ def _logs(trainer):
     return [h for h in trainer.state.log_history if "loss" in h]
 
 
-def test_one_training_step_equals_stock(tmp_path):
-    """``train()`` for one SGD step (on-policy generation, the loss, the update): the same logs and weights. The
-    learning rate is large so that the update, not float32 rounding of ``weight + update``, is what is compared."""
+@pytest.mark.parametrize("accumulation", (1, 2))
+def test_one_training_step_equals_stock(tmp_path, accumulation):
+    """``train()`` for one SGD step (on-policy generation, the loss, the update): the same logs and weights, also
+    with gradient accumulation (one generation for both micro-batches, each loss over the whole step's token
+    count). The learning rate is large so that the update, not float32 rounding of ``weight + update``, is what
+    is compared."""
     from transformers import set_seed
 
-    kw = dict(optim="sgd", learning_rate=50.0, max_grad_norm=0.0, lr_scheduler_type="constant", beta=0.5)
+    kw = dict(optim="sgd", learning_rate=50.0, max_grad_norm=0.0, lr_scheduler_type="constant", beta=0.5,
+              per_device_train_batch_size=4 // accumulation, gradient_accumulation_steps=accumulation)
     runs = []
     for make in (stock, ours):
         trainer = make(tmp_path, **kw)
