@@ -546,3 +546,13 @@ def test_lazy_export_without_trl_names_the_extra(monkeypatch, name):
         exec(f"from fastrl import {name}", {})
     msg = str(info.value)
     assert f"fastrl.{name} needs the package 'trl'" in msg and 'pip install "fastrl[trl]"' in msg
+
+
+def test_non_finite_student_stops_with_a_named_error(tmp_path):
+    """A NaN in the student's head: stock TRL returns a NaN loss and trains on it; fastrl stops before the
+    optimizer step with an error naming the first token and the input at fault."""
+    fr = ours(tmp_path)
+    with torch.no_grad():
+        fr.model.lm_head.weight[5, 3] = float("nan")
+    with pytest.raises(FloatingPointError, match="non-finite divergence at"):
+        run_step(fr, make_batch(), beta=0.5)
