@@ -6,7 +6,10 @@
     python -m bench w4                   W4: one GRPOTrainer step, stock TRL vs fastrl, per completion length
     python -m bench w5                   W5: the longest completion whose GRPO step fits a memory budget, stock TRL
                                          vs fastrl with activation offloading / tiled MLP (CPU: CPU-scaled)
-    python -m bench gpu                  W1-W3 at full size, every provider (for the H100)
+    python -m bench gpu                  W1-W3 at full size, every provider, and the divergence (for the H100)
+    python -m bench divergence           student vs teacher head: fastrl.fused_divergence vs TRL's
+                                         ChunkedDivergenceFunction, Liger's LigerFusedLinearJSD and materialised
+                                         torch, beta 0 / 0.5 / 1
     python -m bench                      everything for this device (GPU sizes on CUDA, CPU sizes otherwise)
     python -m bench list                 workloads and providers, and why a provider cannot run here
     python -m bench sass                 compile every kernel for sm_90 (no GPU needed): registers, spills,
@@ -32,7 +35,7 @@ from typing import Callable
 import torch
 
 from bench import providers as P
-from bench import report, runner, w4, w5
+from bench import divergence, report, runner, w4, w5
 from bench import workloads as W
 
 C1_PROVIDERS = "fastrl,fastrl-fused,torch,trl,liger-fused"
@@ -187,8 +190,10 @@ def _workloads(args, device: str) -> list[W.Workload]:
     if args.smoke and args.command != "run":
         wls = [W.tiny(w) for w in wls]
     spec = _without_w4(args.workload)
+    if spec and args.command == "gpu":  # the divergence has its own workloads (_gpu_divergence)
+        spec = ",".join(k for k in spec.split(",") if k.strip().lower() != "divergence")
     if args.workload and not spec:
-        return []  # --workload W4 alone
+        return []  # --workload W4 (or divergence) alone
     return W.select(wls, spec)
 
 
@@ -343,6 +348,27 @@ def _list_command(args, device: str, con) -> int:
     return _list(device, con)
 
 
+def _divergence_options(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--beta", help="comma list of betas (default 0,0.5,1)")
+    ap.add_argument("--providers", help=f"comma list of {', '.join(divergence.PROVIDERS)} (default all)")
+
+
+def _divergence_command(args, device: str, con) -> int:
+    return divergence.cli(args, device, con)
+
+
+def _gpu_divergence(args, device: str, con) -> dict | None:
+    """`bench gpu` measures the divergence too (bench/divergence.py), unless --workload leaves it out."""
+    if args.workload and "divergence" not in [k.strip().lower() for k in args.workload.split(",")]:
+        return None
+    wls = divergence.workloads(device, smoke=args.smoke)
+    rows = divergence.run(wls, list(divergence.PROVIDERS), device, reps=args.reps or 3, warmup=args.warmup or 2,
+                          n_sets=1 if args.smoke else 2, timeout_s=args.timeout or 1200, threads=args.threads,
+                          options={"fastrl_backend": args.fastrl_backend} if args.fastrl_backend else {},
+                          rep_ms=50 if args.smoke else 500 if args.quick else 2000, console=con)
+    return {"rows": rows, "targets": divergence.targets(rows, device, None)}
+
+
 def _w5_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--workload", help="W5: comma list of architectures (0.5B,1.5B; default both)")
     ap.add_argument("--providers", help="W5: comma list of configurations: trl, fastrl, fastrl+offload, fastrl+tiled, "
@@ -440,6 +466,7 @@ def _measure(args, device: str, con) -> int:
     t0 = time.perf_counter()
     rows, info = runner.run(wls, provs, cfg, con) if wls else ([], {"floor_tflops": {}})
     floor = info["floor_tflops"]
+    div = _gpu_divergence(args, device, con) if args.command == "gpu" else None
     elapsed = time.perf_counter() - t0
 
     w4_rows, w4_summary, w4_s = [], None, 0.0
@@ -462,6 +489,8 @@ def _measure(args, device: str, con) -> int:
     }
     if want_w4:
         payload["w4"] = {**w4_summary, "rows": w4_rows}
+    if div is not None:
+        payload["divergence"] = div
     title = (f"{args.command} ({cfg.mode}) on {env['device']} | torch {env['torch']} | triton {env['triton']} | "
              f"driver {env['driver']} | ms: median of {cfg.reps if device == 'cpu' else 'do_bench'} runs")
     plots = [] if args.no_plots or not rows else report.plot(rows, out_dir, prefix, env)
@@ -479,6 +508,11 @@ def _measure(args, device: str, con) -> int:
             payload["targets"] = _c1_targets([r for r in rows if r["group"] != "floor"], con)
         if args.command == "gpu" and not args.smoke:
             payload["targets"] = _gpu_targets([r for r in rows if r["group"] != "floor"], con)
+    if div is not None:
+        con.print()
+        divergence.print_table(con, div["rows"], f"divergence on {env['device']} (student vs teacher head)")
+        if not args.smoke:
+            divergence.targets(div["rows"], device, con)
         report.write_csv(csv_path, rows, env)
         written.append(csv_path)
     if want_w4:
@@ -534,6 +568,14 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             "in peak RSS), each point in a fresh process. Writes JSON / CSV and a plot of step memory against length.\n"
             "A full GPU run is long: split it with --workload and --providers.",
             (_run_options, _w5_options), _w5_command),
+    Command("divergence", "student vs teacher head: fused_divergence vs TRL, Liger and torch, beta 0/0.5/1",
+            "The per-token divergence between a student's and a teacher's LM head (bench/divergence.py), forward +\n"
+            "backward, beta 0 (forward KL), 0.5 (TRL's generalized JSD), 1 (reverse KL): fastrl.fused_divergence,\n"
+            "TRL 1.16's ChunkedDivergenceFunction, Liger's LigerFusedLinearJSD (CUDA) and materialised torch; time,\n"
+            "extra memory and error against float64, with issue 21's targets (CPU: <= 0.7x TRL's time at <= 0.5x its\n"
+            "extra memory; GPU: <= 0.8x TRL's time). CUDA: N=16384, H=896, teacher 1536, V=151936, bf16; CPU:\n"
+            "N=1024 (--quick 512), H=256, teacher 384, V=65536, float32.",
+            (_run_options, _divergence_options), _divergence_command),
     Command("list", "workloads and providers, and why a provider cannot run here",
             "The workloads (GPU and CPU sizes), the providers, and why a provider cannot run on this device.",
             (_device_option,), _list_command),

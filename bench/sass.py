@@ -38,7 +38,7 @@ _TY = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 @dataclass(frozen=True)
 class Spec:
-    kernel: str  # "stats", "grad" (fused matmul kernels), "fold", "grad_tile" (hybrid elementwise kernels)
+    kernel: str  # "stats", "grad" (fused matmul kernels), "fold", "grad_tile", "div_*" (hybrid elementwise kernels)
     dtype: str = "bfloat16"
     tma: bool = True
     bias: bool = False
@@ -75,6 +75,10 @@ def specs() -> list[Spec]:
     out.append(Spec("stats", entropy=False, note="forward-only log-probs (reference / old policy)"))
     out += [Spec("fold"), Spec("fold", bias=True, softcap=True), Spec("grad_tile"), Spec("grad_tile", bias=True, softcap=True),
             Spec("grad_tile", dtype="float32")]
+    # fused_divergence's hybrid kernels: both heads' float32 tiles in one pass (kernels/divergence_fold.py)
+    out += [Spec("div_stats"), Spec("div_stats", bias=True, softcap=True), Spec("div_jsd"),
+            Spec("div_jsd", bias=True, softcap=True), Spec("div_grad"), Spec("div_grad", bias=True, softcap=True),
+            Spec("div_grad", dtype="float32")]
     return out
 
 
@@ -85,7 +89,7 @@ def _signature(fn, types: dict, consts: dict) -> dict:
             sig[a] = "constexpr"
         elif a in types:
             sig[a] = types[a]
-        elif a in ("logit_scale", "softcap", "inv_temp"):
+        elif a in ("logit_scale", "softcap", "inv_temp", "s_scale", "s_softcap", "t_scale", "t_softcap", "beta"):
             sig[a] = "fp32"
         else:
             sig[a] = "i32"
@@ -99,7 +103,7 @@ def _divisible(fn, types: dict) -> dict:
     for i, a in enumerate(fn.arg_names):
         t = types.get(a, "i32")
         if (t.startswith("*") or a in ("H", "stride_hn", "stride_wv", "stride_gn", "stride_yr", "stride_gr", "V",
-                                        "N", "C", "V_blk")):
+                                        "N", "C", "V_blk", "stride_ys", "stride_yt", "stride_g")):
             attrs[(i,)] = [["tt.divisibility", 16]]
     return attrs
 
@@ -136,6 +140,29 @@ def compile_spec(spec: Spec, arch: int):
             consts = dict(common, HAS_GLOGP=True, HAS_GENT=spec.entropy)
         label = str(cfg)
         warps, stages = cfg.num_warps, cfg.num_stages
+    elif spec.kernel.startswith("div_"):
+        from fastrl.kernels import divergence_fold as D
+
+        base = dict(HAS_BS=spec.bias, HAS_BT=spec.bias, S_SOFTCAP=spec.softcap, T_SOFTCAP=spec.softcap,
+                    BLOCK_C=D.BLOCK_C)
+        heads = dict(ys_ptr="*fp32", yt_ptr="*fp32", bs_ptr=f"*{ty}", bt_ptr=f"*{ty}")
+        if spec.kernel == "div_stats":
+            fn = D._stats_kernel
+            types = dict(heads, **{p: "*fp32" for p in ("ms_ptr", "ss_ptr", "us_ptr", "c_ptr", "mt_ptr", "st_ptr")})
+            consts = dict(base, MODE=D.REVERSE_KL, HAS_ENTROPY=spec.entropy, FIRST=False)
+        elif spec.kernel == "div_jsd":
+            fn = D._jsd_kernel
+            types = dict(heads, **{p: "*fp32" for p in ("lse_s_ptr", "lse_t_ptr", "jsd_ptr", "aux_ptr")})
+            consts = base
+        else:
+            fn = D._grad_kernel
+            gty = "fp32" if spec.dtype == "float32" else ty
+            types = dict(heads, g_ptr=f"*{gty}",
+                         **{p: "*fp32" for p in ("lse_s_ptr", "lse_t_ptr", "aux_ptr", "ent_ptr", "gd_ptr", "ge_ptr")})
+            consts = dict(base, MODE=D.JSD, HAS_GD=True, HAS_GE=spec.entropy, IN_PLACE=spec.dtype != "float32",
+                          EMULATE_RNE=False)
+        label = f"BLOCK_C={D.BLOCK_C} w{D.NUM_WARPS}"
+        warps, stages = D.NUM_WARPS, 3
     else:
         base = dict(HAS_BIAS=spec.bias, HAS_SOFTCAP=spec.softcap, BLOCK_C=F.BLOCK_C)
         if spec.kernel == "fold":

@@ -118,6 +118,10 @@ def main(argv: list[str]) -> int:
             from bench.w4 import run_point
 
             res = run_point(spec)
+        elif spec.get("kind") == "divergence":  # student vs teacher heads (bench/divergence.py)
+            from bench.divergence import run_point as run_divergence
+
+            res = run_divergence(spec)
         else:
             res = run_spec(spec)
     except Exception as e:  # noqa: BLE001

@@ -62,7 +62,8 @@ def test_bench_cli_commands(tmp_path):
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert proc.returncode == 0 and line, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
     res = json.loads(line[len("RESULT "):])
-    assert res["commands"] == ["run", "c1", "gpu", "w4", "w5", "list", "targets", "sass"]
+    assert res["commands"] == ["run", "c1", "gpu", "w4", "w5", "divergence", "list", "targets", "sass"]
+    assert "--beta" in res["help"]["divergence"] and "LigerFusedLinearJSD" in res["help"]["divergence"]
 
     helps = res["help"]
     assert helps["c1"].startswith("usage: python -m bench c1") and "C1-loss" in helps["c1"]
@@ -72,7 +73,7 @@ def test_bench_cli_commands(tmp_path):
     assert "--device" in helps["list"] and "--smoke" not in helps["list"]
     assert "requires CUDA" in helps["gpu"] or "without CUDA" in helps["gpu"]
     for name in res["commands"]:  # the command list, with a line of help each
-        assert f"\n    {name} " in res["top"], name
+        assert f"\n    {name} " in res["top"] or f"\n    {name}\n" in res["top"], name  # long names: help below
     assert "COMMAND --help" in res["top"] and "DESIGN.md" not in res["top"] and "issues" not in res["top"]
 
     parsed = res["parsed"]

@@ -91,3 +91,21 @@ def test_bench_cli_smoke_cuda(tmp_path):
     assert not errors, errors
     assert all(r["reason"] for r in rows if r["status"] != "ok")
     assert {r["status"] for r in rows if r["provider"] == "fastrl"} == {"ok"}
+
+
+def test_divergence_bench_smoke(tmp_path):
+    """`python -m bench divergence --smoke`: fastrl, TRL and torch measured in fresh processes, Liger skipped with
+    the reason off CUDA, the same loss from all three, errors against float64 recorded, the JSON written."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "bench", "divergence", "--smoke", "--device", "cpu", "--beta", "0.5",
+           "--providers", "fastrl,trl,liger,torch", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    rows = {r["provider"]: r for r in json.loads((tmp_path / "divergence-smoke.json").read_text())["rows"]}
+    assert set(rows) == {"fastrl", "trl", "liger", "torch"}
+    assert rows["liger"]["status"] == "skipped" and "CUDA" in rows["liger"]["reason"]
+    for p in ("fastrl", "trl", "torch"):
+        assert rows[p]["status"] == "ok", rows[p]
+        assert rows[p]["loss_value"] == pytest.approx(rows["torch"]["loss_value"], rel=1e-5)
+        assert rows[p]["grad_h_max_abs_err"] <= 1e-5 * rows[p]["grad_h_max_abs"]
+    assert rows["fastrl"]["div_max_abs_err"] < 1e-5 and rows["fastrl"]["time_vs_trl"] > 0

@@ -334,3 +334,44 @@ def test_empty_and_fully_masked_inputs():
     assert (s["hidden"].grad == 0).all()
     s, t = make(lead=(0,), V=50)
     assert fastrl.fused_divergence(**s, **t).shape == (0,)
+
+
+# ----------------------------------------------------------------------------- the Triton (hybrid) backend
+
+
+@pytest.fixture
+def small_hybrid_tiles(monkeypatch):
+    """Slices of 256 columns read in blocks of 128, 16-token chunks: every loop of the kernels and of the
+    orchestration runs more than once, the last slice and block ragged (V=300), the backward's rows chunked."""
+    from fastrl.kernels import divergence_fold as K
+    from fastrl.ops import divergence_hybrid, hybrid
+
+    monkeypatch.setattr(divergence_hybrid, "COLUMNS", 256)
+    monkeypatch.setattr(K, "BLOCK_C", 128)
+    monkeypatch.setattr(hybrid, "ROWS", 16)
+    monkeypatch.setattr(hybrid, "MAX_ROWS", 16)
+
+
+@pytest.mark.parametrize("beta, dtype", [(0.0, torch.float32), (0.5, torch.float32), (1.0, torch.float32),
+                                         (0.5, torch.bfloat16)], ids=["b0-f32", "b0.5-f32", "b1-f32", "b0.5-bf16"])
+@pytest.mark.parametrize("backend", ["triton"])
+def test_triton_backend_against_float64(backend, beta, dtype, small_hybrid_tiles):
+    N = 26  # 16-token chunks: two, the second ragged, after the 20% masked are dropped
+    s, t = make(lead=(N,), dtype=dtype)
+    kw = dict(beta=beta, **TRANSFORMS["all"])
+    g = torch.Generator().manual_seed(5)
+    a, c = torch.randn(N, generator=g, dtype=torch.float64), torch.randn(N, generator=g, dtype=torch.float64)
+    mask = torch.rand(N, generator=g) > 0.2
+    div, ent = fastrl.fused_divergence(**s, **t, with_entropy=True, backend=backend, mask=mask, **kw)
+    d64, e64 = divergence_reference(**s, **t, dtype=torch.float64, mask=mask, **kw)
+    dpt, ept = divergence_reference(**s, **t, mask=mask, **kw)
+    tol = TOLERANCES[dtype]
+    for name, fast, ref, pt in (("divergence", div, d64, dpt), ("entropy", ent, e64, ept)):
+        assert _err(fast, ref) <= _err(pt, ref) + tol["out"], name
+    g_fast, g64, g_pt = (_grads(x, y, a, c, _params(s)) for x, y in ((div, ent), (d64, e64), (dpt, ept)))
+    for name, gf, gr, gp in zip(("hidden", "weight", "bias"), g_fast, g64, g_pt):
+        # a 2-byte G feeds the gradient GEMMs (as TRL's and the log-prob path's): one more rounding than torch's
+        slack = tol["grad"] * (2 if dtype != torch.float32 else 1)
+        assert _rel(gf, gr) <= _rel(gp, gr) + slack, f"grad {name}: {_rel(gf, gr):.2e} vs PyTorch's {_rel(gp, gr):.2e}"
+    with torch.no_grad():
+        assert torch.equal(fastrl.fused_divergence(**s, **t, backend=backend, mask=mask, **kw), div)

@@ -106,8 +106,9 @@ class _Head:
     """One model's LM head as the tiles read it: hidden in the compute dtype, the raw weight and bias, the transform."""
 
     def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tf: LogitTransform,
-                 cdt: torch.dtype):
-        self.h = hidden.to(cdt)  # [N, H], upcast once (a no-op for float32)
+                 cdt: torch.dtype | None):
+        # [N, H], upcast once (a no-op for float32); kept in the input dtype (cdt None) for cuBLAS on the Triton path
+        self.h = hidden if cdt is None else hidden.to(cdt)
         self.dtype = hidden.dtype  # the input dtype, that of the gradients returned
         self.weight, self.bias, self.tf, self.cdt = weight, bias, tf, cdt
 
@@ -315,16 +316,30 @@ def divergence_backward(
     )
 
 
+def _hybrid(opts: _Options, support: KeptSet | None) -> bool:
+    """The Triton backends run the hybrid kernels (cuBLAS tiles, one Triton pass over both heads'); the kept-set
+    path gathers ids per token chunk and runs on the torch implementation on every backend."""
+    return is_triton(opts.backend) and support is None
+
+
+def _forward(h, w, b, ht, wt, bt, support, opts: _Options):
+    if _hybrid(opts, support):
+        from fastrl.ops import divergence_hybrid
+
+        return divergence_hybrid.forward(_Head(h, w, b, opts.student, None), _Head(ht, wt, bt, opts.teacher, None),
+                                         opts, opts.mode)
+    cdt = acc_dtype(h.dtype)
+    return divergence_forward(_Head(h, w, b, opts.student, cdt), _Head(ht, wt, bt, opts.teacher, cdt), support, opts)
+
+
 class DivergenceFunction(torch.autograd.Function):
     """(hidden [N,H], weight [V,H], bias, teacher_hidden [N,H_t], teacher_weight [V,H_t], teacher_bias, support,
     opts) -> (divergence [N], entropy [N] | None). Every row is a counted token; the teacher gets no gradient."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, support, opts):
-        cdt = acc_dtype(hidden.dtype)
-        student = _Head(hidden, weight, bias, opts.student, cdt)
-        teacher = _Head(teacher_hidden, teacher_weight, teacher_bias, opts.teacher, cdt)
-        div, ent, lse_s, lse_t, aux = divergence_forward(student, teacher, support, opts)
+        div, ent, lse_s, lse_t, aux = _forward(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias,
+                                               support, opts)
         ctx.save_for_backward(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, lse_s, lse_t, aux,
                               ent)
         ctx.support, ctx.opts = support, opts
@@ -341,9 +356,17 @@ class DivergenceFunction(torch.autograd.Function):
             return (None, None, None) + none
         opts: _Options = ctx.opts
         cdt = lse_s.dtype
-        grad_div = None if grad_div is None else grad_div.to(cdt)
-        grad_ent = None if grad_ent is None else grad_ent.to(cdt)
+        grad_div = None if grad_div is None else grad_div.to(cdt).contiguous()
+        grad_ent = None if grad_ent is None else grad_ent.to(cdt).contiguous()
         with torch.autocast(hidden.device.type, enabled=False):
+            if _hybrid(opts, ctx.support):
+                from fastrl.ops import divergence_hybrid
+
+                gh, gw, gb = divergence_hybrid.backward(
+                    _Head(hidden, weight, bias, opts.student, None),
+                    _Head(teacher_hidden, teacher_weight, teacher_bias, opts.teacher, None), opts, opts.mode,
+                    lse_s, lse_t, aux, ent, grad_div, grad_ent, need)
+                return (gh, gw, gb) + none
             student = _Head(hidden, weight, bias, opts.student, cdt)
             teacher = _Head(teacher_hidden, teacher_weight, teacher_bias, opts.teacher, cdt)
             gh, gw, gb = divergence_backward(student, teacher, ctx.support, opts, lse_s, lse_t, aux, ent, grad_div,
@@ -429,7 +452,9 @@ def fused_divergence(
         with_entropy: also return the student's entropy (differentiable).
         check_finite: raise ``FloatingPointError`` naming the first counted token whose divergence or entropy is
             not finite and the input at fault.
-        backend: as ``fused_logprobs``; the divergence runs its chunked-PyTorch implementation on every device.
+        backend: as ``fused_logprobs`` ("torch", the CPU default; "triton" / "triton-hybrid", the CUDA default:
+            cuBLAS float32 tiles of both heads and one Triton pass over the pair, ``divergence_hybrid``;
+            "triton-fused" runs the hybrid kernels too). With ``support`` the torch implementation runs.
         support: a ``fastrl.KeptSet`` (one row per token of the leading shape, masked tokens included): both
             distributions renormalised over each token's kept ids (the exact KL under a truncating sampler).
 
@@ -512,9 +537,7 @@ def fused_divergence(
             div, ent = DivergenceFunction.apply(h, w, b, ht, wt, bt, support, opts)
         else:
             with torch.no_grad():
-                cdt = acc_dtype(h.dtype)
-                div, ent, *_ = divergence_forward(_Head(h, w, b, tf_s, cdt), _Head(ht, wt, bt, tf_t, cdt), support,
-                                                  opts)
+                div, ent, *_ = _forward(h, w, b, ht, wt, bt, support, opts)
     if idx is not None:
         div = div.new_zeros((N,)).index_copy(0, idx, div)
         ent = None if ent is None else ent.new_zeros((N,)).index_copy(0, idx, ent)

@@ -1,0 +1,343 @@
+"""``python -m bench divergence``: the divergence between a student's and a teacher's LM head (issue 21).
+
+    python -m bench divergence             # CUDA: N=16384, student H=896 (Qwen2.5-0.5B), teacher H=1536 (1.5B),
+                                           #       V=151936, bf16; CPU: N=1024, H=256, teacher 384, V=65536, float32
+    python -m bench divergence --quick     # CPU: N=512 (the same widths and vocabulary)
+    python -m bench divergence --beta 0.5 --providers fastrl,trl
+
+Per beta in {0, 0.5, 1} (forward KL, TRL's generalized JSD, reverse KL), forward + backward of the mean per-token
+divergence over N tokens (gradients to the student's hidden states and head; the teacher is frozen):
+
+* ``fastrl``: ``fastrl.fused_divergence`` (its default backend on the device);
+* ``trl``: TRL 1.16's ``ChunkedDivergenceFunction`` as its ``DistillationTrainer`` calls it
+  (``_chunked_divergence_loss``: float32 tiles of 4096 x 32768 per model, a float32 [V, H] gradient buffer);
+* ``liger``: Liger-Kernel's ``LigerFusedLinearJSD`` (Triton: CUDA only);
+* ``torch``: materialised PyTorch at the input dtype (both models' [N, V] logits, log-softmax, the formula):
+  ``fastrl.reference.divergence_reference``, what a plain trainer would write.
+
+Each measurement runs in a fresh process (``bench.worker``, spec kind "divergence"); time is the median of the
+repetitions (CPU: wall time; CUDA: ``do_bench``), memory the peak extra RSS (CPU) or peak allocated minus inputs
+and outputs (CUDA), as for the other workloads (``bench/measure.py``). Error: against float64 on the first
+tokens: the per-token divergence (where the provider returns it) and the gradient of the loss w.r.t. those
+tokens' hidden states. FLOPs (written out): the KLs ``2N(H+H_t)V`` forward; the JSD twice that (a statistics pass
+before the divergence pass); the backward ``2N(H+H_t)V`` (both heads recomputed) plus ``4NHV`` (the student's
+two gradient GEMMs). Materialised torch skips the recomputation.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+__all__ = ["DivWorkload", "workloads", "PROVIDERS", "run_point", "run", "print_table", "CPU_TARGETS"]
+
+BETAS = (0.0, 0.5, 1.0)
+PROVIDERS = ("fastrl", "trl", "liger", "torch")
+# issue 21's targets, as ratios against TRL in the same run: device -> (max time ratio, max extra-memory ratio)
+CPU_TARGETS = (0.7, 0.5)
+GPU_TARGETS = (0.8, None)
+
+
+@dataclass(frozen=True)
+class DivWorkload:
+    name: str
+    N: int
+    H: int  # student hidden width
+    Ht: int  # teacher hidden width
+    V: int
+    beta: float
+    dtype: str
+    note: str = ""
+
+    def flops(self) -> dict[str, float]:
+        """FLOPs fastrl's and TRL's chunked paths run (module docstring)."""
+        both = 2.0 * self.N * (self.H + self.Ht) * self.V
+        fwd = both * (2 if 0.0 < self.beta < 1.0 else 1)
+        bwd = both + 4.0 * self.N * self.H * self.V
+        return {"fwd": fwd, "bwd": bwd, "total": fwd + bwd}
+
+
+def workloads(device: str, quick: bool = False, smoke: bool = False, betas=BETAS) -> list[DivWorkload]:
+    if smoke:
+        base = DivWorkload("D-smoke", 64, 32, 48, 1000, 0.0, "float32", note="plumbing only")
+    elif device == "cuda":
+        base = DivWorkload("D", 16384, 896, 1536, 151936, 0.0, "bfloat16",
+                           note="student Qwen2.5-0.5B head, teacher Qwen2.5-1.5B head")
+    else:
+        n = 512 if quick else 1024
+        base = DivWorkload("D", n, 256, 384, 65536, 0.0, "float32",
+                           note=f"CPU-scaled: issue 21's CPU shape (N=2048) at N={n}")
+    return [replace(base, name=f"{base.name}-b{b:g}", beta=float(b)) for b in betas]
+
+
+def provider_unavailable(name: str, device: str) -> str | None:
+    need = {"trl": "trl", "liger": "liger_kernel"}.get(name)
+    if need and importlib.util.find_spec(need) is None:
+        return f"not available: `import {need}` fails (not installed)"
+    if name == "liger" and device != "cuda":
+        return "not available on cpu: a Triton kernel that needs CUDA"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One measurement (in the worker process)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _inputs(wl: DivWorkload, device: torch.device, seed: int) -> dict:
+    """Random heads whose logits have unit scale, the teacher a little sharper than the student."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    dt = getattr(torch, wl.dtype)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device=device) * scale).to(dt)
+
+    return {
+        "hidden": randn(wl.N, wl.H).requires_grad_(),
+        "weight": randn(wl.V, wl.H, scale=wl.H**-0.5).requires_grad_(),
+        "teacher_hidden": randn(wl.N, wl.Ht),
+        "teacher_weight": randn(wl.V, wl.Ht, scale=1.5 * wl.Ht**-0.5),
+        "mask": torch.ones(wl.N, dtype=torch.long, device=device),
+    }
+
+
+def _op(wl: DivWorkload, provider: str, opts: dict):
+    """(forward(state) -> {"loss", "div"}, notes): the timed forward of one provider."""
+    from bench.providers import Op
+
+    beta = wl.beta
+    if provider == "fastrl":
+        import fastrl
+
+        backend = opts.get("fastrl_backend")
+
+        def fwd(st):
+            div = fastrl.fused_divergence(st["hidden"], st["weight"], st["teacher_hidden"], st["teacher_weight"],
+                                          beta=beta, mask=st["mask"], backend=backend)
+            return {"loss": div.sum() / st["mask"].sum(), "div": div}
+    elif provider == "trl":
+        from trl.trainer.distillation_trainer import _chunked_divergence_loss
+
+        def fwd(st):
+            loss, _, _ = _chunked_divergence_loss(st["hidden"], st["teacher_hidden"], st["weight"],
+                                                  st["teacher_weight"], st["mask"], beta)
+            return {"loss": loss, "div": None}
+    elif provider == "liger":
+        from liger_kernel.transformers import LigerFusedLinearJSD
+
+        jsd = LigerFusedLinearJSD(jsd_beta=beta)
+
+        def fwd(st):
+            return {"loss": jsd(st["hidden"], st["weight"], st["teacher_hidden"], st["teacher_weight"], None),
+                    "div": None}
+    elif provider == "torch":
+        from fastrl.reference import divergence_reference
+
+        def fwd(st):
+            div, _ = divergence_reference(st["hidden"], st["weight"], st["teacher_hidden"], st["teacher_weight"],
+                                          beta=beta, mask=st["mask"])
+            return {"loss": div.sum() / st["mask"].sum(), "div": div}
+    else:
+        raise ValueError(f"unknown divergence provider {provider!r}; one of {PROVIDERS}")
+
+    def forward(st):
+        out = fwd(st)
+        # the measuring code keeps "logp" rows for the accuracy check: the per-token divergence plays that part
+        return {"loss": out["loss"], "logp": out["div"], "entropy": None}
+
+    def prepare(inp):
+        return {**inp, "wrt": (inp["hidden"], inp["weight"])}
+
+    return Op(forward, prepare, needs_grad=True, has_entropy=False, path="divergence", notes=[])
+
+
+def _accuracy(wl: DivWorkload, inp: dict, kept: dict, rows: int) -> dict:
+    """Errors against float64 on the first ``rows`` tokens: per-token divergence and d(loss)/d(hidden) there."""
+    from fastrl.reference import divergence_reference
+
+    h64 = inp["hidden"].detach()[:rows].double().requires_grad_()
+    with torch.enable_grad():
+        div, _ = divergence_reference(h64, inp["weight"].detach().double(), inp["teacher_hidden"][:rows].double(),
+                                      inp["teacher_weight"].double(), beta=wl.beta)
+        (gh,) = torch.autograd.grad(div.sum() / wl.N, h64)
+    out = {"accuracy_rows": rows, "grad_h_max_abs_err": (kept["grad_h"].double() - gh).abs().max().item(),
+           "grad_h_max_abs": gh.abs().max().item()}
+    if "logp" in kept:
+        out["div_max_abs_err"] = (kept["logp"].double() - div.detach()).abs().max().item()
+    return out
+
+
+def run_point(spec: dict) -> dict:
+    """One (workload, provider) in this fresh process: the worker calls this for ``{"kind": "divergence"}``."""
+    from bench import measure
+
+    wl = DivWorkload(**spec["workload"])
+    device = torch.device(spec["device"])
+    if device.type == "cpu" and spec.get("threads"):
+        torch.set_num_threads(int(spec["threads"]))
+    why = provider_unavailable(spec["provider"], device.type)
+    if why:
+        return {"status": "skipped", "reason": why}
+    op = _op(wl, spec["provider"], spec.get("options", {}))
+    sets = [_inputs(wl, device, spec["seed"] + i) for i in range(spec["n_sets"])]
+    states = [op.prepare(s) for s in sets]
+    rows = min(spec.get("accuracy_rows", 64), wl.N)
+    t0 = time.perf_counter()
+    if device.type == "cuda":
+        m, kept = measure.measure_cuda(op, states, spec["reps"], spec["warmup"], rows, rep_ms=spec.get("rep_ms", 2000))
+    else:
+        m, kept = measure.measure_cpu(op, states, spec["reps"], spec["warmup"], rows)
+    res = {"status": "ok", "reason": "", **m, "loss_value": kept.get("loss"), "measure_s": time.perf_counter() - t0}
+    res.update(_accuracy(wl, sets[0], kept, rows))
+    return res
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The run (in the parent)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def run(wls: list[DivWorkload], providers: list[str], device: str, *, reps: int, warmup: int, n_sets: int,
+        timeout_s: int, threads: int = 0, options: dict | None = None, rep_ms: int = 2000, console=None,
+        rows_log: str | None = None) -> list[dict]:
+    """Every (workload, provider), one fresh process each; rows with time / memory ratios against TRL."""
+    import json
+    import os
+
+    from bench.runner import _spawn
+
+    rows = []
+    for wl in wls:
+        for p in providers:
+            row = {"workload": wl.name, "provider": p, **asdict(wl), "flops": wl.flops()}
+            why = provider_unavailable(p, device)
+            if why:
+                row.update(status="skipped", reason=why)
+            else:
+                load0 = os.getloadavg()[0]
+                spec = {"kind": "divergence", "workload": asdict(wl), "provider": p, "device": device, "reps": reps,
+                        "warmup": warmup, "n_sets": n_sets, "seed": 1234, "threads": threads,
+                        "options": options or {}, "rep_ms": rep_ms, "accuracy_rows": 64 if device == "cpu" else 256}
+                row.update(_spawn(spec, timeout_s))
+                row["loadavg"] = [load0, os.getloadavg()[0]]
+            rows.append(row)
+            if rows_log:
+                with open(rows_log, "a") as f:
+                    f.write(json.dumps(row, default=str) + "\n")
+            if console is not None:
+                console.print(_one_line(row))
+    _ratios(rows)
+    return rows
+
+
+def _ratios(rows: list[dict]) -> None:
+    for ref in ("trl", "torch"):
+        base = {r["workload"]: r for r in rows if r["provider"] == ref and r.get("status") == "ok"}
+        for r in rows:
+            b = base.get(r["workload"])
+            if r.get("status") != "ok" or b is None:
+                continue
+            r[f"time_vs_{ref}"] = r["total_ms"]["median"] / b["total_ms"]["median"]
+            if b["peak_extra_mb"] > 0:
+                r[f"mem_vs_{ref}"] = r["peak_extra_mb"] / b["peak_extra_mb"]
+
+
+def _one_line(r: dict) -> str:
+    if r.get("status") != "ok":
+        return f"[dim]{r['workload']:>10} {r['provider']:<8} {r.get('status')}: {r.get('reason', '')}[/dim]"
+    t = r["total_ms"]
+    err = f"  |d div| {r['div_max_abs_err']:.1e}" if "div_max_abs_err" in r else ""
+    return (f"{r['workload']:>10} {r['provider']:<8} {t['median']:10.1f} ms [{t['min']:.1f}-{t['max']:.1f}]  "
+            f"{r['peak_extra_mb']:9.1f} MB  |d grad_h| {r['grad_h_max_abs_err']:.1e}{err}")
+
+
+def targets(rows: list[dict], device: str, console=None) -> dict:
+    """Issue 21's targets for fastrl, per workload: time (and on CPU extra memory) as ratios of TRL's."""
+    t_max, m_max = CPU_TARGETS if device == "cpu" else GPU_TARGETS
+    out = {}
+    for r in rows:
+        if r["provider"] != "fastrl":
+            continue
+        t, m = r.get("time_vs_trl"), r.get("mem_vs_trl")
+        res = {"time_vs_trl": t, "time_target": t_max, "time_pass": t is not None and t <= t_max}
+        if m_max is not None:
+            res.update(mem_vs_trl=m, mem_target=m_max, mem_pass=m is not None and m <= m_max)
+        out[r["workload"]] = res
+        if console is not None:
+            if t is None:
+                console.print(f"[yellow]{r['workload']}: fastrl vs trl not evaluated (a row did not run)[/yellow]")
+                continue
+            ok = res["time_pass"] and res.get("mem_pass", True)
+            mem = f", extra memory {m:.3f}x (target <= {m_max}x)" if m_max is not None and m is not None else ""
+            console.print(f"{r['workload']}: fastrl time {t:.2f}x TRL's (target <= {t_max}x){mem}: "
+                          + ("[green]PASS[/green]" if ok else "[red]FAIL[/red]"))
+    return out
+
+
+def print_table(con, rows: list[dict], title: str) -> None:
+    from rich.table import Table
+
+    tab = Table(title=title, title_justify="left")
+    for c in ("workload", "beta", "provider", "fwd ms", "bwd ms", "total ms", "extra MB", "vs TRL time", "vs TRL mem",
+              "|d div| f64", "|d grad_h| f64 (rel)", "note"):
+        tab.add_column(c, justify="left" if c in ("workload", "provider", "note") else "right")
+    for r in rows:
+        if r.get("status") != "ok":
+            tab.add_row(r["workload"], f"{r['beta']:g}", r["provider"], *[""] * 8, f"{r.get('status')}: "
+                        f"{r.get('reason', '')}"[:80])
+            continue
+
+        def ms(k):
+            return f"{r[k]['median']:.0f}" if r.get(k) else ""
+
+        rel = r["grad_h_max_abs_err"] / max(r["grad_h_max_abs"], 1e-30)
+        tab.add_row(r["workload"], f"{r['beta']:g}", r["provider"], ms("fwd_ms"), ms("bwd_ms"), ms("total_ms"),
+                    f"{r['peak_extra_mb']:.0f}", f"{r['time_vs_trl']:.2f}x" if "time_vs_trl" in r else "",
+                    f"{r['mem_vs_trl']:.3f}x" if "mem_vs_trl" in r else "",
+                    f"{r['div_max_abs_err']:.1e}" if "div_max_abs_err" in r else "", f"{rel:.1e}", "")
+    con.print(tab)
+
+
+def cli(args, device: str, con) -> int:
+    """The `divergence` command (bench/__main__.py)."""
+    from bench import report
+
+    betas = BETAS if not getattr(args, "beta", None) else tuple(float(b) for b in args.beta.split(","))
+    wls = workloads(device, quick=args.quick, smoke=args.smoke, betas=betas)
+    provs = [p.strip() for p in (args.providers or ",".join(PROVIDERS)).split(",") if p.strip()]
+    bad = [p for p in provs if p not in PROVIDERS]
+    if bad:
+        con.print(f"[red]unknown divergence provider(s) {bad}; choose from {', '.join(PROVIDERS)}[/red]")
+        return 2
+    cuda = device == "cuda"
+    reps = args.reps or (1 if args.smoke else 3 if cuda else 2)
+    warmup = args.warmup if args.warmup is not None else (0 if args.smoke else 1)
+    env = report.environment(device)
+    out_dir = Path(args.out) if args.out else (
+        Path(__import__("tempfile").mkdtemp(prefix="fastrl-bench-smoke-")) if args.smoke
+        else report.REPO_ROOT / "bench" / "results" / env["device_slug"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    prefix = "divergence" + ("-smoke" if args.smoke else "-quick" if args.quick else "")
+    log = out_dir / f"{prefix}.rows.jsonl"
+    log.unlink(missing_ok=True)
+    con.print(f"[bold]fastrl bench divergence[/bold] on {env['device']}: torch {env['torch']}, trl {env['trl']}, "
+              f"liger {env['liger_kernel']}; {len(wls)} workloads x {len(provs)} providers, each in a fresh process")
+    t0 = time.perf_counter()
+    options = {"fastrl_backend": args.fastrl_backend} if args.fastrl_backend else {}
+    rows = run(wls, provs, device, reps=reps, warmup=warmup, n_sets=1 if args.smoke else 2,
+               timeout_s=args.timeout or (1200 if cuda else 900), threads=args.threads, options=options,
+               rep_ms=50 if args.smoke else 2000, console=con, rows_log=str(log))
+    con.print()
+    print_table(con, rows, f"divergence ({'smoke' if args.smoke else 'quick' if args.quick else 'full'}) on "
+                           f"{env['device']} | torch {env['torch']} | ms: median of {reps} runs")
+    tg = targets(rows, device, con) if not args.smoke else {}
+    payload = {"command": "divergence", "argv": getattr(args, "argv", []), "env": env, "elapsed_s":
+               time.perf_counter() - t0, "reps": reps, "warmup": warmup, "targets": tg, "rows": rows}
+    report.write_json(out_dir / f"{prefix}.json", payload)
+    log.unlink(missing_ok=True)
+    con.print(f"wrote {out_dir / (prefix + '.json')}  ({payload['elapsed_s']:.0f} s)")
+    return 1 if args.smoke and any(r.get("status") == "error" for r in rows) else 0

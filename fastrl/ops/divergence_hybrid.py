@@ -1,0 +1,131 @@
+"""The hybrid Triton backend of ``fused_divergence``: cuBLAS tiles of both heads, one Triton pass over the pair.
+
+Per (token chunk, vocabulary slice) cuBLAS writes the raw logits of the student and of the teacher as float32
+tiles (``mm_f32``: bf16 operands, float32 accumulation and result, never rounded); one kernel of
+``fastrl.kernels.divergence_fold`` then reads both tiles of a row together: folding them into the online
+statistics, adding the JSD's share, or writing the student's ``G`` over its tile. The gradient GEMMs read ``G``
+from there, as ``fastrl.ops.hybrid.linear_backward`` does: the vocabulary is the outer loop of the backward, so
+each ``grad_W`` slice is one GEMM over all tokens written once (no float32 ``[V, H]`` buffer); past
+``hybrid.MAX_ROWS`` tokens the rows are chunked and a ``grad_W`` slice accumulates in a float32 ``[slice, H]``.
+
+Two tiles are alive instead of one, so each gets half of ``hybrid.TILE_ELEMS``. The kept-set path (``support=``)
+gathers ids per token chunk and runs on the torch implementation on every backend.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastrl.kernels import divergence_fold as K
+from fastrl.ops import hybrid
+from fastrl.ops._gemm import addmm_f32, mm_f32
+
+__all__ = ["forward", "backward"]
+
+COLUMNS: int | None = None  # vocabulary columns per slice (None: as many as the tile budget allows); tests shrink it
+
+
+def _cols(rows: int, V: int) -> int:
+    return hybrid._TB.tile_columns(rows, V, COLUMNS, multiple=256, tile_elems=hybrid.TILE_ELEMS // 2)
+
+
+def _tiles(student, teacher, n0, n1, v0, v1, bufs):
+    """Raw float32 logits of rows [n0, n1) x columns [v0, v1) of both heads, in the two reused buffers."""
+    R, C = n1 - n0, v1 - v0
+    ys = mm_f32(student.h[n0:n1], student.weight[v0:v1].T, out=bufs[0][: R * C].view(R, C))
+    yt = mm_f32(teacher.h[n0:n1], teacher.weight[v0:v1].T, out=bufs[1][: R * C].view(R, C))
+    return ys, yt
+
+
+def _bias(head, v0, v1):
+    return None if head.bias is None else head.bias[v0:v1]
+
+
+def forward(student, teacher, opts, mode: int):
+    """(divergence, entropy | None, lse_s, lse_t, aux) [N] float32, as ``divergence.divergence_forward``.
+
+    ``student`` / ``teacher`` are ``divergence._Head``s whose ``h`` keeps the input dtype (cuBLAS reads bf16)."""
+    N, V = student.h.shape[0], student.weight.shape[0]
+    dev = student.h.device
+    rows = min(max(N, 1), hybrid.ROWS)
+    cols = _cols(rows, V)
+    bufs = [torch.empty(rows * cols, dtype=torch.float32, device=dev) for _ in range(2)]
+    stats = torch.empty((6, N), dtype=torch.float32, device=dev)
+    kw = dict(student=student.tf, teacher=teacher.tf)
+    for n0 in range(0, N, rows):
+        n1 = min(n0 + rows, N)
+        for v0 in range(0, V, cols):
+            v1 = min(v0 + cols, V)
+            ys, yt = _tiles(student, teacher, n0, n1, v0, v1, bufs)
+            K.stats_tile(ys, yt, _bias(student, v0, v1), _bias(teacher, v0, v1), stats[:, n0:n1], first=v0 == 0,
+                         mode=mode, with_entropy=opts.with_entropy, **kw)
+    m_s, s_s, u_s, c, m_t, s_t = stats.unbind(0)
+    log_ss, log_st = torch.log(s_s), torch.log(s_t)
+    lse_s, lse_t = m_s + log_ss, m_t + log_st
+    entropy = log_ss - u_s / s_s if opts.with_entropy else None
+    if mode == K.FORWARD_KL:
+        div = c / s_t - log_st + log_ss
+        return div, entropy, lse_s, lse_t, div
+    if mode == K.REVERSE_KL:
+        div = c / s_s - log_ss + log_st
+        return div, entropy, lse_s, lse_t, div
+    div = torch.zeros(N, dtype=torch.float32, device=dev)
+    aux = torch.zeros(N, dtype=torch.float32, device=dev)
+    for n0 in range(0, N, rows):
+        n1 = min(n0 + rows, N)
+        for v0 in range(0, V, cols):
+            v1 = min(v0 + cols, V)
+            ys, yt = _tiles(student, teacher, n0, n1, v0, v1, bufs)
+            K.jsd_tile(ys, yt, _bias(student, v0, v1), _bias(teacher, v0, v1), lse_s[n0:n1], lse_t[n0:n1],
+                       div[n0:n1], aux[n0:n1], beta=opts.beta, **kw)
+    return div, entropy, lse_s, lse_t, aux
+
+
+def backward(student, teacher, opts, mode: int, lse_s, lse_t, aux, entropy, grad_div, grad_ent, need):
+    """Student gradients (hidden, weight, bias), vocabulary-sliced as ``hybrid.linear_backward``."""
+    need_h, need_w, need_b = need
+    h, weight, bias = student.h, student.weight, student.bias
+    N, H = h.shape
+    V = weight.shape[0]
+    dev = h.device
+    rows = min(max(N, 1), hybrid.MAX_ROWS)
+    cols = _cols(rows, V)
+    bufs = [torch.empty(rows * cols, dtype=torch.float32, device=dev) for _ in range(2)]
+    grad_h = torch.zeros((N, H), dtype=torch.float32, device=dev) if need_h else None
+    grad_w = torch.empty_like(weight) if need_w else None
+    grad_b = torch.zeros((V,), dtype=torch.float32, device=dev) if need_b else None
+    chunked = N > rows
+    w_acc = torch.empty((cols, H), dtype=torch.float32, device=dev) if need_w and chunked else None
+    kw = dict(mode=mode, beta=opts.beta, student=student.tf, teacher=teacher.tf)
+
+    def part(x, n0, n1):
+        return None if x is None else x[n0:n1]
+
+    for v0 in range(0, V, cols):
+        v1 = min(v0 + cols, V)
+        w_s = weight[v0:v1]
+        for n0 in range(0, N, rows):
+            n1 = min(n0 + rows, N)
+            ys, yt = _tiles(student, teacher, n0, n1, v0, v1, bufs)
+            G = K.grad_tile(ys, yt, _bias(student, v0, v1), _bias(teacher, v0, v1), lse_s[n0:n1], lse_t[n0:n1],
+                            aux[n0:n1], part(entropy, n0, n1), part(grad_div, n0, n1), part(grad_ent, n0, n1),
+                            out_dtype=h.dtype, **kw)
+            h_c = h[n0:n1]
+            if need_w:
+                if not chunked:
+                    torch.mm(G.T, h_c, out=grad_w[v0:v1])  # one GEMM over all tokens, written once
+                elif n0 == 0:
+                    mm_f32(G.T, h_c, out=w_acc[: v1 - v0])
+                else:
+                    addmm_f32(w_acc[: v1 - v0], G.T, h_c)
+            if need_h:
+                addmm_f32(grad_h[n0:n1], G, w_s)
+            if need_b:
+                grad_b[v0:v1] += G.sum(0, dtype=torch.float32)
+        if need_w and chunked:
+            grad_w[v0:v1] = w_acc[: v1 - v0]
+    return (
+        grad_h.to(h.dtype) if need_h else None,
+        grad_w,
+        grad_b.to(bias.dtype) if need_b else None,
+    )
