@@ -139,6 +139,21 @@ def test_equivalence_beta(pair, beta, temperature):
     assert_same_step(ref, got, f"beta={beta} T={temperature}")
 
 
+@pytest.mark.parametrize("backend", ("torch", "triton"))
+def test_equivalence_backends(pair, backend):
+    """``fastrl_backend``: each backend of ``fused_divergence`` (the Triton kernels under the interpreter on a CPU)."""
+    st, fr = pair
+    batch = make_batch(seed=8)
+    fr.args.fastrl_backend = backend
+    try:
+        for beta in BETAS:
+            ref = run_step(st, batch, beta=beta, temperature=TEMPERATURE)
+            got = run_step(fr, batch, beta=beta, temperature=TEMPERATURE)
+            assert_same_step(ref, got, f"{backend} beta={beta}")
+    finally:
+        fr.args.fastrl_backend = None
+
+
 def test_equivalence_tool_mask_and_global_count(pair):
     """Tool-result tokens out of the loss (``tool_mask``), and a ``num_items_in_batch`` counted over more than this
     micro-batch (gradient accumulation / several processes): TRL divides by it, not by the local count."""
