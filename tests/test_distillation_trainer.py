@@ -345,6 +345,15 @@ def test_options_validated_at_construction(tmp_path):
     for kw, name in cases:
         with pytest.raises(ValueError, match=name):
             fastrl.DistillationConfig(**base, **kw)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # TRL's default through the deprecated name warns; ours not
+        default = fastrl.DistillationConfig(**base)
+    assert default.gradient_checkpointing and (
+        default.activation_checkpointing if hasattr(default, "activation_checkpointing") else True)
+    assert (default.fused_loss, default.fastrl_backend, default.tiled_mlp, default.activation_offloading) == \
+        (True, None, 0, False)
     # a stock config, or one changed after it was made, is checked when the trainer is built
     args = trl.DistillationConfig(**base, bf16=False)
     args.temperature = -1.0
