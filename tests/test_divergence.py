@@ -326,14 +326,37 @@ def test_non_finite_inputs_are_named_by_token():
         fastrl.fused_divergence(**s, **t, beta=1.0)
 
 
-def test_empty_and_fully_masked_inputs():
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_empty_and_fully_masked_inputs(backend):
     s, t = make(lead=(2, 5), V=50)
-    div, ent = fastrl.fused_divergence(**s, **t, mask=torch.zeros(2, 5, dtype=torch.bool), with_entropy=True)
+    div, ent = fastrl.fused_divergence(**s, **t, mask=torch.zeros(2, 5, dtype=torch.bool), with_entropy=True,
+                                       backend=backend)
     assert (div == 0).all() and (ent == 0).all()
     div.sum().backward()
-    assert (s["hidden"].grad == 0).all()
+    assert (s["hidden"].grad == 0).all() and (s["weight"].grad == 0).all() and (s["bias"].grad == 0).all()
     s, t = make(lead=(0,), V=50)
-    assert fastrl.fused_divergence(**s, **t).shape == (0,)
+    assert fastrl.fused_divergence(**s, **t, backend=backend).shape == (0,)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_strided_views_are_honoured(backend):
+    """Transposed weights, every-other-row hidden states, a bias that is a column of a matrix: the same numbers."""
+    s, t = make(lead=(9,), V=70)
+    want = fastrl.fused_divergence(**s, **t, beta=0.5, backend=backend)
+    g_want = torch.autograd.grad(want.sum(), [s["hidden"], s["weight"], s["bias"]])
+    tall = torch.zeros(18, 16)
+    tall[::2] = s["hidden"].detach()
+    h = tall[::2].requires_grad_()
+    w = s["weight"].detach().T.contiguous().T.requires_grad_()
+    col = torch.zeros(70, 3)
+    col[:, 1] = s["bias"].detach()
+    b = col[:, 1].requires_grad_()
+    tw = t["teacher_weight"].T.contiguous().T
+    got = fastrl.fused_divergence(h, w, t["teacher_hidden"], tw, bias=b, teacher_bias=t["teacher_bias"], beta=0.5,
+                                  backend=backend)
+    assert _err(got, want) < 1e-6
+    for a, c in zip(torch.autograd.grad(got.sum(), [h, w, b]), g_want):
+        assert _rel(a, c) < 1e-6
 
 
 # ----------------------------------------------------------------------------- the Triton (hybrid) backend

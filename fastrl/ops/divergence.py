@@ -356,6 +356,9 @@ class DivergenceFunction(torch.autograd.Function):
             return (None, None, None) + none
         opts: _Options = ctx.opts
         cdt = lse_s.dtype
+        if hidden.shape[0] == 0:  # every token masked: nothing flows back
+            return (torch.zeros_like(hidden) if need[0] else None, torch.zeros_like(weight) if need[1] else None,
+                    torch.zeros_like(bias) if need[2] else None) + none
         grad_div = None if grad_div is None else grad_div.to(cdt).contiguous()
         grad_ent = None if grad_ent is None else grad_ent.to(cdt).contiguous()
         with torch.autocast(hidden.device.type, enabled=False):
