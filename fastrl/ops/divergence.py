@@ -76,7 +76,7 @@ class _Tile:
         return r, (self.v1 - self.v0) if self.ids is None else self.ids.numel()
 
 
-def _tiles(N: int, V: int, support: KeptSet | None, vocab_outer: bool = False) -> Iterator[_Tile]:
+def _tiles(N: int, V: int, support: KeptSet | None) -> Iterator[_Tile]:
     """The [rows, cols] tiles that cover every (token, kept id) pair once, each row's tiles in vocabulary order."""
     if support is None:
         cols = tile_columns(N, V, tile_elems=TILE_ELEMS)
@@ -117,7 +117,7 @@ class _Head:
         return w.to(self.cdt)
 
     def logits(self, tile: _Tile, buf: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
-        """Transformed logits of the tile [R, C], written into ``buf``; masked (-inf) where a row did not keep an id."""
+        """Transformed logits of the tile [R, C], written into ``buf`` (the callers mask the ids a row did not keep)."""
         R, C = tile.shape
         w = self.weight_block(tile) if w is None else w
         z = torch.mm(self.h[tile.rows], w.T, out=buf[: R * C].view(R, C))
