@@ -300,6 +300,8 @@ def _call(**over):
      r"support has 9 tokens, expected one per token"),
     (dict(backend="cuda"), ValueError, r"backend must be one of"),
     (dict(with_entropy=1), TypeError, r"with_entropy must be a bool, got int"),
+    (dict(teacher_hidden=torch.randn(2, 5, 24).double(), teacher_weight=torch.randn(50, 24).double(),
+          teacher_bias=None, backend="triton"), TypeError, r"the triton backends compute from float32"),
 ])
 def test_bad_input_is_named(over, exc, msg):
     with pytest.raises(exc, match=msg):
@@ -404,6 +406,9 @@ def test_triton_backend_against_float64(backend, beta, dtype, small_hybrid_tiles
         assert _rel(gf, gr) <= _rel(gp, gr) + slack, f"grad {name}: {_rel(gf, gr):.2e} vs PyTorch's {_rel(gp, gr):.2e}"
     with torch.no_grad():
         assert torch.equal(fastrl.fused_divergence(**s, **t, backend=backend, mask=mask, **kw), div)
+    from fastrl.kernels import divergence_fold as K
+
+    assert (K.FORWARD_KL, K.REVERSE_KL, K.JSD) == (D.FORWARD_KL, D.REVERSE_KL, D.JSD)  # the kernels' MODE literals
 
 
 # ------------------------------------------------------------------------- compiled kernels on a GPU

@@ -520,7 +520,7 @@ def fused_divergence(
             raise ValueError(f"support is empty at counted {_token_name(int(empty.nonzero()[0, 0]), lead)}: every "
                              "counted token must keep at least one id")
     name = resolve_backend(hidden.device, backend)
-    if is_triton(name) and hidden.dtype == torch.float64:
+    if is_triton(name) and torch.float64 in (hidden.dtype, teacher_hidden.dtype):
         raise TypeError("the triton backends compute from float32, bfloat16 or float16 inputs; use backend='torch' "
                         "for float64")
     opts = _Options(beta=beta, student=tf_s, teacher=tf_t, with_entropy=with_entropy, backend=name)
