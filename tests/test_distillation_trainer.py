@@ -580,3 +580,16 @@ def test_non_finite_student_stops_with_a_named_error(tmp_path):
         fr.model.lm_head.weight[5, 3] = float("nan")
     with pytest.raises(FloatingPointError, match="non-finite divergence at"):
         run_step(fr, make_batch(), beta=0.5)
+
+
+def test_fully_masked_micro_batch(pair):
+    """A micro-batch with no counted token (every completion masked, as a rank can get under DDP): loss 0 and a
+    zero gradient for every parameter stock TRL's reaches, so DDP's all-reduce still sees each of them."""
+    st, fr = pair
+    batch = make_batch(seed=9)
+    batch["completion_mask"] = torch.zeros_like(batch["completion_mask"])
+    batch["num_items_in_batch"] = torch.tensor(0)
+    (l_ref, g_ref, m_ref), (l_got, g_got, m_got) = (run_step(t, batch, beta=0.5, temperature=TEMPERATURE)
+                                                    for t in (st, fr))
+    assert l_ref == l_got == 0.0 and m_ref == m_got == {"entropy": 0.0}
+    assert set(g_got) == set(g_ref) and all(g.abs().max() == 0 for g in g_got.values())
