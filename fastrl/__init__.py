@@ -27,6 +27,8 @@ _LAZY = {
     "patch_trainer": "fastrl.trainers.patch",
     "PPOTrainer": "fastrl.trainers.ppo",
     "PPOConfig": "fastrl.trainers.ppo_config",
+    "DistillationTrainer": "fastrl.trainers.distillation",
+    "DistillationConfig": "fastrl.trainers.distillation",
     "TrainingHealthCallback": "fastrl.trainers.health",
 }
 # the names above that need the `trl` extra (trl, transformers, accelerate, datasets)

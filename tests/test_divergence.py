@@ -7,6 +7,8 @@ materialised computation at the same input dtype, plus a small per-dtype toleran
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -39,15 +41,15 @@ def small_tiles(monkeypatch):
         n, v, 64 if requested is None else requested, multiple, tile_elems))
 
 
-def make(lead=(37,), H=16, Ht=24, V=300, dtype=torch.float32, bias=True, seed=0, spread=1.0):
+def make(lead=(37,), H=16, Ht=24, V=300, dtype=torch.float32, bias=True, seed=0, spread=1.0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     s = dict(hidden=torch.randn(*lead, H, generator=g), weight=torch.randn(V, H, generator=g) * (spread * 2 / H**0.5),
              bias=torch.randn(V, generator=g) if bias else None)
     t = dict(teacher_hidden=torch.randn(*lead, Ht, generator=g),
              teacher_weight=torch.randn(V, Ht, generator=g) * (spread * 2 / Ht**0.5),
              teacher_bias=torch.randn(V, generator=g) if bias else None)
-    s = {k: None if v is None else v.to(dtype).requires_grad_() for k, v in s.items()}
-    t = {k: None if v is None else v.to(dtype) for k, v in t.items()}
+    s = {k: None if v is None else v.to(device, dtype).requires_grad_() for k, v in s.items()}
+    t = {k: None if v is None else v.to(device, dtype) for k, v in t.items()}
     return s, t
 
 
@@ -68,12 +70,14 @@ def _rel(x, y):
     return _err(x, y) / max(y.double().abs().max().item(), 1e-30)
 
 
-def check_against_float64(beta, dtype=torch.float32, lead=(37,), mask=None, support=None, tf="plain", **make_kw):
-    s, t = make(lead=lead, dtype=dtype, **make_kw)
+def check_against_float64(beta, dtype=torch.float32, lead=(37,), mask=None, support=None, tf="plain", device="cpu",
+                          backend=None, **make_kw):
+    s, t = make(lead=lead, dtype=dtype, device=device, **make_kw)
     kw = dict(beta=beta, mask=mask, **TRANSFORMS[tf])
     g = torch.Generator().manual_seed(5)
     a, c = torch.randn(lead, generator=g, dtype=torch.float64), torch.randn(lead, generator=g, dtype=torch.float64)
-    div, ent = fastrl.fused_divergence(**s, **t, with_entropy=True, support=support, **kw)
+    a, c = a.to(device), c.to(device)
+    div, ent = fastrl.fused_divergence(**s, **t, with_entropy=True, support=support, backend=backend, **kw)
     assert div.shape == lead and ent.shape == lead and div.dtype == torch.float32
     g_fast = _grads(div, ent, a, c, _params(s))
     d64, e64 = divergence_reference(**s, **t, support=support, dtype=torch.float64, **kw)
@@ -84,9 +88,11 @@ def check_against_float64(beta, dtype=torch.float32, lead=(37,), mask=None, supp
     for name, fast, ref, pt in (("divergence", div, d64, dpt), ("entropy", ent, e64, ept)):
         e_fast, e_pt = _err(fast, ref), _err(pt, ref)
         assert e_fast <= e_pt + tol["out"], f"{name}: error {e_fast:.2e} vs float64, PyTorch's {e_pt:.2e}"
+    # the Triton backends feed a 2-byte G to the gradient GEMMs (as TRL and the log-prob path do): one more rounding
+    slack = tol["grad"] * (2 if backend is not None and backend.startswith("triton") and dtype != torch.float32 else 1)
     for name, gf, gr, gp in zip(("hidden", "weight", "bias"), g_fast, g64, g_pt):
         e_fast, e_pt = _rel(gf, gr), _rel(gp, gr)
-        assert e_fast <= e_pt + tol["grad"], f"grad {name}: rel. error {e_fast:.2e} vs float64, PyTorch's {e_pt:.2e}"
+        assert e_fast <= e_pt + slack, f"grad {name}: rel. error {e_fast:.2e} vs float64, PyTorch's {e_pt:.2e}"
     if mask is not None:
         off = ~mask.bool()
         assert (div[off] == 0).all() and (ent[off] == 0).all()
@@ -294,6 +300,8 @@ def _call(**over):
      r"support has 9 tokens, expected one per token"),
     (dict(backend="cuda"), ValueError, r"backend must be one of"),
     (dict(with_entropy=1), TypeError, r"with_entropy must be a bool, got int"),
+    (dict(teacher_hidden=torch.randn(2, 5, 24).double(), teacher_weight=torch.randn(50, 24).double(),
+          teacher_bias=None, backend="triton"), TypeError, r"the triton backends compute from float32"),
 ])
 def test_bad_input_is_named(over, exc, msg):
     with pytest.raises(exc, match=msg):
@@ -326,14 +334,37 @@ def test_non_finite_inputs_are_named_by_token():
         fastrl.fused_divergence(**s, **t, beta=1.0)
 
 
-def test_empty_and_fully_masked_inputs():
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_empty_and_fully_masked_inputs(backend):
     s, t = make(lead=(2, 5), V=50)
-    div, ent = fastrl.fused_divergence(**s, **t, mask=torch.zeros(2, 5, dtype=torch.bool), with_entropy=True)
+    div, ent = fastrl.fused_divergence(**s, **t, mask=torch.zeros(2, 5, dtype=torch.bool), with_entropy=True,
+                                       backend=backend)
     assert (div == 0).all() and (ent == 0).all()
     div.sum().backward()
-    assert (s["hidden"].grad == 0).all()
+    assert (s["hidden"].grad == 0).all() and (s["weight"].grad == 0).all() and (s["bias"].grad == 0).all()
     s, t = make(lead=(0,), V=50)
-    assert fastrl.fused_divergence(**s, **t).shape == (0,)
+    assert fastrl.fused_divergence(**s, **t, backend=backend).shape == (0,)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_strided_views_are_honoured(backend):
+    """Transposed weights, every-other-row hidden states, a bias that is a column of a matrix: the same numbers."""
+    s, t = make(lead=(9,), V=70)
+    want = fastrl.fused_divergence(**s, **t, beta=0.5, backend=backend)
+    g_want = torch.autograd.grad(want.sum(), [s["hidden"], s["weight"], s["bias"]])
+    tall = torch.zeros(18, 16)
+    tall[::2] = s["hidden"].detach()
+    h = tall[::2].requires_grad_()
+    w = s["weight"].detach().T.contiguous().T.requires_grad_()
+    col = torch.zeros(70, 3)
+    col[:, 1] = s["bias"].detach()
+    b = col[:, 1].requires_grad_()
+    tw = t["teacher_weight"].T.contiguous().T
+    got = fastrl.fused_divergence(h, w, t["teacher_hidden"], tw, bias=b, teacher_bias=t["teacher_bias"], beta=0.5,
+                                  backend=backend)
+    assert _err(got, want) < 1e-6
+    for a, c in zip(torch.autograd.grad(got.sum(), [h, w, b]), g_want):
+        assert _rel(a, c) < 1e-6
 
 
 # ----------------------------------------------------------------------------- the Triton (hybrid) backend
@@ -375,3 +406,34 @@ def test_triton_backend_against_float64(backend, beta, dtype, small_hybrid_tiles
         assert _rel(gf, gr) <= _rel(gp, gr) + slack, f"grad {name}: {_rel(gf, gr):.2e} vs PyTorch's {_rel(gp, gr):.2e}"
     with torch.no_grad():
         assert torch.equal(fastrl.fused_divergence(**s, **t, backend=backend, mask=mask, **kw), div)
+    from fastrl.kernels import divergence_fold as K
+
+    assert (K.FORWARD_KL, K.REVERSE_KL, K.JSD) == (D.FORWARD_KL, D.REVERSE_KL, D.JSD)  # the kernels' MODE literals
+
+
+# ------------------------------------------------------------------------- compiled kernels on a GPU
+
+needs_compiled_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+    reason="needs a CUDA device and compiled Triton kernels (TRITON_INTERPRET not 1)",
+)
+
+
+@needs_compiled_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("shape", [(47, 31, 57, 123), (256, 896, 1536, 151936)], ids=str)
+def test_divergence_cuda(shape, beta, dtype):
+    """The compiled hybrid kernels (the CUDA default) against float64: awkward and real shapes, every dtype."""
+    N, H, Ht, V = shape
+    mask = torch.rand(N, generator=torch.Generator().manual_seed(0)) > 0.1
+    check_against_float64(beta, dtype=dtype, lead=(N,), mask=mask.cuda(), tf="all", device="cuda", backend="triton",
+                          H=H, Ht=Ht, V=V)
+
+
+@needs_compiled_cuda
+def test_divergence_cuda_support_and_torch_backend():
+    mask = torch.ones(3, 11, dtype=torch.bool)
+    sup = _support((3, 11), 5000, frac=0.01).to("cuda")
+    check_against_float64(0.5, lead=(3, 11), mask=mask.cuda(), support=sup, device="cuda", backend="triton", V=5000)
+    check_against_float64(1.0, dtype=torch.bfloat16, lead=(3, 11), device="cuda", backend="torch", V=5000)

@@ -76,7 +76,7 @@ class _Tile:
         return r, (self.v1 - self.v0) if self.ids is None else self.ids.numel()
 
 
-def _tiles(N: int, V: int, support: KeptSet | None, vocab_outer: bool = False) -> Iterator[_Tile]:
+def _tiles(N: int, V: int, support: KeptSet | None) -> Iterator[_Tile]:
     """The [rows, cols] tiles that cover every (token, kept id) pair once, each row's tiles in vocabulary order."""
     if support is None:
         cols = tile_columns(N, V, tile_elems=TILE_ELEMS)
@@ -117,7 +117,7 @@ class _Head:
         return w.to(self.cdt)
 
     def logits(self, tile: _Tile, buf: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
-        """Transformed logits of the tile [R, C], written into ``buf``; masked (-inf) where a row did not keep an id."""
+        """Transformed logits of the tile [R, C], written into ``buf`` (the callers mask the ids a row did not keep)."""
         R, C = tile.shape
         w = self.weight_block(tile) if w is None else w
         z = torch.mm(self.h[tile.rows], w.T, out=buf[: R * C].view(R, C))
@@ -356,6 +356,9 @@ class DivergenceFunction(torch.autograd.Function):
             return (None, None, None) + none
         opts: _Options = ctx.opts
         cdt = lse_s.dtype
+        if hidden.shape[0] == 0:  # every token masked: nothing flows back
+            return (torch.zeros_like(hidden) if need[0] else None, torch.zeros_like(weight) if need[1] else None,
+                    torch.zeros_like(bias) if need[2] else None) + none
         grad_div = None if grad_div is None else grad_div.to(cdt).contiguous()
         grad_ent = None if grad_ent is None else grad_ent.to(cdt).contiguous()
         with torch.autocast(hidden.device.type, enabled=False):
@@ -517,7 +520,7 @@ def fused_divergence(
             raise ValueError(f"support is empty at counted {_token_name(int(empty.nonzero()[0, 0]), lead)}: every "
                              "counted token must keep at least one id")
     name = resolve_backend(hidden.device, backend)
-    if is_triton(name) and hidden.dtype == torch.float64:
+    if is_triton(name) and torch.float64 in (hidden.dtype, teacher_hidden.dtype):
         raise TypeError("the triton backends compute from float32, bfloat16 or float16 inputs; use backend='torch' "
                         "for float64")
     opts = _Options(beta=beta, student=tf_s, teacher=tf_t, with_entropy=with_entropy, backend=name)

@@ -19,6 +19,7 @@ import torch
 from fastrl.kernels import divergence_fold as K
 from fastrl.ops import hybrid
 from fastrl.ops._gemm import addmm_f32, mm_f32
+from fastrl.ops.divergence import FORWARD_KL, REVERSE_KL
 
 __all__ = ["forward", "backward"]
 
@@ -63,10 +64,10 @@ def forward(student, teacher, opts, mode: int):
     log_ss, log_st = torch.log(s_s), torch.log(s_t)
     lse_s, lse_t = m_s + log_ss, m_t + log_st
     entropy = log_ss - u_s / s_s if opts.with_entropy else None
-    if mode == K.FORWARD_KL:
+    if mode == FORWARD_KL:
         div = c / s_t - log_st + log_ss
         return div, entropy, lse_s, lse_t, div
-    if mode == K.REVERSE_KL:
+    if mode == REVERSE_KL:
         div = c / s_s - log_ss + log_st
         return div, entropy, lse_s, lse_t, div
     div = torch.zeros(N, dtype=torch.float32, device=dev)
