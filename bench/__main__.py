@@ -353,6 +353,7 @@ def _list_command(args, device: str, con) -> int:
 
 def _divergence_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--beta", help="comma list of betas (default 0,0.5,1)")
+    ap.add_argument("--tokens", type=int, help="tokens N (default: by device; results go to divergence-nN.json)")
     ap.add_argument("--providers", help=f"comma list of {', '.join(divergence.PROVIDERS)} (default all)")
 
 
@@ -521,13 +522,13 @@ def _measure(args, device: str, con) -> int:
             payload["targets"] = _c1_targets([r for r in rows if r["group"] != "floor"], con)
         if args.command == "gpu" and not args.smoke:
             payload["targets"] = _gpu_targets([r for r in rows if r["group"] != "floor"], con)
+        report.write_csv(csv_path, rows, env)
+        written.append(csv_path)
     if div is not None:
         con.print()
         divergence.print_table(con, div["rows"], f"divergence on {env['device']} (student vs teacher head)")
         if not args.smoke:
             divergence.targets(div["rows"], device, con)
-        report.write_csv(csv_path, rows, env)
-        written.append(csv_path)
     if want_w4:
         s = w4.W4Shape.from_dict(w4_summary["shape"])
         reps = w4_summary["reps"]

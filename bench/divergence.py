@@ -308,6 +308,9 @@ def cli(args, device: str, con) -> int:
 
     betas = BETAS if not getattr(args, "beta", None) else tuple(float(b) for b in args.beta.split(","))
     wls = workloads(device, quick=args.quick, smoke=args.smoke, betas=betas)
+    tokens = getattr(args, "tokens", None)
+    if tokens:
+        wls = [replace(w, N=tokens, note=f"{w.note}; N set by --tokens") for w in wls]
     provs = [p.strip() for p in (args.providers or ",".join(PROVIDERS)).split(",") if p.strip()]
     bad = [p for p in provs if p not in PROVIDERS]
     if bad:
@@ -321,7 +324,7 @@ def cli(args, device: str, con) -> int:
         Path(__import__("tempfile").mkdtemp(prefix="fastrl-bench-smoke-")) if args.smoke
         else report.REPO_ROOT / "bench" / "results" / env["device_slug"])
     out_dir.mkdir(parents=True, exist_ok=True)
-    prefix = "divergence" + ("-smoke" if args.smoke else "-quick" if args.quick else "")
+    prefix = "divergence" + ("-smoke" if args.smoke else "-quick" if args.quick else "") + (f"-n{tokens}" if tokens else "")
     log = out_dir / f"{prefix}.rows.jsonl"
     log.unlink(missing_ok=True)
     con.print(f"[bold]fastrl bench divergence[/bold] on {env['device']}: torch {env['torch']}, trl {env['trl']}, "

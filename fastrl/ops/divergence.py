@@ -468,6 +468,20 @@ def fused_divergence(
     Memory beyond inputs and outputs: O(N) statistics plus bounded tiles of each model (no ``[N, V]``, no float32
     ``[V, H]``). Cost: the KLs 2N(H+H_t)V FLOPs forward, the JSD twice that (a statistics pass first); the backward
     recomputes both heads' tiles and adds 4NHV for the student's gradients.
+
+    Example::
+
+        import torch
+        import fastrl
+
+        hidden = torch.randn(2, 8, 64, requires_grad=True)  # student [B, T, H]
+        head = torch.nn.Linear(64, 1000, bias=False)  # student head, weight [V, H]
+        teacher_hidden = torch.randn(2, 8, 96)  # teacher [B, T, H_t]
+        teacher_head = torch.nn.Linear(96, 1000, bias=False)
+        mask = torch.ones(2, 8, dtype=torch.long)
+        mask[1, 6:] = 0  # padding
+        div = fastrl.fused_divergence(hidden, head.weight, teacher_hidden, teacher_head.weight, beta=0.5, mask=mask)
+        (div.sum() / mask.sum()).backward()  # TRL's DistillationTrainer loss; grads to hidden and head.weight
     """
     hidden, weight, bias = autocast_inputs(hidden, weight, bias)
     teacher_hidden, teacher_weight, teacher_bias = autocast_inputs(teacher_hidden, teacher_weight, teacher_bias)
