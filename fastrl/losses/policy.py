@@ -25,14 +25,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fastrl.losses._checks import check_loss_inputs, check_loss_values
+from fastrl.losses._checks import check_loss_inputs, check_loss_values, loss_values_bad
 from fastrl.losses.config import PolicyLossConfig
+from fastrl.ops import custom_ops
 from fastrl.ops import torch_backend as TB
 from fastrl.ops._checks import autocast_inputs, check_finite_outputs, check_linear_inputs, check_targets, dense_bias
 from fastrl.ops._gemm import addmm_f32, mm_f32
 from fastrl.ops.backend import is_triton, resolve_backend
 from fastrl.ops.config import LogitTransform
-from fastrl.ops.linear_logprob import compact_rows, fused_logprobs, unit_stride
+from fastrl.ops.linear_logprob import compact_rows, fused_logprobs, host_sync_enabled, unit_stride
 from fastrl.losses.arithmetic import policy_loss_from_logprobs
 
 __all__ = ["policy_loss", "FusedPolicyLoss"]
@@ -67,6 +68,13 @@ class _LossInputs:
         )
 
 
+def _chunk_budget(V: int, device: torch.device, trained_head: bool, requested: int | None) -> int:
+    """Rows per one-pass chunk: the requested number, else what fits the device's [chunk, V] tile budget."""
+    rows = _TILE_ELEMS.get((device.type, trained_head), 1 << 28) // V
+    # on a GPU, whole 128-row blocks keep the GEMMs on full tiles; a CPU keeps its small tile (memory first)
+    return requested or (max(128, rows // 128 * 128) if device.type == "cuda" else max(1, rows))
+
+
 def _chunks(
     live: torch.Tensor,  # [B, T] bool: tokens that are scored (in the mask)
     granularity: str,
@@ -77,9 +85,7 @@ def _chunks(
 ) -> list[tuple[int, int]] | None:
     """One-pass chunks as ranges of *live* rows (row-major order): whole sequences when the loss couples the
     tokens of a sequence; None when a sequence does not fit in one chunk (then two passes it is)."""
-    rows = _TILE_ELEMS.get((device.type, trained_head), 1 << 28) // V
-    # on a GPU, whole 128-row blocks keep the GEMMs on full tiles; a CPU keeps its small tile (memory first)
-    budget = requested or (max(128, rows // 128 * 128) if device.type == "cuda" else max(1, rows))
+    budget = _chunk_budget(V, device, trained_head, requested)
     n_live = int(live.sum())  # one host sync: chunk boundaries are host-side ranges
     if granularity == "token":
         return [(c0, min(c0 + budget, n_live)) for c0 in range(0, n_live, budget)]
@@ -97,37 +103,6 @@ def _chunks(
     return out
 
 
-class _AttachGradients(torch.autograd.Function):
-    """Return the loss value; backward hands out the gradients computed in the forward, scaled.
-
-    The gradients are saved tensors, so PyTorch's rules hold for them: the first backward frees them unless
-    ``retain_graph=True``; a second backward through a retained graph hands them out again (they accumulate,
-    as for any op), one through a freed graph raises PyTorch's "backward through the graph a second time".
-    Double backward (``create_graph=True``) is refused: the gradients were formed in the forward pass and
-    carry no graph, so a second derivative through them would silently be zero.
-    """
-
-    @staticmethod
-    def forward(ctx, loss, hidden, weight, bias, grads):
-        ctx.save_for_backward(*grads)
-        return loss.clone()
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        if torch.is_grad_enabled():  # autograd runs a backward with grad mode on only for create_graph=True
-            raise RuntimeError(
-                "fastrl.policy_loss does not support double backward (create_graph=True): its gradients are "
-                "computed in the forward pass and carry no graph. For higher-order gradients use "
-                "fastrl.reference (materialised logits, plain PyTorch)."
-            )
-        gh, gw, gb = ctx.saved_tensors
-
-        def scale(g):
-            return None if g is None else g * grad_out.to(g.dtype)
-
-        return None, scale(gh), scale(gw), scale(gb), None
-
-
 def _one_pass(
     hidden: torch.Tensor,  # [N, H]
     weight: torch.Tensor,  # [V, H]
@@ -139,8 +114,9 @@ def _one_pass(
     config: PolicyLossConfig,
     tf: LogitTransform,
     backend: str,
-    chunks: list[tuple[int, int]],  # ranges of live rows
+    chunks: list[tuple[int, int]],  # ranges of live rows (compact), else of all rows
     need: tuple[bool, bool, bool],
+    compact: bool = True,  # False: no host sync; rows outside the mask are computed (zeroed hidden, no gradient)
 ) -> tuple[torch.Tensor, dict, tuple, torch.Tensor, torch.Tensor]:
     need_h, need_w, need_b = need
     N, H = hidden.shape
@@ -150,7 +126,10 @@ def _one_pass(
     triton = is_triton(backend)
     if triton:
         from fastrl.kernels import logits_fold as F
-    idx = compact_rows(targets != _IGNORE)  # live rows only: padding costs nothing and cannot poison grad_W
+    live = targets != _IGNORE
+    # live rows only: padding costs nothing and cannot poison grad_W (compact); or every row, with the hidden
+    # states of rows outside the mask zeroed so that whatever they hold cannot reach grad_W either
+    idx = compact_rows(live) if compact else None
     # placeholders for rows not yet computed: ratio 1 against old log-probs, zero entropy
     if inputs.old_logprobs is not None:
         logp_all = inputs.old_logprobs.detach().reshape(-1).to(cdt).clone()
@@ -172,6 +151,8 @@ def _one_pass(
         n = c1 - c0
         rows = None if idx is None else idx[c0:c1]
         h_c = hidden[c0:c1] if rows is None else hidden.index_select(0, rows)
+        if not compact:
+            h_c = torch.where(live[c0:c1, None], h_c, torch.zeros((), dtype=h_c.dtype, device=dev))
         t_c = targets[c0:c1] if rows is None else targets.index_select(0, rows)
         z = zbuf[: n * V].view(n, V)
         if triton:
@@ -267,6 +248,7 @@ def policy_loss(
     backend: str | None = None,
     chunk_tokens: int | None = None,
     check_finite: bool = True,
+    host_sync: bool | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO-family (or PPO) policy loss from hidden states and the LM head, fused, with its metrics.
 
@@ -309,6 +291,12 @@ def policy_loss(
         chunk_tokens: tokens per one-pass chunk (default: a [chunk, V] float32 tile of 1 GiB on a GPU with a
             trained head, 256 MiB with a frozen one, 32 MB on a CPU; whole sequences when the loss couples the
             tokens of a sequence). Smaller uses less memory.
+        host_sync: None (default): host reads in eager, none while ``torch.compile`` traces; False forces the
+            no-sync path (for CUDA graphs): tokens outside the mask are computed (zeroed hidden states, no
+            gradient) instead of being dropped, one-pass chunks are fixed ranges of whole rows, the value checks
+            below multiply the loss by NaN instead of raising (so a bad input gives a NaN loss and NaN
+            gradients), and the ``check_finite`` checks are skipped (a non-finite value the loss reads makes the
+            loss non-finite by itself).
 
     Returns:
         ``(loss, metrics)``: a 0-dim loss (float32; float64 for float64 inputs), differentiable w.r.t.
@@ -327,7 +315,7 @@ def policy_loss(
     (beta != 0) and ``importance_weights`` where the loss reads them, and non-finite log-probs / entropies,
     raise ``FloatingPointError`` naming the tensor and position; ``check_finite=False`` turns those value
     checks off. A second backward through a retained graph accumulates the gradients again; double backward
-    (``create_graph=True``) raises.
+    (``create_graph=True``) raises ``fastrl.ops.custom_ops.DoubleBackwardError`` (a RuntimeError).
 
     Example::
 
@@ -376,13 +364,21 @@ def policy_loss(
     with torch.no_grad():
         z0 = torch.zeros((B, T), dtype=TB.acc_dtype(hidden.dtype), device=hidden.device)
         inputs.loss(z0, z0, config)
-    check_loss_values(targets, advantages, mask, config=config, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-                      importance_weights=importance_weights, num_items_in_batch=num_items_in_batch,
-                      ignore_index=_IGNORE, check_finite=check_finite)
+    sync = host_sync_enabled(host_sync)
+    poison = None
+    if sync:
+        check_loss_values(targets, advantages, mask, config=config, old_logprobs=old_logprobs,
+                          ref_logprobs=ref_logprobs, importance_weights=importance_weights,
+                          num_items_in_batch=num_items_in_batch, ignore_index=_IGNORE, check_finite=check_finite)
+    else:  # no host read: a failed value check multiplies the loss (and so every gradient) by NaN
+        bad = loss_values_bad(targets, advantages, mask, config=config, num_items_in_batch=num_items_in_batch,
+                              ignore_index=_IGNORE, vocab_size=V)
+        poison = torch.where(bad, float("nan"), 1.0).to(TB.acc_dtype(hidden.dtype))
 
     in_mask = mask.bool()
     eff_targets = torch.where(in_mask, targets.to(torch.int64), torch.full_like(targets, _IGNORE, dtype=torch.int64))
-    check_targets(eff_targets, V, _IGNORE)
+    if sync:
+        check_targets(eff_targets, V, _IGNORE)
     name = resolve_backend(hidden.device, backend)
 
     need = (
@@ -396,31 +392,41 @@ def policy_loss(
     # "triton-fused" promises that no logit is ever stored, so there the loss takes path A on the fused kernels:
     # 8NHV instead of 6NHV, but no [chunk, V] tile and no float32 [V, H] weight-gradient accumulator.
     if torch.is_grad_enabled() and any(need) and granularity is not None and name != "triton-fused":
-        chunks = _chunks(in_mask, granularity, V, hidden.device, need[1], chunk_tokens)
+        if sync:
+            chunks = _chunks(in_mask, granularity, V, hidden.device, need[1], chunk_tokens)
+        else:  # fixed chunks over all rows, from shapes alone; a sequence longer than a chunk: two passes
+            budget = _chunk_budget(V, hidden.device, need[1], chunk_tokens)
+            chunks = [] if granularity == "token" or T <= budget else None
     if chunks is None:
         # two-pass path (or forward-only under no_grad): the same loss on fused per-token outputs
         logp, ent = fused_logprobs(
             hidden, weight, eff_targets, bias=bias, temperature=tf.temperature, logit_scale=tf.logit_scale,
             softcap=tf.softcap, with_entropy=True, ignore_index=_IGNORE, check_finite=check_finite,
-            backend=name,
+            backend=name, host_sync=sync,
         )
-        return inputs.loss(logp, ent, config)
+        loss, metrics = inputs.loss(logp, ent, config)
+        return (loss if poison is None else loss * poison), metrics
 
     if is_triton(name) and hidden.dtype == torch.float64:
         raise TypeError("the triton backends compute from float32, bfloat16 or float16 inputs; use backend='torch' for float64")
-    h2 = unit_stride(hidden.reshape(B * T, H))
-    t2 = eff_targets.reshape(-1).contiguous()
-    with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
-        loss, metrics, grads, logp_all, ent_all = _one_pass(
-            h2.detach(), unit_stride(weight.detach()), None if bias is None else bias.detach(), t2,
-            B, T, inputs, config, tf, name, chunks, need,
-        )
-    if check_finite:
-        check_finite_outputs(logp_all, ent_all, t2 != _IGNORE, h2.detach(), (B, T))
-    gh, gw, gb = grads
-    if gh is not None:
-        gh = gh.view(B, T, H)
-    return _AttachGradients.apply(loss, hidden, weight, bias, (gh, gw, gb)), metrics
+    opts = custom_ops.PolicyOptions(
+        logit_scale=float(tf.logit_scale),
+        softcap=None if tf.softcap is None else float(tf.softcap), backend=name, need_hidden=need[0],
+        need_weight=need[1], need_bias=need[2], compact=sync,
+        chunk_rows=_chunk_budget(V, hidden.device, need[1], chunk_tokens),
+    )
+    num_items = num_items_in_batch
+    if num_items is not None and not isinstance(num_items, torch.Tensor):
+        num_items = torch.full((), float(num_items), dtype=torch.float64, device=hidden.device)
+    loss, mvec, _, _, _, logp_all, ent_all = torch.ops.fastrl.policy_loss_one_pass(
+        hidden, unit_stride(weight), bias, eff_targets, advantages, mask, old_logprobs, ref_logprobs,
+        importance_weights, num_items, sampling_logprobs, [c for pair in chunks for c in pair], *opts.pack(config),
+    )
+    if sync and check_finite:
+        check_finite_outputs(logp_all, ent_all, eff_targets.reshape(-1) != _IGNORE,
+                             hidden.detach().reshape(B * T, H), (B, T))
+    metrics = dict(zip(custom_ops.metric_keys(config), mvec.unbind(0)))
+    return (loss if poison is None else loss * poison), metrics
 
 
 class FusedPolicyLoss(nn.Module):
