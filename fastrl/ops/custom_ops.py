@@ -112,7 +112,7 @@ def _pack(objs_and_layouts) -> tuple[str, list[float], list[int]]:
 
 
 def _unpack(strs: str, floats, ints, layouts) -> list[dict]:
-    s_it, f_it, i_it = iter(strs.split("|") if strs else []), iter(floats), iter(ints)
+    s_it, f_it, i_it = iter(strs.split("|")), iter(floats), iter(ints)
     out = []
     for layout in layouts:
         d = {}
