@@ -69,9 +69,10 @@ def logprob_fn(h, w, bias, targets, mask):
 
 
 def losses_fn(configs):
-    def fn(h, w, bias, targets, mask, old, ref, adv):
+    def fn(h, w, bias, targets, mask, old, ref, adv, num_items=None):
         return tuple(fastrl.policy_loss(h, w, targets, adv, mask, config=c, old_logprobs=old, ref_logprobs=ref,
-                                        bias=bias, softcap=TF["softcap"], backend="torch", chunk_tokens=5)[0]
+                                        bias=bias, softcap=TF["softcap"], backend="torch", chunk_tokens=8,
+                                        num_items_in_batch=num_items)[0]
                      for c in configs)
     return fn
 
@@ -124,7 +125,8 @@ def test_policy_loss_inductor_dynamic_batch_lengths():
     compiled = torch.compile(fn, fullgraph=True, dynamic=True)
     for t in (T, T + 4, T + 9):
         x = inputs(B, t, seed=t)
-        args = (x["h"], x["w"], x["bias"], x["targets"], x["mask"], x["old"], x["ref"], x["adv"])
+        # num_items_in_batch as a Python int that changes every step, as TRL passes it (dapo divides by it)
+        args = (x["h"], x["w"], x["bias"], x["targets"], x["mask"], x["old"], x["ref"], x["adv"], t * B - 1)
         check_outputs_and_grads(compiled, fn, x, args)
     assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
 
@@ -231,7 +233,7 @@ def _run_everything(host_sync):
     for cfg in (one_pass, ALL_LOSSES[7], ALL_LOSSES[9]):
         loss, metrics = fastrl.policy_loss(x["h"], x["w"], x["targets"], x["adv"], x["mask"], config=cfg,
                                            old_logprobs=x["old"], ref_logprobs=x["ref"], bias=x["bias"],
-                                           backend="torch", chunk_tokens=5, host_sync=host_sync,
+                                           backend="torch", chunk_tokens=8, host_sync=host_sync,
                                            check_finite=False)
         loss.backward()
     lp, ent = fastrl.fused_logprobs(x["h"], x["w"], torch.where(x["mask"], x["targets"], -100), bias=x["bias"],

@@ -52,7 +52,7 @@ def _num_items_form(num_items_in_batch: object) -> None:
         raise TypeError(
             f"num_items_in_batch must be None, a number or a one-element tensor, got {type(num_items_in_batch).__name__}"
         )
-    if not math.isfinite(num_items_in_batch) or num_items_in_batch < 0:
+    if not -math.inf < num_items_in_batch < math.inf or num_items_in_batch < 0:  # (comparisons: may be symbolic)
         raise ValueError(f"num_items_in_batch must be a finite number >= 0, got {num_items_in_batch!r}")
 
 
@@ -154,7 +154,10 @@ def _conditions(targets, advantages, mask, *, config, old_logprobs=None, ref_log
         conditions.append(("mask", (mask != 0) & (mask != 1), "value"))
     conditions.append(("targets", in_mask & (targets == ignore_index), "ignored"))
     if num_items_in_batch is not None:
-        n = torch.as_tensor(num_items_in_batch, device=mask.device).reshape(()).double()
+        if isinstance(num_items_in_batch, torch.Tensor):
+            n = num_items_in_batch.to(mask.device).reshape(()).double()
+        else:  # torch.full, not as_tensor: under torch.compile(dynamic=True) a count that changes stays symbolic
+            n = torch.full((), num_items_in_batch, dtype=torch.float64, device=mask.device)
         conditions.append(("num_items_in_batch", ~torch.isfinite(n) | (n < 0) | ((n == 0) & rows.any()), "count"))
     if check_finite:
         where = {1: rows, 2: in_mask}

@@ -369,5 +369,5 @@ def check_value_inputs(values, old_values, returns, mask, cliprange_value) -> No
         if not isinstance(t, torch.Tensor) or t.shape != values.shape:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{name} has shape {shape}, expected the shape of values {tuple(values.shape)}")
-    if not isinstance(cliprange_value, (int, float)) or not math.isfinite(cliprange_value) or cliprange_value < 0:
+    if not isinstance(cliprange_value, (int, float)) or not -math.inf < cliprange_value < math.inf or cliprange_value < 0:
         raise ValueError(f"cliprange_value must be a finite number >= 0, got {cliprange_value!r}")
