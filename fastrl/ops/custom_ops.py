@@ -16,6 +16,11 @@ sentinel), in the dataclass's field order. So:
   counts) stay dynamic. (A JSON string would not do: dynamo cannot trace ``json.dumps``, and under
   ``dynamic=True`` a float read from a config object is symbolic, which no string can hold.)
 
+Threading a new option through (e.g. a sampling support, reference-model hidden states): a scalar is a new field
+of ``LinearOptions`` / ``PolicyOptions`` (a new ``PolicyLossConfig`` field travels by itself: the layout is read
+from the dataclass); a tensor is a new ``Optional[torch.Tensor]`` argument of the op, of its fake implementation,
+saved in its ``setup_context`` if the backward needs it, with one more ``None`` in the backward's return tuple.
+
 Ops that run autograd inside their implementation (the one-pass loss differentiates the loss arithmetic per
 chunk, the value loss's backward differentiates its formula) re-enable autograd with ``_autograd_inside``:
 a custom op's implementation runs below the autograd dispatch key, where nothing records a graph.

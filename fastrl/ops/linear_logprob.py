@@ -1,11 +1,14 @@
-"""Fused linear -> per-token log-prob and entropy: the autograd Function and the public function.
+"""Fused linear -> per-token log-prob and entropy: the statistics / backward dispatch and the public function.
 
 Paths (docs/design.md): with gradients, path A (forward: one pass of online statistics; backward: recompute
 each vocabulary slice's logits, form ``G = dL/dy`` and run the two gradient GEMMs); without, path C (the
 forward pass alone, no autograd state kept). Each backend (``fastrl.ops.backend``) implements the statistics
-and the backward; this module dispatches to them, and hands them only the tokens that are not ignored
-(``compact_rows``): padding costs no work, and whatever an ignored row holds (even inf/NaN) cannot reach a
-gradient GEMM.
+and the backward; this module dispatches to them. Autograd is the custom op ``torch.ops.fastrl.linear_logprob``
+(``fastrl.ops.custom_ops``: what ``torch.compile`` sees), whose implementation calls ``linear_stats`` and whose
+registered backward calls ``linear_backward``. In eager, ``fused_logprobs`` hands the op only the tokens that are
+not ignored (``compact_rows``, one host sync): padding costs no work, and whatever an ignored row holds (even
+inf/NaN) cannot reach a gradient GEMM. On the no-sync path (under ``torch.compile``, or ``host_sync=False``) the op
+gets every row and zeroes the hidden states and gradients of the ignored ones instead.
 """
 
 from __future__ import annotations
