@@ -6,7 +6,8 @@ Two execution paths, chosen by the configuration (never by the user), with the s
   sequence's) log-prob and entropy are (``PolicyLossConfig.one_pass_granularity``), each chunk of tokens has
   its logits computed once (stored in float32, with the row statistics), the per-token loss gradients are
   taken from the loss arithmetic, and ``G = dL/dy`` and the three gradient GEMMs follow at once. The
-  gradients are ready when the forward returns; backward only scales them.
+  gradients are ready when the forward returns; backward only scales them. This path is the custom op
+  ``torch.ops.fastrl.policy_loss_one_pass`` (``fastrl.ops.custom_ops``), one node under ``torch.compile``.
 * two pass (path A, 8NHV): ``fused_logprobs`` + the loss arithmetic under autograd, for everything else
   (e.g. ``top_entropy_quantile`` < 1, which compares every token's entropy with a batch quantile, or a
   sequence-level ratio over sequences longer than a chunk), and always with ``backend="triton-fused"``, whose
