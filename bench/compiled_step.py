@@ -8,6 +8,8 @@ AOTAutograd for the compiled variants); one SGD update of every parameter (outsi
 compiled region, in place, so the compiled step sees the same tensors each time). Variants (``--variants``):
 
 * ``fastrl-eager``: ``fastrl.policy_loss`` (one-pass path) in an eager step;
+* ``fastrl-nosync``: the same, eager, with ``host_sync=False``: the path compiled steps take (rows outside the
+  mask computed, not dropped), to tell its cost from the compiler's;
 * ``fastrl-compile``: the same step under ``torch.compile(fullgraph=True)``: fastrl's ops are single nodes
   (``torch.ops.fastrl.*``), the body and the loss arithmetic around them are compiled;
 * ``reference-compile``: the step with the materialised reference (``fastrl.reference``: full ``[N, V]``
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -35,7 +38,7 @@ import torch
 
 __all__ = ["VARIANTS", "main", "run"]
 
-VARIANTS = ("fastrl-eager", "fastrl-compile", "reference-eager", "reference-compile")
+VARIANTS = ("fastrl-eager", "fastrl-nosync", "fastrl-compile", "reference-eager", "reference-compile")
 CUDA_VARIANTS = VARIANTS + ("fastrl-compile-ro", "reference-compile-ro")
 SHAPES = {  # (B, T, H, V, dtype)
     "cpu": (4, 512, 512, 32768, torch.float32),  # N = 2048 tokens (C1's H and V)
@@ -62,14 +65,14 @@ def _config():
     return PolicyLossConfig(loss_type="dapo", beta=0.04, entropy_coef=0.01, temperature=0.9)
 
 
-def _step_fn(kind: str, body: Body, head: torch.nn.Linear, config):
+def _step_fn(kind: str, body: Body, head: torch.nn.Linear, config, host_sync=None):
     import fastrl
     from fastrl.reference import logprobs_reference, policy_loss_from_logprobs
 
     def fastrl_step(x, targets, adv, mask, old, ref):
         hidden = body(x)
         loss, metrics = fastrl.policy_loss(hidden, head.weight, targets, adv, mask, config=config, old_logprobs=old,
-                                           ref_logprobs=ref, check_finite=False)
+                                           ref_logprobs=ref, check_finite=False, host_sync=host_sync)
         return loss, metrics["kl"]
 
     def reference_step(x, targets, adv, mask, old, ref):
@@ -105,7 +108,7 @@ def _measure(variant: str, shape, device: str, reps: int, warmup: int) -> dict:
     torch.nn.init.normal_(head.weight, std=H ** -0.5)
     params = list(body.parameters()) + list(head.parameters())
     kind = variant.split("-")[0]
-    fn = _step_fn(kind, body, head, _config())
+    fn = _step_fn(kind, body, head, _config(), host_sync=False if variant == "fastrl-nosync" else None)
     if "compile" in variant:
         mode = "reduce-overhead" if variant.endswith("-ro") else None
         fn = torch.compile(fn, fullgraph=(kind == "fastrl"), mode=mode, dynamic=False)
@@ -196,8 +199,12 @@ def command(args, device: str, con=None) -> int:
             continue
         ratio = f"{r['ms'] / eager:.2f}x" if eager else "-"
         print(f"{r['variant']:22s} {r['ms']:10.1f} {ratio:>16s} {r['first_step_s']:13.1f} {r['first_loss']:12.6f}")
-    report.write_json(out / "compile.json", {"command": "compile", "env": env, "args": vars(args), "rows": rows,
-                                             "doc": "bench/compiled_step.py"})
+    # On a CPU, inductor's OpenMP kernels spin-wait after each call by default and then compete with the ATen ops
+    # fastrl's op runs (measured on 2 cores: the compiled step ~2x slower than aot_eager); OMP_WAIT_POLICY=PASSIVE,
+    # set before the process starts, removes that. Recorded with the results.
+    omp = {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
+    report.write_json(out / "compile.json", {"command": "compile", "env": {**env, **omp}, "args": vars(args),
+                                             "rows": rows, "doc": "bench/compiled_step.py"})
     print(f"wrote {out / 'compile.json'}")
     return 0 if all("ms" in r for r in rows) else 1
 
