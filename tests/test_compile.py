@@ -3,7 +3,7 @@
 * compiled == eager (outputs and gradients, float32, <= 1e-6 relative), ``fullgraph=True``: ``fused_logprobs``
   with bias, softcap, temperature and ignored rows under inductor; ``policy_loss`` for every loss type (one-pass
   and two-pass paths, sequence-level ratios) in one aot_eager graph for the breadth, and one loss under inductor;
-  ``value_loss`` under inductor. Eager takes the host-sync path (compaction, checks); compiled the no-sync path,
+  ``value_loss`` under inductor; both Triton implementations (interpreted) under aot_eager. Eager takes the host-sync path (compaction, checks); compiled the no-sync path,
   so this also checks the two paths against each other.
 * three batch lengths under ``dynamic=True``: at most one recompile (dynamo's ``unique_graphs`` counter).
 * zero graph breaks (``torch._dynamo.explain``).
@@ -129,6 +129,24 @@ def test_policy_loss_inductor_dynamic_batch_lengths():
         args = (x["h"], x["w"], x["bias"], x["targets"], x["mask"], x["old"], x["ref"], x["adv"], t * B - 1)
         check_outputs_and_grads(compiled, fn, x, args)
     assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("backend", ("triton-hybrid", "triton-fused"))
+def test_triton_backends_compiled_equal_eager(backend):
+    """The Triton kernels (interpreted on CPU) inside the compiled ops, no-sync path included (NaN padding rows)."""
+    torch._dynamo.reset()
+
+    def fn(h, w, bias, targets, mask, old, ref, adv):
+        lp, ent = fastrl.fused_logprobs(h, w, torch.where(mask, targets, -100), bias=bias, backend=backend, **TF)
+        loss, _ = fastrl.policy_loss(h, w, targets, adv, mask, config=ALL_LOSSES[3], old_logprobs=old,
+                                     ref_logprobs=ref, bias=bias, softcap=TF["softcap"], backend=backend,
+                                     chunk_tokens=8)
+        return lp.sum() + 0.3 * ent.sum(), loss
+
+    x = inputs()
+    args = (x["h"], x["w"], x["bias"], x["targets"], x["mask"], x["old"], x["ref"], x["adv"])
+    check_outputs_and_grads(torch.compile(fn, fullgraph=True, backend="aot_eager"), fn, x, args)
 
 
 def value_fn(v, old, ret, mask):
