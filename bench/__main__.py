@@ -15,6 +15,8 @@
                                          torch, beta 0 / 0.5 / 1
     python -m bench                      everything for this device (GPU sizes on CUDA, CPU sizes otherwise)
     python -m bench list                 workloads and providers, and why a provider cannot run here
+    python -m bench compile              a training step with fastrl inside torch.compile, vs eager and vs the
+                                         compiled materialised reference (CUDA: reduce-overhead too)
     python -m bench sass                 compile every kernel for sm_90 (no GPU needed): registers, spills,
                                          shared memory, tensor-core and TMA instructions; fails on a spill
     python -m bench COMMAND --help       that command's options
@@ -347,6 +349,18 @@ def _out_dir(args, device_slug: str) -> Path:
     return report.REPO_ROOT / "bench" / "results" / device_slug
 
 
+def _compile_options(ap: argparse.ArgumentParser) -> None:
+    from bench import compiled_step
+
+    compiled_step.add_options(ap)
+
+
+def _compile_command(args, device: str, con) -> int:
+    from bench import compiled_step
+
+    return compiled_step.command(args, device, con)
+
+
 def _list_command(args, device: str, con) -> int:
     return _list(device, con)
 
@@ -600,6 +614,11 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             "extra memory; GPU: <= 0.8x TRL's time). CUDA: N=16384, H=896, teacher 1536, V=151936, bf16; CPU:\n"
             "N=1024 (--quick 512), H=256, teacher 384, V=65536, float32.",
             (_run_options, _divergence_options), _divergence_command),
+    Command("compile", "a training step with fastrl inside torch.compile vs eager vs compiled materialised reference",
+            "One training step (an MLP body, the LM head and the W1 GRPO loss, backward, SGD) with fastrl.policy_loss\n"
+            "eager and under torch.compile(fullgraph=True), against the materialised reference eager and compiled;\n"
+            "on CUDA also mode='reduce-overhead' (CUDA graphs). See bench/compiled_step.py. CPU: a few minutes.",
+            (_compile_options,), _compile_command),
     Command("list", "workloads and providers, and why a provider cannot run here",
             "The workloads (GPU and CPU sizes), the providers, and why a provider cannot run on this device.",
             (_device_option,), _list_command),

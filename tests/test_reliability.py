@@ -346,7 +346,7 @@ def test_second_backward_through_the_one_pass_loss():
     def loss():
         out, _ = fastrl.policy_loss(h, w, x["targets"], x["adv"], x["mask"], config=PolicyLossConfig(),
                                     old_logprobs=x["old"], backend="torch")
-        assert type(out.grad_fn).__name__ == "_AttachGradientsBackward"  # the one-pass path
+        assert "policy_loss_one_pass" in type(out.grad_fn).__name__  # the one-pass path
         return out
 
     L = loss()

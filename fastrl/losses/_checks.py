@@ -34,7 +34,7 @@ import torch
 
 from fastrl.losses.config import PolicyLossConfig
 
-__all__ = ["check_loss_inputs", "check_loss_values"]
+__all__ = ["check_loss_inputs", "check_loss_values", "loss_values_bad"]
 
 def _num_items_form(num_items_in_batch: object) -> None:
     if num_items_in_batch is None:
@@ -52,7 +52,7 @@ def _num_items_form(num_items_in_batch: object) -> None:
         raise TypeError(
             f"num_items_in_batch must be None, a number or a one-element tensor, got {type(num_items_in_batch).__name__}"
         )
-    if not math.isfinite(num_items_in_batch) or num_items_in_batch < 0:
+    if not -math.inf < num_items_in_batch < math.inf or num_items_in_batch < 0:  # (comparisons: may be symbolic)
         raise ValueError(f"num_items_in_batch must be a finite number >= 0, got {num_items_in_batch!r}")
 
 
@@ -109,6 +109,42 @@ def check_loss_values(
     check_finite: bool = True,
 ) -> None:
     """Value checks of the loss inputs (shapes already validated); one host synchronisation when all is well."""
+    conditions = _conditions(targets, advantages, mask, config=config, old_logprobs=old_logprobs,
+                             ref_logprobs=ref_logprobs, importance_weights=importance_weights,
+                             num_items_in_batch=num_items_in_batch, ignore_index=ignore_index,
+                             check_finite=check_finite)
+    if not bool(torch.stack([bad.any() for _, bad, _ in conditions]).any()):  # the one host synchronisation
+        return
+    in_mask = mask if mask.dtype == torch.bool else mask != 0  # [B, T]
+    _raise_first(conditions, mask, in_mask, num_items_in_batch, ignore_index,
+                 dict(advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                      importance_weights=importance_weights))
+
+
+def loss_values_bad(
+    targets: torch.Tensor,  # [B, T]
+    advantages: torch.Tensor,
+    mask: torch.Tensor,  # [B, T]
+    *,
+    config: PolicyLossConfig,
+    num_items_in_batch: torch.Tensor | int | float | None = None,
+    ignore_index: int = -100,
+    vocab_size: int,
+) -> torch.Tensor:  # 0-dim bool, on the device
+    """The no-sync path's form of ``check_loss_values``: whether any value check fails, as a device flag (no host
+    read), plus a target outside ``[0, V)`` inside the mask. The caller multiplies the loss by NaN where it is
+    set, so a bad input shows as a NaN loss and NaN gradients, never as a finite wrong number. The finiteness
+    checks are not needed here: a non-finite value the loss reads already makes the loss non-finite."""
+    conditions = _conditions(targets, advantages, mask, config=config, num_items_in_batch=num_items_in_batch,
+                             ignore_index=ignore_index, check_finite=False)
+    in_mask = mask if mask.dtype == torch.bool else mask != 0
+    bad = in_mask & ((targets < 0) | (targets >= vocab_size))
+    return torch.stack([bad.any()] + [b.any() for _, b, _ in conditions]).any()
+
+
+def _conditions(targets, advantages, mask, *, config, old_logprobs=None, ref_logprobs=None, importance_weights=None,
+                num_items_in_batch=None, ignore_index=-100, check_finite=True):
+    """(argument, where it is bad: a bool tensor of its shape, which check), computed on the device."""
     in_mask = mask if mask.dtype == torch.bool else mask != 0  # [B, T]
     rows = in_mask.any(1)  # [B] rows the loss reads per-sequence values of
 
@@ -118,7 +154,10 @@ def check_loss_values(
         conditions.append(("mask", (mask != 0) & (mask != 1), "value"))
     conditions.append(("targets", in_mask & (targets == ignore_index), "ignored"))
     if num_items_in_batch is not None:
-        n = torch.as_tensor(num_items_in_batch, device=mask.device).reshape(()).double()
+        if isinstance(num_items_in_batch, torch.Tensor):
+            n = num_items_in_batch.to(mask.device).reshape(()).double()
+        else:  # torch.full, not as_tensor: under torch.compile(dynamic=True) a count that changes stays symbolic
+            n = torch.full((), num_items_in_batch, dtype=torch.float64, device=mask.device)
         conditions.append(("num_items_in_batch", ~torch.isfinite(n) | (n < 0) | ((n == 0) & rows.any()), "count"))
     if check_finite:
         where = {1: rows, 2: in_mask}
@@ -134,9 +173,10 @@ def check_loss_values(
                 # vespo sums the log IS ratios over every position of a sequence, masked or not (as TRL does)
                 reads = rows[:, None].expand_as(t)
             conditions.append((name, ~torch.isfinite(t) & reads, "finite"))
+    return conditions
 
-    if not bool(torch.stack([bad.any() for _, bad, _ in conditions]).any()):  # the one host synchronisation
-        return
+
+def _raise_first(conditions, mask, in_mask, num_items_in_batch, ignore_index, tensors) -> None:
     for name, bad, kind in conditions:
         if not bool(bad.any()):
             continue
@@ -158,8 +198,7 @@ def check_loss_values(
                 f"num_items_in_batch must be finite and >= 0, and > 0 when the mask selects tokens "
                 f"({int(in_mask.sum())} here), got {float(num_items_in_batch)}"
             )
-        t = dict(advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-                 importance_weights=importance_weights)[name]
+        t = tensors[name]
         pos = _first(bad)
         raise FloatingPointError(
             f"{name} holds {t[pos].item()} at position {pos}, where the loss reads it (inside the mask): the loss "

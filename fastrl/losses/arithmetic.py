@@ -14,7 +14,7 @@ import torch
 
 from fastrl.losses.config import CLIPPED_LOSS_TYPES, PolicyLossConfig
 
-__all__ = ["kl_estimate", "policy_loss_from_logprobs", "value_loss_reference"]
+__all__ = ["kl_estimate", "policy_loss_from_logprobs", "value_loss_reference", "check_value_inputs"]
 
 
 def kl_estimate(
@@ -376,14 +376,7 @@ def value_loss_reference(
     (the loss) and ``val/clipfrac_avg`` (masked mean of "the clipped term is larger", PPOv2's ``vf_clipfrac``).
     A fully masked batch gives 0 (PPOv2's masked_mean would divide by 0).
     """
-    if not isinstance(values, torch.Tensor) or not values.is_floating_point():
-        raise ValueError(f"values must be a floating tensor, got {type(values).__name__}")
-    for name, t in (("old_values", old_values), ("returns", returns), ("mask", mask)):
-        if not isinstance(t, torch.Tensor) or t.shape != values.shape:
-            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{name} has shape {shape}, expected the shape of values {tuple(values.shape)}")
-    if not isinstance(cliprange_value, (int, float)) or not math.isfinite(cliprange_value) or cliprange_value < 0:
-        raise ValueError(f"cliprange_value must be a finite number >= 0, got {cliprange_value!r}")
+    check_value_inputs(values, old_values, returns, mask, cliprange_value)
     dtype = values.dtype
     mask_b = mask if mask.dtype == torch.bool else mask != 0
     m = mask_b.to(dtype)
@@ -400,3 +393,15 @@ def value_loss_reference(
         clipfrac = torch.where(mask_b, (vf_losses2 > vf_losses1).to(dtype), zero).sum() / count
         metrics = {"loss/value_avg": loss.detach(), "val/clipfrac_avg": clipfrac}
     return loss, metrics
+
+
+def check_value_inputs(values, old_values, returns, mask, cliprange_value) -> None:
+    """The input checks of ``value_loss_reference`` (shapes and types only: no host read)."""
+    if not isinstance(values, torch.Tensor) or not values.is_floating_point():
+        raise ValueError(f"values must be a floating tensor, got {type(values).__name__}")
+    for name, t in (("old_values", old_values), ("returns", returns), ("mask", mask)):
+        if not isinstance(t, torch.Tensor) or t.shape != values.shape:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} has shape {shape}, expected the shape of values {tuple(values.shape)}")
+    if not isinstance(cliprange_value, (int, float)) or not -math.inf < cliprange_value < math.inf or cliprange_value < 0:
+        raise ValueError(f"cliprange_value must be a finite number >= 0, got {cliprange_value!r}")

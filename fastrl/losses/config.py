@@ -28,7 +28,8 @@ def _bad(field: str, expected: str, value: object) -> ValueError:
 
 
 def _finite(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    # comparisons rather than math.isfinite: under torch.compile(dynamic=True) a float may be symbolic
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and -math.inf < value < math.inf
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,8 @@ Two execution paths, chosen by the configuration (never by the user), with the s
   sequence's) log-prob and entropy are (``PolicyLossConfig.one_pass_granularity``), each chunk of tokens has
   its logits computed once (stored in float32, with the row statistics), the per-token loss gradients are
   taken from the loss arithmetic, and ``G = dL/dy`` and the three gradient GEMMs follow at once. The
-  gradients are ready when the forward returns; backward only scales them.
+  gradients are ready when the forward returns; backward only scales them. This path is the custom op
+  ``torch.ops.fastrl.policy_loss_one_pass`` (``fastrl.ops.custom_ops``), one node under ``torch.compile``.
 * two pass (path A, 8NHV): ``fused_logprobs`` + the loss arithmetic under autograd, for everything else
   (e.g. ``top_entropy_quantile`` < 1, which compares every token's entropy with a batch quantile, or a
   sequence-level ratio over sequences longer than a chunk), and always with ``backend="triton-fused"``, whose
@@ -26,14 +27,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fastrl.losses._checks import check_loss_inputs, check_loss_values
+from fastrl.losses._checks import check_loss_inputs, check_loss_values, loss_values_bad
 from fastrl.losses.config import PolicyLossConfig
+from fastrl.ops import custom_ops
 from fastrl.ops import torch_backend as TB
 from fastrl.ops._checks import autocast_inputs, check_finite_outputs, check_linear_inputs, check_targets, dense_bias
 from fastrl.ops._gemm import addmm_f32, mm_f32
 from fastrl.ops.backend import is_triton, resolve_backend
 from fastrl.ops.config import LogitTransform
-from fastrl.ops.linear_logprob import compact_rows, fused_logprobs, unit_stride
+from fastrl.ops.linear_logprob import compact_rows, fused_logprobs, host_sync_enabled, unit_stride
 from fastrl.losses.arithmetic import policy_loss_from_logprobs
 
 __all__ = ["policy_loss", "FusedPolicyLoss"]
@@ -176,6 +178,13 @@ def exact_reference_kl(
         raise type(e)(message) from None
 
 
+def _chunk_budget(V: int, device: torch.device, trained_head: bool, requested: int | None) -> int:
+    """Rows per one-pass chunk: the requested number, else what fits the device's [chunk, V] tile budget."""
+    rows = _TILE_ELEMS.get((device.type, trained_head), 1 << 28) // V
+    # on a GPU, whole 128-row blocks keep the GEMMs on full tiles; a CPU keeps its small tile (memory first)
+    return requested or (max(128, rows // 128 * 128) if device.type == "cuda" else max(1, rows))
+
+
 def _chunks(
     live: torch.Tensor,  # [B, T] bool: tokens that are scored (in the mask)
     granularity: str,
@@ -186,9 +195,7 @@ def _chunks(
 ) -> list[tuple[int, int]] | None:
     """One-pass chunks as ranges of *live* rows (row-major order): whole sequences when the loss couples the
     tokens of a sequence; None when a sequence does not fit in one chunk (then two passes it is)."""
-    rows = _TILE_ELEMS.get((device.type, trained_head), 1 << 28) // V
-    # on a GPU, whole 128-row blocks keep the GEMMs on full tiles; a CPU keeps its small tile (memory first)
-    budget = requested or (max(128, rows // 128 * 128) if device.type == "cuda" else max(1, rows))
+    budget = _chunk_budget(V, device, trained_head, requested)
     n_live = int(live.sum())  # one host sync: chunk boundaries are host-side ranges
     if granularity == "token":
         return [(c0, min(c0 + budget, n_live)) for c0 in range(0, n_live, budget)]
@@ -206,41 +213,6 @@ def _chunks(
     return out
 
 
-class _AttachGradients(torch.autograd.Function):
-    """Return the loss value; backward hands out the gradients computed in the forward, scaled.
-
-    With the exact KL (``kl_estimator="exact"``) the loss value itself carries a graph back to the KL (the loss is
-    additive in it): backward also hands ``grad_out`` to that graph, whose gradients autograd adds to the ones
-    computed in the forward. Without it the loss has no graph and nothing more happens.
-
-    The gradients are saved tensors, so PyTorch's rules hold for them: the first backward frees them unless
-    ``retain_graph=True``; a second backward through a retained graph hands them out again (they accumulate,
-    as for any op), one through a freed graph raises PyTorch's "backward through the graph a second time".
-    Double backward (``create_graph=True``) is refused: the gradients were formed in the forward pass and
-    carry no graph, so a second derivative through them would silently be zero.
-    """
-
-    @staticmethod
-    def forward(ctx, loss, hidden, weight, bias, grads):
-        ctx.save_for_backward(*grads)
-        return loss.clone()
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        if torch.is_grad_enabled():  # autograd runs a backward with grad mode on only for create_graph=True
-            raise RuntimeError(
-                "fastrl.policy_loss does not support double backward (create_graph=True): its gradients are "
-                "computed in the forward pass and carry no graph. For higher-order gradients use "
-                "fastrl.reference (materialised logits, plain PyTorch)."
-            )
-        gh, gw, gb = ctx.saved_tensors
-
-        def scale(g):
-            return None if g is None else g * grad_out.to(g.dtype)
-
-        return (grad_out if ctx.needs_input_grad[0] else None), scale(gh), scale(gw), scale(gb), None
-
-
 def _one_pass(
     hidden: torch.Tensor,  # [N, H]
     weight: torch.Tensor,  # [V, H]
@@ -252,9 +224,10 @@ def _one_pass(
     config: PolicyLossConfig,
     tf: LogitTransform,
     backend: str,
-    chunks: list[tuple[int, int]],  # ranges of live rows
+    chunks: list[tuple[int, int]],  # ranges of live rows (compact), else of all rows
     need: tuple[bool, bool, bool],
-) -> tuple[torch.Tensor, dict, tuple, torch.Tensor, torch.Tensor]:
+    compact: bool = True,  # False: no host sync; rows outside the mask are computed (zeroed hidden, no gradient)
+) -> tuple[torch.Tensor, dict, tuple, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     need_h, need_w, need_b = need
     N, H = hidden.shape
     V = weight.shape[0]
@@ -263,9 +236,12 @@ def _one_pass(
     triton = is_triton(backend)
     if triton:
         from fastrl.kernels import logits_fold as F
-    idx = compact_rows(targets != _IGNORE)  # live rows only: padding costs nothing and cannot poison grad_W
+    live = targets != _IGNORE
+    # live rows only: padding costs nothing and cannot poison grad_W (compact); or every row, with the hidden
+    # states of rows outside the mask zeroed so that whatever they hold cannot reach grad_W either
+    idx = compact_rows(live) if compact else None
     # The loss is additive in the exact KL, so the per-token gradients w.r.t. logp / entropy do not depend on it:
-    # the chunks treat it as a constant, and its own gradient flows through the final loss's graph (below).
+    # the chunks treat it as a constant, and its own gradient is taken on the final loss (below).
     full_inputs, inputs = inputs, inputs.constant_kl()
     # placeholders for rows not yet computed: ratio 1 against old log-probs, zero entropy
     if inputs.old_logprobs is not None:
@@ -288,6 +264,8 @@ def _one_pass(
         n = c1 - c0
         rows = None if idx is None else idx[c0:c1]
         h_c = hidden[c0:c1] if rows is None else hidden.index_select(0, rows)
+        if not compact:
+            h_c = torch.where(live[c0:c1, None], h_c, torch.zeros((), dtype=h_c.dtype, device=dev))
         t_c = targets[c0:c1] if rows is None else targets.index_select(0, rows)
         z = zbuf[: n * V].view(n, V)
         if triton:
@@ -354,15 +332,25 @@ def _one_pass(
     # the float32 logits tile (1 GiB at W1) is dead: free it before grad_W's cast allocates its copy
     del zbuf, stats
     z = G = None
-    kl_graph = full_inputs.per_token_kl is not None and full_inputs.per_token_kl.requires_grad
-    with torch.set_grad_enabled(kl_graph):  # log-probs and entropies enter as constants; only the KL has a graph
-        loss, metrics = full_inputs.loss(logp_all.view(B, T), ent_all.view(B, T), config)
+    grad_kl = None
+    if full_inputs.per_token_kl is None:
+        with torch.no_grad():
+            loss, metrics = full_inputs.loss(logp_all.view(B, T), ent_all.view(B, T), config)
+    else:
+        # log-probs and entropies enter as constants; d loss / d KL (the loss type's normaliser times beta, per
+        # token) is what the caller's backward hands to the KL's own graph
+        with torch.enable_grad():
+            kl = full_inputs.per_token_kl.detach().requires_grad_()
+            loss, metrics = dataclasses.replace(full_inputs, per_token_kl=kl).loss(
+                logp_all.view(B, T), ent_all.view(B, T), config)
+            (grad_kl,) = torch.autograd.grad(loss, kl)
+        loss = loss.detach()
     grads = (
         grad_h,
         grad_w.to(weight.dtype) if need_w else None,
         grad_b.to(bias.dtype) if need_b else None,
     )
-    return loss, metrics, grads, logp_all, ent_all
+    return loss, metrics, grads, logp_all, ent_all, grad_kl
 
 
 def policy_loss(
@@ -389,6 +377,7 @@ def policy_loss(
     check_finite: bool = True,
     support=None,  # None | fastrl.KeptSet (B*T rows) | fastrl.SamplerRule
     positions: torch.Tensor | None = None,  # [B, T] completion positions (SamplerRule.min_tokens)
+    host_sync: bool | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO-family (or PPO) policy loss from hidden states and the LM head, fused, with its metrics.
 
@@ -455,6 +444,12 @@ def policy_loss(
             models renormalised over each token's kept set; for a rule, the set replayed on the policy's logits).
         positions: with a ``SamplerRule`` that has ``min_tokens``: ``[B, T]`` completion positions (default:
             column t is position t).
+        host_sync: None (default): host reads in eager, none while ``torch.compile`` traces; False forces the
+            no-sync path (for CUDA graphs): tokens outside the mask are computed (zeroed hidden states, no
+            gradient) instead of being dropped, one-pass chunks are fixed ranges of whole rows, the value checks
+            below multiply the loss by NaN instead of raising (so a bad input gives a NaN loss and NaN
+            gradients), and the ``check_finite`` checks are skipped (a non-finite value the loss reads makes the
+            loss non-finite by itself).
 
     Returns:
         ``(loss, metrics)``: a 0-dim loss (float32; float64 for float64 inputs), differentiable w.r.t.
@@ -473,7 +468,7 @@ def policy_loss(
     (beta != 0) and ``importance_weights`` where the loss reads them, and non-finite log-probs / entropies,
     raise ``FloatingPointError`` naming the tensor and position; ``check_finite=False`` turns those value
     checks off. A second backward through a retained graph accumulates the gradients again; double backward
-    (``create_graph=True``) raises.
+    (``create_graph=True``) raises ``fastrl.ops.custom_ops.DoubleBackwardError`` (a RuntimeError).
 
     Example::
 
@@ -523,13 +518,27 @@ def policy_loss(
     with torch.no_grad():
         z0 = torch.zeros((B, T), dtype=TB.acc_dtype(hidden.dtype), device=hidden.device)
         (dataclasses.replace(inputs, per_token_kl=z0) if exact_kl else inputs).loss(z0, z0, config)
-    check_loss_values(targets, advantages, mask, config=config, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-                      importance_weights=importance_weights, num_items_in_batch=num_items_in_batch,
-                      ignore_index=_IGNORE, check_finite=check_finite)
+    if host_sync is False and (support is not None or exact_kl):
+        raise ValueError(
+            "support= and kl_estimator='exact' need host synchronisation (the kept-set path and fused_divergence "
+            "size their chunks on the host), so they cannot run with host_sync=False; under torch.compile they run "
+            "as a graph break"
+        )
+    sync = host_sync_enabled(host_sync)
+    poison = None
+    if sync:
+        check_loss_values(targets, advantages, mask, config=config, old_logprobs=old_logprobs,
+                          ref_logprobs=ref_logprobs, importance_weights=importance_weights,
+                          num_items_in_batch=num_items_in_batch, ignore_index=_IGNORE, check_finite=check_finite)
+    else:  # no host read: a failed value check multiplies the loss (and so every gradient) by NaN
+        bad = loss_values_bad(targets, advantages, mask, config=config, num_items_in_batch=num_items_in_batch,
+                              ignore_index=_IGNORE, vocab_size=V)
+        poison = torch.where(bad, float("nan"), 1.0).to(TB.acc_dtype(hidden.dtype))
 
     in_mask = mask.bool()
     eff_targets = torch.where(in_mask, targets.to(torch.int64), torch.full_like(targets, _IGNORE, dtype=torch.int64))
-    check_targets(eff_targets, V, _IGNORE)
+    if sync:
+        check_targets(eff_targets, V, _IGNORE)
     name = resolve_backend(hidden.device, backend)
     kept = outside = None
     if support is not None:
@@ -558,31 +567,44 @@ def policy_loss(
     # "triton-fused" promises that no logit is ever stored, so there the loss takes path A on the fused kernels:
     # 8NHV instead of 6NHV, but no [chunk, V] tile and no float32 [V, H] weight-gradient accumulator.
     if torch.is_grad_enabled() and any(need) and granularity is not None and name != "triton-fused":
-        chunks = _chunks(in_mask, granularity, V, hidden.device, need[1], chunk_tokens)
+        if sync:
+            chunks = _chunks(in_mask, granularity, V, hidden.device, need[1], chunk_tokens)
+        else:  # fixed chunks over all rows, from shapes alone; a sequence longer than a chunk: two passes
+            budget = _chunk_budget(V, hidden.device, need[1], chunk_tokens)
+            chunks = [] if granularity == "token" or T <= budget else None
     if chunks is None:
         # two-pass path (or forward-only under no_grad): the same loss on fused per-token outputs
         logp, ent = fused_logprobs(
             hidden, weight, eff_targets, bias=bias, temperature=tf.temperature, logit_scale=tf.logit_scale,
             softcap=tf.softcap, with_entropy=True, ignore_index=_IGNORE, check_finite=check_finite,
-            backend=name,
+            backend=name, host_sync=sync,
         )
-        return inputs.loss(logp, ent, config)
+        loss, metrics = inputs.loss(logp, ent, config)
+        return (loss if poison is None else loss * poison), metrics
 
     if is_triton(name) and hidden.dtype == torch.float64:
         raise TypeError("the triton backends compute from float32, bfloat16 or float16 inputs; use backend='torch' for float64")
-    h2 = unit_stride(hidden.reshape(B * T, H))
-    t2 = eff_targets.reshape(-1).contiguous()
-    with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
-        loss, metrics, grads, logp_all, ent_all = _one_pass(
-            h2.detach(), unit_stride(weight.detach()), None if bias is None else bias.detach(), t2,
-            B, T, inputs, config, tf, name, chunks, need,
-        )
-    if check_finite:
-        check_finite_outputs(logp_all, ent_all, t2 != _IGNORE, h2.detach(), (B, T))
-    gh, gw, gb = grads
-    if gh is not None:
-        gh = gh.view(B, T, H)
-    return _AttachGradients.apply(loss, hidden, weight, bias, (gh, gw, gb)), metrics
+    opts = custom_ops.PolicyOptions(
+        logit_scale=float(tf.logit_scale),
+        softcap=None if tf.softcap is None else float(tf.softcap), backend=name, need_hidden=need[0],
+        need_weight=need[1], need_bias=need[2], compact=sync,
+        chunk_rows=_chunk_budget(V, hidden.device, need[1], chunk_tokens),
+    )
+    num_items = num_items_in_batch
+    if num_items is not None and not isinstance(num_items, torch.Tensor):
+        num_items = torch.full((), float(num_items), dtype=torch.float64, device=hidden.device)
+    # the exact KL (a [B, T] tensor with its own graph) enters the op as an input: the op returns d loss / d KL
+    # with the loss, and its backward hands grad_out times that to the KL's graph
+    loss, mvec, _, _, _, logp_all, ent_all, _ = torch.ops.fastrl.policy_loss_one_pass(
+        hidden, unit_stride(weight), bias, eff_targets, advantages, mask, old_logprobs, ref_logprobs,
+        importance_weights, num_items, sampling_logprobs, inputs.per_token_kl, [c for pair in chunks for c in pair],
+        *opts.pack(config),
+    )
+    if sync and check_finite:
+        check_finite_outputs(logp_all, ent_all, eff_targets.reshape(-1) != _IGNORE,
+                             hidden.detach().reshape(B * T, H), (B, T))
+    metrics = dict(zip(custom_ops.metric_keys(config), mvec.unbind(0)))
+    return (loss if poison is None else loss * poison), metrics
 
 
 def _support_loss(hidden, weight, bias, eff_targets, in_mask, inputs: _LossInputs, config, tf, name, support,

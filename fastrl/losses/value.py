@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from fastrl.losses.arithmetic import value_loss_reference
+from fastrl.losses.arithmetic import check_value_inputs
+from fastrl.ops import custom_ops  # noqa: F401  (registers torch.ops.fastrl.value_loss)
 
 __all__ = ["value_loss"]
 
@@ -24,5 +25,10 @@ def value_loss(
 
     Metrics: ``loss/value_avg`` (the loss) and ``val/clipfrac_avg`` (fraction of tokens where the clipped
     term is the larger one). A fully masked batch gives loss 0 and zero gradient.
+
+    The arithmetic is ``fastrl.reference.value_loss_reference``, run as the op ``torch.ops.fastrl.value_loss``
+    (one node under ``torch.compile``; its backward differentiates the same formula).
     """
-    return value_loss_reference(values, old_values, returns, mask, cliprange_value)
+    check_value_inputs(values, old_values, returns, mask, cliprange_value)
+    loss, clipfrac = torch.ops.fastrl.value_loss(values, old_values, returns, mask, float(cliprange_value))
+    return loss, {"loss/value_avg": loss.detach(), "val/clipfrac_avg": clipfrac}

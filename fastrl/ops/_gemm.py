@@ -15,12 +15,19 @@ import torch
 __all__ = ["cuda_f32_out", "mm_f32", "addmm_f32"]
 
 
-@functools.cache
-def _has_out_dtype() -> bool:
+def _out_dtype_overload() -> bool:
     try:
         return "dtype_out" in torch.ops.aten.mm.overloads()
     except AttributeError:  # pragma: no cover - very old torch
         return False
+
+
+# read once; a module constant (not a cached call) lets torch.compile trace the backend choice without a break
+_HAS_OUT_DTYPE = _out_dtype_overload()
+
+
+def _has_out_dtype() -> bool:
+    return _HAS_OUT_DTYPE
 
 
 @functools.cache

@@ -31,8 +31,12 @@ CONCRETE = ("triton-hybrid", "triton-fused", "torch")
 __all__ = ["BACKENDS", "CONCRETE", "resolve_backend", "choose_triton", "is_triton"]
 
 
+# looked up once (find_spec does not import triton): a module constant also lets torch.compile trace the dispatch
+_TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
+
+
 def _triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return _TRITON_AVAILABLE
 
 
 def is_triton(name: str) -> bool:

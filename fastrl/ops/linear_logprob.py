@@ -1,33 +1,27 @@
-"""Fused linear -> per-token log-prob and entropy: the autograd Function and the public function.
+"""Fused linear -> per-token log-prob and entropy: the statistics / backward dispatch and the public function.
 
 Paths (docs/design.md): with gradients, path A (forward: one pass of online statistics; backward: recompute
 each vocabulary slice's logits, form ``G = dL/dy`` and run the two gradient GEMMs); without, path C (the
 forward pass alone, no autograd state kept). Each backend (``fastrl.ops.backend``) implements the statistics
-and the backward; this module dispatches to them, and hands them only the tokens that are not ignored
-(``compact_rows``): padding costs no work, and whatever an ignored row holds (even inf/NaN) cannot reach a
-gradient GEMM.
+and the backward; this module dispatches to them. Autograd is the custom op ``torch.ops.fastrl.linear_logprob``
+(``fastrl.ops.custom_ops``: what ``torch.compile`` sees), whose implementation calls ``linear_stats`` and whose
+registered backward calls ``linear_backward``. In eager, ``fused_logprobs`` hands the op only the tokens that are
+not ignored (``compact_rows``, one host sync): padding costs no work, and whatever an ignored row holds (even
+inf/NaN) cannot reach a gradient GEMM. On the no-sync path (under ``torch.compile``, or ``host_sync=False``) the op
+gets every row and zeroes the hidden states and gradients of the ignored ones instead.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from fastrl.ops import torch_backend
+from fastrl.ops import custom_ops, torch_backend
 from fastrl.ops._checks import autocast_inputs, check_finite_outputs, check_linear_inputs, check_targets, dense_bias
 from fastrl.ops._gemm import addmm_f32
 from fastrl.ops.backend import is_triton, resolve_backend
 from fastrl.ops.config import LogitTransform
 
-__all__ = ["fused_logprobs", "linear_stats", "linear_backward", "compact_rows"]
-
-@dataclass(frozen=True)
-class _Options:
-    tf: LogitTransform
-    backend: str  # concrete: "triton-hybrid", "triton-fused" or "torch"
-    with_entropy: bool
-    vocab_chunk: int | None
+__all__ = ["fused_logprobs", "linear_stats", "linear_backward", "compact_rows", "host_sync_enabled"]
 
 
 def linear_stats(
@@ -68,7 +62,7 @@ def linear_backward(
     entropy: torch.Tensor | None,  # [N]
     grad_logp: torch.Tensor | None,  # [N] compute dtype, zero where no gradient flows
     grad_entropy: torch.Tensor | None,  # [N]
-    opts: _Options,
+    opts: custom_ops.LinearOptions,
     need: tuple[bool, bool, bool],  # (hidden, weight, bias)
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of ``sum(grad_logp * logp + grad_entropy * entropy)`` w.r.t. hidden, weight, bias.
@@ -145,39 +139,6 @@ def linear_backward(
     )
 
 
-class LinearLogprobFunction(torch.autograd.Function):
-    """(hidden [N,H], weight [V,H], bias [V]|None, targets [N]) -> (logp [N], entropy [N]|None).
-
-    Every row is a live token: ``fused_logprobs`` has already dropped the ignored ones (``compact_rows``).
-    """
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, opts: _Options):
-        lse, zt, ent = linear_stats(hidden, weight, bias, targets, opts.tf, opts.backend, opts.with_entropy,
-                                    opts.vocab_chunk)
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
-        ctx.opts = opts
-        ctx.set_materialize_grads(False)
-        return zt - lse, ent
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable  # double backward is not supported: a clear error, not a crash
-    def backward(ctx, grad_logp, grad_ent):
-        hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
-        opts: _Options = ctx.opts
-        need = tuple(ctx.needs_input_grad[:3])
-        if grad_logp is None and grad_ent is None or not any(need):
-            return None, None, None, None, None
-        cdt = lse.dtype
-        if grad_logp is not None:
-            grad_logp = grad_logp.to(cdt).contiguous()
-        if grad_ent is not None:
-            grad_ent = grad_ent.to(cdt).contiguous()
-        with torch.autocast(hidden.device.type, enabled=False):
-            gh, gw, gb = linear_backward(hidden, weight, bias, targets, lse, ent, grad_logp, grad_ent, opts, need)
-        return gh, gw, gb, None, None
-
-
 def compact_rows(active: torch.Tensor) -> torch.Tensor | None:  # [N] bool -> [A] int64 row ids, or None
     """Ids of the live rows when some rows are ignored (one host sync), None when every row is live.
 
@@ -213,6 +174,7 @@ def fused_logprobs(
     support=None,
     return_kept_mass: bool = False,
     positions: torch.Tensor | None = None,
+    host_sync: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probabilities of ``targets`` and entropies under the LM head, without materialising logits.
 
@@ -253,6 +215,11 @@ def fused_logprobs(
             forward pass over the vocabulary.
         positions: with a ``SamplerRule`` that has ``min_tokens``: each token's completion position (targets'
             shape); default: column t of ``[B, T]`` targets is position t (flat targets raise).
+        host_sync: whether the op may read device values on the host. None (default): yes in eager, no while
+            ``torch.compile`` traces. False (the no-sync path, for ``torch.compile`` and CUDA graphs): ignored
+            rows are computed with zeroed hidden states instead of being dropped (no data-dependent shape), the
+            target-range check becomes a NaN log-prob and entropy at the bad token, and ``check_finite`` is
+            skipped (a non-finite output shows as a non-finite value downstream instead of an exception).
 
     Returns:
         ``(logprobs, entropy)``, each of ``targets``' shape, float32 (float64 for float64 inputs);
@@ -292,11 +259,18 @@ def fused_logprobs(
     if vocab_chunk is not None and (not isinstance(vocab_chunk, int) or vocab_chunk <= 0):
         raise ValueError(f"vocab_chunk must be None or a positive int, got {vocab_chunk!r}")
     V = weight.shape[0]
-    check_targets(targets, V, ignore_index)
+    sync = host_sync_enabled(host_sync)
+    if sync:
+        check_targets(targets, V, ignore_index)
     name = resolve_backend(hidden.device, backend)
     if is_triton(name) and hidden.dtype == torch.float64:
         raise TypeError("the triton backends compute from float32, bfloat16 or float16 inputs; use backend='torch' for float64")
     if support is not None or return_kept_mass:
+        if host_sync is False:
+            raise ValueError(
+                "support= / return_kept_mass=True need host synchronisation (the kept-set path sizes its chunks on the "
+                "host), so they cannot run with host_sync=False; under torch.compile they run as a graph break"
+            )
         return _support_logprobs(hidden, weight, bias, targets, tf, with_entropy, ignore_index, check_finite, name,
                                  vocab_chunk, support, bool(return_kept_mass), positions)
 
@@ -305,25 +279,21 @@ def fused_logprobs(
     w = unit_stride(weight)
     t = targets.reshape(-1).to(torch.int64).contiguous()
     N = t.shape[0]
-    active = t != ignore_index
-    idx = compact_rows(active)
+    # eager: ignored rows are dropped before the op (one host sync); no-sync: the op computes every row
+    idx = compact_rows(t != ignore_index) if sync else None
     h_live, t_live = (h, t) if idx is None else (h.index_select(0, idx), t.index_select(0, idx))
-    opts = _Options(tf=tf, backend=name, with_entropy=with_entropy, vocab_chunk=vocab_chunk)
-
-    needs_grad = torch.is_grad_enabled() and (
-        hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    opts = custom_ops.LinearOptions(
+        temperature=float(tf.temperature), logit_scale=float(tf.logit_scale),
+        softcap=None if tf.softcap is None else float(tf.softcap), backend=name, with_entropy=with_entropy,
+        vocab_chunk=vocab_chunk, ignore_index=ignore_index, all_live=sync,
     )
-    if needs_grad:
-        with torch.autocast(h.device.type, enabled=False):
-            logp, ent = LinearLogprobFunction.apply(h_live, w, bias, t_live, opts)
-    else:
-        # path C: forward only, nothing saved
-        with torch.no_grad(), torch.autocast(h.device.type, enabled=False):
-            lse, zt, ent = linear_stats(h_live, w, bias, t_live, tf, name, with_entropy, vocab_chunk)
-            logp = zt - lse
+    # Autograd (when any input needs grad) is the op's registered backward; under no_grad it is path C, the
+    # forward pass alone, nothing saved.
+    logp, ent, _ = torch.ops.fastrl.linear_logprob(h_live, w, bias, t_live, *opts.pack())
+    ent = ent if with_entropy else None
     logp, ent = _scatter_rows(logp, idx, N), _scatter_rows(ent, idx, N)
-    if check_finite:
-        check_finite_outputs(logp.detach(), None if ent is None else ent.detach(), active, h, lead)
+    if check_finite and sync:
+        check_finite_outputs(logp.detach(), None if ent is None else ent.detach(), t != ignore_index, h, lead)
     logp = logp.reshape(lead)
     ent = ent.reshape(lead) if ent is not None else None
     return logp, ent
@@ -368,6 +338,15 @@ def _support_logprobs(hidden, weight, bias, targets, tf, with_entropy, ignore_in
     logp = logp.reshape(lead)
     ent = ent.reshape(lead) if ent is not None else None
     return (logp, ent, mass) if return_kept_mass else (logp, ent)
+def host_sync_enabled(host_sync: bool | None) -> bool:
+    """Whether an op may read device values on the host (checks, compaction of ignored rows): ``host_sync``
+    when given, else True in eager and False while ``torch.compile`` traces (where a host read would break the
+    graph, and in a CUDA graph could not run at all)."""
+    if host_sync is None:
+        return not torch.compiler.is_compiling()
+    if not isinstance(host_sync, bool):
+        raise TypeError(f"host_sync must be None or a bool, got {type(host_sync).__name__}")
+    return host_sync
 
 
 def unit_stride(x: torch.Tensor) -> torch.Tensor:

@@ -193,10 +193,12 @@ def _grad_from_logits_block_(
     del p
     if grad_logp is not None:
         # d logp / d z_j = 1[j = t] - p_j: add the indicator part
+        # (a scatter of zeros where the target is in another slice: no nonzero(), so no host synchronisation
+        # and no data-dependent shape; adding 0 leaves those entries unchanged)
         local = targets - v0
-        rows = ((local >= 0) & (local < v1 - v0) & has_grad).nonzero().squeeze(1)
-        if rows.numel():
-            g[rows, local[rows]] += grad_logp[rows]
+        inside = (local >= 0) & (local < v1 - v0) & has_grad
+        add = torch.where(inside, grad_logp, torch.zeros((), dtype=g.dtype, device=g.device))
+        g.scatter_add_(1, local.clamp(0, v1 - v0 - 1)[:, None], add[:, None].to(g.dtype))
     if not isinstance(dzdy, float) or dzdy != 1.0:
         g.mul_(dzdy)
     # rows without upstream gradient are exactly zero even where their logits are not finite
