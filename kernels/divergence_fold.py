@@ -28,7 +28,7 @@ from fastrl.kernels.logits_fold import _load_z
 
 BLOCK_C = 1024  # two models' blocks are live at once: half the single-model fold's width
 NUM_WARPS = 8
-FORWARD_KL, REVERSE_KL, JSD = 0, 1, 2  # MODE: fastrl.ops.divergence's constants (the kernels compare literals)
+FORWARD_KL, REVERSE_KL, JSD = 0, 1, 2  # MODE: fastrl.ops.divergence_stats's constants (the kernels compare literals)
 # float32's smallest normal: log(m) where both probabilities underflow (a constexpr: kernels read it)
 TINY: tl.constexpr = tl.constexpr(1.1754943508222875e-38)
 

@@ -35,13 +35,13 @@ import torch
 from fastrl.ops._checks import autocast_inputs, check_head, dense_bias
 from fastrl.ops.backend import is_triton, resolve_backend
 from fastrl.ops.config import LogitTransform
+from fastrl.ops.divergence_stats import FORWARD_KL, JSD, REVERSE_KL
 from fastrl.ops.linear_logprob import compact_rows, unit_stride
 from fastrl.ops.support import KeptSet, _token_name
 from fastrl.ops.torch_backend import acc_dtype, tile_columns
 
 __all__ = ["fused_divergence", "divergence_forward", "divergence_backward", "DivergenceFunction"]
 
-FORWARD_KL, REVERSE_KL, JSD = 0, 1, 2
 # float32 elements per [rows, cols] tile; 5 such tiles are alive at once (both heads' logits and 3 scratch tiles).
 # 1M elements (4 MB) keeps the elementwise passes in the CPU's L2/L3 while the GEMMs still get >= 128 columns.
 TILE_ELEMS = 1 << 20

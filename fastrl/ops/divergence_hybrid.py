@@ -19,7 +19,7 @@ import torch
 from fastrl.kernels import divergence_fold as K
 from fastrl.ops import hybrid
 from fastrl.ops._gemm import addmm_f32, mm_f32
-from fastrl.ops.divergence import FORWARD_KL, REVERSE_KL
+from fastrl.ops.divergence_stats import FORWARD_KL, REVERSE_KL
 
 __all__ = ["forward", "backward"]
 
