@@ -19,7 +19,7 @@ import torch
 from fastrl.kernels import divergence_fold as K
 from fastrl.ops import hybrid
 from fastrl.ops._gemm import addmm_f32, mm_f32
-from fastrl.ops.divergence_stats import FORWARD_KL, REVERSE_KL
+from fastrl.ops.divergence_stats import finish_stats
 
 __all__ = ["forward", "backward"]
 
@@ -60,15 +60,9 @@ def forward(student, teacher, opts, mode: int):
             ys, yt = _tiles(student, teacher, n0, n1, v0, v1, bufs)
             K.stats_tile(ys, yt, _bias(student, v0, v1), _bias(teacher, v0, v1), stats[:, n0:n1], first=v0 == 0,
                          mode=mode, with_entropy=opts.with_entropy, **kw)
-    m_s, s_s, u_s, c, m_t, s_t = stats.unbind(0)
-    log_ss, log_st = torch.log(s_s), torch.log(s_t)
-    lse_s, lse_t = m_s + log_ss, m_t + log_st
-    entropy = log_ss - u_s / s_s if opts.with_entropy else None
-    if mode == FORWARD_KL:
-        div = c / s_t - log_st + log_ss
-        return div, entropy, lse_s, lse_t, div
-    if mode == REVERSE_KL:
-        div = c / s_s - log_ss + log_st
+    # the same closing formulas as the torch backend (the kernels start from a finite NEG_LARGE max: never -inf)
+    div, entropy, lse_s, lse_t = finish_stats(stats, mode, opts.with_entropy)
+    if div is not None:  # a KL: it is also what the backward needs
         return div, entropy, lse_s, lse_t, div
     div = torch.zeros(N, dtype=torch.float32, device=dev)
     aux = torch.zeros(N, dtype=torch.float32, device=dev)
