@@ -88,10 +88,20 @@ def logprobs_reference(
         h, weight, bias, temperature=temperature, logit_scale=logit_scale, softcap=softcap, dtype=dtype
     )
     logp_all = torch.log_softmax(z, dim=-1)
-    active = t != ignore_index
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return _at_targets(logp_all, entropy, t, t != ignore_index, lead)
+
+
+def _at_targets(
+    logp_all: torch.Tensor,  # [N, V]
+    entropy: torch.Tensor,  # [N]
+    t: torch.Tensor,  # [N] int64
+    active: torch.Tensor,  # [N] bool: the target is not ignore_index
+    lead: torch.Size,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (logp, entropy) of shape lead
+    """Each token's log-prob of its target, and its entropy; ignored tokens give 0 for both (and no gradient)."""
     safe_t = torch.where(active, t, torch.zeros_like(t))
     logp = logp_all.gather(-1, safe_t[:, None]).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
     logp = torch.where(active, logp, zero)
     entropy = torch.where(active, entropy, zero)
@@ -125,15 +135,11 @@ def masked_logprobs_reference(
     active = t != ignore_index
     kept = kept | ~active[:, None]  # ignored rows: any finite row, masked out below
     logp_all = torch.log_softmax(z.masked_fill(~kept, float("-inf")), dim=-1)
-    safe_t = torch.where(active, t, torch.zeros_like(t))
-    logp = logp_all.gather(-1, safe_t[:, None]).squeeze(-1)
-    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    zero = torch.zeros((), dtype=logp_all.dtype, device=logp_all.device)
     # dropped ids: logp -inf; select before multiplying so their gradient is 0, not 0 * inf
     logp_kept = torch.where(kept, logp_all, zero)
     entropy = -(torch.where(kept, logp_kept.exp(), zero) * logp_kept).sum(-1)
-    logp = torch.where(active, logp, zero)
-    entropy = torch.where(active, entropy, zero)
-    return logp.reshape(lead), entropy.reshape(lead)
+    return _at_targets(logp_all, entropy, t, active, lead)
 
 
 def rule_mask_reference(

@@ -23,12 +23,12 @@ import torch
 import triton
 import triton.language as tl
 
-from fastrl.kernels.linear_logprob import INTERPRET, NEG_LARGE, _round_to
-from fastrl.kernels.logits_fold import _load_z
+from fastrl.kernels.linear_logprob import INTERPRET, NEG_LARGE, _chain_transform, _round_to
+from fastrl.kernels.logits_fold import _load_z, grad_out
 
 BLOCK_C = 1024  # two models' blocks are live at once: half the single-model fold's width
 NUM_WARPS = 8
-FORWARD_KL, REVERSE_KL, JSD = 0, 1, 2  # MODE: fastrl.ops.divergence's constants (the kernels compare literals)
+FORWARD_KL, REVERSE_KL, JSD = 0, 1, 2  # MODE: fastrl.ops.divergence_stats's constants (the kernels compare literals)
 # float32's smallest normal: log(m) where both probabilities underflow (a constexpr: kernels read it)
 TINY: tl.constexpr = tl.constexpr(1.1754943508222875e-38)
 
@@ -199,7 +199,6 @@ def _grad_kernel(
     ge = tl.load(ge_ptr + row) if HAS_GE else 0.0
     ent = tl.load(ent_ptr + row) if HAS_GE else 0.0
     live = (gd != 0.0) | (ge != 0.0)  # rows without upstream gradient write exact zeros
-    k = s_scale * inv_temp  # d z / d y (times 1 - tanh^2 with a softcap)
     w = (1.0 - beta) * gd
     for c0 in range(0, C, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
@@ -215,11 +214,7 @@ def _grad_kernel(
             g += gd * ps * (ls - lt - aux)
         if MODE == 2:  # JSD: (1 - beta) p_s (log p_s - log m - KL(p_s || m))
             g += w * ps * (ls - _log_mix(ps, tl.exp(lt), beta) - aux)
-        if S_SOFTCAP:
-            th = zs / (s_softcap * inv_temp)
-            g = g * (k * (1.0 - th * th))
-        else:
-            g = g * k
+        g = _chain_transform(g, zs, s_scale, s_softcap, inv_temp, S_SOFTCAP)
         g = tl.where(live, g, 0.0)
         if IN_PLACE:
             # G (2-byte) is written over the first half of this row's float32 logits: every warp must have loaded
@@ -233,12 +228,7 @@ def grad_tile(ys, yt, bs, bt, lse_s, lse_t, aux, entropy, grad_div, grad_ent, ou
     """G = dL/dy_s over the slice, written over the student's tile (float32 in place; 2-byte in the first half of
     each row, row stride ``2 * ys.stride(0)`` in its own units)."""
     R, C = ys.shape
-    assert ys.dtype == torch.float32 and ys.stride(1) == 1
-    if out_dtype == torch.float32:
-        g = ys
-    else:
-        assert torch.empty((), dtype=out_dtype).element_size() == 2
-        g = ys.view(out_dtype)[:, :C]
+    g = grad_out(ys, out_dtype)
     if R == 0:
         return g
     dummy = lse_s

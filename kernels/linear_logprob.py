@@ -131,6 +131,16 @@ def _transform(y, logit_scale, softcap, inv_temp, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def _chain_transform(g, z, logit_scale, softcap, inv_temp, HAS_SOFTCAP: tl.constexpr):
+    """``g * dz/dy`` at transformed logits ``z`` (``_transform``'s derivative): ``scale / T * (1 - tanh^2)``."""
+    dzdy = logit_scale * inv_temp
+    if HAS_SOFTCAP:
+        th = z / (softcap * inv_temp)
+        dzdy = dzdy * (1.0 - th * th)
+    return g * dzdy
+
+
+@triton.jit
 def _stats_fwd_kernel(
     h_src, w_src,  # [N, H], [V, H]: TMA descriptors (USE_TMA) or pointers
     h_ptr, w_ptr,  # the same tensors as plain pointers (target-row gathers)
@@ -352,13 +362,8 @@ def _grad_block_kernel(
         ent = tl.load(ent_ptr + offs_n, mask=n_ok, other=0.0)
         g -= gent[:, None] * p * (z - lse[:, None] + ent[:, None])
         live = live | (gent != 0.0)
-    # chain through z = softcap(scale * y) / T: dz/dy = scale / T * (1 - tanh^2)
-    dzdy = logit_scale * inv_temp
-    if HAS_SOFTCAP:
-        th = z / (softcap * inv_temp)
-        g = g * (dzdy * (1.0 - th * th))
-    else:
-        g = g * dzdy
+    # chain through z = softcap(scale * y) / T
+    g = _chain_transform(g, z, logit_scale, softcap, inv_temp, HAS_SOFTCAP)
     # rows with no upstream gradient (ignored targets) are exactly zero, even where their logits are not finite
     g = tl.where((live & n_ok)[:, None], g, 0.0)
     if USE_TMA:

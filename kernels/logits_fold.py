@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastrl.kernels.linear_logprob import INTERPRET, NEG_LARGE, _round_to, _transform
+from fastrl.kernels.linear_logprob import INTERPRET, NEG_LARGE, _chain_transform, _round_to, _transform
 
 # Elementwise over a row: wide column blocks keep the loads coalesced and the row loop short.
 BLOCK_C = 2048
@@ -146,8 +146,6 @@ def _grad_kernel(
     # rows without upstream gradient (ignored targets) write exact zeros, even where their logits are not finite
     live = (glogp != 0.0) | (gent != 0.0)
     local = tl.load(t_ptr + row) - v_offset
-    # d z / d y = scale / T (times 1 - tanh^2 with a softcap)
-    k = logit_scale * inv_temp
     for c0 in range(0, C, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
         ok = cols < C
@@ -156,17 +154,24 @@ def _grad_kernel(
         # d logp / d z_j = 1[j = t] - p_j ;  d H / d z_j = -p_j (z_j - lse + H)
         g = -glogp * p - gent * p * (z - lse + ent)
         g = tl.where(cols == local, g + glogp, g)
-        if HAS_SOFTCAP:
-            th = z / (softcap * inv_temp)
-            g = g * (k * (1.0 - th * th))
-        else:
-            g = g * k
+        g = _chain_transform(g, z, logit_scale, softcap, inv_temp, HAS_SOFTCAP)
         g = tl.where(live, g, 0.0)
         if IN_PLACE:
             # G (2-byte) is written over the first half of this row's float32 logits: the bytes of columns
             # [c0/2, (c0 + BLOCK_C)/2), which every warp must have loaded before any warp stores
             tl.debug_barrier()
         tl.store(g_row + cols, _round_to(g, g_ptr.dtype.element_ty, EMULATE_RNE), mask=ok)
+
+
+def grad_out(y: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:  # [R, C] in y's storage
+    """Where a grad kernel writes ``G`` of the float32 tile ``y`` [R, C]: over ``y`` itself (float32), or, 2-byte,
+    the first half of each float32 row (row stride ``2 * y.stride(0)`` in its own units). One program walks each
+    row left to right, so it only overwrites bytes it has already read."""
+    assert y.dtype == torch.float32 and y.stride(1) == 1
+    if out_dtype == torch.float32:
+        return y
+    assert torch.empty((), dtype=out_dtype).element_size() == 2
+    return y.view(out_dtype)[:, : y.shape[1]]
 
 
 def grad_tile(
@@ -184,18 +189,9 @@ def grad_tile(
     softcap: float | None,
     temperature: float,
 ) -> torch.Tensor:  # [R, C] G, in y's storage (float32 in place; 2-byte in the first half of each row)
-    """G = dL/dy over the tile, written over the tile itself: no second [R, C] buffer.
-
-    A 2-byte G takes the first half of each float32 row (row stride ``2 * y.stride(0)`` in its own units);
-    one program walks each row left to right, so it only overwrites bytes it has already read.
-    """
+    """G = dL/dy over the tile, written over the tile itself (``grad_out``): no second [R, C] buffer."""
     R, C = y.shape
-    assert y.dtype == torch.float32 and y.stride(1) == 1
-    if out_dtype == torch.float32:
-        g = y
-    else:
-        assert torch.empty((), dtype=out_dtype).element_size() == 2
-        g = y.view(out_dtype)[:, :C]  # [R, C] with row stride 2 * y.stride(0)
+    g = grad_out(y, out_dtype)
     if R == 0:
         return g
     dummy = lse

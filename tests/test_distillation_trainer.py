@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import fastrl
-from tiny import EOS_ID, PAD_ID, tiny_qwen2, tiny_tokenizer, toy_prompt_dataset
+import tiny
+from tiny import EOS_ID, PAD_ID, rel_err, tiny_qwen2, tiny_tokenizer, toy_prompt_dataset
 
 trl = pytest.importorskip("trl")
 
@@ -89,23 +90,13 @@ def make_batch(seed: int = 0) -> dict:
 
 
 def run_step(trainer, inputs, *, beta=None, temperature=None):
-    """One ``compute_loss`` + ``backward``: (loss, student gradients, metrics logged by the loss)."""
+    """One ``compute_loss`` + ``backward`` (``tiny.run_step``) at the given beta / temperature: (loss, student
+    gradients, metrics logged by the loss)."""
     if beta is not None:
         trainer.beta = beta
     if temperature is not None:
         trainer.temperature = temperature
-    trainer.model.train()
-    trainer.model.zero_grad(set_to_none=True)
-    trainer._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
-    loss = trainer.compute_loss(trainer.model, dict(inputs))
-    loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
-    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
-    return loss.item(), grads, metrics
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
+    return tiny.run_step(trainer, inputs)
 
 
 def assert_same_step(ref, got, label: str, rel: float = REL, grad_rel: float | None = None) -> float:

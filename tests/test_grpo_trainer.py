@@ -18,7 +18,17 @@ import pytest
 import torch
 
 import fastrl
-from tiny import EOS_ID, PAD_ID, save_for_reference, tiny_qwen2, tiny_tokenizer, toy_prompt_dataset
+from tiny import (
+    EOS_ID,
+    PAD_ID,
+    rel_err,
+    reward_even,
+    run_step,
+    save_for_reference,
+    tiny_qwen2,
+    tiny_tokenizer,
+    toy_prompt_dataset,
+)
 
 trl = pytest.importorskip("trl")
 
@@ -28,15 +38,6 @@ TEMPERATURE = 0.9  # every equivalence case runs at a non-unit temperature
 REL = 1e-5  # loss and gradients: relative agreement with stock TRL
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 PATHS = ("one_pass", "trl")
-
-
-def reward_even(completions, **kwargs):
-    """Fraction of even-numbered words: varies between completions from the start, so advantages are not 0."""
-    out = []
-    for c in completions:
-        words = [w for w in c.split() if w[1:].isdigit()]
-        out.append(sum(int(w[1:]) % 2 == 0 for w in words) / max(len(words), 1))
-    return out
 
 
 def make_trainer(cls, cfg_cls, tmp_path, *, model=None, train_dataset=None, reward=reward_even, peft_config=None,
@@ -112,21 +113,6 @@ def set_loss_options(trainer, **opts):
         else:
             setattr(trainer.args, key, value)
     trainer._entropy_bonus_enabled = trainer.entropy_coef != 0.0 or trainer.use_adaptive_entropy
-
-
-def run_step(trainer, inputs) -> tuple[float, dict[str, torch.Tensor], dict[str, float]]:
-    trainer.model.train()
-    trainer.model.zero_grad(set_to_none=True)
-    trainer._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
-    loss = trainer.compute_loss(trainer.model, dict(inputs))
-    loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
-    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
-    return loss.item(), grads, metrics
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
 
 
 def assert_same_step(ref, got, label: str, rel: float = REL):

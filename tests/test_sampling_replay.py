@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import fastrl
-from tiny import EOS_ID, PAD_ID, save_for_reference, tiny_qwen2, tiny_tokenizer, toy_prompt_dataset
+from tiny import EOS_ID, PAD_ID, reward_even, save_for_reference, tiny_qwen2, tiny_tokenizer, toy_prompt_dataset
 
 trl = pytest.importorskip("trl")
 
@@ -40,14 +40,6 @@ V, H, C = 96, 32, 10
 TEMPERATURE = 0.9
 TOP_K, TOP_P = 5, 0.9
 REL = 2e-4  # float32 trainer against float64 ground truth (loss and gradient norms, relative)
-
-
-def reward_even(completions, **kwargs):
-    out = []
-    for c in completions:
-        words = [w for w in c.split() if w[1:].isdigit()]
-        out.append(sum(int(w[1:]) % 2 == 0 for w in words) / max(len(words), 1))
-    return out
 
 
 def grpo_trainer(tmp_path, peft_config=None, **overrides):

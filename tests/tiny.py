@@ -1,4 +1,5 @@
-"""Tiny Qwen2-architecture models, an offline tokenizer and a toy prompt dataset for trainer tests and demos.
+"""Tiny Qwen2-architecture models, an offline tokenizer, a toy prompt dataset and its reward, for trainer tests and
+demos; and the one-step harness the trainer tests compare trainers with (``run_step``, ``rel_err``).
 
 Nothing here touches the network: the model is built from a ``Qwen2Config`` with random weights and the
 tokenizer from the ``tokenizers`` library (a word-level vocabulary ``<pad> <eos> <bos> w0 w1 ...``), wrapped in
@@ -10,6 +11,8 @@ a ``transformers.PreTrainedTokenizerFast``. Shared by the GRPO and PPO trainer t
 """
 
 from __future__ import annotations
+
+from collections import defaultdict
 
 import torch
 
@@ -24,6 +27,9 @@ __all__ = [
     "toy_prompts",
     "toy_prompt_dataset",
     "save_for_reference",
+    "reward_even",
+    "run_step",
+    "rel_err",
 ]
 
 PAD_ID, EOS_ID, BOS_ID = 0, 1, 2
@@ -130,3 +136,28 @@ def save_for_reference(model, path) -> str:
     model.save_pretrained(path)
     model.config._name_or_path = path
     return path
+
+
+def reward_even(completions, **kwargs):
+    """Fraction of even-numbered words: varies between completions from the start, so advantages are not 0."""
+    out = []
+    for c in completions:
+        words = [w for w in c.split() if w[1:].isdigit()]
+        out.append(sum(int(w[1:]) % 2 == 0 for w in words) / max(len(words), 1))
+    return out
+
+
+def run_step(trainer, inputs) -> tuple[float, dict[str, torch.Tensor], dict[str, float]]:
+    """One ``compute_loss`` + ``backward`` in train mode: (loss, gradients by parameter name, metrics logged)."""
+    trainer.model.train()
+    trainer.model.zero_grad(set_to_none=True)
+    trainer._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+    loss = trainer.compute_loss(trainer.model, dict(inputs))
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    return loss.item(), grads, metrics
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()

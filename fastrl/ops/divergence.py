@@ -35,13 +35,13 @@ import torch
 from fastrl.ops._checks import autocast_inputs, check_head, dense_bias
 from fastrl.ops.backend import is_triton, resolve_backend
 from fastrl.ops.config import LogitTransform
+from fastrl.ops.divergence_stats import FORWARD_KL, JSD, REVERSE_KL, finish_stats, finite_max
 from fastrl.ops.linear_logprob import compact_rows, unit_stride
 from fastrl.ops.support import KeptSet, _token_name
 from fastrl.ops.torch_backend import acc_dtype, tile_columns
 
 __all__ = ["fused_divergence", "divergence_forward", "divergence_backward", "DivergenceFunction"]
 
-FORWARD_KL, REVERSE_KL, JSD = 0, 1, 2
 # float32 elements per [rows, cols] tile; 5 such tiles are alive at once (both heads' logits and 3 scratch tiles).
 # 1M elements (4 MB) keeps the elementwise passes in the CPU's L2/L3 while the GEMMs still get >= 128 columns.
 TILE_ELEMS = 1 << 20
@@ -135,11 +135,6 @@ def _rowdot(a: torch.Tensor, b: torch.Tensor, buf: torch.Tensor) -> torch.Tensor
     return torch.mul(a, b, out=_like(buf, a)).sum(1)
 
 
-def _finite_max(m: torch.Tensor) -> torch.Tensor:
-    """The running max with -inf (nothing folded yet) replaced by 0, so ``z - m`` and ``m_old - m`` never give nan."""
-    return torch.where(torch.isneginf(m), torch.zeros_like(m), m)
-
-
 def _log_mix_(ps: torch.Tensor, pt: torch.Tensor, beta: float, out: torch.Tensor) -> torch.Tensor:
     """``log((1 - beta) p_s + beta p_t)`` into ``out``; clamped where both underflow (their terms carry weight 0)."""
     return torch.mul(ps, 1.0 - beta, out=_like(out, ps)).add_(pt, alpha=beta).clamp_min_(_TINY).log_()
@@ -155,7 +150,7 @@ def _fold(zs, zt, st, keep, mode: int, with_entropy: bool, bufs) -> None:
         zs.masked_fill_(~keep, float("-inf"))
         zt.masked_fill_(~keep, float("-inf"))
     ms_new, mt_new = torch.maximum(m_s, zs.amax(1)), torch.maximum(m_t, zt.amax(1))
-    ms0, mt0 = _finite_max(ms_new), _finite_max(mt_new)
+    ms0, mt0 = finite_max(ms_new), finite_max(mt_new)
     ds, dt = zs.sub_(ms0[:, None]), zt.sub_(mt0[:, None])
     es, et = torch.exp(ds, out=_like(bufs[0], ds)), torch.exp(dt, out=_like(bufs[1], dt))
     if keep is not None:  # ids a row did not keep: e = 0 already; d = 0 so that e * d = 0, not 0 * inf
@@ -206,15 +201,8 @@ def divergence_forward(
     for tile in _tiles(N, V, support):
         zs, zt = student.logits(tile, bufs[3]), teacher.logits(tile, bufs[4])
         _fold(zs, zt, st[:, tile.rows], tile.keep, mode, opts.with_entropy, bufs)
-    m_s, s_s, u_s, c, m_t, s_t = st.unbind(0)
-    log_ss, log_st = torch.log(s_s), torch.log(s_t)
-    lse_s, lse_t = _finite_max(m_s) + log_ss, _finite_max(m_t) + log_st
-    entropy = log_ss - u_s / s_s if opts.with_entropy else None
-    if mode == FORWARD_KL:
-        div = c / s_t - log_st + log_ss
-        aux = div
-    elif mode == REVERSE_KL:
-        div = c / s_s - log_ss + log_st
+    div, entropy, lse_s, lse_t = finish_stats(st, mode, opts.with_entropy)
+    if div is not None:  # a KL: it is also what the backward needs
         aux = div
     else:
         div = torch.zeros(N, dtype=cdt, device=dev)

@@ -4,9 +4,10 @@ Per (token chunk, vocabulary slice) cuBLAS writes the raw logits of the student 
 tiles (``mm_f32``: bf16 operands, float32 accumulation and result, never rounded); one kernel of
 ``fastrl.kernels.divergence_fold`` then reads both tiles of a row together: folding them into the online
 statistics, adding the JSD's share, or writing the student's ``G`` over its tile. The gradient GEMMs read ``G``
-from there, as ``fastrl.ops.hybrid.linear_backward`` does: the vocabulary is the outer loop of the backward, so
-each ``grad_W`` slice is one GEMM over all tokens written once (no float32 ``[V, H]`` buffer); past
-``hybrid.MAX_ROWS`` tokens the rows are chunked and a ``grad_W`` slice accumulates in a float32 ``[slice, H]``.
+from there, in ``fastrl.ops.hybrid.sliced_backward`` (shared with the log-prob path): the vocabulary is the outer
+loop of the backward, so each ``grad_W`` slice is one GEMM over all tokens written once (no float32 ``[V, H]``
+buffer); past ``hybrid.MAX_ROWS`` tokens the rows are chunked and a ``grad_W`` slice accumulates in a float32
+``[slice, H]``.
 
 Two tiles are alive instead of one, so each gets half of ``hybrid.TILE_ELEMS``. The kept-set path (``support=``)
 gathers ids per token chunk and runs on the torch implementation on every backend.
@@ -18,8 +19,8 @@ import torch
 
 from fastrl.kernels import divergence_fold as K
 from fastrl.ops import hybrid
-from fastrl.ops._gemm import addmm_f32, mm_f32
-from fastrl.ops.divergence import FORWARD_KL, REVERSE_KL
+from fastrl.ops._gemm import mm_f32
+from fastrl.ops.divergence_stats import finish_stats
 
 __all__ = ["forward", "backward"]
 
@@ -60,15 +61,9 @@ def forward(student, teacher, opts, mode: int):
             ys, yt = _tiles(student, teacher, n0, n1, v0, v1, bufs)
             K.stats_tile(ys, yt, _bias(student, v0, v1), _bias(teacher, v0, v1), stats[:, n0:n1], first=v0 == 0,
                          mode=mode, with_entropy=opts.with_entropy, **kw)
-    m_s, s_s, u_s, c, m_t, s_t = stats.unbind(0)
-    log_ss, log_st = torch.log(s_s), torch.log(s_t)
-    lse_s, lse_t = m_s + log_ss, m_t + log_st
-    entropy = log_ss - u_s / s_s if opts.with_entropy else None
-    if mode == FORWARD_KL:
-        div = c / s_t - log_st + log_ss
-        return div, entropy, lse_s, lse_t, div
-    if mode == REVERSE_KL:
-        div = c / s_s - log_ss + log_st
+    # the same closing formulas as the torch backend (the kernels start from a finite NEG_LARGE max: never -inf)
+    div, entropy, lse_s, lse_t = finish_stats(stats, mode, opts.with_entropy)
+    if div is not None:  # a KL: it is also what the backward needs
         return div, entropy, lse_s, lse_t, div
     div = torch.zeros(N, dtype=torch.float32, device=dev)
     aux = torch.zeros(N, dtype=torch.float32, device=dev)
@@ -83,50 +78,21 @@ def forward(student, teacher, opts, mode: int):
 
 
 def backward(student, teacher, opts, mode: int, lse_s, lse_t, aux, entropy, grad_div, grad_ent, need):
-    """Student gradients (hidden, weight, bias), vocabulary-sliced as ``hybrid.linear_backward``."""
-    need_h, need_w, need_b = need
-    h, weight, bias = student.h, student.weight, student.bias
-    N, H = h.shape
-    V = weight.shape[0]
-    dev = h.device
+    """Student gradients (hidden, weight, bias), vocabulary-sliced by ``hybrid.sliced_backward``."""
+    h, weight = student.h, student.weight
+    N, V = h.shape[0], weight.shape[0]
     rows = min(max(N, 1), hybrid.MAX_ROWS)
     cols = _cols(rows, V)
-    bufs = [torch.empty(rows * cols, dtype=torch.float32, device=dev) for _ in range(2)]
-    grad_h = torch.zeros((N, H), dtype=torch.float32, device=dev) if need_h else None
-    grad_w = torch.empty_like(weight) if need_w else None
-    grad_b = torch.zeros((V,), dtype=torch.float32, device=dev) if need_b else None
-    chunked = N > rows
-    w_acc = torch.empty((cols, H), dtype=torch.float32, device=dev) if need_w and chunked else None
+    bufs = [torch.empty(rows * cols, dtype=torch.float32, device=h.device) for _ in range(2)]
     kw = dict(mode=mode, beta=opts.beta, student=student.tf, teacher=teacher.tf)
 
     def part(x, n0, n1):
         return None if x is None else x[n0:n1]
 
-    for v0 in range(0, V, cols):
-        v1 = min(v0 + cols, V)
-        w_s = weight[v0:v1]
-        for n0 in range(0, N, rows):
-            n1 = min(n0 + rows, N)
-            ys, yt = _tiles(student, teacher, n0, n1, v0, v1, bufs)
-            G = K.grad_tile(ys, yt, _bias(student, v0, v1), _bias(teacher, v0, v1), lse_s[n0:n1], lse_t[n0:n1],
-                            aux[n0:n1], part(entropy, n0, n1), part(grad_div, n0, n1), part(grad_ent, n0, n1),
-                            out_dtype=h.dtype, **kw)
-            h_c = h[n0:n1]
-            if need_w:
-                if not chunked:
-                    torch.mm(G.T, h_c, out=grad_w[v0:v1])  # one GEMM over all tokens, written once
-                elif n0 == 0:
-                    mm_f32(G.T, h_c, out=w_acc[: v1 - v0])
-                else:
-                    addmm_f32(w_acc[: v1 - v0], G.T, h_c)
-            if need_h:
-                addmm_f32(grad_h[n0:n1], G, w_s)
-            if need_b:
-                grad_b[v0:v1] += G.sum(0, dtype=torch.float32)
-        if need_w and chunked:
-            grad_w[v0:v1] = w_acc[: v1 - v0]
-    return (
-        grad_h.to(h.dtype) if need_h else None,
-        grad_w,
-        grad_b.to(bias.dtype) if need_b else None,
-    )
+    def tile_grad(n0: int, n1: int, v0: int, v1: int) -> torch.Tensor:
+        ys, yt = _tiles(student, teacher, n0, n1, v0, v1, bufs)
+        return K.grad_tile(ys, yt, _bias(student, v0, v1), _bias(teacher, v0, v1), lse_s[n0:n1], lse_t[n0:n1],
+                           aux[n0:n1], part(entropy, n0, n1), part(grad_div, n0, n1), part(grad_ent, n0, n1),
+                           out_dtype=h.dtype, **kw)
+
+    return hybrid.sliced_backward(h, weight, student.bias, need, rows, cols, tile_grad)

@@ -16,6 +16,8 @@ Tile shapes (elements of the float32 buffer bounded by ``TILE_ELEMS``, 256 MB):
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from fastrl.kernels import logits_fold as F
@@ -23,7 +25,7 @@ from fastrl.ops import torch_backend as _TB
 from fastrl.ops._gemm import addmm_f32, mm_f32
 from fastrl.ops.config import LogitTransform
 
-__all__ = ["TILE_ELEMS", "linear_stats", "linear_backward", "tile_columns"]
+__all__ = ["TILE_ELEMS", "linear_stats", "linear_backward", "sliced_backward", "tile_columns"]
 
 TILE_ELEMS = 1 << 26  # float32 elements of the logits tile: 256 MB
 ROWS = 4096  # tokens per statistics tile (TRL's token tile; cuBLAS is at full speed there)
@@ -87,13 +89,42 @@ def linear_backward(
     vocab_chunk: int | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:  # grad_h, grad_W, grad_b
     """Gradients of ``sum(grad_logp * logp + grad_entropy * entropy)`` w.r.t. hidden, weight and bias (path A)."""
+    N = hidden.shape[0]
+    V = weight.shape[0]
+    rows = min(max(N, 1), MAX_ROWS)
+    cols = tile_columns(rows, V, vocab_chunk)
+    buf = torch.empty(rows * cols, dtype=torch.float32, device=hidden.device)
+
+    def part(x, n0, n1):
+        return None if x is None else x[n0:n1]
+
+    def tile_grad(n0: int, n1: int, v0: int, v1: int) -> torch.Tensor:
+        y = mm_f32(hidden[n0:n1], weight[v0:v1].T, out=buf[: (n1 - n0) * (v1 - v0)].view(n1 - n0, v1 - v0))
+        return F.grad_tile(
+            y, part(bias, v0, v1), targets[n0:n1], v0, lse[n0:n1], part(entropy, n0, n1),
+            part(grad_logp, n0, n1), part(grad_entropy, n0, n1), out_dtype=hidden.dtype, **_transform_kw(tf),
+        )
+
+    return sliced_backward(hidden, weight, bias, need, rows, cols, tile_grad)
+
+
+def sliced_backward(
+    hidden: torch.Tensor,  # [N, H]
+    weight: torch.Tensor,  # [V, H]
+    bias: torch.Tensor | None,  # [V] (only its dtype is read)
+    need: tuple[bool, bool, bool],  # (hidden, weight, bias)
+    rows: int,  # tokens per tile; N > rows chunks the rows as well
+    cols: int,  # vocabulary columns per slice
+    tile_grad: Callable[[int, int, int, int], torch.Tensor],  # (n0, n1, v0, v1) -> G [n1 - n0, v1 - v0], hidden's dtype
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:  # grad_h, grad_W, grad_b
+    """The gradient GEMMs of the hybrid backends around a tile's ``G = dL/dy`` (from ``tile_grad``): the vocabulary
+    is the outer loop, so each ``grad_W`` slice is one GEMM over all tokens, written once (a float32 ``[cols, H]``
+    accumulator only when the rows are chunked); ``grad_h`` and ``grad_b`` accumulate in float32. Shared by
+    ``linear_backward`` and ``fastrl.ops.divergence_hybrid``: one definition of the accumulation."""
     need_h, need_w, need_b = need
     N, H = hidden.shape
     V = weight.shape[0]
     dev = hidden.device
-    rows = min(max(N, 1), MAX_ROWS)
-    cols = tile_columns(rows, V, vocab_chunk)
-    buf = torch.empty(rows * cols, dtype=torch.float32, device=dev)
     grad_h = torch.zeros((N, H), dtype=torch.float32, device=dev) if need_h else None
     grad_w = torch.empty_like(weight) if need_w else None
     grad_b = torch.zeros((V,), dtype=torch.float32, device=dev) if need_b else None
@@ -103,17 +134,10 @@ def linear_backward(
     for v0 in range(0, V, cols):
         v1 = min(v0 + cols, V)
         w_s = weight[v0:v1]
-        b_s = None if bias is None else bias[v0:v1]
         for n0 in range(0, N, rows):
             n1 = min(n0 + rows, N)
             h_c = hidden[n0:n1]
-            y = mm_f32(h_c, w_s.T, out=buf[: (n1 - n0) * (v1 - v0)].view(n1 - n0, v1 - v0))
-            G = F.grad_tile(
-                y, b_s, targets[n0:n1], v0, lse[n0:n1], None if entropy is None else entropy[n0:n1],
-                None if grad_logp is None else grad_logp[n0:n1],
-                None if grad_entropy is None else grad_entropy[n0:n1],
-                out_dtype=hidden.dtype, **_transform_kw(tf),
-            )
+            G = tile_grad(n0, n1, v0, v1)
             if need_w:
                 if not chunked:
                     torch.mm(G.T, h_c, out=grad_w[v0:v1])  # one GEMM over all tokens, written once

@@ -33,7 +33,6 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-import warnings
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -49,7 +48,12 @@ from fastrl.trainers._lm_head import (
     call_with_head,
     head_settings_from_config,
 )
-from fastrl.trainers.memory import MemoryOptions, check_memory_options, during_training
+from fastrl.trainers.memory import (
+    MemoryOptions,
+    MemoryStepsMixin,
+    check_memory_options,
+    trl_alias_warnings_silenced,
+)
 
 __all__ = ["DistillationConfig", "DistillationTrainer", "check_distillation_options", "distillation_loss"]
 
@@ -57,9 +61,6 @@ logger = logging.getLogger("fastrl.distillation")
 
 # transformers >= 5 renamed gradient_checkpointing to activation_checkpointing
 _HAS_ACTIVATION_CHECKPOINTING = "activation_checkpointing" in {f.name for f in fields(trl.DistillationConfig)}
-# transformers 5's deprecation messages for the aliases TRL 1.16 still calls during generation
-_TRL_ALIAS_WARNINGS = (r"`(is_gradient_checkpointing|gradient_checkpointing_enable|gradient_checkpointing_disable)`"
-                       r" is deprecated")
 # TRL 1.16's multimodal micro-batch fields, passed to both models' bodies (as TRL's `_compute_loss` does)
 _MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
                     "token_type_ids", "mm_token_type_ids", "image_position_ids")
@@ -250,7 +251,7 @@ _NEEDED_KWARGS = ("beta", "temperature", "bias", "teacher_bias", "logit_scale", 
                   "teacher_softcap", "mask", "with_entropy", "backend")
 
 
-class DistillationTrainer(trl.DistillationTrainer):
+class DistillationTrainer(MemoryStepsMixin, trl.DistillationTrainer):
     """TRL 1.16's ``DistillationTrainer`` with the loss through ``fastrl.fused_divergence`` (module docstring).
 
     Same constructor, datasets, generation, tools, callbacks and logging as ``trl.DistillationTrainer``. ``args``
@@ -295,19 +296,8 @@ class DistillationTrainer(trl.DistillationTrainer):
             tiled_mlp=_opt(self.args, "tiled_mlp", 0),
         )
 
-    @during_training
-    def train(self, *args, **kwargs):
-        return super().train(*args, **kwargs)
-
-    def training_step(self, *args, **kwargs):
-        with self._fastrl_memory.step_context():
-            return super().training_step(*args, **kwargs)
-
     def _generate_and_score_completions(self, inputs):
-        # TRL 1.16 toggles gradient checkpointing around generation through transformers 5's deprecated aliases:
-        # silence exactly those FutureWarnings, here only (as fastrl.GRPOTrainer does)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_TRL_ALIAS_WARNINGS, category=FutureWarning)
+        with trl_alias_warnings_silenced():
             return super()._generate_and_score_completions(inputs)
 
     def fused_reason(self) -> str | None:

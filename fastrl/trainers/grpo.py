@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import warnings
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -52,7 +51,12 @@ from fastrl.trainers._lm_head import (
     head_settings_from_config,
     unwrap_causal_lm,
 )
-from fastrl.trainers.memory import MemoryOptions, check_memory_options, during_training
+from fastrl.trainers.memory import (
+    MemoryOptions,
+    MemoryStepsMixin,
+    check_memory_options,
+    trl_alias_warnings_silenced,
+)
 from fastrl.trainers.sampling import (
     KEPT_KEY,
     check_replay_options,
@@ -72,9 +76,6 @@ _MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_atten
 # metrics fastrl's loss adds for PPO-style logging; TRL's GRPOTrainer does not log them
 _FASTRL_ONLY_METRICS = ("policy/approxkl_avg", "policy/clipfrac_avg", "policy/entropy_avg", "val/ratio",
                         "val/ratio_var")
-# transformers 5's deprecation messages for the aliases TRL 1.16 still calls during generation
-_TRL_ALIAS_WARNINGS = (r"`(is_gradient_checkpointing|gradient_checkpointing_enable|gradient_checkpointing_disable)`"
-                       r" is deprecated")
 
 # transformers >= 5 renamed gradient_checkpointing to activation_checkpointing
 _HAS_ACTIVATION_CHECKPOINTING = "activation_checkpointing" in {f.name for f in fields(trl.GRPOConfig)}
@@ -615,7 +616,7 @@ def _vllm_sampling_masks(args, replay: str):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-class GRPOTrainer(trl.GRPOTrainer):
+class GRPOTrainer(MemoryStepsMixin, trl.GRPOTrainer):
     """TRL 1.16's ``GRPOTrainer`` with fastrl's LM head and fused policy loss (see the module docstring).
 
     Same constructor, datasets, reward functions, callbacks and logging as ``trl.GRPOTrainer``. ``args`` may be
@@ -655,21 +656,8 @@ class GRPOTrainer(trl.GRPOTrainer):
             tiled_mlp=_opt(self.args, "tiled_mlp", 0),
         )
 
-    @during_training
-    def train(self, *args, **kwargs):
-        return super().train(*args, **kwargs)
-
-    def training_step(self, *args, **kwargs):
-        with self._fastrl_memory.step_context():
-            return super().training_step(*args, **kwargs)
-
     def _generate_and_score_completions(self, inputs):
-        # TRL 1.16 wraps generation in trl.models.utils.disable_gradient_checkpointing, which reads
-        # `model.is_gradient_checkpointing` and calls `gradient_checkpointing_disable/enable`: transformers 5's
-        # deprecated aliases, a FutureWarning each that no user setting avoids and that changes nothing. Silence
-        # exactly those three messages, here only; any other warning passes through.
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_TRL_ALIAS_WARNINGS, category=FutureWarning)
+        with trl_alias_warnings_silenced():
             if not exact_kl(self):
                 return self._generate_and_score_completions_replayed(inputs)
             # The exact KL needs the reference's hidden states, not its log-probs: TRL's reference pass (the only

@@ -37,8 +37,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["MemoryOptions", "TiledMLP", "tile_mlp", "find_decoder_mlps", "check_memory_options",
-           "NO_GRAD_MIN_CHUNK_TOKENS"]
+__all__ = ["MemoryOptions", "MemoryStepsMixin", "TiledMLP", "tile_mlp", "find_decoder_mlps", "check_memory_options",
+           "trl_alias_warnings_silenced", "NO_GRAD_MIN_CHUNK_TOKENS"]
 
 # without gradients a chunk only bounds transient memory: smaller chunks cost GEMM efficiency for nothing
 NO_GRAD_MIN_CHUNK_TOKENS = 256
@@ -358,3 +358,32 @@ def during_training(train):
 
     return wrapper
 
+
+class MemoryStepsMixin:
+    """The memory options of a TRL trainer subclass that sets ``self._fastrl_memory`` (a ``MemoryOptions``):
+    applied while ``train()`` runs, and each training step inside ``step_context()``. Put it before the TRL class
+    in the bases (``class GRPOTrainer(MemoryStepsMixin, trl.GRPOTrainer)``)."""
+
+    @during_training
+    def train(self, *args, **kwargs):
+        return super().train(*args, **kwargs)
+
+    def training_step(self, *args, **kwargs):
+        with self._fastrl_memory.step_context():
+            return super().training_step(*args, **kwargs)
+
+
+# transformers 5's deprecation messages for the aliases TRL 1.16 still calls during generation
+_TRL_ALIAS_WARNINGS = (r"`(is_gradient_checkpointing|gradient_checkpointing_enable|gradient_checkpointing_disable)`"
+                       r" is deprecated")
+
+
+@contextlib.contextmanager
+def trl_alias_warnings_silenced():
+    """TRL 1.16 wraps generation in ``trl.models.utils.disable_gradient_checkpointing``, which reads
+    ``model.is_gradient_checkpointing`` and calls ``gradient_checkpointing_disable/enable``: transformers 5's
+    deprecated aliases, a FutureWarning each that no user setting avoids and that changes nothing. Silences exactly
+    those three messages, inside this context only; any other warning passes through."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_TRL_ALIAS_WARNINGS, category=FutureWarning)
+        yield
