@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fastrl
 from fastrl import PolicyLossConfig
-from fastrl.ops import custom_ops
+from fastrl.ops import custom_ops, linear_logprob
 from fastrl.reference import value_loss_reference
 
 B, T, H, V = 3, 6, 16, 67
@@ -189,8 +189,8 @@ def _opcheck_cases():
     h = x["h"].detach().reshape(-1, H).clone().requires_grad_()
     t = torch.where(x["mask"].reshape(-1), x["targets"].reshape(-1), -100)
     w, bias = x["w"].detach().clone().requires_grad_(), x["bias"].detach().clone().requires_grad_()
-    lin = custom_ops.LinearOptions(temperature=0.7, softcap=4.0, all_live=False).pack()
-    lin_no_ent = custom_ops.LinearOptions(with_entropy=False).pack()
+    lin = linear_logprob.LinearOptions(temperature=0.7, softcap=4.0, all_live=False).pack()
+    lin_no_ent = linear_logprob.LinearOptions(with_entropy=False).pack()
     N = h.shape[0]
     lse = torch.randn(N)
     cfg = PolicyLossConfig(loss_type="dapo", beta=0.04, entropy_coef=0.01, temperature=0.7)

@@ -1,4 +1,8 @@
-"""fastrl's ops as ``torch.library`` custom ops (``torch.ops.fastrl.*``): what ``torch.compile`` sees.
+"""The shared machinery of fastrl's ``torch.library`` custom ops (``torch.ops.fastrl.*``): what ``torch.compile`` sees.
+
+Each op lives in the module of its operation (``fastrl.ops.linear_logprob``: ``linear_logprob`` and its backward;
+``fastrl.losses.one_pass``: ``policy_loss_one_pass``; ``fastrl.losses.value``: ``value_loss`` and its backward;
+``fastrl.ops.divergence``), registered when that module is imported; this module holds what they share.
 
 Each op is opaque to the compiler: a fake implementation gives its output shapes (so ``fullgraph=True`` and
 ``dynamic=True`` trace it without running it) and ``register_autograd`` gives its backward, itself an op. The
@@ -6,7 +10,7 @@ public functions (``fastrl.fused_logprobs``, ``fastrl.policy_loss``, ``fastrl.va
 in Python, then call these ops, in eager and under compile alike: one code path.
 
 The op boundary is "tensors + one options structure". Every scalar option (logit transform, backend, loss
-config, ...) travels as one frozen dataclass, packed into three primitive arguments (``pack``): its strings
+config, ...) travels as one frozen dataclass, packed into three primitive arguments (``_pack``): its strings
 joined into one ``str``, its floats as ``float[]`` (None as NaN), its ints and bools as ``int[]`` (None as a
 sentinel), in the dataclass's field order. So:
 
@@ -45,8 +49,7 @@ import torch
 from fastrl.losses.config import CLIPPED_LOSS_TYPES, PolicyLossConfig
 from fastrl.ops.config import LogitTransform
 
-__all__ = ["LinearOptions", "PolicyOptions", "DoubleBackwardError", "metric_keys", "linear_logprob",
-           "policy_loss_one_pass", "value_loss_op"]
+__all__ = ["DoubleBackwardError", "IMPLEMENTATIONS"]
 
 
 # op name -> its Python implementation (what the op runs; tests run it under a dispatch mode to see inside)
@@ -147,182 +150,8 @@ def _or_none(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None or t.numel() == 0 and t.dim() == 1 else t
 
 
-# ---------------------------------------------------------------------------------------------------------
-# fused_logprobs: fastrl::linear_logprob and its backward
-# ---------------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class LinearOptions:
-    """Scalar options of ``fastrl::linear_logprob`` (see ``fastrl.fused_logprobs``).
-
-    ``all_live``: every row is a counted token (the eager wrapper compacted the ignored ones away). False: rows
-    whose target is ``ignore_index`` are computed too (no data-dependent shape, no host synchronisation), with
-    their hidden row replaced by zeros (so whatever it holds cannot reach a gradient) and their outputs and
-    gradients zero; a target outside ``[0, V)`` that is not ``ignore_index`` gives a NaN log-prob and entropy
-    (the no-sync path cannot raise, so it poisons instead of returning a wrong number).
-    """
-
-    temperature: float = 1.0
-    logit_scale: float = 1.0
-    softcap: Optional[float] = None
-    backend: str = "torch"  # concrete: "triton-hybrid", "triton-fused" or "torch"
-    with_entropy: bool = True
-    vocab_chunk: Optional[int] = None
-    ignore_index: int = -100
-    all_live: bool = True
-
-    @property
-    def tf(self) -> LogitTransform:
-        return LogitTransform(temperature=self.temperature, logit_scale=self.logit_scale, softcap=self.softcap)
-
-    def pack(self) -> tuple[str, list[float], list[int]]:
-        return _pack(((self, _LINEAR_LAYOUT),))
-
-    @staticmethod
-    def unpack(strs: str, floats, ints) -> LinearOptions:
-        return _linear_options(strs, _key(floats), tuple(ints))
-
-    @staticmethod
-    def unpack_symbolic(strs: str, floats, ints) -> types.SimpleNamespace:
-        """The fields as attributes, unvalidated: for fake implementations, where a float or int may be
-        symbolic (``dynamic=True``), which neither the cache nor the dataclass checks can take."""
-        (d,) = _unpack(strs, floats, ints, (_LINEAR_LAYOUT,))
-        return types.SimpleNamespace(**d)
-
-
-_LINEAR_LAYOUT = _layout(LinearOptions)
-
-
-@functools.lru_cache(maxsize=256)
-def _linear_options(strs: str, floats: tuple, ints: tuple) -> LinearOptions:
-    floats = tuple(math.nan if x is None else x for x in floats)
-    (d,) = _unpack(strs, floats, ints, (_LINEAR_LAYOUT,))
-    return LinearOptions(**d)
-
-
-def _live_rows(targets: torch.Tensor, hidden: torch.Tensor, o: LinearOptions):
-    """(active [N] bool, hidden with ignored rows zeroed) on the no-sync path; (None, hidden) otherwise."""
-    if o.all_live:
-        return None, hidden
-    active = targets != o.ignore_index
-    return active, torch.where(active[:, None], hidden, torch.zeros((), dtype=hidden.dtype, device=hidden.device))
-
-
-@_op("linear_logprob")
-def linear_logprob(
-    hidden: torch.Tensor,  # [N, H]
-    weight: torch.Tensor,  # [V, H]
-    bias: Optional[torch.Tensor],  # [V]
-    targets: torch.Tensor,  # [N] int64
-    opt_str: str,  # LinearOptions.pack()
-    opt_float: list[float],
-    opt_int: list[int],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # logp [N], entropy [N] (or [0]), lse [N]
-    from fastrl.ops import linear_logprob as LL
-
-    o = LinearOptions.unpack(opt_str, opt_float, opt_int)
-    if hidden.shape[0] == 0:  # three distinct empty outputs (an op's outputs may not alias one another)
-        e = hidden.new_zeros((0,), dtype=_acc(hidden.dtype))
-        return e, e.clone(), e.clone()
-    active, h = _live_rows(targets, hidden, o)
-    with torch.autocast(hidden.device.type, enabled=False):
-        lse, zt, ent = LL.linear_stats(h, weight, bias, targets, o.tf, o.backend, o.with_entropy, o.vocab_chunk)
-    logp = zt - lse
-    if active is not None:
-        V = weight.shape[0]
-        bad = active & ((targets < 0) | (targets >= V))
-        nan = torch.full((), float("nan"), dtype=logp.dtype, device=logp.device)
-        zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
-        logp = torch.where(bad, nan, torch.where(active, logp, zero))
-        if ent is not None:
-            ent = torch.where(bad, nan, torch.where(active, ent, zero))
-    return logp, (ent if ent is not None else _empty(logp)), lse
-
-
 def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-@linear_logprob.register_fake
-def _(hidden, weight, bias, targets, opt_str, opt_float, opt_int):
-    o = LinearOptions.unpack_symbolic(opt_str, opt_float, opt_int)
-    N = hidden.shape[0]
-    logp = hidden.new_empty((N,), dtype=_acc(hidden.dtype))
-    return logp, (torch.empty_like(logp) if o.with_entropy else _empty(logp)), torch.empty_like(logp)
-
-
-def _linear_setup(ctx, inputs, output):
-    hidden, weight, bias, targets, *options = inputs
-    _, ent, lse = output
-    ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
-    ctx.options = options
-    ctx.mark_non_differentiable(lse)
-    # an output whose gradient is not needed (often the entropy) costs no backward work
-    ctx.set_materialize_grads(False)
-
-
-def _linear_backward(ctx, grad_logp, grad_ent, _grad_lse):
-    _refuse_double_backward("fastrl.fused_logprobs")
-    hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
-    ent = _or_none(ent)
-    if ent is None:  # no entropy was computed: nothing flows back through its (empty) output
-        grad_ent = None
-    need = tuple(ctx.needs_input_grad[:3])
-    if grad_logp is None and grad_ent is None or not any(need):
-        return (None,) * 7
-    gh, gw, gb = torch.ops.fastrl.linear_logprob_backward(
-        grad_logp, grad_ent, hidden, weight, bias, targets, lse, ent, *ctx.options, *need
-    )
-    return (gh if need[0] else None, gw if need[1] else None, gb if need[2] else None) + (None,) * 4
-
-
-linear_logprob.register_autograd(_linear_backward, setup_context=_linear_setup)
-
-
-@_op("linear_logprob_backward")
-def linear_logprob_backward(
-    grad_logp: Optional[torch.Tensor],  # [N]
-    grad_entropy: Optional[torch.Tensor],  # [N]
-    hidden: torch.Tensor,  # [N, H]
-    weight: torch.Tensor,  # [V, H]
-    bias: Optional[torch.Tensor],
-    targets: torch.Tensor,  # [N]
-    lse: torch.Tensor,  # [N]
-    entropy: Optional[torch.Tensor],  # [N]
-    opt_str: str,
-    opt_float: list[float],
-    opt_int: list[int],
-    need_hidden: bool,
-    need_weight: bool,
-    need_bias: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # grad hidden [N, H], weight [V, H], bias [V] (or [0])
-    from fastrl.ops import linear_logprob as LL
-
-    o = LinearOptions.unpack(opt_str, opt_float, opt_int)
-    active, h = _live_rows(targets, hidden, o)
-    cdt = lse.dtype
-
-    def prep(g):
-        if g is None:
-            return None
-        g = g.to(cdt)
-        return (g if active is None else torch.where(active, g, torch.zeros((), dtype=cdt, device=g.device))).contiguous()
-
-    need = (need_hidden, need_weight, need_bias and bias is not None)
-    with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
-        gh, gw, gb = LL.linear_backward(h, weight, bias, targets, lse, entropy, prep(grad_logp), prep(grad_entropy),
-                                        o, need)
-    return (gh if gh is not None else _empty(hidden), gw if gw is not None else _empty(weight),
-            gb if gb is not None else _empty(hidden))
-
-
-@linear_logprob_backward.register_fake
-def _(grad_logp, grad_entropy, hidden, weight, bias, targets, lse, entropy, opt_str, opt_float, opt_int,
-      need_hidden, need_weight, need_bias):
-    return (torch.empty_like(hidden) if need_hidden else _empty(hidden),
-            torch.empty_like(weight) if need_weight else _empty(weight),
-            torch.empty_like(bias) if need_bias and bias is not None else _empty(hidden))
 
 
 # ---------------------------------------------------------------------------------------------------------
