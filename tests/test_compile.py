@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fastrl
 from fastrl import PolicyLossConfig
+from fastrl.losses import one_pass, value  # noqa: F401  (importing a module registers its ops)
 from fastrl.ops import custom_ops, linear_logprob
 from fastrl.reference import value_loss_reference
 
@@ -194,9 +195,9 @@ def _opcheck_cases():
     N = h.shape[0]
     lse = torch.randn(N)
     cfg = PolicyLossConfig(loss_type="dapo", beta=0.04, entropy_coef=0.01, temperature=0.7)
-    pol = custom_ops.PolicyOptions(softcap=4.0, need_bias=True, compact=False, chunk_rows=3).pack(cfg)
+    pol = one_pass.PolicyOptions(softcap=4.0, need_bias=True, compact=False, chunk_rows=3).pack(cfg)
     cfg_exact = PolicyLossConfig(loss_type="grpo", beta=0.04, kl_estimator="exact", temperature=0.7)
-    pol_exact = custom_ops.PolicyOptions(softcap=4.0, need_bias=True, compact=False, chunk_rows=3).pack(cfg_exact)
+    pol_exact = one_pass.PolicyOptions(softcap=4.0, need_bias=True, compact=False, chunk_rows=3).pack(cfg_exact)
     kl = torch.rand(2, 4, requires_grad=True)  # the exact KL enters as an input with its own gradient
     eff = torch.where(x["mask"], x["targets"], -100)
     v = torch.randn(2, 4, requires_grad=True)
