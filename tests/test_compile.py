@@ -21,7 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fastrl
 from fastrl import PolicyLossConfig
-from fastrl.ops import custom_ops
+from fastrl.losses import one_pass, value  # noqa: F401  (importing a module registers its ops)
+from fastrl.ops import custom_ops, linear_logprob
 from fastrl.reference import value_loss_reference
 
 B, T, H, V = 3, 6, 16, 67
@@ -189,14 +190,14 @@ def _opcheck_cases():
     h = x["h"].detach().reshape(-1, H).clone().requires_grad_()
     t = torch.where(x["mask"].reshape(-1), x["targets"].reshape(-1), -100)
     w, bias = x["w"].detach().clone().requires_grad_(), x["bias"].detach().clone().requires_grad_()
-    lin = custom_ops.LinearOptions(temperature=0.7, softcap=4.0, all_live=False).pack()
-    lin_no_ent = custom_ops.LinearOptions(with_entropy=False).pack()
+    lin = linear_logprob.LinearOptions(temperature=0.7, softcap=4.0, all_live=False).pack()
+    lin_no_ent = linear_logprob.LinearOptions(with_entropy=False).pack()
     N = h.shape[0]
     lse = torch.randn(N)
     cfg = PolicyLossConfig(loss_type="dapo", beta=0.04, entropy_coef=0.01, temperature=0.7)
-    pol = custom_ops.PolicyOptions(softcap=4.0, need_bias=True, compact=False, chunk_rows=3).pack(cfg)
+    pol = one_pass.PolicyOptions(softcap=4.0, need_bias=True, compact=False, chunk_rows=3).pack(cfg)
     cfg_exact = PolicyLossConfig(loss_type="grpo", beta=0.04, kl_estimator="exact", temperature=0.7)
-    pol_exact = custom_ops.PolicyOptions(softcap=4.0, need_bias=True, compact=False, chunk_rows=3).pack(cfg_exact)
+    pol_exact = one_pass.PolicyOptions(softcap=4.0, need_bias=True, compact=False, chunk_rows=3).pack(cfg_exact)
     kl = torch.rand(2, 4, requires_grad=True)  # the exact KL enters as an input with its own gradient
     eff = torch.where(x["mask"], x["targets"], -100)
     v = torch.randn(2, 4, requires_grad=True)

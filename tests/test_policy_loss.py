@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fastrl
-from fastrl.losses import policy as policy_mod
+from fastrl.losses import one_pass as one_pass_mod
 from fastrl.losses.config import CLIPPED_LOSS_TYPES, LOSS_TYPES, PolicyLossConfig
 from fastrl.reference import logprobs_reference, policy_loss_from_logprobs
 
@@ -134,13 +134,13 @@ def test_bf16_inputs_are_more_accurate_than_pytorch(backend):
 
 def _spy_paths(monkeypatch):
     calls = []
-    real = policy_mod._one_pass
+    real = one_pass_mod._one_pass
 
     def spy(*args, **kwargs):
         calls.append(args[10])  # the chunks: ranges of live (in-mask) rows
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(policy_mod, "_one_pass", spy)
+    monkeypatch.setattr(one_pass_mod, "_one_pass", spy)
     return calls
 
 

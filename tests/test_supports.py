@@ -283,13 +283,13 @@ def test_policy_loss_support_none_unchanged():
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_fused_logprobs_support_none_is_main_path(backend):
     """support=None runs the unchanged full-softmax path: bit-identical to the custom op main calls."""
-    from fastrl.ops import custom_ops
+    from fastrl.ops.linear_logprob import LinearOptions
 
     N, H, V = 16, 8, 50
     hidden, weight, b, targets = make_inputs(N, H, V, torch.float32)
     lp, en = fastrl.fused_logprobs(hidden, weight, targets, bias=b, backend=backend, support=None, temperature=0.7)
     name = "triton-hybrid" if backend == "triton" else backend
-    opts = custom_ops.LinearOptions(temperature=0.7, backend=name, with_entropy=True)
+    opts = LinearOptions(temperature=0.7, backend=name, with_entropy=True)
     lp0, en0, _ = torch.ops.fastrl.linear_logprob(hidden, weight, b, targets, *opts.pack())
     assert torch.equal(lp, lp0) and torch.equal(en, en0)
     g = torch.autograd.grad((lp + en).sum(), [hidden, weight, b])

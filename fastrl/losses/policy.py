@@ -7,7 +7,7 @@ Two execution paths, chosen by the configuration (never by the user), with the s
   its logits computed once (stored in float32, with the row statistics), the per-token loss gradients are
   taken from the loss arithmetic, and ``G = dL/dy`` and the three gradient GEMMs follow at once. The
   gradients are ready when the forward returns; backward only scales them. This path is the custom op
-  ``torch.ops.fastrl.policy_loss_one_pass`` (``fastrl.ops.custom_ops``), one node under ``torch.compile``.
+  ``torch.ops.fastrl.policy_loss_one_pass`` (``fastrl.losses.one_pass``), one node under ``torch.compile``.
 * two pass (path A, 8NHV): ``fused_logprobs`` + the loss arithmetic under autograd, for everything else
   (e.g. ``top_entropy_quantile`` < 1, which compares every token's entropy with a batch quantile, or a
   sequence-level ratio over sequences longer than a chunk), and always with ``backend="triton-fused"``, whose
@@ -22,59 +22,21 @@ sequence-) separable loss the gradient of the rows just computed does not depend
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from fastrl.losses._checks import check_loss_inputs, check_loss_values, loss_values_bad
 from fastrl.losses.config import PolicyLossConfig
-from fastrl.ops import custom_ops
+from fastrl.losses import one_pass
+from fastrl.losses.one_pass import _IGNORE, PolicyOptions, _chunk_budget, _LossInputs, metric_keys
 from fastrl.ops import torch_backend as TB
 from fastrl.ops._checks import autocast_inputs, check_finite_outputs, check_linear_inputs, check_targets, dense_bias
-from fastrl.ops._gemm import addmm_f32, mm_f32
 from fastrl.ops.backend import is_triton, resolve_backend
 from fastrl.ops.config import LogitTransform
-from fastrl.ops.linear_logprob import compact_rows, fused_logprobs, host_sync_enabled, unit_stride
-from fastrl.losses.arithmetic import policy_loss_from_logprobs
+from fastrl.ops.linear_logprob import fused_logprobs, host_sync_enabled, unit_stride
 
 __all__ = ["policy_loss", "FusedPolicyLoss"]
-
-_IGNORE = -100
-# Float32 elements of the one-pass [chunk, V] logits tile. With a trained head the float32 [V, H] weight-gradient
-# accumulator is read and written once per chunk, so chunks are large (1 GiB: 1766 tokens at V=151936, 1664 in
-# whole 128-row blocks, 8 accumulator passes over W1's ~12k live tokens) while the step's extra memory stays about
-# 1.25x TRL's at W1 (accumulator 2.5 GB + tile); with a frozen head there is no accumulator and a 256 MiB tile
-# keeps the memory small. A CPU keeps 32 MB tiles (as fast as 64 MB at C1, 48 MB less peak memory).
-_TILE_ELEMS = {("cuda", True): 1 << 28, ("cuda", False): 1 << 26, ("cpu", True): 1 << 23, ("cpu", False): 1 << 23}
-
-
-@dataclass(frozen=True)
-class _LossInputs:
-    """The per-token tensors and constants of the loss (everything but log-probs and entropies)."""
-
-    advantages: torch.Tensor
-    mask: torch.Tensor
-    old_logprobs: torch.Tensor | None
-    ref_logprobs: torch.Tensor | None
-    importance_weights: torch.Tensor | None
-    num_items_in_batch: torch.Tensor | int | float | None
-    sampling_logprobs: torch.Tensor | None
-    per_token_kl: torch.Tensor | None = None  # [B, T] exact KL (kl_estimator="exact"), may carry a graph
-
-    def loss(self, logp: torch.Tensor, entropy: torch.Tensor, config: PolicyLossConfig, metrics: bool = True):
-        return policy_loss_from_logprobs(
-            logp, entropy, self.advantages, self.mask, config=config, old_logprobs=self.old_logprobs,
-            ref_logprobs=self.ref_logprobs, importance_weights=self.importance_weights,
-            num_items_in_batch=self.num_items_in_batch, sampling_logprobs=self.sampling_logprobs,
-            per_token_kl=self.per_token_kl, with_metrics=metrics,
-        )
-
-    def constant_kl(self) -> _LossInputs:
-        """The same inputs with the exact KL detached (the one-pass path's per-chunk gradient evaluations)."""
-        if self.per_token_kl is None:
-            return self
-        return dataclasses.replace(self, per_token_kl=self.per_token_kl.detach())
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -176,181 +138,6 @@ def exact_reference_kl(
         # name the arguments as the caller knows them (the reference is fused_divergence's teacher)
         message = str(e).replace("teacher_", "ref_").replace("non-finite divergence", "non-finite exact KL")
         raise type(e)(message) from None
-
-
-def _chunk_budget(V: int, device: torch.device, trained_head: bool, requested: int | None) -> int:
-    """Rows per one-pass chunk: the requested number, else what fits the device's [chunk, V] tile budget."""
-    rows = _TILE_ELEMS.get((device.type, trained_head), 1 << 28) // V
-    # on a GPU, whole 128-row blocks keep the GEMMs on full tiles; a CPU keeps its small tile (memory first)
-    return requested or (max(128, rows // 128 * 128) if device.type == "cuda" else max(1, rows))
-
-
-def _chunks(
-    live: torch.Tensor,  # [B, T] bool: tokens that are scored (in the mask)
-    granularity: str,
-    V: int,
-    device: torch.device,
-    trained_head: bool,
-    requested: int | None,
-) -> list[tuple[int, int]] | None:
-    """One-pass chunks as ranges of *live* rows (row-major order): whole sequences when the loss couples the
-    tokens of a sequence; None when a sequence does not fit in one chunk (then two passes it is)."""
-    budget = _chunk_budget(V, device, trained_head, requested)
-    n_live = int(live.sum())  # one host sync: chunk boundaries are host-side ranges
-    if granularity == "token":
-        return [(c0, min(c0 + budget, n_live)) for c0 in range(0, n_live, budget)]
-    per_seq = live.sum(1).tolist()
-    if max(per_seq, default=0) > budget:
-        return None
-    out, start, size = [], 0, 0
-    for n in per_seq:
-        if size + n > budget:
-            out.append((start, start + size))
-            start, size = start + size, 0
-        size += n
-    if size:
-        out.append((start, start + size))
-    return out
-
-
-def _one_pass(
-    hidden: torch.Tensor,  # [N, H]
-    weight: torch.Tensor,  # [V, H]
-    bias: torch.Tensor | None,  # [V] contiguous
-    targets: torch.Tensor,  # [N], _IGNORE where masked out
-    B: int,
-    T: int,
-    inputs: _LossInputs,
-    config: PolicyLossConfig,
-    tf: LogitTransform,
-    backend: str,
-    chunks: list[tuple[int, int]],  # ranges of live rows (compact), else of all rows
-    need: tuple[bool, bool, bool],
-    compact: bool = True,  # False: no host sync; rows outside the mask are computed (zeroed hidden, no gradient)
-) -> tuple[torch.Tensor, dict, tuple, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    need_h, need_w, need_b = need
-    N, H = hidden.shape
-    V = weight.shape[0]
-    dev = hidden.device
-    cdt = TB.acc_dtype(hidden.dtype)
-    triton = is_triton(backend)
-    if triton:
-        from fastrl.kernels import logits_fold as F
-    live = targets != _IGNORE
-    # live rows only: padding costs nothing and cannot poison grad_W (compact); or every row, with the hidden
-    # states of rows outside the mask zeroed so that whatever they hold cannot reach grad_W either
-    idx = compact_rows(live) if compact else None
-    # The loss is additive in the exact KL, so the per-token gradients w.r.t. logp / entropy do not depend on it:
-    # the chunks treat it as a constant, and its own gradient is taken on the final loss (below).
-    full_inputs, inputs = inputs, inputs.constant_kl()
-    # placeholders for rows not yet computed: ratio 1 against old log-probs, zero entropy
-    if inputs.old_logprobs is not None:
-        logp_all = inputs.old_logprobs.detach().reshape(-1).to(cdt).clone()
-    else:
-        logp_all = torch.zeros(N, dtype=cdt, device=dev)
-    ent_all = torch.zeros(N, dtype=cdt, device=dev)
-
-    grad_h = torch.zeros_like(hidden) if need_h else None
-    grad_w = torch.zeros((V, H), dtype=cdt, device=dev) if need_w else None
-    grad_b = torch.zeros(V, dtype=cdt, device=dev) if need_b else None
-
-    chunk = max((c1 - c0 for c0, c1 in chunks), default=0)
-    zbuf = torch.empty(chunk * V, dtype=cdt, device=dev)
-    stats = torch.empty((4, chunk), dtype=torch.float32, device=dev) if triton else None
-    w_mm = weight if weight.dtype == cdt or triton else None
-    tkw = dict(logit_scale=tf.logit_scale, softcap=tf.softcap, temperature=tf.temperature)
-
-    for c0, c1 in chunks:
-        n = c1 - c0
-        rows = None if idx is None else idx[c0:c1]
-        h_c = hidden[c0:c1] if rows is None else hidden.index_select(0, rows)
-        if not compact:
-            h_c = torch.where(live[c0:c1, None], h_c, torch.zeros((), dtype=h_c.dtype, device=dev))
-        t_c = targets[c0:c1] if rows is None else targets.index_select(0, rows)
-        z = zbuf[: n * V].view(n, V)
-        if triton:
-            # raw logits from cuBLAS in float32; the fold and G kernels apply bias and transform on the fly
-            mm_f32(h_c, weight.T, out=z)
-            st = stats[:, :n]
-            F.fold_tile(z, bias, t_c, 0, st, first=True, with_entropy=True, **tkw)
-            lse, zt, ent = F.finish_stats(st, True)
-        else:
-            TB.chunk_logits(h_c, weight, bias, tf, out=z)
-            lse, zt, ent = TB.stats_from_logits(z, t_c)
-        lp_c = zt - lse
-        if rows is None:
-            logp_all[c0:c1] = lp_c
-            ent_all[c0:c1] = ent
-        else:
-            logp_all.index_copy_(0, rows, lp_c)
-            ent_all.index_copy_(0, rows, ent)
-
-        # per-token loss gradients of this chunk's rows, from the one loss definition
-        lp = logp_all.detach().view(B, T).requires_grad_()
-        en = ent_all.detach().view(B, T).requires_grad_()
-        with torch.enable_grad():
-            loss, _ = inputs.loss(lp, en, config, metrics=False)
-        g_lp, g_en = torch.autograd.grad(loss, [lp, en], allow_unused=True)
-
-        def take(g):
-            if g is None:
-                return None
-            g = g.reshape(-1)
-            return (g[c0:c1] if rows is None else g.index_select(0, rows)).contiguous()
-
-        g_lp, g_en = take(g_lp), take(g_en)
-        if g_lp is None and g_en is None:
-            continue
-
-        if triton:
-            G = F.grad_tile(z, bias, t_c, 0, lse, ent, g_lp, g_en, out_dtype=hidden.dtype, **tkw)
-            h_mm = h_c
-        else:
-            has_grad = torch.zeros(n, dtype=torch.bool, device=dev)
-            for g in (g_lp, g_en):
-                if g is not None:
-                    has_grad |= g != 0
-            G = TB.grad_from_logits_(z, t_c, 0, lse, ent, g_lp, g_en, has_grad, tf)
-            h_mm = TB._f32(h_c)
-        if need_h:
-            if w_mm is not None:
-                gh_c = torch.mm(G, w_mm)
-            else:  # low-precision weight on the torch backend: float32 copies of bounded slices only
-                gh_c = torch.zeros((n, H), dtype=cdt, device=dev)
-                step = TB.tile_columns(n, V)
-                for v0 in range(0, V, step):
-                    gh_c.addmm_(G[:, v0 : v0 + step], TB._f32(weight[v0 : v0 + step]))
-            if rows is None:
-                grad_h[c0:c1] = gh_c
-            else:
-                grad_h.index_copy_(0, rows, gh_c.to(grad_h.dtype))
-        if need_w:
-            addmm_f32(grad_w, G.T, h_mm)
-        if need_b:
-            grad_b += G.sum(0, dtype=cdt)
-
-    # the float32 logits tile (1 GiB at W1) is dead: free it before grad_W's cast allocates its copy
-    del zbuf, stats
-    z = G = None
-    grad_kl = None
-    if full_inputs.per_token_kl is None:
-        with torch.no_grad():
-            loss, metrics = full_inputs.loss(logp_all.view(B, T), ent_all.view(B, T), config)
-    else:
-        # log-probs and entropies enter as constants; d loss / d KL (the loss type's normaliser times beta, per
-        # token) is what the caller's backward hands to the KL's own graph
-        with torch.enable_grad():
-            kl = full_inputs.per_token_kl.detach().requires_grad_()
-            loss, metrics = dataclasses.replace(full_inputs, per_token_kl=kl).loss(
-                logp_all.view(B, T), ent_all.view(B, T), config)
-            (grad_kl,) = torch.autograd.grad(loss, kl)
-        loss = loss.detach()
-    grads = (
-        grad_h,
-        grad_w.to(weight.dtype) if need_w else None,
-        grad_b.to(bias.dtype) if need_b else None,
-    )
-    return loss, metrics, grads, logp_all, ent_all, grad_kl
 
 
 def policy_loss(
@@ -568,7 +355,7 @@ def policy_loss(
     # 8NHV instead of 6NHV, but no [chunk, V] tile and no float32 [V, H] weight-gradient accumulator.
     if torch.is_grad_enabled() and any(need) and granularity is not None and name != "triton-fused":
         if sync:
-            chunks = _chunks(in_mask, granularity, V, hidden.device, need[1], chunk_tokens)
+            chunks = one_pass._chunks(in_mask, granularity, V, hidden.device, need[1], chunk_tokens)
         else:  # fixed chunks over all rows, from shapes alone; a sequence longer than a chunk: two passes
             budget = _chunk_budget(V, hidden.device, need[1], chunk_tokens)
             chunks = [] if granularity == "token" or T <= budget else None
@@ -584,7 +371,7 @@ def policy_loss(
 
     if is_triton(name) and hidden.dtype == torch.float64:
         raise TypeError("the triton backends compute from float32, bfloat16 or float16 inputs; use backend='torch' for float64")
-    opts = custom_ops.PolicyOptions(
+    opts = PolicyOptions(
         logit_scale=float(tf.logit_scale),
         softcap=None if tf.softcap is None else float(tf.softcap), backend=name, need_hidden=need[0],
         need_weight=need[1], need_bias=need[2], compact=sync,
@@ -603,7 +390,7 @@ def policy_loss(
     if sync and check_finite:
         check_finite_outputs(logp_all, ent_all, eff_targets.reshape(-1) != _IGNORE,
                              hidden.detach().reshape(B * T, H), (B, T))
-    metrics = dict(zip(custom_ops.metric_keys(config), mvec.unbind(0)))
+    metrics = dict(zip(metric_keys(config), mvec.unbind(0)))
     return (loss if poison is None else loss * poison), metrics
 
 

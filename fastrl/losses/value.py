@@ -1,17 +1,79 @@
 """PPO's clipped value loss: ``fastrl.value_loss``.
 
 A value head's output is one number per token, so there are no logits to fuse: the loss is the reference
-arithmetic itself (TRL PPOv2's), exposed here so trainers import every loss from ``fastrl``.
+arithmetic itself (TRL PPOv2's), exposed here so trainers import every loss from ``fastrl``. It runs as the
+custom op ``fastrl::value_loss`` (defined here: one node under ``torch.compile``), whose backward, the op
+``fastrl::value_loss_backward``, differentiates the same formula.
 """
 
 from __future__ import annotations
 
 import torch
 
-from fastrl.losses.arithmetic import check_value_inputs
-from fastrl.ops import custom_ops  # noqa: F401  (registers torch.ops.fastrl.value_loss)
+from fastrl.losses.arithmetic import check_value_inputs, value_loss_reference
+from fastrl.ops.custom_ops import _autograd_inside, _op, _refuse_double_backward
 
-__all__ = ["value_loss"]
+__all__ = ["value_loss", "value_loss_op"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the custom ops: fastrl::value_loss (plain arithmetic, an op so that it is one node) and its backward
+# ---------------------------------------------------------------------------------------------------------
+
+
+@_op("value_loss")
+def value_loss_op(
+    values: torch.Tensor,  # [B, T]
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    cliprange_value: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # loss [], clipfrac []
+    loss, metrics = value_loss_reference(values, old_values, returns, mask, cliprange_value)
+    return loss.clone(), metrics["val/clipfrac_avg"]
+
+
+@value_loss_op.register_fake
+def _(values, old_values, returns, mask, cliprange_value):
+    return values.new_empty(()), values.new_empty(())
+
+
+def _value_setup(ctx, inputs, output):
+    values, old_values, returns, mask, cliprange_value = inputs
+    ctx.save_for_backward(values, old_values, returns, mask)
+    ctx.cliprange_value = cliprange_value
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
+
+
+def _value_backward(ctx, grad_loss, _grad_clipfrac):
+    _refuse_double_backward("fastrl.value_loss")
+    if grad_loss is None or not ctx.needs_input_grad[0]:
+        return None, None, None, None, None
+    values, old_values, returns, mask = ctx.saved_tensors
+    g = torch.ops.fastrl.value_loss_backward(grad_loss, values, old_values, returns, mask, ctx.cliprange_value)
+    return g, None, None, None, None
+
+
+value_loss_op.register_autograd(_value_backward, setup_context=_value_setup)
+
+
+@_op("value_loss_backward")
+def value_loss_backward(
+    grad_loss: torch.Tensor, values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+    mask: torch.Tensor, cliprange_value: float,
+) -> torch.Tensor:  # [B, T]
+    # the gradient of the one definition of the loss, by autograd over it (O(B T), no logits involved)
+    with _autograd_inside(), torch.enable_grad():
+        v = values.detach().requires_grad_()
+        loss, _ = value_loss_reference(v, old_values, returns, mask, cliprange_value)
+        (g,) = torch.autograd.grad(loss, v, grad_loss)
+    return g
+
+
+@value_loss_backward.register_fake
+def _(grad_loss, values, old_values, returns, mask, cliprange_value):
+    return torch.empty_like(values)
 
 
 def value_loss(

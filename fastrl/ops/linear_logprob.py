@@ -4,8 +4,8 @@ Paths (docs/design.md): with gradients, path A (forward: one pass of online stat
 each vocabulary slice's logits, form ``G = dL/dy`` and run the two gradient GEMMs); without, path C (the
 forward pass alone, no autograd state kept). Each backend (``fastrl.ops.backend``) implements the statistics
 and the backward; this module dispatches to them. Autograd is the custom op ``torch.ops.fastrl.linear_logprob``
-(``fastrl.ops.custom_ops``: what ``torch.compile`` sees), whose implementation calls ``linear_stats`` and whose
-registered backward calls ``linear_backward``. In eager, ``fused_logprobs`` hands the op only the tokens that are
+(defined here on ``fastrl.ops.custom_ops``' machinery: what ``torch.compile`` sees), whose implementation calls
+``linear_stats`` and whose registered backward (the op ``linear_logprob_backward``) calls ``linear_backward``. In eager, ``fused_logprobs`` hands the op only the tokens that are
 not ignored (``compact_rows``, one host sync): padding costs no work, and whatever an ignored row holds (even
 inf/NaN) cannot reach a gradient GEMM. On the no-sync path (under ``torch.compile``, or ``host_sync=False``) the op
 gets every row and zeroes the hidden states and gradients of the ignored ones instead.
@@ -13,15 +13,71 @@ gets every row and zeroes the hidden states and gradients of the ignored ones in
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
+import types
+from typing import Optional
+
 import torch
 
-from fastrl.ops import custom_ops, torch_backend
+from fastrl.ops import torch_backend
+from fastrl.ops.custom_ops import _acc, _empty, _key, _layout, _op, _or_none, _pack, _refuse_double_backward, _unpack
 from fastrl.ops._checks import autocast_inputs, check_finite_outputs, check_linear_inputs, check_targets, dense_bias
 from fastrl.ops._gemm import addmm_f32
 from fastrl.ops.backend import is_triton, resolve_backend
 from fastrl.ops.config import LogitTransform
 
-__all__ = ["fused_logprobs", "linear_stats", "linear_backward", "compact_rows", "host_sync_enabled"]
+__all__ = ["fused_logprobs", "linear_stats", "linear_backward", "compact_rows", "host_sync_enabled", "LinearOptions"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearOptions:
+    """Scalar options of ``fastrl::linear_logprob`` (see ``fastrl.fused_logprobs``).
+
+    ``all_live``: every row is a counted token (the eager wrapper compacted the ignored ones away). False: rows
+    whose target is ``ignore_index`` are computed too (no data-dependent shape, no host synchronisation), with
+    their hidden row replaced by zeros (so whatever it holds cannot reach a gradient) and their outputs and
+    gradients zero; a target outside ``[0, V)`` that is not ``ignore_index`` gives a NaN log-prob and entropy
+    (the no-sync path cannot raise, so it poisons instead of returning a wrong number).
+    """
+
+    temperature: float = 1.0
+    logit_scale: float = 1.0
+    softcap: Optional[float] = None
+    backend: str = "torch"  # concrete: "triton-hybrid", "triton-fused" or "torch"
+    with_entropy: bool = True
+    vocab_chunk: Optional[int] = None
+    ignore_index: int = -100
+    all_live: bool = True
+
+    @property
+    def tf(self) -> LogitTransform:
+        return LogitTransform(temperature=self.temperature, logit_scale=self.logit_scale, softcap=self.softcap)
+
+    def pack(self) -> tuple[str, list[float], list[int]]:
+        return _pack(((self, _LINEAR_LAYOUT),))
+
+    @staticmethod
+    def unpack(strs: str, floats, ints) -> LinearOptions:
+        return _linear_options(strs, _key(floats), tuple(ints))
+
+    @staticmethod
+    def unpack_symbolic(strs: str, floats, ints) -> types.SimpleNamespace:
+        """The fields as attributes, unvalidated: for fake implementations, where a float or int may be
+        symbolic (``dynamic=True``), which neither the cache nor the dataclass checks can take."""
+        (d,) = _unpack(strs, floats, ints, (_LINEAR_LAYOUT,))
+        return types.SimpleNamespace(**d)
+
+
+_LINEAR_LAYOUT = _layout(LinearOptions)
+
+
+@functools.lru_cache(maxsize=256)
+def _linear_options(strs: str, floats: tuple, ints: tuple) -> LinearOptions:
+    floats = tuple(math.nan if x is None else x for x in floats)
+    (d,) = _unpack(strs, floats, ints, (_LINEAR_LAYOUT,))
+    return LinearOptions(**d)
 
 
 def linear_stats(
@@ -62,7 +118,7 @@ def linear_backward(
     entropy: torch.Tensor | None,  # [N]
     grad_logp: torch.Tensor | None,  # [N] compute dtype, zero where no gradient flows
     grad_entropy: torch.Tensor | None,  # [N]
-    opts: custom_ops.LinearOptions,
+    opts: LinearOptions,
     need: tuple[bool, bool, bool],  # (hidden, weight, bias)
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of ``sum(grad_logp * logp + grad_entropy * entropy)`` w.r.t. hidden, weight, bias.
@@ -137,6 +193,127 @@ def linear_backward(
         grad_w,
         grad_b.to(bias.dtype) if need_b else None,
     )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the custom ops: fastrl::linear_logprob (statistics) and fastrl::linear_logprob_backward (its gradients)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _live_rows(targets: torch.Tensor, hidden: torch.Tensor, o: LinearOptions):
+    """(active [N] bool, hidden with ignored rows zeroed) on the no-sync path; (None, hidden) otherwise."""
+    if o.all_live:
+        return None, hidden
+    active = targets != o.ignore_index
+    return active, torch.where(active[:, None], hidden, torch.zeros((), dtype=hidden.dtype, device=hidden.device))
+
+
+@_op("linear_logprob")
+def linear_logprob(
+    hidden: torch.Tensor,  # [N, H]
+    weight: torch.Tensor,  # [V, H]
+    bias: Optional[torch.Tensor],  # [V]
+    targets: torch.Tensor,  # [N] int64
+    opt_str: str,  # LinearOptions.pack()
+    opt_float: list[float],
+    opt_int: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # logp [N], entropy [N] (or [0]), lse [N]
+    o = LinearOptions.unpack(opt_str, opt_float, opt_int)
+    if hidden.shape[0] == 0:  # three distinct empty outputs (an op's outputs may not alias one another)
+        e = hidden.new_zeros((0,), dtype=_acc(hidden.dtype))
+        return e, e.clone(), e.clone()
+    active, h = _live_rows(targets, hidden, o)
+    with torch.autocast(hidden.device.type, enabled=False):
+        lse, zt, ent = linear_stats(h, weight, bias, targets, o.tf, o.backend, o.with_entropy, o.vocab_chunk)
+    logp = zt - lse
+    if active is not None:
+        V = weight.shape[0]
+        bad = active & ((targets < 0) | (targets >= V))
+        nan = torch.full((), float("nan"), dtype=logp.dtype, device=logp.device)
+        zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+        logp = torch.where(bad, nan, torch.where(active, logp, zero))
+        if ent is not None:
+            ent = torch.where(bad, nan, torch.where(active, ent, zero))
+    return logp, (ent if ent is not None else _empty(logp)), lse
+
+
+@linear_logprob.register_fake
+def _(hidden, weight, bias, targets, opt_str, opt_float, opt_int):
+    o = LinearOptions.unpack_symbolic(opt_str, opt_float, opt_int)
+    N = hidden.shape[0]
+    logp = hidden.new_empty((N,), dtype=_acc(hidden.dtype))
+    return logp, (torch.empty_like(logp) if o.with_entropy else _empty(logp)), torch.empty_like(logp)
+
+
+def _linear_setup(ctx, inputs, output):
+    hidden, weight, bias, targets, *options = inputs
+    _, ent, lse = output
+    ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
+    ctx.options = options
+    ctx.mark_non_differentiable(lse)
+    # an output whose gradient is not needed (often the entropy) costs no backward work
+    ctx.set_materialize_grads(False)
+
+
+def _linear_backward(ctx, grad_logp, grad_ent, _grad_lse):
+    _refuse_double_backward("fastrl.fused_logprobs")
+    hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
+    ent = _or_none(ent)
+    if ent is None:  # no entropy was computed: nothing flows back through its (empty) output
+        grad_ent = None
+    need = tuple(ctx.needs_input_grad[:3])
+    if grad_logp is None and grad_ent is None or not any(need):
+        return (None,) * 7
+    gh, gw, gb = torch.ops.fastrl.linear_logprob_backward(
+        grad_logp, grad_ent, hidden, weight, bias, targets, lse, ent, *ctx.options, *need
+    )
+    return (gh if need[0] else None, gw if need[1] else None, gb if need[2] else None) + (None,) * 4
+
+
+linear_logprob.register_autograd(_linear_backward, setup_context=_linear_setup)
+
+
+@_op("linear_logprob_backward")
+def linear_logprob_backward(
+    grad_logp: Optional[torch.Tensor],  # [N]
+    grad_entropy: Optional[torch.Tensor],  # [N]
+    hidden: torch.Tensor,  # [N, H]
+    weight: torch.Tensor,  # [V, H]
+    bias: Optional[torch.Tensor],
+    targets: torch.Tensor,  # [N]
+    lse: torch.Tensor,  # [N]
+    entropy: Optional[torch.Tensor],  # [N]
+    opt_str: str,
+    opt_float: list[float],
+    opt_int: list[int],
+    need_hidden: bool,
+    need_weight: bool,
+    need_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # grad hidden [N, H], weight [V, H], bias [V] (or [0])
+    o = LinearOptions.unpack(opt_str, opt_float, opt_int)
+    active, h = _live_rows(targets, hidden, o)
+    cdt = lse.dtype
+
+    def prep(g):
+        if g is None:
+            return None
+        g = g.to(cdt)
+        return (g if active is None else torch.where(active, g, torch.zeros((), dtype=cdt, device=g.device))).contiguous()
+
+    need = (need_hidden, need_weight, need_bias and bias is not None)
+    with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
+        gh, gw, gb = linear_backward(h, weight, bias, targets, lse, entropy, prep(grad_logp), prep(grad_entropy), o,
+                                     need)
+    return (gh if gh is not None else _empty(hidden), gw if gw is not None else _empty(weight),
+            gb if gb is not None else _empty(hidden))
+
+
+@linear_logprob_backward.register_fake
+def _(grad_logp, grad_entropy, hidden, weight, bias, targets, lse, entropy, opt_str, opt_float, opt_int,
+      need_hidden, need_weight, need_bias):
+    return (torch.empty_like(hidden) if need_hidden else _empty(hidden),
+            torch.empty_like(weight) if need_weight else _empty(weight),
+            torch.empty_like(bias) if need_bias and bias is not None else _empty(hidden))
 
 
 def compact_rows(active: torch.Tensor) -> torch.Tensor | None:  # [N] bool -> [A] int64 row ids, or None
@@ -282,7 +459,7 @@ def fused_logprobs(
     # eager: ignored rows are dropped before the op (one host sync); no-sync: the op computes every row
     idx = compact_rows(t != ignore_index) if sync else None
     h_live, t_live = (h, t) if idx is None else (h.index_select(0, idx), t.index_select(0, idx))
-    opts = custom_ops.LinearOptions(
+    opts = LinearOptions(
         temperature=float(tf.temperature), logit_scale=float(tf.logit_scale),
         softcap=None if tf.softcap is None else float(tf.softcap), backend=name, with_entropy=with_entropy,
         vocab_chunk=vocab_chunk, ignore_index=ignore_index, all_live=sync,

@@ -1,0 +1,430 @@
+"""The one-pass policy loss (path B, 6NHV FLOPs): ``_one_pass`` and the custom op ``fastrl::policy_loss_one_pass``.
+
+When the loss gradient of a token is known as soon as the token's (or its sequence's) log-prob and entropy are
+(``PolicyLossConfig.one_pass_granularity``), each chunk of tokens has its logits computed once (stored in
+float32, with the row statistics), the per-token loss gradients are taken from the loss arithmetic
+(``fastrl.losses.arithmetic.policy_loss_from_logprobs``, the one definition of the loss), and ``G = dL/dy`` and
+the three gradient GEMMs follow at once. The gradients are ready when the forward returns; the op's backward
+only scales them. ``fastrl.policy_loss`` (``fastrl.losses.policy``) checks the input, chooses this path or the
+two-pass one, and calls the op; the op is registered when this module is imported (by ``fastrl.losses.policy``).
+
+For a token- (or sequence-) separable loss the gradient of the rows just computed does not depend on the
+placeholders that rows not yet computed hold in the [B, T] buffers of log-probs and entropies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import types
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from fastrl.losses.arithmetic import policy_loss_from_logprobs
+from fastrl.losses.config import CLIPPED_LOSS_TYPES, PolicyLossConfig
+from fastrl.ops import torch_backend as TB
+from fastrl.ops._gemm import addmm_f32, mm_f32
+from fastrl.ops.backend import is_triton
+from fastrl.ops.config import LogitTransform
+from fastrl.ops.custom_ops import (
+    _acc, _autograd_inside, _empty, _key, _layout, _op, _pack, _refuse_double_backward, _unpack,
+)
+from fastrl.ops.linear_logprob import compact_rows
+
+__all__ = ["PolicyOptions", "metric_keys", "fixed_chunks", "policy_loss_one_pass"]
+
+_IGNORE = -100
+# Float32 elements of the one-pass [chunk, V] logits tile. With a trained head the float32 [V, H] weight-gradient
+# accumulator is read and written once per chunk, so chunks are large (1 GiB: 1766 tokens at V=151936, 1664 in
+# whole 128-row blocks, 8 accumulator passes over W1's ~12k live tokens) while the step's extra memory stays about
+# 1.25x TRL's at W1 (accumulator 2.5 GB + tile); with a frozen head there is no accumulator and a 256 MiB tile
+# keeps the memory small. A CPU keeps 32 MB tiles (as fast as 64 MB at C1, 48 MB less peak memory).
+_TILE_ELEMS = {("cuda", True): 1 << 28, ("cuda", False): 1 << 26, ("cpu", True): 1 << 23, ("cpu", False): 1 << 23}
+
+
+@dataclass(frozen=True)
+class _LossInputs:
+    """The per-token tensors and constants of the loss (everything but log-probs and entropies)."""
+
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    old_logprobs: torch.Tensor | None
+    ref_logprobs: torch.Tensor | None
+    importance_weights: torch.Tensor | None
+    num_items_in_batch: torch.Tensor | int | float | None
+    sampling_logprobs: torch.Tensor | None
+    per_token_kl: torch.Tensor | None = None  # [B, T] exact KL (kl_estimator="exact"), may carry a graph
+
+    def loss(self, logp: torch.Tensor, entropy: torch.Tensor, config: PolicyLossConfig, metrics: bool = True):
+        return policy_loss_from_logprobs(
+            logp, entropy, self.advantages, self.mask, config=config, old_logprobs=self.old_logprobs,
+            ref_logprobs=self.ref_logprobs, importance_weights=self.importance_weights,
+            num_items_in_batch=self.num_items_in_batch, sampling_logprobs=self.sampling_logprobs,
+            per_token_kl=self.per_token_kl, with_metrics=metrics,
+        )
+
+    def constant_kl(self) -> _LossInputs:
+        """The same inputs with the exact KL detached (the one-pass path's per-chunk gradient evaluations)."""
+        if self.per_token_kl is None:
+            return self
+        return dataclasses.replace(self, per_token_kl=self.per_token_kl.detach())
+
+
+def _chunk_budget(V: int, device: torch.device, trained_head: bool, requested: int | None) -> int:
+    """Rows per one-pass chunk: the requested number, else what fits the device's [chunk, V] tile budget."""
+    rows = _TILE_ELEMS.get((device.type, trained_head), 1 << 28) // V
+    # on a GPU, whole 128-row blocks keep the GEMMs on full tiles; a CPU keeps its small tile (memory first)
+    return requested or (max(128, rows // 128 * 128) if device.type == "cuda" else max(1, rows))
+
+
+def _chunks(
+    live: torch.Tensor,  # [B, T] bool: tokens that are scored (in the mask)
+    granularity: str,
+    V: int,
+    device: torch.device,
+    trained_head: bool,
+    requested: int | None,
+) -> list[tuple[int, int]] | None:
+    """One-pass chunks as ranges of *live* rows (row-major order): whole sequences when the loss couples the
+    tokens of a sequence; None when a sequence does not fit in one chunk (then two passes it is)."""
+    budget = _chunk_budget(V, device, trained_head, requested)
+    n_live = int(live.sum())  # one host sync: chunk boundaries are host-side ranges
+    if granularity == "token":
+        return [(c0, min(c0 + budget, n_live)) for c0 in range(0, n_live, budget)]
+    per_seq = live.sum(1).tolist()
+    if max(per_seq, default=0) > budget:
+        return None
+    out, start, size = [], 0, 0
+    for n in per_seq:
+        if size + n > budget:
+            out.append((start, start + size))
+            start, size = start + size, 0
+        size += n
+    if size:
+        out.append((start, start + size))
+    return out
+
+
+def _one_pass(
+    hidden: torch.Tensor,  # [N, H]
+    weight: torch.Tensor,  # [V, H]
+    bias: torch.Tensor | None,  # [V] contiguous
+    targets: torch.Tensor,  # [N], _IGNORE where masked out
+    B: int,
+    T: int,
+    inputs: _LossInputs,
+    config: PolicyLossConfig,
+    tf: LogitTransform,
+    backend: str,
+    chunks: list[tuple[int, int]],  # ranges of live rows (compact), else of all rows
+    need: tuple[bool, bool, bool],
+    compact: bool = True,  # False: no host sync; rows outside the mask are computed (zeroed hidden, no gradient)
+) -> tuple[torch.Tensor, dict, tuple, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    need_h, need_w, need_b = need
+    N, H = hidden.shape
+    V = weight.shape[0]
+    dev = hidden.device
+    cdt = TB.acc_dtype(hidden.dtype)
+    triton = is_triton(backend)
+    if triton:
+        from fastrl.kernels import logits_fold as F
+    live = targets != _IGNORE
+    # live rows only: padding costs nothing and cannot poison grad_W (compact); or every row, with the hidden
+    # states of rows outside the mask zeroed so that whatever they hold cannot reach grad_W either
+    idx = compact_rows(live) if compact else None
+    # The loss is additive in the exact KL, so the per-token gradients w.r.t. logp / entropy do not depend on it:
+    # the chunks treat it as a constant, and its own gradient is taken on the final loss (below).
+    full_inputs, inputs = inputs, inputs.constant_kl()
+    # placeholders for rows not yet computed: ratio 1 against old log-probs, zero entropy
+    if inputs.old_logprobs is not None:
+        logp_all = inputs.old_logprobs.detach().reshape(-1).to(cdt).clone()
+    else:
+        logp_all = torch.zeros(N, dtype=cdt, device=dev)
+    ent_all = torch.zeros(N, dtype=cdt, device=dev)
+
+    grad_h = torch.zeros_like(hidden) if need_h else None
+    grad_w = torch.zeros((V, H), dtype=cdt, device=dev) if need_w else None
+    grad_b = torch.zeros(V, dtype=cdt, device=dev) if need_b else None
+
+    chunk = max((c1 - c0 for c0, c1 in chunks), default=0)
+    zbuf = torch.empty(chunk * V, dtype=cdt, device=dev)
+    stats = torch.empty((4, chunk), dtype=torch.float32, device=dev) if triton else None
+    w_mm = weight if weight.dtype == cdt or triton else None
+    tkw = dict(logit_scale=tf.logit_scale, softcap=tf.softcap, temperature=tf.temperature)
+
+    for c0, c1 in chunks:
+        n = c1 - c0
+        rows = None if idx is None else idx[c0:c1]
+        h_c = hidden[c0:c1] if rows is None else hidden.index_select(0, rows)
+        if not compact:
+            h_c = torch.where(live[c0:c1, None], h_c, torch.zeros((), dtype=h_c.dtype, device=dev))
+        t_c = targets[c0:c1] if rows is None else targets.index_select(0, rows)
+        z = zbuf[: n * V].view(n, V)
+        if triton:
+            # raw logits from cuBLAS in float32; the fold and G kernels apply bias and transform on the fly
+            mm_f32(h_c, weight.T, out=z)
+            st = stats[:, :n]
+            F.fold_tile(z, bias, t_c, 0, st, first=True, with_entropy=True, **tkw)
+            lse, zt, ent = F.finish_stats(st, True)
+        else:
+            TB.chunk_logits(h_c, weight, bias, tf, out=z)
+            lse, zt, ent = TB.stats_from_logits(z, t_c)
+        lp_c = zt - lse
+        if rows is None:
+            logp_all[c0:c1] = lp_c
+            ent_all[c0:c1] = ent
+        else:
+            logp_all.index_copy_(0, rows, lp_c)
+            ent_all.index_copy_(0, rows, ent)
+
+        # per-token loss gradients of this chunk's rows, from the one loss definition
+        lp = logp_all.detach().view(B, T).requires_grad_()
+        en = ent_all.detach().view(B, T).requires_grad_()
+        with torch.enable_grad():
+            loss, _ = inputs.loss(lp, en, config, metrics=False)
+        g_lp, g_en = torch.autograd.grad(loss, [lp, en], allow_unused=True)
+
+        def take(g):
+            if g is None:
+                return None
+            g = g.reshape(-1)
+            return (g[c0:c1] if rows is None else g.index_select(0, rows)).contiguous()
+
+        g_lp, g_en = take(g_lp), take(g_en)
+        if g_lp is None and g_en is None:
+            continue
+
+        if triton:
+            G = F.grad_tile(z, bias, t_c, 0, lse, ent, g_lp, g_en, out_dtype=hidden.dtype, **tkw)
+            h_mm = h_c
+        else:
+            has_grad = torch.zeros(n, dtype=torch.bool, device=dev)
+            for g in (g_lp, g_en):
+                if g is not None:
+                    has_grad |= g != 0
+            G = TB.grad_from_logits_(z, t_c, 0, lse, ent, g_lp, g_en, has_grad, tf)
+            h_mm = TB._f32(h_c)
+        if need_h:
+            if w_mm is not None:
+                gh_c = torch.mm(G, w_mm)
+            else:  # low-precision weight on the torch backend: float32 copies of bounded slices only
+                gh_c = torch.zeros((n, H), dtype=cdt, device=dev)
+                step = TB.tile_columns(n, V)
+                for v0 in range(0, V, step):
+                    gh_c.addmm_(G[:, v0 : v0 + step], TB._f32(weight[v0 : v0 + step]))
+            if rows is None:
+                grad_h[c0:c1] = gh_c
+            else:
+                grad_h.index_copy_(0, rows, gh_c.to(grad_h.dtype))
+        if need_w:
+            addmm_f32(grad_w, G.T, h_mm)
+        if need_b:
+            grad_b += G.sum(0, dtype=cdt)
+
+    # the float32 logits tile (1 GiB at W1) is dead: free it before grad_W's cast allocates its copy
+    del zbuf, stats
+    z = G = None
+    grad_kl = None
+    if full_inputs.per_token_kl is None:
+        with torch.no_grad():
+            loss, metrics = full_inputs.loss(logp_all.view(B, T), ent_all.view(B, T), config)
+    else:
+        # log-probs and entropies enter as constants; d loss / d KL (the loss type's normaliser times beta, per
+        # token) is what the caller's backward hands to the KL's own graph
+        with torch.enable_grad():
+            kl = full_inputs.per_token_kl.detach().requires_grad_()
+            loss, metrics = dataclasses.replace(full_inputs, per_token_kl=kl).loss(
+                logp_all.view(B, T), ent_all.view(B, T), config)
+            (grad_kl,) = torch.autograd.grad(loss, kl)
+        loss = loss.detach()
+    grads = (
+        grad_h,
+        grad_w.to(weight.dtype) if need_w else None,
+        grad_b.to(bias.dtype) if need_b else None,
+    )
+    return loss, metrics, grads, logp_all, ent_all, grad_kl
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the custom op: fastrl::policy_loss_one_pass (the gradients are formed in the forward)
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyOptions:
+    """Scalar options of ``fastrl::policy_loss_one_pass``: the loss config, the logit transform (its
+    temperature is the config's), the backend, which inputs need a gradient, and how rows are chunked.
+
+    ``compact``: the ``chunks`` argument holds ranges of live (in-mask) rows found on the host (eager). False:
+    no host synchronisation: fixed chunks over all rows (``chunk_rows`` rows each, whole sequences when the loss
+    couples a sequence's tokens), rows outside the mask computed with zeroed hidden states and no gradient.
+    """
+
+    logit_scale: float = 1.0
+    softcap: Optional[float] = None
+    backend: str = "torch"
+    need_hidden: bool = True
+    need_weight: bool = True
+    need_bias: bool = False
+    compact: bool = True
+    chunk_rows: int = 1
+
+    def pack(self, config: PolicyLossConfig) -> tuple[str, list[float], list[int]]:
+        """These options and the loss config, as the op's three option arguments."""
+        return _pack(((self, _POLICY_LAYOUT), (config, _CONFIG_LAYOUT)))
+
+    @staticmethod
+    def unpack(strs: str, floats, ints) -> tuple[PolicyOptions, PolicyLossConfig]:
+        return _policy_options(strs, _key(floats), tuple(ints))
+
+    @staticmethod
+    def unpack_symbolic(strs: str, floats, ints) -> tuple[types.SimpleNamespace, types.SimpleNamespace]:
+        """As ``LinearOptions.unpack_symbolic``: unvalidated attributes, for fake implementations."""
+        d_opts, d_config = _unpack(strs, floats, ints, (_POLICY_LAYOUT, _CONFIG_LAYOUT))
+        return types.SimpleNamespace(**d_opts), types.SimpleNamespace(**d_config)
+
+    def tf(self, config: PolicyLossConfig) -> LogitTransform:
+        return LogitTransform(temperature=config.temperature, logit_scale=self.logit_scale, softcap=self.softcap)
+
+
+_POLICY_LAYOUT = _layout(PolicyOptions)
+_CONFIG_LAYOUT = _layout(PolicyLossConfig)
+
+
+@functools.lru_cache(maxsize=256)
+def _policy_options(strs: str, floats: tuple, ints: tuple) -> tuple[PolicyOptions, PolicyLossConfig]:
+    floats = tuple(math.nan if x is None else x for x in floats)
+    d_opts, d_config = _unpack(strs, floats, ints, (_POLICY_LAYOUT, _CONFIG_LAYOUT))
+    return PolicyOptions(**d_opts), PolicyLossConfig(**d_config)
+
+
+def metric_keys(config: PolicyLossConfig) -> tuple[str, ...]:
+    """The metric names ``policy_loss_from_logprobs`` returns for ``config`` when entropies are given (their
+    order there). The one-pass op returns the metrics as one [M] tensor in this order; the op checks at run
+    time that the arithmetic returned exactly these names, so the two cannot drift apart silently."""
+    keys = []
+    if config.entropy_coef != 0.0:
+        keys += ["policy_loss", "entropy_coef"]
+    if config.beta != 0.0:
+        keys.append("kl")
+    keys.append("entropy")
+    if config.loss_type in CLIPPED_LOSS_TYPES:
+        keys += ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min",
+                 "clip_ratio/high_max", "policy/clipfrac_avg"]
+    elif config.loss_type == "cispo":
+        keys += ["cispo_clip_ratio", "policy/clipfrac_avg"]
+    elif config.loss_type == "vespo":
+        keys.append("vespo/phi_seq_mean")
+    keys += ["policy/approxkl_avg", "policy/entropy_avg", "val/ratio", "val/ratio_var"]
+    return tuple(keys)
+
+
+def fixed_chunks(B: int, T: int, granularity: str, chunk_rows: int) -> list[tuple[int, int]]:
+    """Row ranges over all B*T rows, chosen from shapes only (the no-sync path): ``chunk_rows`` tokens, or as many
+    whole sequences as fit (the caller has checked that one does)."""
+    N = B * T
+    step = chunk_rows if granularity == "token" else max(1, chunk_rows // T) * T
+    return [(c0, min(c0 + step, N)) for c0 in range(0, N, step)]
+
+
+@_op("policy_loss_one_pass")
+def policy_loss_one_pass(
+    hidden: torch.Tensor,  # [B, T, H]
+    weight: torch.Tensor,  # [V, H]
+    bias: Optional[torch.Tensor],  # [V]
+    targets: torch.Tensor,  # [B, T] int64, -100 outside the mask
+    advantages: torch.Tensor,  # [B] or [B, T]
+    mask: torch.Tensor,  # [B, T]
+    old_logprobs: Optional[torch.Tensor],
+    ref_logprobs: Optional[torch.Tensor],
+    importance_weights: Optional[torch.Tensor],
+    num_items_in_batch: Optional[torch.Tensor],  # 0-dim
+    sampling_logprobs: Optional[torch.Tensor],
+    per_token_kl: Optional[torch.Tensor],  # [B, T] the exact KL (kl_estimator="exact"), differentiable outside
+    chunks: list[int],  # flattened (c0, c1) ranges of live rows (compact), or [] (no-sync: fixed chunks)
+    opt_str: str,  # PolicyOptions.pack(config)
+    opt_float: list[float],
+    opt_int: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor]:
+    # (loss [], metrics [M] in metric_keys order, grad hidden [B, T, H], grad weight [V, H], grad bias [V]
+    #  (each [0] when not needed), logprobs [B*T], entropy [B*T], d loss / d per_token_kl [B, T] (or [0]))
+    o, config = PolicyOptions.unpack(opt_str, opt_float, opt_int)
+    B, T, H = hidden.shape
+    h2 = hidden.reshape(B * T, H)
+    if h2.stride(-1) != 1:
+        h2 = h2.contiguous()
+    t2 = targets.reshape(-1)
+    if o.compact:
+        pairs = list(zip(chunks[0::2], chunks[1::2]))
+    else:
+        pairs = fixed_chunks(B, T, config.one_pass_granularity, o.chunk_rows)
+    inputs = _LossInputs(advantages, mask, old_logprobs, ref_logprobs, importance_weights, num_items_in_batch,
+                         sampling_logprobs, per_token_kl)
+    need = (o.need_hidden, o.need_weight, o.need_bias and bias is not None)
+    with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False), _autograd_inside():
+        loss, metrics, grads, logp_all, ent_all, grad_kl = _one_pass(
+            h2, weight, bias, t2, B, T, inputs, config, o.tf(config), o.backend, pairs, need, compact=o.compact,
+        )
+    keys = metric_keys(config)
+    assert tuple(metrics) == keys, f"metric_keys drifted from the loss arithmetic: {tuple(metrics)} vs {keys}"
+    gh, gw, gb = grads
+    return (
+        loss, torch.stack([metrics[k] for k in keys]),
+        gh.view(B, T, H) if gh is not None else _empty(hidden),
+        gw if gw is not None else _empty(weight),
+        gb if gb is not None else _empty(hidden),
+        logp_all, ent_all,
+        grad_kl if grad_kl is not None else hidden.new_empty((0,), dtype=_acc(hidden.dtype)),
+    )
+
+
+@policy_loss_one_pass.register_fake
+def _(hidden, weight, bias, targets, advantages, mask, old_logprobs, ref_logprobs, importance_weights,
+      num_items_in_batch, sampling_logprobs, per_token_kl, chunks, opt_str, opt_float, opt_int):
+    o, config = PolicyOptions.unpack_symbolic(opt_str, opt_float, opt_int)
+    B, T, _ = hidden.shape
+    cdt = _acc(hidden.dtype)
+    return (
+        hidden.new_empty((), dtype=cdt),
+        hidden.new_empty((len(metric_keys(config)),), dtype=cdt),
+        torch.empty_like(hidden) if o.need_hidden else _empty(hidden),
+        torch.empty_like(weight) if o.need_weight else _empty(weight),
+        torch.empty_like(bias) if o.need_bias and bias is not None else _empty(hidden),
+        hidden.new_empty((B * T,), dtype=cdt),
+        hidden.new_empty((B * T,), dtype=cdt),
+        hidden.new_empty((B, T), dtype=cdt) if per_token_kl is not None else hidden.new_empty((0,), dtype=cdt),
+    )
+
+
+_KL_INPUT = 11  # position of per_token_kl among policy_loss_one_pass's 16 inputs
+
+
+def _policy_setup(ctx, inputs, output):
+    _, metrics, gh, gw, gb, logp, ent, grad_kl = output
+    # the gradients were formed in the forward: backward only scales them (PyTorch's rules for saved tensors
+    # hold: a second backward through a retained graph hands them out again, a freed graph raises)
+    ctx.save_for_backward(gh, gw, gb, grad_kl)
+    ctx.mark_non_differentiable(metrics, gh, gw, gb, logp, ent, grad_kl)
+    ctx.set_materialize_grads(False)
+
+
+def _policy_backward(ctx, grad_loss, *_unused):
+    _refuse_double_backward("fastrl.policy_loss")
+    gh, gw, gb, grad_kl = ctx.saved_tensors
+    need = ctx.needs_input_grad[:3]
+    if grad_loss is None:
+        return (None,) * 16
+
+    def scale(g, needed):
+        return g * grad_loss.to(g.dtype) if needed and g.numel() else None
+
+    grads = [scale(gh, need[0]), scale(gw, need[1]), scale(gb, need[2])] + [None] * 13
+    grads[_KL_INPUT] = scale(grad_kl, ctx.needs_input_grad[_KL_INPUT])  # into the exact KL's own graph
+    return tuple(grads)
+
+
+policy_loss_one_pass.register_autograd(_policy_backward, setup_context=_policy_setup)
