@@ -200,3 +200,29 @@ def test_double_backward_raises():
         div = fastrl.fused_divergence(x["h"], x["w"], x["th"], x["tw"], beta=0.5, mask=x["mask"], **kw)
         with pytest.raises(DoubleBackwardError, match=r"fastrl.fused_divergence does not support double backward"):
             torch.autograd.grad(div.sum(), x["h"], create_graph=True)
+
+
+def test_policy_loss_exact_kl_traces_whole():
+    """policy_loss(kl_estimator="exact") reaches fused_divergence: now one graph, compiled == eager."""
+    torch._dynamo.reset()
+    x = inputs()
+    g = torch.Generator().manual_seed(3)
+    targets = torch.randint(0, V, (B, T), generator=g)
+    old, adv = -3.0 + 0.3 * torch.randn(B, T, generator=g), torch.randn(B, generator=g)
+    ref_h = torch.randn(B, T, H, generator=g)
+    cfg = fastrl.PolicyLossConfig(loss_type="grpo", beta=0.04, kl_estimator="exact", temperature=0.7)
+
+    def fn(h, w, bias):
+        return (fastrl.policy_loss(h, w, targets, adv, x["mask"], config=cfg, old_logprobs=old, bias=bias,
+                                   ref_hidden=ref_h, ref_weight=x["w"].detach() + 0.1, ref_bias=x["tb"],
+                                   backend="torch")[0],)
+
+    args = (x["h"], x["w"], x["bias"])  # NaN in a masked row of hidden
+    explained = torch._dynamo.explain(fn)(*args)
+    assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    (got,), (want,) = compiled(*args), fn(*args)
+    assert rel(got, want) <= REL
+    for a, b in zip(torch.autograd.grad(compiled(*args)[0], args), torch.autograd.grad(fn(*args)[0], args)):
+        assert torch.isfinite(a).all() and rel(a, b) <= REL
