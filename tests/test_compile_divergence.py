@@ -3,7 +3,7 @@
 * compiled == eager (outputs and the student's gradients, float32, <= 1e-6 relative), ``fullgraph=True``, for
   beta in {0, 0.5, 1} with biases, softcaps, logit scales, a temperature, a mask and NaN in masked rows: all three
   in one aot_eager graph, beta=0.5 under inductor with ``dynamic=True`` over three token counts (at most one
-  recompile), and with a ``KeptSet`` support. Eager drops masked rows before the op (host sync); compiled, the op
+  recompile), with a ``KeptSet`` support, and on the Triton hybrid backend (interpreted). Eager drops masked rows before the op (host sync); compiled, the op
   computes every row with the mask inside it: so this also checks the two paths against each other.
 * zero graph breaks (``torch._dynamo.explain``), with and without a support.
 * ``torch.library.opcheck`` on both ops, with and without a support and a mask.
@@ -116,6 +116,26 @@ def test_inductor_dynamic_token_counts():
     for b, t in ((B, T), (B + 1, T + 3), (B + 2, T - 2)):
         check_outputs_and_grads(compiled, fn, inputs(b, t, seed=b))
     assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])  # the first graph + one recompile
+
+
+@pytest.mark.interpreter
+def test_triton_backend_compiled_equals_eager(monkeypatch):
+    """The hybrid Triton kernels (interpreted) inside the compiled op, masked rows (NaN) computed with the mask."""
+    from fastrl.kernels import divergence_fold as K
+    from fastrl.ops import divergence_hybrid, hybrid
+
+    monkeypatch.setattr(divergence_hybrid, "COLUMNS", 256)
+    monkeypatch.setattr(K, "BLOCK_C", 128)
+    monkeypatch.setattr(hybrid, "ROWS", 16)
+    monkeypatch.setattr(hybrid, "MAX_ROWS", 16)
+    torch._dynamo.reset()
+
+    def fn(h, w, bias, th, tw, tb, mask):
+        div, ent = fastrl.fused_divergence(h, w, th, tw, beta=0.5, bias=bias, teacher_bias=tb, mask=mask,
+                                           with_entropy=True, backend="triton-hybrid", **TF)
+        return div, ent
+
+    check_outputs_and_grads(torch.compile(fn, fullgraph=True, backend="aot_eager"), fn, inputs())
 
 
 @pytest.mark.parametrize("k", (None, 9))
