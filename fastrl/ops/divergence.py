@@ -1,4 +1,4 @@
-"""Fused divergence between two LM heads (student and teacher): the autograd Function and the public function.
+"""Fused divergence between two LM heads (student and teacher): the ``torch.library`` ops and the public function.
 
 Per token, student ``p_s = softmax(z_s)`` and teacher ``p_t = softmax(z_t)``, each from its own hidden state and
 head (``z = softcap(scale * (h W^T + b)) / T``, the same transform as ``fused_logprobs``; the hidden widths may
@@ -22,25 +22,51 @@ heads and forms the student's ``G = dD/dy`` (docs/design.md, "Divergences"):
 The teacher receives no gradient. Tokens whose ``mask`` is 0 are dropped before any GEMM (``compact_rows``).
 With ``support=`` (a ``KeptSet``) both distributions are renormalised over each token's kept ids: per chunk of
 tokens the union of their ids is gathered from both heads and the ids a token did not keep are masked, O(N K H).
+
+Autograd and ``torch.compile`` see two custom ops (``fastrl.ops.custom_ops``'s machinery: options packed into
+``(str, float[], int[])`` from ``DivergenceOptions``, a fake implementation, a registered backward):
+``torch.ops.fastrl.divergence`` (forward: divergence, entropy and what the backward needs) and
+``torch.ops.fastrl.divergence_backward`` (the student's gradients). A ``KeptSet`` crosses the op boundary as its
+two CSR tensors (``ids``, ``offsets``) with ``vocab_size`` among the options. In eager, ``fused_divergence`` drops
+masked tokens before the op (one host sync); while ``torch.compile`` traces it hands the op every row and the mask
+(``active``): masked rows are computed with both models' hidden states replaced by zeros (whatever they hold,
+NaN included, cannot reach an output or a gradient) and give 0 and no gradient. So ``fullgraph=True`` and
+``dynamic=True`` trace it with no graph break. Without a support the op reads nothing on the host (CUDA-graph
+safe); with one it sizes its token chunks on the host inside the op (opaque to dynamo, so still no graph break,
+but not capturable in a CUDA graph).
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import types
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
 from fastrl.ops._checks import autocast_inputs, check_head, dense_bias
 from fastrl.ops.backend import is_triton, resolve_backend
-from fastrl.ops.config import LogitTransform
+from fastrl.ops.config import LogitTransform, _finite
+from fastrl.ops.custom_ops import (
+    DoubleBackwardError,  # noqa: F401  (raised by the backward below, through _refuse_double_backward)
+    _acc,
+    _empty,
+    _key,
+    _layout,
+    _op,
+    _pack,
+    _refuse_double_backward,
+    _unpack,
+)
 from fastrl.ops.divergence_stats import FORWARD_KL, JSD, REVERSE_KL, finish_stats, finite_max
-from fastrl.ops.linear_logprob import compact_rows, unit_stride
+from fastrl.ops.linear_logprob import compact_rows, host_sync_enabled, unit_stride
 from fastrl.ops.support import KeptSet, _token_name
 from fastrl.ops.torch_backend import acc_dtype, tile_columns
 
-__all__ = ["fused_divergence", "divergence_forward", "divergence_backward", "DivergenceFunction"]
+__all__ = ["fused_divergence", "divergence_forward", "divergence_backward", "DivergenceOptions", "divergence_op",
+           "divergence_backward_op"]
 
 # float32 elements per [rows, cols] tile; 5 such tiles are alive at once (both heads' logits and 3 scratch tiles).
 # 1M elements (4 MB) keeps the elementwise passes in the CPU's L2/L3 while the GEMMs still get >= 128 columns.
@@ -50,16 +76,57 @@ _TINY = torch.finfo(torch.float32).tiny  # log(m) where both probabilities under
 
 
 @dataclass(frozen=True)
-class _Options:
-    beta: float
-    student: LogitTransform
-    teacher: LogitTransform
-    with_entropy: bool
-    backend: str  # concrete backend name
+class DivergenceOptions:
+    """Scalar options of ``fastrl::divergence`` and its backward (see ``fused_divergence``), packed into the ops'
+    ``(str, float[], int[])`` arguments by ``pack``. ``vocab_size``: the support's V when a ``KeptSet`` travels as
+    the ops' ``support_ids`` / ``support_offsets`` (None without one)."""
+
+    beta: float = 1.0
+    temperature: float = 1.0
+    logit_scale: float = 1.0
+    softcap: Optional[float] = None
+    teacher_logit_scale: float = 1.0
+    teacher_softcap: Optional[float] = None
+    with_entropy: bool = False
+    backend: str = "torch"  # concrete backend name
+    vocab_size: Optional[int] = None
+
+    @functools.cached_property
+    def student(self) -> LogitTransform:
+        return LogitTransform(temperature=self.temperature, logit_scale=self.logit_scale, softcap=self.softcap)
+
+    @functools.cached_property
+    def teacher(self) -> LogitTransform:
+        return LogitTransform(temperature=self.temperature, logit_scale=self.teacher_logit_scale,
+                              softcap=self.teacher_softcap)
 
     @property
     def mode(self) -> int:
         return FORWARD_KL if self.beta == 0.0 else REVERSE_KL if self.beta == 1.0 else JSD
+
+    def pack(self) -> tuple[str, list[float], list[int]]:
+        return _pack(((self, _DIV_LAYOUT),))
+
+    @staticmethod
+    def unpack(strs: str, floats, ints) -> DivergenceOptions:
+        return _divergence_options(strs, _key(floats), tuple(ints))
+
+    @staticmethod
+    def unpack_symbolic(strs: str, floats, ints) -> types.SimpleNamespace:
+        """The fields as attributes, unvalidated (a float may be symbolic under ``dynamic=True``): fake
+        implementations and ``setup_context`` read these."""
+        (d,) = _unpack(strs, floats, ints, (_DIV_LAYOUT,))
+        return types.SimpleNamespace(**d)
+
+
+_DIV_LAYOUT = _layout(DivergenceOptions)
+
+
+@functools.lru_cache(maxsize=256)
+def _divergence_options(strs: str, floats: tuple, ints: tuple) -> DivergenceOptions:
+    floats = tuple(math.nan if x is None else x for x in floats)
+    (d,) = _unpack(strs, floats, ints, (_DIV_LAYOUT,))
+    return DivergenceOptions(**d)
 
 
 @dataclass
@@ -187,7 +254,7 @@ def _jsd_terms(zs, zt, lse_s, lse_t, beta: float, keep, bufs) -> tuple[torch.Ten
 
 
 def divergence_forward(
-    student: _Head, teacher: _Head, support: KeptSet | None, opts: _Options,
+    student: _Head, teacher: _Head, support: KeptSet | None, opts: DivergenceOptions,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(divergence [N], entropy [N] | None, lse_s [N], lse_t [N], aux [N]): aux is the KL for the KL modes and
     KL(p_s || m) for the JSD (what the backward needs)."""
@@ -218,7 +285,7 @@ def divergence_forward(
     return div, entropy, lse_s, lse_t, aux
 
 
-def _student_grad(zs, zt, lse_s, lse_t, aux, entropy, gd, ge, opts: _Options, keep, bufs) -> torch.Tensor:
+def _student_grad(zs, zt, lse_s, lse_t, aux, entropy, gd, ge, opts: DivergenceOptions, keep, bufs) -> torch.Tensor:
     """G = dL/dy_s over one tile [R, C] for ``L = sum gd * D + ge * H``; overwrites zs, zt (G lands in one of them)."""
     dzdy = opts.student.dz_dy(zs)  # a float, or a tile with a softcap (taken before zs is reused)
     if keep is not None:
@@ -249,7 +316,7 @@ def _student_grad(zs, zt, lse_s, lse_t, aux, entropy, gd, ge, opts: _Options, ke
 
 
 def divergence_backward(
-    student: _Head, teacher: _Head, support: KeptSet | None, opts: _Options,
+    student: _Head, teacher: _Head, support: KeptSet | None, opts: DivergenceOptions,
     lse_s: torch.Tensor, lse_t: torch.Tensor, aux: torch.Tensor, entropy: torch.Tensor | None,
     grad_div: torch.Tensor | None, grad_ent: torch.Tensor | None,  # [N] compute dtype
     need: tuple[bool, bool, bool],  # (hidden, weight, bias)
@@ -304,13 +371,13 @@ def divergence_backward(
     )
 
 
-def _hybrid(opts: _Options, support: KeptSet | None) -> bool:
+def _hybrid(opts: DivergenceOptions, support: KeptSet | None) -> bool:
     """The Triton backends run the hybrid kernels (cuBLAS tiles, one Triton pass over both heads'); the kept-set
     path gathers ids per token chunk and runs on the torch implementation on every backend."""
     return is_triton(opts.backend) and support is None
 
 
-def _forward(h, w, b, ht, wt, bt, support, opts: _Options):
+def _forward(h, w, b, ht, wt, bt, support, opts: DivergenceOptions):
     if _hybrid(opts, support):
         from fastrl.ops import divergence_hybrid
 
@@ -320,53 +387,175 @@ def _forward(h, w, b, ht, wt, bt, support, opts: _Options):
     return divergence_forward(_Head(h, w, b, opts.student, cdt), _Head(ht, wt, bt, opts.teacher, cdt), support, opts)
 
 
-class DivergenceFunction(torch.autograd.Function):
-    """(hidden [N,H], weight [V,H], bias, teacher_hidden [N,H_t], teacher_weight [V,H_t], teacher_bias, support,
-    opts) -> (divergence [N], entropy [N] | None). Every row is a counted token; the teacher gets no gradient."""
+# ---------------------------------------------------------------------------------------------------------
+# fastrl::divergence and fastrl::divergence_backward
+# ---------------------------------------------------------------------------------------------------------
 
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, support, opts):
-        div, ent, lse_s, lse_t, aux = _forward(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias,
-                                               support, opts)
-        ctx.save_for_backward(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, lse_s, lse_t, aux,
-                              ent)
-        ctx.support, ctx.opts = support, opts
-        ctx.set_materialize_grads(False)
-        return div, ent
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_div, grad_ent):
-        hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, lse_s, lse_t, aux, ent = ctx.saved_tensors
-        need = tuple(ctx.needs_input_grad[:3])
-        none = (None,) * 5
-        if (grad_div is None and grad_ent is None) or not any(need):
-            return (None, None, None) + none
-        opts: _Options = ctx.opts
-        cdt = lse_s.dtype
-        if hidden.shape[0] == 0:  # every token masked: nothing flows back
-            return (torch.zeros_like(hidden) if need[0] else None, torch.zeros_like(weight) if need[1] else None,
-                    torch.zeros_like(bias) if need[2] else None) + none
-        grad_div = None if grad_div is None else grad_div.to(cdt).contiguous()
-        grad_ent = None if grad_ent is None else grad_ent.to(cdt).contiguous()
-        with torch.autocast(hidden.device.type, enabled=False):
-            if _hybrid(opts, ctx.support):
-                from fastrl.ops import divergence_hybrid
+def _support(ids: torch.Tensor | None, offsets: torch.Tensor | None, opts: DivergenceOptions) -> KeptSet | None:
+    """The KeptSet that crossed the op boundary as its CSR tensors (validated by the public function)."""
+    if ids is None:
+        return None
+    return KeptSet(ids, offsets, opts.vocab_size, validate=False)
 
-                gh, gw, gb = divergence_hybrid.backward(
-                    _Head(hidden, weight, bias, opts.student, None),
-                    _Head(teacher_hidden, teacher_weight, teacher_bias, opts.teacher, None), opts, opts.mode,
-                    lse_s, lse_t, aux, ent, grad_div, grad_ent, need)
-                return (gh, gw, gb) + none
-            student = _Head(hidden, weight, bias, opts.student, cdt)
-            teacher = _Head(teacher_hidden, teacher_weight, teacher_bias, opts.teacher, cdt)
-            gh, gw, gb = divergence_backward(student, teacher, ctx.support, opts, lse_s, lse_t, aux, ent, grad_div,
-                                             grad_ent, need)
-        return (gh, gw, gb) + none
+
+def _zero_rows(active: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """``x`` [N, ...] with the rows outside ``active`` replaced by zeros (nothing they hold reaches a result)."""
+    if active is None:
+        return x
+    return torch.where(active.view(-1, *([1] * (x.dim() - 1))), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _check_support_rows(support: KeptSet, active: torch.Tensor | None) -> None:
+    # reached under torch.compile (the public function checks this in eager, naming the token by its position);
+    # a host read inside the op, which dynamo does not see
+    empty = support.sizes() == 0
+    if active is not None:
+        empty &= active
+    if bool(empty.any()):
+        raise ValueError(f"support is empty at counted token {int(empty.nonzero()[0, 0])} (flattened): every counted "
+                         "token must keep at least one id")
+
+
+@_op("divergence")
+def divergence_op(
+    hidden: torch.Tensor,  # [N, H] the student
+    weight: torch.Tensor,  # [V, H]
+    bias: Optional[torch.Tensor],  # [V]
+    teacher_hidden: torch.Tensor,  # [N, H_t]
+    teacher_weight: torch.Tensor,  # [V, H_t]
+    teacher_bias: Optional[torch.Tensor],  # [V]
+    active: Optional[torch.Tensor],  # [N] bool: counted rows (None: every row counts)
+    support_ids: Optional[torch.Tensor],  # a KeptSet's CSR ids [nnz] and offsets [N + 1], or None
+    support_offsets: Optional[torch.Tensor],
+    opt_str: str,  # DivergenceOptions.pack()
+    opt_float: list[float],
+    opt_int: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # divergence [N], entropy [N] (or [0]), lse_s [N], lse_t [N], aux [N] (what the backward reads): the compute
+    # dtype; rows outside ``active`` give 0
+    o = DivergenceOptions.unpack(opt_str, opt_float, opt_int)
+    N = hidden.shape[0]
+    if N == 0:  # distinct empty outputs (an op's outputs may not alias one another)
+        return tuple(hidden.new_zeros((0,), dtype=_acc(hidden.dtype)) for _ in range(5))
+    support = _support(support_ids, support_offsets, o)
+    if support is not None:
+        _check_support_rows(support, active)
+    h, ht = _zero_rows(active, hidden), _zero_rows(active, teacher_hidden)
+    with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
+        div, ent, lse_s, lse_t, aux = _forward(h, weight, bias, ht, teacher_weight, teacher_bias, support, o)
+    if active is not None:
+        div, aux = _zero_rows(active, div), _zero_rows(active, aux)
+        ent = None if ent is None else _zero_rows(active, ent)
+    elif aux is div:  # the KLs: the divergence is what the backward reads
+        aux = div.clone()
+    return div, (ent if ent is not None else _empty(div)), lse_s, lse_t, aux
+
+
+@divergence_op.register_fake
+def _(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, active, support_ids, support_offsets,
+      opt_str, opt_float, opt_int):
+    o = DivergenceOptions.unpack_symbolic(opt_str, opt_float, opt_int)
+    div = hidden.new_empty((hidden.shape[0],), dtype=_acc(hidden.dtype))
+    return (div, torch.empty_like(div) if o.with_entropy else _empty(div), torch.empty_like(div),
+            torch.empty_like(div), torch.empty_like(div))
+
+
+_DIV_INPUTS = 12  # inputs of fastrl::divergence
+
+
+def _divergence_setup(ctx, inputs, output):
+    hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, active, ids, offsets, *options = inputs
+    _, ent, lse_s, lse_t, aux = output
+    ctx.save_for_backward(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, active, ids, offsets,
+                          lse_s, lse_t, aux, ent)
+    ctx.options = options
+    ctx.with_entropy = bool(DivergenceOptions.unpack_symbolic(*options).with_entropy)
+    ctx.mark_non_differentiable(lse_s, lse_t, aux)
+    ctx.set_materialize_grads(False)  # an output whose gradient is not needed costs no backward work
+
+
+def _divergence_backward(ctx, grad_div, grad_ent, _grad_lse_s, _grad_lse_t, _grad_aux):
+    _refuse_double_backward("fastrl.fused_divergence")
+    hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, active, ids, offsets, lse_s, lse_t, aux, ent = (
+        ctx.saved_tensors)
+    if not ctx.with_entropy:  # no entropy was computed: nothing flows back through its (empty) output
+        grad_ent, ent = None, None
+    need = tuple(ctx.needs_input_grad[:3])  # the teacher's inputs never need one (read detached)
+    if grad_div is None and grad_ent is None or not any(need):
+        return (None,) * _DIV_INPUTS
+    gh, gw, gb = torch.ops.fastrl.divergence_backward(
+        grad_div, grad_ent, hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, active, ids, offsets,
+        lse_s, lse_t, aux, ent, *ctx.options, *need)
+    return (gh if need[0] else None, gw if need[1] else None, gb if need[2] else None) + (None,) * (_DIV_INPUTS - 3)
+
+
+divergence_op.register_autograd(_divergence_backward, setup_context=_divergence_setup)
+
+
+@_op("divergence_backward")
+def divergence_backward_op(
+    grad_div: Optional[torch.Tensor],  # [N]
+    grad_entropy: Optional[torch.Tensor],  # [N]
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    teacher_bias: Optional[torch.Tensor],
+    active: Optional[torch.Tensor],
+    support_ids: Optional[torch.Tensor],
+    support_offsets: Optional[torch.Tensor],
+    lse_s: torch.Tensor,  # [N] the forward op's outputs
+    lse_t: torch.Tensor,
+    aux: torch.Tensor,
+    entropy: Optional[torch.Tensor],
+    opt_str: str,
+    opt_float: list[float],
+    opt_int: list[int],
+    need_hidden: bool,
+    need_weight: bool,
+    need_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # grad hidden [N, H], weight [V, H], bias [V] (each [0] if not needed)
+    o = DivergenceOptions.unpack(opt_str, opt_float, opt_int)
+    need = (need_hidden, need_weight, need_bias and bias is not None)
+    if hidden.shape[0] == 0:  # no token: nothing flows back
+        return (torch.zeros_like(hidden) if need[0] else _empty(hidden),
+                torch.zeros_like(weight) if need[1] else _empty(weight),
+                torch.zeros_like(bias) if need[2] else _empty(hidden))
+    cdt = lse_s.dtype
+
+    def prep(g):  # the compute dtype, zero at rows outside active (their G is then exactly 0)
+        return None if g is None else _zero_rows(active, g.to(cdt)).contiguous()
+
+    gd, ge = prep(grad_div), prep(grad_entropy)
+    support = _support(support_ids, support_offsets, o)
+    h, ht = _zero_rows(active, hidden), _zero_rows(active, teacher_hidden)
+    with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
+        if _hybrid(o, support):
+            from fastrl.ops import divergence_hybrid
+
+            gh, gw, gb = divergence_hybrid.backward(
+                _Head(h, weight, bias, o.student, None), _Head(ht, teacher_weight, teacher_bias, o.teacher, None),
+                o, o.mode, lse_s, lse_t, aux, entropy, gd, ge, need)
+        else:
+            gh, gw, gb = divergence_backward(
+                _Head(h, weight, bias, o.student, cdt), _Head(ht, teacher_weight, teacher_bias, o.teacher, cdt),
+                support, o, lse_s, lse_t, aux, entropy, gd, ge, need)
+    return (gh if gh is not None else _empty(hidden), gw if gw is not None else _empty(weight),
+            gb if gb is not None else _empty(hidden))
+
+
+@divergence_backward_op.register_fake
+def _(grad_div, grad_entropy, hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, active, support_ids,
+      support_offsets, lse_s, lse_t, aux, entropy, opt_str, opt_float, opt_int, need_hidden, need_weight, need_bias):
+    return (torch.empty_like(hidden) if need_hidden else _empty(hidden),
+            torch.empty_like(weight) if need_weight else _empty(weight),
+            torch.empty_like(bias) if need_bias and bias is not None else _empty(hidden))
 
 
 def _check_number(name: str, v, lo: float | None = None, hi: float | None = None) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v):
         raise ValueError(f"{name} must be a finite number, got {v!r}")
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         raise ValueError(f"{name} must be in [{lo}, {hi}], got {v!r}")
@@ -377,7 +566,7 @@ def _transform(temperature, logit_scale, softcap, prefix: str) -> LogitTransform
     for name, v in (("logit_scale", logit_scale), ("softcap", softcap)):
         if name == "softcap" and v is None:
             continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v) or v <= 0:
             raise ValueError(f"{prefix}{name} must be {'None or ' if name == 'softcap' else ''}a finite number > 0, "
                              f"got {v!r}")
     return LogitTransform(temperature=temperature, logit_scale=logit_scale, softcap=softcap)
@@ -438,11 +627,11 @@ def fused_divergence(
         teacher_hidden, teacher_weight, teacher_bias: the teacher, with its own hidden width ``H_t`` and the same
             vocabulary ``V`` and leading shape. It gets no gradient (its tensors are read detached).
         beta: in [0, 1]. temperature: > 0, divides both models' logits.
-        mask: hidden's leading shape, any dtype (nonzero = counted). Masked tokens give 0 and no gradient, and are
-            never computed.
+        mask: hidden's leading shape, bool or 0/1 of any dtype (nonzero = counted). Masked tokens give 0 and no
+            gradient; in eager they are never computed (dropped first, one host sync).
         with_entropy: also return the student's entropy (differentiable).
         check_finite: raise ``FloatingPointError`` naming the first counted token whose divergence or entropy is
-            not finite and the input at fault.
+            not finite and the input at fault (eager only: skipped while ``torch.compile`` traces).
         backend: as ``fused_logprobs`` ("torch", the CPU default; "triton" / "triton-hybrid", the CUDA default:
             cuBLAS float32 tiles of both heads and one Triton pass over the pair, ``divergence_hybrid``;
             "triton-fused" runs the hybrid kernels too). With ``support`` the torch implementation runs.
@@ -452,6 +641,15 @@ def fused_divergence(
     Returns:
         ``divergence`` of ``mask``'s shape (hidden's leading shape without a mask), float32 (float64 for float64
         inputs); ``(divergence, entropy)`` with ``with_entropy=True``.
+
+    Under ``torch.compile``: one custom op (``torch.ops.fastrl.divergence``, its backward
+    ``fastrl::divergence_backward``), traced with ``fullgraph=True`` and ``dynamic=True`` with no graph break. While
+    compiling nothing here reads the host: masked tokens are computed with zeroed hidden states (both models) and
+    give 0 and no gradient instead of being dropped, the mask's 0/1 check and ``check_finite`` are skipped (a
+    non-finite value shows as such downstream, with no exception naming it). Without ``support`` the op holds no
+    host read (CUDA-graph capturable); with one it reads the kept sets on the host inside the op (still no graph
+    break, but not CUDA-graph safe) and raises there for an empty set at a counted token. Double backward
+    (``create_graph=True``) raises ``fastrl.ops.custom_ops.DoubleBackwardError``.
 
     Memory beyond inputs and outputs: O(N) statistics plus bounded tiles of each model (no ``[N, V]``, no float32
     ``[V, H]``). Cost: the KLs 2N(H+H_t)V FLOPs forward, the JSD twice that (a statistics pass first); the backward
@@ -471,6 +669,7 @@ def fused_divergence(
         div = fastrl.fused_divergence(hidden, head.weight, teacher_hidden, teacher_head.weight, beta=0.5, mask=mask)
         (div.sum() / mask.sum()).backward()  # TRL's DistillationTrainer loss; grads to hidden and head.weight
     """
+    sync = host_sync_enabled(None)  # False while torch.compile traces: no host read here
     hidden, weight, bias = autocast_inputs(hidden, weight, bias)
     teacher_hidden, teacher_weight, teacher_bias = autocast_inputs(teacher_hidden, teacher_weight, teacher_bias)
     check_head(hidden, weight, bias, hidden_name="hidden", weight_name="weight", bias_name="bias")
@@ -497,7 +696,7 @@ def fused_divergence(
             raise ValueError(f"mask must have hidden's leading shape {lead}, got {tuple(mask.shape)}")
         if mask.device != hidden.device:
             raise ValueError(f"mask must be on hidden's device {hidden.device}, got {mask.device}")
-        if mask.dtype != torch.bool:
+        if mask.dtype != torch.bool and sync:  # under compile: skipped (any nonzero value counts)
             odd = (mask != 0) & (mask != 1)
             if bool(odd.any()):
                 pos = tuple(int(i) for i in odd.nonzero()[0])
@@ -507,7 +706,7 @@ def fused_divergence(
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     N = math.prod(lead)
-    active = (mask.reshape(-1) != 0) if mask is not None else torch.ones(N, dtype=torch.bool, device=hidden.device)
+    active = (mask.reshape(-1) != 0) if mask is not None else None
     if support is not None:
         if not isinstance(support, KeptSet):
             raise TypeError(f"support must be a fastrl.KeptSet or None, got {type(support).__name__}")
@@ -517,37 +716,45 @@ def fused_divergence(
             raise ValueError(f"support has {len(support)} tokens, expected one per token of the leading shape {lead} "
                              f"({N})")
         support = support.to(hidden.device)
-        empty = active & (support.sizes() == 0)
-        if bool(empty.any()):
-            raise ValueError(f"support is empty at counted {_token_name(int(empty.nonzero()[0, 0]), lead)}: every "
-                             "counted token must keep at least one id")
+        if sync:  # under compile the op checks this itself (a host read inside it)
+            empty = support.sizes() == 0
+            if active is not None:
+                empty &= active
+            if bool(empty.any()):
+                raise ValueError(f"support is empty at counted {_token_name(int(empty.nonzero()[0, 0]), lead)}: every "
+                                 "counted token must keep at least one id")
     name = resolve_backend(hidden.device, backend)
     if is_triton(name) and torch.float64 in (hidden.dtype, teacher_hidden.dtype):
         raise TypeError("the triton backends compute from float32, bfloat16 or float16 inputs; use backend='torch' "
                         "for float64")
-    opts = _Options(beta=beta, student=tf_s, teacher=tf_t, with_entropy=with_entropy, backend=name)
+    opts = DivergenceOptions(
+        beta=beta, temperature=float(tf_s.temperature), logit_scale=float(tf_s.logit_scale),
+        softcap=None if tf_s.softcap is None else float(tf_s.softcap), teacher_logit_scale=float(tf_t.logit_scale),
+        teacher_softcap=None if tf_t.softcap is None else float(tf_t.softcap), with_entropy=with_entropy,
+        backend=name, vocab_size=None if support is None else support.vocab_size,
+    )
 
     h = unit_stride(hidden.reshape(-1, hidden.shape[-1]))
     ht = unit_stride(teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1]))
     w, wt = unit_stride(weight), unit_stride(teacher_weight.detach())
     b, bt = dense_bias(bias), dense_bias(None if teacher_bias is None else teacher_bias.detach())
-    idx = compact_rows(active)
+    # eager: masked tokens are dropped before the op (one host sync); under compile the op computes every row and
+    # zeroes the masked ones (no data-dependent shape)
+    idx = compact_rows(active) if sync and active is not None else None
     if idx is not None:
         h, ht = h.index_select(0, idx), ht.index_select(0, idx)
         support = support[idx] if support is not None else None
-
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
-    with torch.autocast(h.device.type, enabled=False):
-        if needs_grad:
-            div, ent = DivergenceFunction.apply(h, w, b, ht, wt, bt, support, opts)
-        else:
-            with torch.no_grad():
-                div, ent, *_ = _forward(h, w, b, ht, wt, bt, support, opts)
+    # autograd (when an input needs grad) is the op's registered backward; under no_grad the forward alone runs
+    div, ent, *_ = torch.ops.fastrl.divergence(
+        h, w, b, ht, wt, bt, None if sync else active, None if support is None else support.ids,
+        None if support is None else support.offsets, *opts.pack())
+    ent = ent if with_entropy else None
     if idx is not None:
         div = div.new_zeros((N,)).index_copy(0, idx, div)
         ent = None if ent is None else ent.new_zeros((N,)).index_copy(0, idx, ent)
-    if check_finite:
-        _check_finite(div.detach(), None if ent is None else ent.detach(), active,
+    if check_finite and sync:
+        _check_finite(div.detach(), None if ent is None else ent.detach(),
+                      active if active is not None else torch.ones(N, dtype=torch.bool, device=hidden.device),
                       hidden.reshape(-1, hidden.shape[-1]), teacher_hidden.reshape(-1, teacher_hidden.shape[-1]), lead)
     div = div.reshape(lead)
     if with_entropy:

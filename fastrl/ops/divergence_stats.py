@@ -1,7 +1,7 @@
 """What both backends of ``fused_divergence`` share: the divergence modes and the divergences from the online
 statistics (one definition of the KLs' closing formulas, whichever backend folded the tiles).
 
-``fastrl.ops.divergence`` (the public function, the autograd Function and the torch backend) and
+``fastrl.ops.divergence`` (the public function, the torch.library ops and the torch backend) and
 ``fastrl.ops.divergence_hybrid`` (the Triton backend) both import from here, so neither imports the other's
 definitions. ``fastrl.kernels.divergence_fold`` compares the same values as literals (its ``MODE`` constexpr);
 tests/test_divergence.py checks that they agree.
