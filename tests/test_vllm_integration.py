@@ -27,7 +27,7 @@ from fastrl.ops.support import SamplerRule  # noqa: E402
 from fastrl.trainers.sampling import kept_sets_from_vllm  # noqa: E402
 from tiny import tiny_qwen2, tiny_tokenizer  # noqa: E402
 
-V, TOP_K, TOP_P, N_TOKENS = 256, 5, 0.9, 8
+V, TOP_K, TOP_P, MIN_P, N_TOKENS = 256, 5, 0.9, 0.1, 8
 PROMPTS = [[5, 6, 7, 8], [40, 41, 9], [100, 3, 77, 12, 200]]
 
 
@@ -54,7 +54,8 @@ def _triton_cpu_shim() -> None:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """(HF float64 model, vLLM RequestOutputs) for PROMPTS, n=2 samples each, top_k=5, top_p=0.9."""
+    """(HF float64 model, vLLM RequestOutputs) for PROMPTS, n=2 samples each: top_k=5, top_p=0.9 at temperature 1;
+    and top_k=5, top_p=0.97, min_p=0.1 at temperature 0.7."""
     for k, v in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
                  "VLLM_USE_V2_MODEL_RUNNER": "1"}.items():
         os.environ.setdefault(k, v)
@@ -73,11 +74,14 @@ def served(tmp_path_factory):
     params = SamplingParams(n=2, temperature=1.0, top_k=TOP_K, top_p=TOP_P, max_tokens=N_TOKENS, ignore_eos=True,
                             seed=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    return model.double().eval(), outs
+    params_min_p = SamplingParams(n=2, temperature=0.7, top_k=TOP_K, top_p=0.97, min_p=MIN_P, max_tokens=N_TOKENS,
+                                  ignore_eos=True, seed=1)
+    outs_min_p = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params_min_p, use_tqdm=False)
+    return model.double().eval(), outs, outs_min_p
 
 
 def test_vllm_masks_become_kept_sets(served):
-    _, outs = served
+    _, outs, _ = served
     kept = kept_sets_from_vllm(outs, V)
     completions = [c for o in outs for c in o.outputs]
     assert len(kept) == len(completions) == 2 * len(PROMPTS)
@@ -93,16 +97,21 @@ def test_vllm_masks_become_kept_sets(served):
     assert min(sizes) < TOP_K, "top_p never cut: the test would not tell top-k from top-k+top-p"
 
 
-def test_vllm_masks_equal_the_rule_on_float64_logits(served):
-    model, outs = served
-    rule = SamplerRule(top_k=TOP_K, top_p=TOP_P, order="vllm")
+@pytest.mark.parametrize("with_min_p", [False, True])
+def test_vllm_masks_equal_the_rule_on_float64_logits(served, with_min_p):
+    model, outs, outs_min_p = served
+    if with_min_p:  # vLLM's order: min_p, then top_k, then top_p, all on the logits after temperature
+        outs, temperature = outs_min_p, 0.7
+        rule = SamplerRule(top_k=TOP_K, top_p=0.97, min_p=MIN_P, order="vllm")
+    else:
+        temperature, rule = 1.0, SamplerRule(top_k=TOP_K, top_p=TOP_P, order="vllm")
     kept = kept_sets_from_vllm(outs, V)
     i = 0
     for prompt, o in zip(PROMPTS, outs):
         for c in o.outputs:
             seq = torch.tensor([prompt + list(c.token_ids)])
             with torch.no_grad():
-                z = model(seq).logits[0, len(prompt) - 1: -1].double()  # the logits each completion token came from
+                z = model(seq).logits[0, len(prompt) - 1: -1].double() / temperature  # each completion token's logits
             want = apply_rule(z, rule)  # [T, V] bool
             got = kept[i].to_mask()
             bad = (got != want).any(-1).nonzero().flatten().tolist()
