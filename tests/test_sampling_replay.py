@@ -401,8 +401,8 @@ def test_bad_config_values_raise_named_errors(tmp_path):
     with pytest.raises(ValueError, match=r"needs top_k > 0 and temperature > 0.*got top_k=0"):
         _check_replay_launch(types.SimpleNamespace(**colocate), "kept_set")
     with pytest.raises(ValueError, match=r"got top_k=5, temperature=0\.0"):
-        _check_replay_launch(types.SimpleNamespace(**{**colocate, "generation_kwargs": {"top_k": 5,
-                                                                                        "temperature": 0.0}}), "kept_set")
+        greedy = {"top_k": 5, "temperature": 0.0}
+        _check_replay_launch(types.SimpleNamespace(**{**colocate, "generation_kwargs": greedy}), "kept_set")
     _check_replay_launch(types.SimpleNamespace(**{**colocate, "top_k": 5}), "kept_set")
     _check_replay_launch(types.SimpleNamespace(**colocate), "rule")
 

@@ -22,10 +22,11 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (the vLLM integration test needs a real vLLM)")
 
-from fastrl.ops.rules import apply_rule  # noqa: E402
-from fastrl.ops.support import SamplerRule  # noqa: E402
-from fastrl.trainers.sampling import kept_sets_from_vllm  # noqa: E402
-from tiny import tiny_qwen2, tiny_tokenizer  # noqa: E402
+from tiny import tiny_qwen2, tiny_tokenizer
+
+from fastrl.ops.rules import apply_rule
+from fastrl.ops.support import SamplerRule
+from fastrl.trainers.sampling import kept_sets_from_vllm
 
 V, TOP_K, TOP_P, MIN_P, N_TOKENS = 256, 5, 0.9, 0.1, 8
 PROMPTS = [[5, 6, 7, 8], [40, 41, 9], [100, 3, 77, 12, 200]]
