@@ -396,6 +396,15 @@ def test_bad_config_values_raise_named_errors(tmp_path):
     with pytest.raises(ValueError, match="vLLM server.*sampling_replay='rule'"):
         _check_replay_launch(server, "kept_set")
     _check_replay_launch(server, "rule")  # the rule needs nothing from the server
+    # vLLM returns sampling masks only with top_k > 0 and temperature > 0 (TRL's default top_k is 0)
+    colocate = dict(use_vllm=True, vllm_mode="colocate", top_k=0, temperature=1.0, generation_kwargs=None)
+    with pytest.raises(ValueError, match=r"needs top_k > 0 and temperature > 0.*got top_k=0"):
+        _check_replay_launch(types.SimpleNamespace(**colocate), "kept_set")
+    with pytest.raises(ValueError, match=r"got top_k=5, temperature=0\.0"):
+        greedy = {"top_k": 5, "temperature": 0.0}
+        _check_replay_launch(types.SimpleNamespace(**{**colocate, "generation_kwargs": greedy}), "kept_set")
+    _check_replay_launch(types.SimpleNamespace(**{**colocate, "top_k": 5}), "kept_set")
+    _check_replay_launch(types.SimpleNamespace(**colocate), "rule")
 
 
 def test_rule_from_settings():

