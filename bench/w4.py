@@ -345,7 +345,7 @@ def run(s: W4Shape, device: str, con, *, reps: int = 1, warmup: int = 1, timeout
                           f"{row['peak_extra_mb']:9.1f} MB extra  {row['peak_total_mb']:9.1f} MB peak")
             else:
                 failed[which] = L
-                con.print(f"[dim]{s.name:>8} {L:>6} tokens {which:<7} {row['status']}: {escape(reason)}[/dim]")
+                con.print(f"[dim]{s.name:>8} {L:>6} tokens {which:<7} {row['status']}: {escape(row['reason'])}[/dim]")
             rows.append(row)
     by = {(r["completion_len"], r["provider"]): r for r in rows}
     for r in rows:

@@ -257,8 +257,8 @@ class RecordOps(TorchDispatchMode):
 
 def _run_everything(host_sync):
     x = inputs()
-    one_pass = PolicyLossConfig(loss_type="dapo", beta=0.04, entropy_coef=0.01, temperature=0.7)
-    for cfg in (one_pass, ALL_LOSSES[7], ALL_LOSSES[9]):
+    dapo = PolicyLossConfig(loss_type="dapo", beta=0.04, entropy_coef=0.01, temperature=0.7)
+    for cfg in (dapo, ALL_LOSSES[7], ALL_LOSSES[9]):
         loss, metrics = fastrl.policy_loss(x["h"], x["w"], x["targets"], x["adv"], x["mask"], config=cfg,
                                            old_logprobs=x["old"], ref_logprobs=x["ref"], bias=x["bias"],
                                            backend="torch", chunk_tokens=8, host_sync=host_sync,

@@ -307,9 +307,10 @@ def policy_loss(
         (dataclasses.replace(inputs, per_token_kl=z0) if exact_kl else inputs).loss(z0, z0, config)
     if host_sync is False and (support is not None or exact_kl):
         raise ValueError(
-            "support= and kl_estimator='exact' need host synchronisation (the kept-set path and fused_divergence "
-            "size their chunks on the host), so they cannot run with host_sync=False; under torch.compile they run "
-            "as a graph break"
+            "support= and kl_estimator='exact' need host synchronisation in eager (the kept-set path sizes its "
+            "chunks on the host; fused_divergence compacts masked rows), so they cannot run with host_sync=False. "
+            "Under torch.compile the exact KL without a support traces as one op (fastrl::divergence); a support "
+            "runs as a graph break"
         )
     sync = host_sync_enabled(host_sync)
     poison = None

@@ -1022,7 +1022,6 @@ class PPOTrainer(Trainer):
 
     def _update_metrics(self, batch, stats, start_time: float, start_episode: int) -> dict[str, float]:
         """TRL's metric dict for one update (every documented name; see the module docstring for meanings)."""
-        args = self.args
         acc = self.accelerator
         real = ~batch["padding_mask"]
         with torch.no_grad():
