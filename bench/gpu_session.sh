@@ -20,11 +20,13 @@
 #   w5      python -m bench w5, the 0.5B architecture at 24 GiB, stock TRL vs fastrl with both memory options
 #   suite   the README's test command on the GPU machine (compiled kernels instead of the interpreter)
 #   smoke   tiny shapes through the same plumbing (`bench gpu --smoke`); runs on a CPU too
+#   next    issues 20-22 on the GPU: the CUDA tests of fused_divergence and the compiled ops, then
+#           `bench keptset`, `bench divergence` and `bench compile` (CUDA graphs included), each under its own limit
 # Then `python -m bench targets bench/results/<gpu-slug>` prints the targets over all stages' rows.
 # STAGE_LIMIT (seconds, default 540) bounds each stage's measuring command.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STAGE="${1:?usage: bash bench/gpu_session.sh check|core|sweeps|peers|w4|w5|suite|smoke}"
+STAGE="${1:?usage: bash bench/gpu_session.sh check|core|sweeps|peers|w4|w5|suite|smoke|next}"
 OUT="${OUT:-$(mktemp -d)}"
 LIMIT="${STAGE_LIMIT:-540}"
 RES="$(mktemp -d)/$STAGE"
@@ -75,6 +77,13 @@ case "$STAGE" in
             --providers trl,fastrl,fastrl+both 2>&1 | tee -a "$LOG" || rc=1 ;;
     smoke) gpu --smoke --workload W1,W3 --providers "$P4" 2>&1 | tee -a "$LOG" || rc=1 ;;
     suite) timeout "$LIMIT" python3 -m pytest -q -p no:cacheprovider 2>&1 | tee -a "$LOG" || rc=1 ;;
+    next)
+        timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_divergence.py tests/test_compile.py \
+            tests/test_compile_divergence.py -k "cuda or compile" 2>&1 | tee -a "$LOG" || rc=1
+        for cmd in keptset divergence; do
+            timeout 130 python3 -m bench "$cmd" --out "$RES" 2>&1 | tee -a "$LOG" || rc=1
+        done
+        timeout 130 python3 -m bench compile --device cuda --out "$RES" 2>&1 | tee -a "$LOG" || rc=1 ;;
     *) echo "unknown stage $STAGE" | tee -a "$LOG"; exit 2 ;;
 esac
 tar czf "$OUT/$STAGE.tgz" -C "$RES" . && echo "results: $OUT/$STAGE.tgz ($(ls "$RES" | tr '\n' ' '))" | tee -a "$LOG"
