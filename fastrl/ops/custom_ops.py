@@ -38,12 +38,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
+import types
 import typing
 
 import torch
 
-__all__ = ["DoubleBackwardError", "IMPLEMENTATIONS"]
+__all__ = ["DoubleBackwardError", "IMPLEMENTATIONS", "PackedOptions"]
 
 
 # op name -> its Python implementation (what the op runs; tests run it under a dispatch mode to see inside)
@@ -134,6 +136,38 @@ def _unpack(strs: str, floats, ints, layouts) -> list[dict]:
 
 def _key(floats) -> tuple:  # a cache key (NaN != NaN would defeat the cache)
     return tuple(None if math.isnan(x) else x for x in floats)
+
+
+class PackedOptions:
+    """Base of a frozen dataclass holding one op's scalar options.
+
+    ``pack()`` gives the op's three option arguments; ``unpack`` rebuilds the validated dataclass (cached: ops
+    call it on every launch); ``unpack_symbolic`` gives the fields unvalidated, for fake implementations, where a
+    float or int may be symbolic (``dynamic=True``), which neither the cache nor the dataclass checks can take.
+    A subclass sets ``_LAYOUT = _layout(Subclass)`` after its definition (a class attribute, read without a
+    cached call so that dynamo traces ``pack`` as plain attribute reads).
+    """
+
+    _LAYOUT: tuple = ()
+
+    def pack(self) -> tuple[str, list[float], list[int]]:
+        return _pack(((self, type(self)._LAYOUT),))
+
+    @classmethod
+    def unpack(cls, strs: str, floats, ints):
+        return _unpack_cached(cls, strs, _key(floats), tuple(ints))
+
+    @classmethod
+    def unpack_symbolic(cls, strs: str, floats, ints) -> types.SimpleNamespace:
+        (d,) = _unpack(strs, floats, ints, (cls._LAYOUT,))
+        return types.SimpleNamespace(**d)
+
+
+@functools.lru_cache(maxsize=512)
+def _unpack_cached(cls, strs: str, floats: tuple, ints: tuple):
+    floats = tuple(math.nan if x is None else x for x in floats)
+    (d,) = _unpack(strs, floats, ints, (cls._LAYOUT,))
+    return cls(**d)
 
 
 def _empty(like: torch.Tensor) -> torch.Tensor:  # the "no tensor" output of an op (outputs cannot be None)

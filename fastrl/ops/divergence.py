@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import functools
 import math
-import types
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -50,15 +49,13 @@ from fastrl.ops._checks import autocast_inputs, check_head, dense_bias
 from fastrl.ops.backend import is_triton, resolve_backend
 from fastrl.ops.config import LogitTransform, _finite
 from fastrl.ops.custom_ops import (
+    PackedOptions,
     DoubleBackwardError,  # noqa: F401  (raised by the backward below, through _refuse_double_backward)
     _acc,
     _empty,
-    _key,
     _layout,
     _op,
-    _pack,
     _refuse_double_backward,
-    _unpack,
 )
 from fastrl.ops.divergence_stats import FORWARD_KL, JSD, REVERSE_KL, finish_stats, finite_max
 from fastrl.ops.linear_logprob import compact_rows, host_sync_enabled, unit_stride
@@ -76,7 +73,7 @@ _TINY = torch.finfo(torch.float32).tiny  # log(m) where both probabilities under
 
 
 @dataclass(frozen=True)
-class DivergenceOptions:
+class DivergenceOptions(PackedOptions):
     """Scalar options of ``fastrl::divergence`` and its backward (see ``fused_divergence``), packed into the ops'
     ``(str, float[], int[])`` arguments by ``pack``. ``vocab_size``: the support's V when a ``KeptSet`` travels as
     the ops' ``support_ids`` / ``support_offsets`` (None without one)."""
@@ -104,29 +101,8 @@ class DivergenceOptions:
     def mode(self) -> int:
         return FORWARD_KL if self.beta == 0.0 else REVERSE_KL if self.beta == 1.0 else JSD
 
-    def pack(self) -> tuple[str, list[float], list[int]]:
-        return _pack(((self, _DIV_LAYOUT),))
 
-    @staticmethod
-    def unpack(strs: str, floats, ints) -> DivergenceOptions:
-        return _divergence_options(strs, _key(floats), tuple(ints))
-
-    @staticmethod
-    def unpack_symbolic(strs: str, floats, ints) -> types.SimpleNamespace:
-        """The fields as attributes, unvalidated (a float may be symbolic under ``dynamic=True``): fake
-        implementations and ``setup_context`` read these."""
-        (d,) = _unpack(strs, floats, ints, (_DIV_LAYOUT,))
-        return types.SimpleNamespace(**d)
-
-
-_DIV_LAYOUT = _layout(DivergenceOptions)
-
-
-@functools.lru_cache(maxsize=256)
-def _divergence_options(strs: str, floats: tuple, ints: tuple) -> DivergenceOptions:
-    floats = tuple(math.nan if x is None else x for x in floats)
-    (d,) = _unpack(strs, floats, ints, (_DIV_LAYOUT,))
-    return DivergenceOptions(**d)
+DivergenceOptions._LAYOUT = _layout(DivergenceOptions)
 
 
 @dataclass

@@ -14,15 +14,12 @@ gets every row and zeroes the hidden states and gradients of the ignored ones in
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
-import types
 from typing import Optional
 
 import torch
 
 from fastrl.ops import torch_backend
-from fastrl.ops.custom_ops import _acc, _empty, _key, _layout, _op, _or_none, _pack, _refuse_double_backward, _unpack
+from fastrl.ops.custom_ops import PackedOptions, _acc, _empty, _layout, _op, _or_none, _refuse_double_backward
 from fastrl.ops._checks import autocast_inputs, check_finite_outputs, check_linear_inputs, check_targets, dense_bias
 from fastrl.ops._gemm import addmm_f32
 from fastrl.ops.backend import is_triton, resolve_backend
@@ -32,7 +29,7 @@ __all__ = ["fused_logprobs", "linear_stats", "linear_backward", "compact_rows", 
 
 
 @dataclasses.dataclass(frozen=True)
-class LinearOptions:
+class LinearOptions(PackedOptions):
     """Scalar options of ``fastrl::linear_logprob`` (see ``fastrl.fused_logprobs``).
 
     ``all_live``: every row is a counted token (the eager wrapper compacted the ignored ones away). False: rows
@@ -55,29 +52,8 @@ class LinearOptions:
     def tf(self) -> LogitTransform:
         return LogitTransform(temperature=self.temperature, logit_scale=self.logit_scale, softcap=self.softcap)
 
-    def pack(self) -> tuple[str, list[float], list[int]]:
-        return _pack(((self, _LINEAR_LAYOUT),))
 
-    @staticmethod
-    def unpack(strs: str, floats, ints) -> LinearOptions:
-        return _linear_options(strs, _key(floats), tuple(ints))
-
-    @staticmethod
-    def unpack_symbolic(strs: str, floats, ints) -> types.SimpleNamespace:
-        """The fields as attributes, unvalidated: for fake implementations, where a float or int may be
-        symbolic (``dynamic=True``), which neither the cache nor the dataclass checks can take."""
-        (d,) = _unpack(strs, floats, ints, (_LINEAR_LAYOUT,))
-        return types.SimpleNamespace(**d)
-
-
-_LINEAR_LAYOUT = _layout(LinearOptions)
-
-
-@functools.lru_cache(maxsize=256)
-def _linear_options(strs: str, floats: tuple, ints: tuple) -> LinearOptions:
-    floats = tuple(math.nan if x is None else x for x in floats)
-    (d,) = _unpack(strs, floats, ints, (_LINEAR_LAYOUT,))
-    return LinearOptions(**d)
+LinearOptions._LAYOUT = _layout(LinearOptions)
 
 
 def linear_stats(
