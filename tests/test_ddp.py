@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from tiny import launch_two_gloo, param_diff_vs_rank0
 
 HERE = Path(__file__).resolve().parent
 
@@ -33,7 +33,6 @@ def _worker(out_dir: str) -> None:
     sys.path.insert(0, str(HERE))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
-    import torch.distributed as dist
 
     from test_grpo_trainer import DEFAULTS, H, V, make_batch, ours, rel_err, run_step, set_loss_options, stock
     from tiny import save_for_reference, tiny_qwen2
@@ -73,10 +72,7 @@ def _worker(out_dir: str) -> None:
     # two real training steps under DDP (generation, rewards, optimizer), then compare ranks' parameters
     run = ours(tmp, loss_type="dapo", max_steps=2)
     run.train()
-    flat = torch.cat([p.detach().reshape(-1) for p in run.accelerator.unwrap_model(run.model).parameters()])
-    other = flat.clone()
-    dist.broadcast(other, src=0)
-    result["param_max_diff_vs_rank0"] = (flat - other).abs().max().item()
+    _, result["param_max_diff_vs_rank0"] = param_diff_vs_rank0(run.accelerator.unwrap_model(run.model))
     result["train_losses"] = [h["loss"] for h in run.state.log_history if "loss" in h]
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
@@ -133,12 +129,7 @@ def _fsdp_case(out_dir: str, separate_head: bool) -> None:
 
 
 def _launch(tmp_path, *worker_args):
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1"), "ACCELERATE_USE_CPU": "true"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(29500 + os.getpid() % 1000), str(Path(__file__).resolve()), *worker_args, str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"workers failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    launch_two_gloo(Path(__file__), tmp_path, *worker_args, port_base=29500)
 
 
 def test_fsdp2_two_gloo_processes(tmp_path):

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from tiny import launch_two_gloo, param_diff_vs_rank0
 
 HERE = Path(__file__).resolve().parent
 
@@ -54,10 +54,7 @@ def _worker(out_dir: str) -> None:
 
     run = ours(tmp, max_steps=2, beta=0.5)
     run.train()
-    flat = torch.cat([p.detach().reshape(-1) for p in run.accelerator.unwrap_model(run.model).parameters()])
-    other = flat.clone()
-    dist.broadcast(other, src=0)
-    result["param_max_diff_vs_rank0"] = (flat - other).abs().max().item()
+    _, result["param_max_diff_vs_rank0"] = param_diff_vs_rank0(run.accelerator.unwrap_model(run.model))
     result["train_losses"] = [h["loss"] for h in run.state.log_history if "loss" in h]
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
@@ -65,12 +62,7 @@ def _worker(out_dir: str) -> None:
 
 def test_ddp_two_gloo_processes(tmp_path):
     pytest.importorskip("trl")
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1"), "ACCELERATE_USE_CPU": "true"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(30500 + os.getpid() % 1000), str(Path(__file__).resolve()), "--worker", str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"workers failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    launch_two_gloo(Path(__file__), tmp_path, "--worker", port_base=30500)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for res in results:
         for case in res["cases"]:

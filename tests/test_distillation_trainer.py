@@ -472,7 +472,6 @@ def test_no_full_logits_in_a_training_step(tmp_path):
     """Every tensor produced while the loss runs forward and backward (both models' bodies, the divergence) is
     smaller than one model's [batch, completion, vocab] logits. The vocabulary is large enough (2^16) that fastrl's
     bounded tiles (2^20 elements) are a fraction of it, as at real sizes."""
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     big_v, c = 1 << 16, 32
     trainer = make_trainer(fastrl.DistillationTrainer, fastrl.DistillationConfig, tmp_path,
@@ -483,21 +482,12 @@ def test_no_full_logits_in_a_training_step(tmp_path):
         completion_ids=torch.randint(3, big_v, (B, c), generator=g),
         completion_mask=torch.ones(B, c, dtype=torch.int64), num_items_in_batch=torch.tensor(B * c),
     )
-    largest = []
-
-    class Largest(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if getattr(func, "is_view", False):
-                return out  # a view allocates nothing
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor):
-                    largest.append((t.numel(), str(func), tuple(t.shape)))
-            return out
+    rec = tiny.LargestAllocations()
+    largest = rec.allocs
 
     trainer.beta = 0.5
     trainer.model.train()
-    with Largest():
+    with rec:
         trainer.compute_loss(trainer.model, inputs).backward()
     assert trainer._fastrl_last_path == "fused"
     numel, op, shape = max(largest)

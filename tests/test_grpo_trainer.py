@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import fastrl
+import tiny
 from tiny import (
     EOS_ID,
     PAD_ID,
@@ -443,7 +444,6 @@ def test_no_full_logits_in_a_training_step(tmp_path):
     """Every tensor produced during a fastrl training step (loss forward + backward, reference log-probs) is
     smaller than the [batch, completion, vocab] logits. The vocabulary is large enough (2^17) that fastrl's
     bounded tiles are a fraction of it, as at real sizes."""
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     big_v, C = 1 << 17, 64  # 256 tokens: more than one of fastrl's default CPU chunks at this vocabulary
     model = tiny_qwen2(big_v, 16, 1, seed=0, heads=2, kv_heads=1)
@@ -455,21 +455,12 @@ def test_no_full_logits_in_a_training_step(tmp_path):
         completion_mask=torch.ones(B, C, dtype=torch.int64), advantages=torch.randn(B, generator=g),
         num_items_in_batch=torch.tensor(B * C),
     )
-    largest = []
-
-    class Largest(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if getattr(func, "is_view", False):
-                return out  # a view allocates nothing
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor):
-                    largest.append((t.numel(), str(func), tuple(t.shape)))
-            return out
+    rec = tiny.LargestAllocations()
+    largest = rec.allocs
 
     set_loss_options(trainer, **{**DEFAULTS, "loss_type": "dapo"})
     trainer.model.train()
-    with Largest():
+    with rec:
         with torch.no_grad():  # reference / old log-probs: forward-only
             trainer._get_per_token_logps_and_entropies(
                 trainer.model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),

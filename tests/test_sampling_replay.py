@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import copy
 import types
-from collections import defaultdict
 
 import pytest
 import torch
 
 import fastrl
-from tiny import EOS_ID, PAD_ID, reward_even, save_for_reference, tiny_qwen2, tiny_tokenizer, toy_prompt_dataset
+from tiny import EOS_ID, PAD_ID, reward_even, run_step, save_for_reference, tiny_qwen2, tiny_tokenizer, toy_prompt_dataset
 
 trl = pytest.importorskip("trl")
 
@@ -120,13 +119,7 @@ def float64_step(trainer, out, kept_mask):
 
 def trainer_step(trainer, out):
     trainer.current_gradient_accumulation_steps = 1  # set by train(); compute_loss outside train() reads it
-    trainer.model.train()
-    trainer.model.zero_grad(set_to_none=True)
-    trainer._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
-    loss = trainer.compute_loss(trainer.model, dict(out))
-    loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
-    return loss.item(), grads, {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    return run_step(trainer, out)
 
 
 def rel(a, b):

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from tiny import launch_two_gloo, param_diff_vs_rank0
 
 HERE = Path(__file__).resolve().parent
 
@@ -29,7 +29,6 @@ def _worker(out_dir: str) -> None:
 
     sys.path.insert(0, str(HERE))
     import torch
-    import torch.distributed as dist
     from test_sampling_replay import TOP_K, grpo_trainer
 
     from fastrl.trainers.sampling import KEPT_KEY, stack_sequences
@@ -62,13 +61,11 @@ def _worker(out_dir: str) -> None:
         before = torch.cat([p.detach().reshape(-1).clone() for p in params])
         trainer.train()
         assert isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel), type(trainer.model_wrapped)
-        flat = torch.cat([p.detach().reshape(-1) for p in trainer.accelerator.unwrap_model(trainer.model).parameters()])
-        other = flat.clone()
-        dist.broadcast(other, src=0)
+        flat, diff = param_diff_vs_rank0(trainer.accelerator.unwrap_model(trainer.model))
         logs = [h for h in trainer.state.log_history if "loss" in h]
         result["rank"] = rank
         result["runs"][replay] = dict(
-            seen, param_max_diff_vs_rank0=(flat - other).abs().max().item(), steps=len(logs),
+            seen, param_max_diff_vs_rank0=diff, steps=len(logs),
             param_change=(flat - before).abs().max().item(),
             kept_size=[h.get("sampling/kept_size_mean") for h in logs], top_k=TOP_K,
             outside_frac=[h.get("sampling/label_outside_frac") for h in logs],
@@ -79,12 +76,7 @@ def _worker(out_dir: str) -> None:
 
 def test_sampling_replay_ddp_two_gloo_processes(tmp_path):
     pytest.importorskip("trl")
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1"), "ACCELERATE_USE_CPU": "true"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(31500 + os.getpid() % 1000), str(Path(__file__).resolve()), "--worker", str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode == 0, f"workers failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    launch_two_gloo(Path(__file__), tmp_path, "--worker", port_base=31500)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for res in results:
         for replay, run in res["runs"].items():

@@ -12,9 +12,14 @@ a ``transformers.PreTrainedTokenizerFast``. Shared by the GRPO and PPO trainer t
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections import defaultdict
+from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "PAD_ID",
@@ -161,3 +166,42 @@ def run_step(trainer, inputs) -> tuple[float, dict[str, torch.Tensor], dict[str,
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
+
+
+class LargestAllocations(TorchDispatchMode):
+    """Records ``(numel, op, shape)`` of every tensor an op allocates inside the block (views allocate nothing):
+    ``max(rec.allocs)`` is the largest tensor a step held, e.g. to show no ``[tokens, vocab]`` logits exist."""
+
+    def __init__(self):
+        super().__init__()
+        self.allocs: list[tuple[int, str, tuple]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if getattr(func, "is_view", False):
+            return out  # a view allocates nothing
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.allocs.append((t.numel(), str(func), tuple(t.shape)))
+        return out
+
+
+def launch_two_gloo(script: Path, tmp_path, *worker_args: str, port_base: int) -> None:
+    """Run ``script *worker_args tmp_path`` as two gloo processes on the CPU (``torch.distributed.run``); each
+    test file picks its own ``port_base`` so that files run in parallel do not share a master port."""
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1"), "ACCELERATE_USE_CPU": "true"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(port_base + os.getpid() % 1000), str(Path(script).resolve()), *worker_args, str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, f"workers failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+def param_diff_vs_rank0(model) -> tuple[torch.Tensor, float]:
+    """(this rank's flattened parameters, their largest difference from rank 0's): 0.0 when DDP kept ranks in sync."""
+    import torch.distributed as dist
+
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    other = flat.clone()
+    dist.broadcast(other, src=0)
+    return flat, (flat - other).abs().max().item()
