@@ -23,7 +23,7 @@ _LAZY = {
     "FusedPolicyLoss": "fastrl.losses.policy",
     "value_loss": "fastrl.losses.value",
     "GRPOTrainer": "fastrl.trainers.grpo",
-    "GRPOConfig": "fastrl.trainers.grpo",
+    "GRPOConfig": "fastrl.trainers.grpo_config",
     "patch_trainer": "fastrl.trainers.patch",
     "PPOTrainer": "fastrl.trainers.ppo",
     "PPOConfig": "fastrl.trainers.ppo_config",

@@ -378,7 +378,7 @@ def test_grpo_other_estimators_run_on_fastrls_loss(tmp_path, estimator, options)
     """k1/k2/exact reach fastrl's loss (TRL's loss math only knows k3), the entropy-quantile mask included."""
     pytest.importorskip("trl")
     from test_grpo_trainer import _logs, ours
-    from fastrl.trainers.grpo import one_pass_config
+    from fastrl.trainers.grpo_loss import one_pass_config
 
     trainer = ours(tmp_path, loss_type="bnpo", beta=0.1, kl_estimator=estimator, max_steps=1, **options)
     assert one_pass_config(trainer, 0.0).kl_estimator == estimator

@@ -10,7 +10,7 @@ pytest.importorskip("trl")
 
 from test_ppo_trainer import make_trainer  # noqa: E402
 
-from fastrl.trainers import ppo  # noqa: E402
+from fastrl.trainers import ppo_tables  # noqa: E402
 
 
 def test_final_completions_table_is_not_printed_twice(tmp_path, capsys):
@@ -26,5 +26,5 @@ def test_final_completions_table_is_not_printed_twice(tmp_path, capsys):
 def test_tables_go_through_tqdm_write(monkeypatch):
     written = []
     monkeypatch.setattr(tqdm.std.tqdm, "write", classmethod(lambda cls, s, *a, **k: written.append(s)))
-    ppo._print_rich_table(pd.DataFrame({"query": ["w1 w2"], "model response": ["w7 w7"], "score": [0.5]}))
+    ppo_tables.print_rich_table(pd.DataFrame({"query": ["w1 w2"], "model response": ["w7 w7"], "score": [0.5]}))
     assert len(written) == 1 and "model response" in written[0] and "w7 w7" in written[0]

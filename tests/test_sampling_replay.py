@@ -383,21 +383,21 @@ def test_bad_config_values_raise_named_errors(tmp_path):
         fastrl.PPOConfig(output_dir=str(tmp_path), **cpu, sampling_replay=True)
     with pytest.raises(ValueError, match=r"PPOConfig\.log_kept_mass must be a bool"):
         fastrl.PPOConfig(output_dir=str(tmp_path), **cpu, sampling_replay="rule", log_kept_mass="yes")
-    from fastrl.trainers.grpo import _check_replay_launch
+    from fastrl.trainers.grpo_vllm import check_vllm_replay_launch
 
     server = types.SimpleNamespace(use_vllm=True, vllm_mode="server")
     with pytest.raises(ValueError, match="vLLM server.*sampling_replay='rule'"):
-        _check_replay_launch(server, "kept_set")
-    _check_replay_launch(server, "rule")  # the rule needs nothing from the server
+        check_vllm_replay_launch(server, "kept_set")
+    check_vllm_replay_launch(server, "rule")  # the rule needs nothing from the server
     # vLLM returns sampling masks only with top_k > 0 and temperature > 0 (TRL's default top_k is 0)
     colocate = dict(use_vllm=True, vllm_mode="colocate", top_k=0, temperature=1.0, generation_kwargs=None)
     with pytest.raises(ValueError, match=r"needs top_k > 0 and temperature > 0.*got top_k=0"):
-        _check_replay_launch(types.SimpleNamespace(**colocate), "kept_set")
+        check_vllm_replay_launch(types.SimpleNamespace(**colocate), "kept_set")
     with pytest.raises(ValueError, match=r"got top_k=5, temperature=0\.0"):
         greedy = {"top_k": 5, "temperature": 0.0}
-        _check_replay_launch(types.SimpleNamespace(**{**colocate, "generation_kwargs": greedy}), "kept_set")
-    _check_replay_launch(types.SimpleNamespace(**{**colocate, "top_k": 5}), "kept_set")
-    _check_replay_launch(types.SimpleNamespace(**colocate), "rule")
+        check_vllm_replay_launch(types.SimpleNamespace(**{**colocate, "generation_kwargs": greedy}), "kept_set")
+    check_vllm_replay_launch(types.SimpleNamespace(**{**colocate, "top_k": 5}), "kept_set")
+    check_vllm_replay_launch(types.SimpleNamespace(**colocate), "rule")
 
 
 def test_rule_from_settings():

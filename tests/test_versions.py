@@ -72,7 +72,8 @@ def test_interpreter_takes_runtime_loop_bounds():
 
 def test_ppo_reads_checkpointing_under_both_transformers_names():
     pytest.importorskip("trl")
-    from fastrl.trainers.ppo import _args_checkpointing, _checkpointing_on
+    from fastrl.trainers._common import args_checkpointing as _args_checkpointing
+    from fastrl.trainers._common import checkpointing_on as _checkpointing_on
 
     kw = {"use_reentrant": True}
     # transformers < 5.23: only gradient_checkpointing*; 5.23 renamed them activation_checkpointing*

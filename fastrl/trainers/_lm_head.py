@@ -17,7 +17,7 @@ distributed hooks stay armed:
 
 The LM head is gathered as TRL gathers it: an FSDP2 ``DTensor`` weight with ``full_tensor()`` (differentiable:
 its gradient is reduce-scattered back), a DeepSpeed ZeRO-3 partitioned weight with ``GatheredParameters`` for
-the forward and again for the backward (``_Zero3Recompute``: fastrl's autograd state keeps a reference to the
+the forward and again for the backward (``Zero3Recompute``: fastrl's autograd state keeps a reference to the
 weight, whose storage ZeRO-3 frees between the two).
 
 Logit transform (TRL's rules): ``final_logit_softcapping`` -> softcap; ``logit_scale`` / ``output_multiplier`` /
@@ -38,13 +38,16 @@ from transformers.utils import ModelOutput
 __all__ = [
     "HeadSettings",
     "FastrlHeadOutput",
+    "Zero3Recompute",
     "add_fastrl_lm_head",
     "call_with_head",
     "head_precision",
     "head_settings_from_config",
+    "is_zero3_param",
     "lm_head_logprobs",
     "support_stats",
     "unwrap_causal_lm",
+    "zero3_gather_ctx",
 ]
 
 
@@ -96,24 +99,24 @@ def unwrap_causal_lm(model):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _is_zero3_param(p: torch.Tensor | None) -> bool:
+def is_zero3_param(p: torch.Tensor | None) -> bool:
     return p is not None and hasattr(p, "ds_id")
 
 
-def _zero3_gather_ctx(weight, bias):
+def zero3_gather_ctx(weight, bias):
     # TRL's helper: a null context unless ZeRO-3 is on and the parameters are partitioned right now
     from trl.trainer.utils import maybe_gather_lm_head_ctx
 
     return maybe_gather_lm_head_ctx(weight, bias)
 
 
-class _Zero3Recompute(torch.autograd.Function):
+class Zero3Recompute(torch.autograd.Function):
     """``fn(hidden, weight, bias)`` with a ZeRO-3 partitioned head: gather for the forward, gather again and
     recompute for the backward (the partitioned weight's storage is empty in between)."""
 
     @staticmethod
     def forward(ctx, fn, hidden, weight, bias):
-        with _zero3_gather_ctx(weight, bias), torch.no_grad():
+        with zero3_gather_ctx(weight, bias), torch.no_grad():
             outs = fn(hidden, weight, bias)
         ctx.fn = fn
         ctx.save_for_backward(hidden)
@@ -127,7 +130,7 @@ class _Zero3Recompute(torch.autograd.Function):
         (hidden,) = ctx.saved_tensors
         weight, bias = ctx.params
         need_h, need_w, need_b = ctx.needs_input_grad[1:4]
-        with _zero3_gather_ctx(weight, bias), torch.enable_grad():
+        with zero3_gather_ctx(weight, bias), torch.enable_grad():
             h = hidden.detach().requires_grad_(need_h)
             outs = ctx.fn(h, weight, bias)
             pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and isinstance(o, torch.Tensor)
@@ -147,8 +150,8 @@ def call_with_head(fn: Callable, hidden: torch.Tensor, weight: torch.Tensor, bia
         weight = weight.full_tensor()
         if bias is not None:
             bias = bias.full_tensor()
-    if _is_zero3_param(weight):
-        return _Zero3Recompute.apply(fn, hidden, weight, bias)
+    if is_zero3_param(weight):
+        return Zero3Recompute.apply(fn, hidden, weight, bias)
     return tuple(fn(hidden, weight, bias))
 
 

@@ -20,8 +20,7 @@ accumulation, PEFT (LoRA; TRL refuses adapters on the head and prompt learning),
 for DDP / FSDP / DeepSpeed and every metric are TRL's own code, inherited.
 
 Falls back to TRL's own ``_chunked_divergence_loss`` (with one warning on the ``fastrl.distillation`` logger naming
-why, and ``trainer._fastrl_last_path == "trl"``) when ``fused_loss=False`` or this build of fastrl has no
-``fused_divergence``. A teacher served remotely (``trl.experimental.server_distillation.ServerDistillationTrainer``)
+why, and ``trainer._fastrl_last_path == "trl"``) when ``fused_loss=False``. A teacher served remotely (``trl.experimental.server_distillation.ServerDistillationTrainer``)
 and cross-tokenizer distillation (``trl.experimental.gold``) are other TRL classes, which fastrl does not replace.
 
 Plus the two memory options of fastrl's other trainers (``fastrl.trainers.memory``): ``tiled_mlp`` (student and
@@ -33,18 +32,19 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 import trl
 
 from fastrl.ops.backend import BACKENDS
+from fastrl.trainers._common import MULTIMODAL_KEYS, default_activation_checkpointing, opt
 from fastrl.trainers._distributed import check_launch
 from fastrl.trainers._lm_head import (
     HeadSettings,
-    _is_zero3_param,
-    _zero3_gather_ctx,
-    _Zero3Recompute,
+    is_zero3_param,
+    zero3_gather_ctx,
+    Zero3Recompute,
     call_with_head,
     head_settings_from_config,
 )
@@ -59,11 +59,10 @@ __all__ = ["DistillationConfig", "DistillationTrainer", "check_distillation_opti
 
 logger = logging.getLogger("fastrl.distillation")
 
-# transformers >= 5 renamed gradient_checkpointing to activation_checkpointing
-_HAS_ACTIVATION_CHECKPOINTING = "activation_checkpointing" in {f.name for f in fields(trl.DistillationConfig)}
-# TRL 1.16's multimodal micro-batch fields, passed to both models' bodies (as TRL's `_compute_loss` does)
-_MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
-                    "token_type_ids", "mm_token_type_ids", "image_position_ids")
+# TRL 1.16's multimodal micro-batch fields that its `_compute_loss` passes to both models' bodies: those its
+# `_get_last_hidden_state` takes
+_BODY_KEYS = tuple(k for k in MULTIMODAL_KEYS
+                   if k in inspect.signature(trl.DistillationTrainer._get_last_hidden_state).parameters)
 
 
 @dataclass
@@ -100,12 +99,7 @@ class DistillationConfig(trl.DistillationConfig):
     )
 
     def __post_init__(self):
-        if self.gradient_checkpointing is None:
-            if _HAS_ACTIVATION_CHECKPOINTING:
-                if self.activation_checkpointing is None:
-                    self.activation_checkpointing = True
-            else:
-                self.gradient_checkpointing = True
+        default_activation_checkpointing(self, trl.DistillationConfig)
         check_distillation_options(self)  # before TRL's own checks: the same named errors for a stock config
         super().__post_init__()
 
@@ -132,11 +126,6 @@ def check_distillation_options(args) -> None:
     if backend not in (None, *BACKENDS):
         raise ValueError(f"DistillationConfig.fastrl_backend must be None or one of {BACKENDS}, got {backend!r}")
     check_memory_options(getattr(args, "activation_offloading", False), getattr(args, "tiled_mlp", 0))
-
-
-def _opt(args, name: str, default):
-    """A fastrl option from ``args`` (a stock ``trl.DistillationConfig`` has none: fastrl's default)."""
-    return getattr(args, name, default)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -203,9 +192,9 @@ def distillation_loss(
     dev = student_hidden.device.type
     t_hidden = teacher_hidden.detach()
 
-    def head_fn(h, w, b):  # the student's head gathered (call_with_head / _Zero3Recompute)
+    def head_fn(h, w, b):  # the student's head gathered (call_with_head / Zero3Recompute)
         tw, tb = teacher_weight, teacher_bias
-        with _zero3_gather_ctx(tw, tb):  # a ZeRO-3 teacher head: gathered here, in the forward and the recompute
+        with zero3_gather_ctx(tw, tb):  # a ZeRO-3 teacher head: gathered here, in the forward and the recompute
             tw, tb = _full(tw).detach(), None if tb is None else _full(tb).detach()
             with torch.autocast(dev, enabled=False):  # fastrl accumulates in float32 itself
                 div, ent = fused_divergence(
@@ -218,8 +207,8 @@ def distillation_loss(
                 )
         return div, ent
 
-    if _is_zero3_param(teacher_weight) and not _is_zero3_param(student_weight):
-        div, ent = _Zero3Recompute.apply(head_fn, student_hidden, student_weight, student_bias)
+    if is_zero3_param(teacher_weight) and not is_zero3_param(student_weight):
+        div, ent = Zero3Recompute.apply(head_fn, student_hidden, student_weight, student_bias)
     else:
         div, ent = call_with_head(head_fn, student_hidden, student_weight, student_bias)
     n_valid = valid.sum()
@@ -237,18 +226,6 @@ def distillation_loss(
 # ---------------------------------------------------------------------------------------------------------------
 # The trainer
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def _accepts(fn, names) -> bool:
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-    return all(n in params for n in names) or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-
-
-_NEEDED_KWARGS = ("beta", "temperature", "bias", "teacher_bias", "logit_scale", "teacher_logit_scale", "softcap",
-                  "teacher_softcap", "mask", "with_entropy", "backend")
 
 
 class DistillationTrainer(MemoryStepsMixin, trl.DistillationTrainer):
@@ -292,8 +269,8 @@ class DistillationTrainer(MemoryStepsMixin, trl.DistillationTrainer):
         self._fastrl_last_path: str | None = None
         self._fastrl_memory = MemoryOptions(
             self.model, {"student": self.model, "teacher": self.teacher_model},
-            activation_offloading=_opt(self.args, "activation_offloading", False),
-            tiled_mlp=_opt(self.args, "tiled_mlp", 0),
+            activation_offloading=opt(self.args, "activation_offloading", False),
+            tiled_mlp=opt(self.args, "tiled_mlp", 0),
         )
 
     def _generate_and_score_completions(self, inputs):
@@ -302,20 +279,13 @@ class DistillationTrainer(MemoryStepsMixin, trl.DistillationTrainer):
 
     def fused_reason(self) -> str | None:
         """Why the loss cannot go through ``fastrl.fused_divergence`` here (None: it can)."""
-        if not _opt(self.args, "fused_loss", True):
+        if not opt(self.args, "fused_loss", True):
             return "fused_loss=False in the config"
-        import fastrl
-
-        fn = getattr(fastrl, "fused_divergence", None)
-        if fn is None:
-            return "this build of fastrl has no fused_divergence"
-        if not _accepts(fn, _NEEDED_KWARGS):
-            return f"fastrl.fused_divergence does not take all of {_NEEDED_KWARGS}"
         return None
 
     def _head_settings(self, unwrapped) -> HeadSettings:
         return head_settings_from_config(unwrapped, temperature=float(self.temperature),
-                                         backend=_opt(self.args, "fastrl_backend", None))
+                                         backend=opt(self.args, "fastrl_backend", None))
 
     def _compute_loss(self, unwrapped_student, inputs, num_items_in_batch):
         reason = self.fused_reason()
@@ -333,7 +303,7 @@ class DistillationTrainer(MemoryStepsMixin, trl.DistillationTrainer):
         completion_mask = inputs["completion_mask"]
         loss_mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
         logits_to_keep = inputs["completion_ids"].size(1)
-        multimodal_inputs = {k: inputs[k] for k in _MULTIMODAL_KEYS if k in inputs}
+        multimodal_inputs = {k: inputs[k] for k in _BODY_KEYS if k in inputs}
         student_hidden = self._get_last_hidden_state(
             unwrapped_student, input_ids, attention_mask, logits_to_keep, **multimodal_inputs
         )

@@ -39,7 +39,7 @@ def patch_trainer(
     import trl
 
     from fastrl.trainers.grpo import GRPOTrainer as FastrlGRPOTrainer
-    from fastrl.trainers.grpo import _compute_loss_one_pass, install_fastrl_head, one_pass_reason
+    from fastrl.trainers.grpo_loss import compute_loss_one_pass, install_fastrl_head, one_pass_reason
 
     rloo = getattr(trl, "RLOOTrainer", None)
     is_grpo = isinstance(trainer, trl.GRPOTrainer)
@@ -55,7 +55,7 @@ def patch_trainer(
         def _compute_loss(self, model, inputs):
             if one_pass_loss and one_pass_reason(self, inputs) is None:
                 self._fastrl_last_path = "one_pass"
-                return _compute_loss_one_pass(self, model, inputs)
+                return compute_loss_one_pass(self, model, inputs)
             self._fastrl_last_path = "trl"
             return trl_compute_loss(model, inputs)
 

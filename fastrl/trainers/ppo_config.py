@@ -6,7 +6,7 @@ TRL's PPO documentation parse unchanged. Differences, each on purpose:
 - ``kl_estimator`` also accepts ``"k2"`` (fastrl computes all three; TRL offered k1 and k3) and ``"exact"``: the
   per-token KL in the non-score reward is then ``KL(pi || pi_ref)`` over the whole vocabulary at each response
   position (never negative, no sampling noise), from both models' last hidden states during the rollout, without
-  materialising logits (``fastrl.losses.policy.exact_reference_kl``; one pass over both LM heads per rollout chunk
+  materialising logits (``fastrl.fused_divergence`` with beta=1; one pass over both LM heads per rollout chunk
   instead of the reference's log-prob pass).
 - The older (trl <= 0.11) ``non_eos_penalty`` / ``penalty_reward_value`` pair is accepted next to
   ``missing_eos_penalty``; setting both styles at once is an error instead of a silent double penalty.

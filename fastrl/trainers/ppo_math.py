@@ -39,7 +39,7 @@ __all__ = [
 # KL there is exactly 0 (both sides hold the same number).
 INVALID_LOGPROB = 1.0
 # TRL's PPOv2 offers k1 (default) and k3; k2 is fastrl's addition (same placement); "exact" is the whole-vocabulary
-# KL(pi || pi_ref) at each position, computed from both models' hidden states (fastrl.losses.policy.exact_reference_kl)
+# KL(pi || pi_ref) at each position, computed from both models' hidden states (fastrl.fused_divergence with beta=1)
 KL_ESTIMATORS = ("k1", "k2", "k3", "exact")
 
 
