@@ -113,9 +113,10 @@ def run_point(spec: dict) -> dict:
     sizes = ks.sizes()
     res["kept_mean"] = float(sizes.float().mean())
     from fastrl.ops import kept as kept_mod
+    from fastrl.ops.budget import tile_budget
 
-    plan = kept_mod.chunk_plan(ks, V, kept_mod._TILE.get(dev.type, kept_mod._TILE["cpu"]),
-                               kept_mod._CAP.get(dev.type, kept_mod._CAP["cpu"]))
+    b = tile_budget("kept", dev)
+    plan = kept_mod.chunk_plan(ks, V, b.elems, b.cap)
     unions = [torch.unique(ks[c0:c1].ids).numel() for c0, c1 in plan]
     # work of the union GEMMs against the full vocabulary's, per pass: sum(rows * |U|) / (N * V)
     res["union_work_vs_full"] = sum((c1 - c0) * u for (c0, c1), u in zip(plan, unions)) / (N * V)

@@ -14,6 +14,7 @@ import torch
 
 import fastrl
 import fastrl.ops.divergence as D
+from fastrl.ops import budget
 from fastrl import KeptSet
 from fastrl.reference import divergence_reference
 
@@ -34,8 +35,7 @@ TRANSFORMS = {
 @pytest.fixture
 def small_tiles(monkeypatch):
     """Tiles of 64 columns and 16-token chunks: every row walks several vocabulary tiles (the online re-basing)."""
-    monkeypatch.setattr(D, "TILE_ELEMS", 16 * 128)
-    monkeypatch.setattr(D, "SUPPORT_ROWS", 16)
+    monkeypatch.setitem(budget.BUDGETS, "divergence", budget.TileBudget(elems=16 * 128, live=5, rows=16))
     orig = D.tile_columns
     monkeypatch.setattr(D, "tile_columns", lambda n, v, requested=None, multiple=128, tile_elems=0: orig(
         n, v, 64 if requested is None else requested, multiple, tile_elems))

@@ -15,7 +15,7 @@ import fastrl
 from fastrl.kernels import linear_logprob as K
 from fastrl.kernels import logits_fold as F
 from fastrl.kernels import tuning
-from fastrl.ops import hybrid
+from fastrl.ops import budget, hybrid
 from fastrl.reference import logits_reference, logprobs_reference
 
 from conftest import CPU_BACKENDS, KERNEL_BACKENDS
@@ -112,7 +112,7 @@ def test_hybrid_multi_tile_stats_and_chunked_backward(dtype, monkeypatch):
     """Tiny tiles force several row and vocabulary tiles, and the backward's row-chunked weight accumulation."""
     monkeypatch.setattr(hybrid, "ROWS", 16)
     monkeypatch.setattr(hybrid, "MAX_ROWS", 16)
-    monkeypatch.setattr(hybrid, "TILE_ELEMS", 16 * 256)
+    monkeypatch.setitem(budget.BUDGETS, "hybrid", budget.TileBudget(elems=16 * 256, live=1))
     hidden, weight, b, targets = make_inputs(45, 24, 700, dtype)
     a, c = loss_weights(targets.shape)
     lp, en = fastrl.fused_logprobs(hidden, weight, targets, bias=b, backend="triton-hybrid", softcap=6.0)

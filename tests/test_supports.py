@@ -16,6 +16,7 @@ import torch
 import fastrl
 from fastrl.losses.arithmetic import policy_loss_from_logprobs
 from fastrl.losses.config import LOSS_TYPES, PolicyLossConfig
+from fastrl.ops import budget
 from fastrl.ops import kept as kept_mod
 from fastrl.ops import rules as rules_mod
 from fastrl.ops.rules import apply_rule
@@ -47,8 +48,7 @@ def random_keptset(targets, V, k_max, seed=0, ignore_index=-100, empty_ignored=T
 @pytest.fixture
 def small_tiles(monkeypatch):
     """Force many token chunks in the kept path and in replay_rule (the chunk seams are where bugs hide)."""
-    monkeypatch.setitem(kept_mod._TILE, "cpu", 64)
-    monkeypatch.setitem(kept_mod._CAP, "cpu", 12)
+    monkeypatch.setitem(budget.BUDGETS, "kept", {"cpu": budget.TileBudget(elems=64, live=2, cap=12)})
     monkeypatch.setattr(rules_mod, "_rows_per_tile", lambda V, device: 3)
 
 

@@ -28,6 +28,7 @@ from fastrl.losses.config import CLIPPED_LOSS_TYPES, PolicyLossConfig
 from fastrl.ops import torch_backend as TB
 from fastrl.ops._gemm import addmm_f32, mm_f32
 from fastrl.ops.backend import is_triton
+from fastrl.ops.budget import tile_budget
 from fastrl.ops.config import LogitTransform
 from fastrl.ops.custom_ops import (
     _acc, _autograd_inside, _empty, _key, _layout, _op, _pack, _refuse_double_backward, _unpack,
@@ -37,12 +38,6 @@ from fastrl.ops.linear_logprob import compact_rows
 __all__ = ["PolicyOptions", "metric_keys", "fixed_chunks", "policy_loss_one_pass"]
 
 _IGNORE = -100
-# Float32 elements of the one-pass [chunk, V] logits tile. With a trained head the float32 [V, H] weight-gradient
-# accumulator is read and written once per chunk, so chunks are large (1 GiB: 1766 tokens at V=151936, 1664 in
-# whole 128-row blocks, 8 accumulator passes over W1's ~12k live tokens) while the step's extra memory stays about
-# 1.25x TRL's at W1 (accumulator 2.5 GB + tile); with a frozen head there is no accumulator and a 256 MiB tile
-# keeps the memory small. A CPU keeps 32 MB tiles (as fast as 64 MB at C1, 48 MB less peak memory).
-_TILE_ELEMS = {("cuda", True): 1 << 28, ("cuda", False): 1 << 26, ("cpu", True): 1 << 23, ("cpu", False): 1 << 23}
 
 
 @dataclass(frozen=True)
@@ -75,7 +70,10 @@ class _LossInputs:
 
 def _chunk_budget(V: int, device: torch.device, trained_head: bool, requested: int | None) -> int:
     """Rows per one-pass chunk: the requested number, else what fits the device's [chunk, V] tile budget."""
-    rows = _TILE_ELEMS.get((device.type, trained_head), 1 << 28) // V
+    # the [chunk, V] logits tile: long chunks with a trained head on a GPU (the float32 [V, H] accumulator is read and
+    # written once per chunk; 1664 rows at V=151936, 8 accumulator passes over W1's ~12k live tokens, extra memory
+    # about 1.25x TRL's at W1), a 256 MiB tile with a frozen one, 32 MB on a CPU (fastrl.ops.budget)
+    rows = tile_budget("one-pass" if trained_head else "one-pass-frozen", device).elems // V
     # on a GPU, whole 128-row blocks keep the GEMMs on full tiles; a CPU keeps its small tile (memory first)
     return requested or (max(128, rows // 128 * 128) if device.type == "cuda" else max(1, rows))
 

@@ -40,6 +40,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import sys
 import types
 import typing
 
@@ -52,11 +53,62 @@ __all__ = ["DoubleBackwardError", "IMPLEMENTATIONS", "PackedOptions"]
 IMPLEMENTATIONS: dict = {}
 
 
+# the library that defines every fastrl op (kept alive for the process: dropping it would unregister them)
+_LIB = torch.library.Library("fastrl", "FRAGMENT")
+
+
+class _OpDef:
+    """What ``@_op`` returns: the op's two registration hooks (as ``torch.library.custom_op``'s object has them)."""
+
+    def __init__(self, name: str):
+        self.qualname = f"fastrl::{name}"
+
+    def register_fake(self, fn):
+        torch.library.register_fake(self.qualname, fn, lib=_LIB)
+        return fn
+
+    def register_autograd(self, backward, *, setup_context=None) -> None:
+        torch.library.register_autograd(self.qualname, backward, setup_context=setup_context, lib=_LIB)
+
+    def __call__(self, *args):
+        return getattr(torch.ops.fastrl, self.qualname.split("::")[1])(*args)
+
+
+def _hidden_from_dynamo(fn):
+    """``fn``, skipped by dynamo's frame evaluation once ``torch._dynamo`` is loaded, without loading it.
+
+    ``torch.library.custom_op`` wraps each implementation in ``torch._disable_dynamo``, which imports
+    ``torch._dynamo`` on the op's first call: ~170 MB of modules and 1-2 s in a process that never compiles (the
+    C1 regression: a fresh process's first ``fused_logprobs`` step went from 62 MB to 204 MB of extra peak RSS).
+    Skipping matters only while dynamo evaluates frames (a graph break running eager code under
+    ``torch.compile``), and nothing can compile before ``torch._dynamo`` is imported, so until then ``fn`` runs
+    as it is; afterwards through ``torch._dynamo.disable``, as custom_op would."""
+    disabled = None
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        nonlocal disabled
+        dynamo = sys.modules.get("torch._dynamo")
+        if dynamo is None:
+            return fn(*args, **kwargs)
+        if disabled is None:
+            disabled = dynamo.disable(fn, recursive=True)
+        return disabled(*args, **kwargs)
+
+    return run
+
+
 def _op(name: str):
-    """``torch.library.custom_op("fastrl::<name>")``, no argument mutated; records the implementation."""
+    """Define ``fastrl::<name>`` from a typed Python function (its schema inferred as ``torch.library.custom_op``
+    does; no argument mutated, tagged pt2-compliant) and register the function as its implementation for every
+    device; records the implementation. Not ``custom_op`` itself: see ``_hidden_from_dynamo``."""
     def register(fn):
-        IMPLEMENTATIONS[f"fastrl::{name}"] = fn
-        return torch.library.custom_op(f"fastrl::{name}", mutates_args=())(fn)
+        qualname = f"fastrl::{name}"
+        IMPLEMENTATIONS[qualname] = fn
+        schema = torch.library.infer_schema(fn, mutates_args=())
+        _LIB.define(name + schema, tags=(torch.Tag.pt2_compliant_tag,))
+        _LIB.impl(name, _hidden_from_dynamo(fn), "CompositeExplicitAutograd")
+        return _OpDef(name)
     return register
 
 

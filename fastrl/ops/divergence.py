@@ -47,6 +47,7 @@ import torch
 
 from fastrl.ops._checks import autocast_inputs, check_head, dense_bias
 from fastrl.ops.backend import is_triton, resolve_backend
+from fastrl.ops.budget import tile_budget
 from fastrl.ops.config import LogitTransform, _finite
 from fastrl.ops.custom_ops import (
     PackedOptions,
@@ -65,10 +66,6 @@ from fastrl.ops.torch_backend import acc_dtype, tile_columns
 __all__ = ["fused_divergence", "divergence_forward", "divergence_backward", "DivergenceOptions", "divergence_op",
            "divergence_backward_op"]
 
-# float32 elements per [rows, cols] tile; 5 such tiles are alive at once (both heads' logits and 3 scratch tiles).
-# 1M elements (4 MB) keeps the elementwise passes in the CPU's L2/L3 while the GEMMs still get >= 128 columns.
-TILE_ELEMS = 1 << 20
-SUPPORT_ROWS = 256  # tokens per chunk on the kept-set path: the union of their ids is one gathered block
 _TINY = torch.finfo(torch.float32).tiny  # log(m) where both probabilities underflow: finite, and weighted by 0
 
 
@@ -122,26 +119,28 @@ class _Tile:
 def _tiles(N: int, V: int, support: KeptSet | None) -> Iterator[_Tile]:
     """The [rows, cols] tiles that cover every (token, kept id) pair once, each row's tiles in vocabulary order."""
     if support is None:
-        cols = tile_columns(N, V, tile_elems=TILE_ELEMS)
+        cols = tile_columns(N, V, tile_elems=tile_budget("divergence").elems)
         for v0 in range(0, V, cols):
             yield _Tile(slice(0, N), v0, min(v0 + cols, V))
         return
-    for n0 in range(0, N, SUPPORT_ROWS):
-        n1 = min(n0 + SUPPORT_ROWS, N)
+    budget = tile_budget("divergence")  # 5 tiles alive; rows: tokens per kept-set chunk (one gathered union)
+    for n0 in range(0, N, budget.rows):
+        n1 = min(n0 + budget.rows, N)
         part = support[n0:n1]
         union = torch.unique(part.ids)  # sorted
         R, U = n1 - n0, union.numel()
         keep = torch.zeros((R, U), dtype=torch.bool, device=union.device)
         row_of = torch.repeat_interleave(torch.arange(R, device=union.device), part.sizes())
         keep[row_of, torch.searchsorted(union, part.ids)] = True
-        cols = tile_columns(R, U, tile_elems=TILE_ELEMS) if U else 1
+        cols = tile_columns(R, U, tile_elems=budget.elems) if U else 1
         for c0 in range(0, U, cols):
             yield _Tile(slice(n0, n1), ids=union[c0 : c0 + cols], keep=keep[:, c0 : c0 + cols])
 
 
 def _buffers(N: int, V: int, support: KeptSet | None, cdt: torch.dtype, dev: torch.device) -> list[torch.Tensor]:
     """The five flat tile buffers (both heads' logits, three scratch), each as large as the largest tile."""
-    elems = TILE_ELEMS if support is not None else max(N, 1) * tile_columns(N, V, tile_elems=TILE_ELEMS)
+    tile = tile_budget("divergence").elems
+    elems = tile if support is not None else max(N, 1) * tile_columns(N, V, tile_elems=tile)
     return [torch.empty(elems, dtype=cdt, device=dev) for _ in range(5)]
 
 

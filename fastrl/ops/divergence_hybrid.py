@@ -9,7 +9,8 @@ loop of the backward, so each ``grad_W`` slice is one GEMM over all tokens writt
 buffer); past ``hybrid.MAX_ROWS`` tokens the rows are chunked and a ``grad_W`` slice accumulates in a float32
 ``[slice, H]``.
 
-Two tiles are alive instead of one, so each gets half of ``hybrid.TILE_ELEMS``. The kept-set path (``support=``)
+Two tiles are alive instead of one, so each gets half of the log-prob path's (the ``divergence-hybrid`` row of
+``fastrl.ops.budget``). The kept-set path (``support=``)
 gathers ids per token chunk and runs on the torch implementation on every backend.
 """
 
@@ -20,6 +21,7 @@ import torch
 from fastrl.kernels import divergence_fold as K
 from fastrl.ops import hybrid
 from fastrl.ops._gemm import mm_f32
+from fastrl.ops.budget import tile_budget
 from fastrl.ops.divergence_stats import finish_stats
 
 __all__ = ["forward", "backward"]
@@ -28,7 +30,7 @@ COLUMNS: int | None = None  # vocabulary columns per slice (None: as many as the
 
 
 def _cols(rows: int, V: int) -> int:
-    return hybrid._TB.tile_columns(rows, V, COLUMNS, multiple=256, tile_elems=hybrid.TILE_ELEMS // 2)
+    return hybrid._TB.tile_columns(rows, V, COLUMNS, multiple=256, tile_elems=tile_budget("divergence-hybrid").elems)
 
 
 def _tiles(student, teacher, n0, n1, v0, v1, bufs):

@@ -5,7 +5,7 @@ float32 accumulation and result), then one pass of a Triton kernel over it (``fa
 either folding it into the rows' online statistics or turning it into ``G = dL/dy``, written over the tile.
 The weight- and hidden-gradient GEMMs read ``G`` straight from there.
 
-Tile shapes (elements of the float32 buffer bounded by ``TILE_ELEMS``, 256 MB):
+Tile shapes (elements of the float32 buffer bounded by the ``hybrid`` row of ``fastrl.ops.budget``, 256 MB):
 
 * statistics (path C, and path A's forward): up to ``ROWS`` tokens x as many vocabulary columns as fit;
 * path A's backward: the vocabulary is the outer loop and a tile holds every token of a vocabulary slice, so
@@ -23,13 +23,13 @@ import torch
 from fastrl.kernels import logits_fold as F
 from fastrl.ops import torch_backend as _TB
 from fastrl.ops._gemm import addmm_f32, mm_f32
+from fastrl.ops.budget import tile_budget
 from fastrl.ops.config import LogitTransform
 
-__all__ = ["TILE_ELEMS", "linear_stats", "linear_backward", "sliced_backward", "tile_columns"]
+__all__ = ["linear_stats", "linear_backward", "sliced_backward", "tile_columns"]
 
-TILE_ELEMS = 1 << 26  # float32 elements of the logits tile: 256 MB
 ROWS = 4096  # tokens per statistics tile (TRL's token tile; cuBLAS is at full speed there)
-# Tokens per backward tile before the rows are chunked as well. A tile of TILE_ELEMS holds TILE_ELEMS / rows
+# Tokens per backward tile before the rows are chunked as well. A tile of E elements (the budget) holds E / rows
 # vocabulary columns, and grad_h's float32 accumulation (addmm_f32 over a [rows, cols] G) moves 8 bytes of [N, H]
 # per 2*cols FLOPs: at 16384 rows the slices keep 4096 columns (1024 FLOP/B, compute-bound on an H100, whose
 # balance is ~300 FLOP/B), where 65536 rows would leave 1024 columns (256 FLOP/B, memory-bound). Chunking the rows
@@ -41,8 +41,8 @@ _ALIGN = 256
 
 def tile_columns(rows: int, vocab: int, requested: int | None = None) -> int:
     """Vocabulary columns of a ``rows``-row tile on the Triton backends: the requested number, else as many as
-    ``TILE_ELEMS`` allows, in whole 256-column blocks (one rule with the torch backend's, another budget)."""
-    return _TB.tile_columns(rows, vocab, requested, multiple=_ALIGN, tile_elems=TILE_ELEMS)
+    the ``hybrid`` budget allows, in whole 256-column blocks (one rule with the torch backend's, another budget)."""
+    return _TB.tile_columns(rows, vocab, requested, multiple=_ALIGN, tile_elems=tile_budget("hybrid").elems)
 
 
 def _transform_kw(tf: LogitTransform) -> dict:

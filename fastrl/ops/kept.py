@@ -36,6 +36,7 @@ import torch
 
 from fastrl.ops import torch_backend as TB
 from fastrl.ops._gemm import addmm_f32, cuda_f32_out, mm_f32
+from fastrl.ops.budget import tile_budget
 from fastrl.ops.config import LogitTransform
 from fastrl.ops.support import KeptSet
 
@@ -44,17 +45,13 @@ __all__ = ["KeptOptions", "kept_logprobs", "chunk_plan", "resolve_support"]
 # Dropped ids sit this many nats below the row's kept maximum: exp(-1e4) is exactly 0 in float32 and float64,
 # and the value stays finite (softcap's derivative and the entropy's z * p stay 0, never NaN).
 _FILL = 1.0e4
-# elements of the [chunk, |U|] float32 tile (CPU: torch_backend's 16 MB; CUDA: 256 MB), and the most ids a chunk's
-# union may hold (the work per token is at most max(cap, K) ids; a GPU wants wider GEMMs than a CPU)
-_TILE = {"cpu": TB.TILE_ELEMS, "cuda": 1 << 26}
-_CAP = {"cpu": 2048, "cuda": 8192}
 
 
 @dataclass(frozen=True)
 class KeptOptions:
     tf: LogitTransform
     with_entropy: bool
-    tile_elems: int | None = None  # None: _TILE by device
+    tile_elems: int | None = None  # None: the "kept" tile budget of the device
 
 
 def chunk_plan(ks: KeptSet, V: int, tile_elems: int, cap: int) -> list[tuple[int, int]]:
@@ -226,8 +223,8 @@ class KeptLogprobFunction(torch.autograd.Function):
 
 
 def _plan(ks: KeptSet, V: int, opts: KeptOptions, device: torch.device) -> list[tuple[int, int]]:
-    tile = opts.tile_elems or _TILE.get(device.type, TB.TILE_ELEMS)
-    return chunk_plan(ks, V, tile, _CAP.get(device.type, _CAP["cpu"]))
+    b = tile_budget("kept", device)  # the [chunk, |U|] tile and the union cap (fastrl.ops.budget)
+    return chunk_plan(ks, V, opts.tile_elems or b.elems, b.cap)
 
 
 def kept_logprobs(

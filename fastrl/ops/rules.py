@@ -23,6 +23,7 @@ from fastrl.ops import torch_backend as TB
 from fastrl.ops._checks import autocast_inputs, check_linear_inputs, check_targets, dense_bias
 from fastrl.ops._gemm import cuda_f32_out, mm_f32
 from fastrl.ops.backend import resolve_backend
+from fastrl.ops.budget import tile_budget
 from fastrl.ops.config import LogitTransform
 from fastrl.ops.support import KeptSet, SamplerRule
 
@@ -176,13 +177,9 @@ def rule_positions(
     return torch.arange(T, device=targets.device).repeat(B)
 
 
-# elements of replay_rule's [chunk, V] float32 logits tile: torch_backend's 16 MB on a CPU, 128 MB on CUDA (wider
-# GEMMs; the sort's values and int64 ids add three times that while a tile is ranked)
-_TILE = {"cpu": TB.TILE_ELEMS, "cuda": 1 << 25}
-
-
 def _rows_per_tile(V: int, device: torch.device) -> int:
-    return max(1, _TILE.get(device.type, TB.TILE_ELEMS) // V)
+    # replay_rule's [chunk, V] float32 logits tile (the "rule" row of fastrl.ops.budget)
+    return max(1, tile_budget("rule", device).elems // V)
 
 
 def logits_tile(

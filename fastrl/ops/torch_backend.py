@@ -1,27 +1,19 @@
 """The ``torch`` backend: the same algorithm as the Triton kernels, in chunked PyTorch.
 
-Online statistics over vocabulary blocks, so memory beyond inputs and outputs is O(N) plus one
-``[N, V_blk]`` float32 tile whose size is bounded (``tile_columns``). Low-precision inputs are computed
-in float32: logits are never rounded to bf16/fp16.
+Online statistics over vocabulary blocks, so memory beyond inputs and outputs is O(N) plus two ``[N, V_blk]``
+float32 tiles alive at once (the logits and their ``exp``; the ``logprob`` row of ``fastrl.ops.budget`` bounds
+them, ``tile_columns``). Low-precision inputs are computed in float32: logits are never rounded to bf16/fp16.
 """
 
 from __future__ import annotations
 
 import torch
 
+from fastrl.ops.budget import tile_columns
 from fastrl.ops.config import LogitTransform
 
-# elements of one [N, V_blk] float32 tile: 16 MB, a few of which are alive at once
-TILE_ELEMS = 1 << 22
-
-
-def tile_columns(n_rows: int, vocab: int, requested: int | None = None, multiple: int = 128,
-                 tile_elems: int = TILE_ELEMS) -> int:
-    """Vocabulary columns per tile: the requested number, else the largest that keeps the tile bounded."""
-    if requested is not None:
-        return max(1, min(int(requested), vocab))
-    cols = max(multiple, (tile_elems // max(n_rows, 1)) // multiple * multiple)
-    return min(cols, vocab)
+__all__ = ["tile_columns", "acc_dtype", "logits_block", "linear_stats", "stats_from_logits", "chunk_logits",
+           "grad_from_logits_", "grad_block"]
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:

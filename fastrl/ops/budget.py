@@ -1,0 +1,116 @@
+"""How large a path's float32 tiles may be: one table, one function (``tile_budget``), the arithmetic behind each row.
+
+Every fastrl path that walks the logits does it in float32 tiles ``[rows, cols]`` (token rows x vocabulary columns
+or kept ids), never ``[N, V]``. A tile's size trades three things, and they weigh differently on each path:
+
+* **memory**: the path's extra memory is about ``live`` tiles (the buffers of that size alive at once: the logits,
+  a ``exp`` of them, the sort's values and ids, both heads' tiles ...), ``TileBudget.nbytes``;
+* **fixed cost per tile**: what a path pays once per chunk whatever its width. Path A's backward adds each
+  vocabulary slice's ``G @ W[slice]`` into a float32 ``[N, H]`` accumulator (``8 N H`` bytes read and written per
+  ``2 N cols H`` FLOPs: ``cols / 4`` FLOP per byte); the one-pass loss reads and writes the float32 ``[V, H]``
+  weight-gradient accumulator once per token chunk (``8 V H`` bytes per ``2 rows V H`` FLOPs: ``rows / 4`` FLOP per
+  byte). Past the device's balance (~10-30 FLOP/B for a CPU core's caches and DRAM, ~300 for an H100's HBM) the
+  GEMMs are compute-bound and a wider tile buys nothing;
+* **GEMM width and cache**: a GPU's tensor cores want GEMMs thousands wide (cuBLAS is at full speed from about
+  4096 x 4096 tiles), so GPU tiles are 128 MB-1 GB; a CPU's GEMMs are at full speed from a few hundred columns, and
+  its elementwise passes (exp, the online statistics, G) run from cache when the tiles alive fit in L2/L3, so CPU
+  tiles are 4-32 MB.
+
+The rows, by path (``path`` argument of ``tile_budget``; "cpu" is every device that is not CUDA):
+
+========================  ======  ======  ====  ==========================================================
+path                      device  tile    live  why
+========================  ======  ======  ====  ==========================================================
+``logprob``               any     16 MB   2     torch backend, path A and C (``torch_backend``; also the
+                                                one-pass chunk's vocabulary blocks): the logits tile and its
+                                                ``exp`` (a third, dz/dy, with softcap). At C1 (N=4096) that is
+                                                1024 columns: 256 FLOP/B on grad_h's accumulator, far past a
+                                                CPU's balance; 32 MB extra besides the O(N) statistics.
+``hybrid``                any     256 MB  1     Triton backends (``hybrid``): the fold / G kernels write
+                                                over the GEMM's own float32 tile. 4096 tokens x 16384
+                                                columns for the statistics, 16384 x 4096 in the backward
+                                                (``hybrid.MAX_ROWS``: 1024 FLOP/B on grad_h).
+``divergence-hybrid``     any     128 MB  2     the same budget shared by both heads' tiles.
+``divergence``            any     4 MB    5     torch backend of ``fused_divergence``: both heads' logits
+                                                and three scratch tiles, 20 MB, in a CPU's L2/L3; >= 128
+                                                columns per GEMM. ``rows``: tokens per kept-set chunk.
+``kept``                  cpu     16 MB   2     kept-set union GEMMs (``kept``): the ``[chunk, |U|]`` tile
+                          cuda    256 MB        and its filled copy; ``cap`` bounds a chunk's union (the
+                                                work per token is at most ``max(cap, K)`` ids).
+``rule``                  cpu     16 MB   4     ``replay_rule``: the logits tile, then a sort's values
+                          cuda    128 MB        (one more tile) and int64 ids (two more).
+``one-pass``              cpu     32 MB   1     one-pass loss with a trained head: the ``[chunk, V]`` tile;
+                          cuda    1 GiB         the float32 [V, H] accumulator is read and written once per
+                                                chunk, so GPU chunks are long (1766 tokens at V=151936:
+                                                440 FLOP/B); a CPU keeps 32 MB (as fast as 64 MB at C1).
+``one-pass-frozen``       cpu     32 MB   1     the same with a frozen head: no accumulator, so no reason
+                          cuda    256 MB        for long chunks on a GPU.
+========================  ======  ======  ====  ==========================================================
+
+Tests shrink a path's tiles by replacing its row: ``monkeypatch.setitem(budget.BUDGETS, "logprob", TileBudget(...))``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["TileBudget", "BUDGETS", "tile_budget", "tile_columns"]
+
+_FLOAT32 = 4  # bytes
+
+
+@dataclass(frozen=True)
+class TileBudget:
+    """One path's tile budget on one kind of device."""
+
+    elems: int  # float32 elements of one [rows, cols] tile
+    live: int  # tiles of that size the path holds at once
+    cap: int | None = None  # kept-set paths: the most vocabulary ids in one chunk's union
+    rows: int | None = None  # token rows per chunk where the path fixes them
+
+    @property
+    def nbytes(self) -> int:
+        """The path's tile memory: ``live`` float32 tiles of ``elems`` elements."""
+        return _FLOAT32 * self.elems * self.live
+
+
+_MB = (1 << 20) // _FLOAT32  # float32 elements per MiB
+
+# path -> one budget for every device, or {"cpu": ..., "cuda": ...}; the module docstring says why each is what it is
+BUDGETS: dict[str, TileBudget | dict[str, TileBudget]] = {
+    "logprob": TileBudget(elems=16 * _MB, live=2),
+    "hybrid": TileBudget(elems=256 * _MB, live=1),
+    "divergence-hybrid": TileBudget(elems=128 * _MB, live=2),
+    "divergence": TileBudget(elems=4 * _MB, live=5, rows=256),
+    "kept": {"cpu": TileBudget(elems=16 * _MB, live=2, cap=2048),
+             "cuda": TileBudget(elems=256 * _MB, live=2, cap=8192)},
+    "rule": {"cpu": TileBudget(elems=16 * _MB, live=4), "cuda": TileBudget(elems=128 * _MB, live=4)},
+    "one-pass": {"cpu": TileBudget(elems=32 * _MB, live=1), "cuda": TileBudget(elems=1024 * _MB, live=1)},
+    "one-pass-frozen": {"cpu": TileBudget(elems=32 * _MB, live=1), "cuda": TileBudget(elems=256 * _MB, live=1)},
+}
+
+
+def tile_budget(path: str, device: torch.device | str | None = None) -> TileBudget:
+    """The tile budget of ``path`` (a key of ``BUDGETS``) on ``device`` (CUDA, or anything else: the CPU row)."""
+    try:
+        entry = BUDGETS[path]
+    except KeyError:
+        raise ValueError(f"path must be one of {sorted(BUDGETS)}, got {path!r}") from None
+    if isinstance(entry, TileBudget):
+        return entry
+    kind = torch.device(device).type if device is not None else "cpu"
+    return entry["cuda" if kind == "cuda" else "cpu"]
+
+
+def tile_columns(n_rows: int, vocab: int, requested: int | None = None, multiple: int = 128,
+                 tile_elems: int | None = None) -> int:
+    """Vocabulary columns per tile: the requested number, else the largest multiple of ``multiple`` that keeps an
+    ``n_rows``-row tile within ``tile_elems`` (default: the ``logprob`` budget), at least ``multiple``."""
+    if requested is not None:
+        return max(1, min(int(requested), vocab))
+    if tile_elems is None:
+        tile_elems = tile_budget("logprob").elems
+    cols = max(multiple, (tile_elems // max(n_rows, 1)) // multiple * multiple)
+    return min(cols, vocab)

@@ -1,0 +1,135 @@
+"""Tile budgets (fastrl.ops.budget) and the plain path's memory plan: regression guards without timing.
+
+* every path reads its row of ``BUDGETS`` (shrinking the row shrinks that path's tiles);
+* ``fused_logprobs`` on the torch backend (C1's path) allocates, at its peak, its outputs plus the ``live`` tiles
+  of the ``logprob`` budget and O(N) vectors, counted from the CPU allocator's own events (the profiler's memory
+  records), not from a clock;
+* a fresh process's first eager call of every fastrl op imports no ``torch._dynamo`` (``torch.library.custom_op``
+  did: ~170 MB of modules and 1-2 s on C1's first step, the C1 regression of 8f83654).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import fastrl
+from fastrl.losses import one_pass
+from fastrl.ops import budget, divergence, hybrid, kept, rules, torch_backend
+from fastrl.ops.budget import TileBudget, tile_budget
+from fastrl.ops.config import LogitTransform
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_tile_budget_rows_and_bad_path():
+    assert tile_budget("logprob").elems == 1 << 22 and tile_budget("logprob").live == 2
+    assert tile_budget("kept", "cpu").cap == 2048 and tile_budget("kept", torch.device("cuda")).cap == 8192
+    assert tile_budget("one-pass", "cuda").elems == 1 << 28 and tile_budget("one-pass-frozen", "cuda").elems == 1 << 26
+    assert tile_budget("rule", "meta") == tile_budget("rule", "cpu")  # every non-CUDA device takes the CPU row
+    assert tile_budget("hybrid").nbytes == 256 << 20
+    with pytest.raises(ValueError, match=r"path must be one of .*'logprob'.*got 'logprobs'"):
+        tile_budget("logprobs")
+
+
+def _shrink(monkeypatch, path, **kw):
+    monkeypatch.setitem(budget.BUDGETS, path, TileBudget(**{"live": 1, **kw}))
+
+
+def test_every_path_reads_its_budget(monkeypatch):
+    cpu = torch.device("cpu")
+    _shrink(monkeypatch, "logprob", elems=64 * 256)
+    assert torch_backend.tile_columns(64, 10_000) == 256
+    _shrink(monkeypatch, "hybrid", elems=64 * 512)
+    assert hybrid.tile_columns(64, 10_000) == 512
+    _shrink(monkeypatch, "rule", elems=7 * 1000)
+    assert rules._rows_per_tile(1000, cpu) == 7
+    _shrink(monkeypatch, "one-pass", elems=5 * 1000)
+    _shrink(monkeypatch, "one-pass-frozen", elems=3 * 1000)
+    assert one_pass._chunk_budget(1000, cpu, True, None) == 5 and one_pass._chunk_budget(1000, cpu, False, None) == 3
+    _shrink(monkeypatch, "divergence", elems=8 * 128, rows=4)
+    assert [(t.rows.start, t.v0, t.v1) for t in divergence._tiles(8, 300, None)] == [(0, 0, 128), (0, 128, 256),
+                                                                                      (0, 256, 300)]
+    ks = fastrl.KeptSet.from_lists([[i] for i in range(10)], 100)
+    assert [t.rows.start for t in divergence._tiles(10, 100, ks)] == [0, 4, 8]
+    _shrink(monkeypatch, "kept", elems=1 << 20, cap=3)
+    assert kept._plan(ks, 100, kept.KeptOptions(tf=LogitTransform(), with_entropy=True), cpu) == [
+        (0, 3), (3, 6), (6, 9), (9, 10)]
+
+
+def _peak_allocated(fn) -> tuple[int, int]:
+    """(peak, end) bytes the CPU allocator held during ``fn()`` above what it held before, from the profiler's
+    memory records (each allocation and free with its size, in order)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    assert events, "the profiler recorded no allocation: the memory plan cannot be checked"
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak, live
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_plain_path_memory_plan(softcap):
+    """C1's path (torch backend, log-prob + entropy, forward + backward) holds at most the ``logprob`` budget's tiles
+    besides its outputs: a third float32 [N, V_blk] tile alive, a [N, V] buffer, or a float32 [V, H] copy of the
+    weight fails this. Shape: several vocabulary slices of the real (16 MB) budget."""
+    N, H, V = 1024, 64, 16384
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(N, H, generator=g).requires_grad_()
+    w = (torch.randn(V, H, generator=g) / H**0.5).requires_grad_()
+    t = torch.randint(0, V, (N,), generator=g)
+    b = tile_budget("logprob")
+    assert torch_backend.tile_columns(N, V) * N == b.elems and V // torch_backend.tile_columns(N, V) == 4
+
+    def step():
+        lp, ent = fastrl.fused_logprobs(h, w, t, backend="torch", softcap=softcap)
+        step.grads = torch.autograd.grad(lp.sum() + 0.01 * ent.sum(), (h, w))
+
+    step()  # warm: lazy initialisation is not the op's memory
+    peak, end = _peak_allocated(step)
+    outputs = sum(x.numel() * x.element_size() for x in step.grads)
+    assert end == outputs, f"the step left {end - outputs} bytes allocated besides its gradients"
+    tiles = b.nbytes + (b.elems * 4 if softcap is not None else 0)  # softcap's dz/dy is one more tile (it held 3)
+    o_n = 64 * N * 4  # O(N) vectors: statistics, masks, per-row scalars
+    assert peak - outputs <= tiles + o_n, (
+        f"peak {peak / 2**20:.1f} MB = gradients {outputs / 2**20:.1f} MB + {(peak - outputs) / 2**20:.1f} MB; the "
+        f"plan allows {tiles / 2**20:.1f} MB of tiles ({b.live} x {b.elems * 4 / 2**20:.0f} MB) + O(N)")
+
+
+def test_first_eager_call_of_every_op_imports_no_dynamo():
+    """The ops are torch.library ops; torch.library.custom_op would import torch._dynamo on each op's first call."""
+    script = textwrap.dedent("""
+        import sys, torch, fastrl
+        B, T, H, V = 2, 8, 16, 64
+        h = torch.randn(B, T, H, requires_grad=True); w = torch.randn(V, H, requires_grad=True)
+        t = torch.randint(0, V, (B, T)); mask = torch.ones(B, T, dtype=torch.bool)
+        seen = []
+        lp, ent = fastrl.fused_logprobs(h, w, t); (lp.sum() + ent.sum()).backward()
+        seen.append(("fused_logprobs", "torch._dynamo" in sys.modules))
+        loss, _ = fastrl.policy_loss(h, w, t, torch.randn(B), mask, config=fastrl.PolicyLossConfig(loss_type="dapo"),
+                                     old_logprobs=lp.detach())
+        loss.backward()
+        seen.append(("policy_loss", "torch._dynamo" in sys.modules))
+        v = torch.randn(B, T, requires_grad=True)
+        fastrl.value_loss(v, v.detach(), v.detach() + 1, mask, 0.2)[0].backward()
+        seen.append(("value_loss", "torch._dynamo" in sys.modules))
+        d = fastrl.fused_divergence(h, w, torch.randn(B, T, 24), torch.randn(V, 24), beta=0.5)
+        (d[0] if isinstance(d, tuple) else d).sum().backward()
+        seen.append(("fused_divergence", "torch._dynamo" in sys.modules))
+        print(seen)
+        assert not any(s for _, s in seen), seen
+    """)
+    env = {**os.environ, "FASTRL_BACKEND": "torch"}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
