@@ -100,7 +100,7 @@ def _inputs(B, T, H, V, dtype, device, seed=0):
     return x, targets, adv, mask, old, ref
 
 
-def _measure(variant: str, shape, device: str, reps: int, warmup: int) -> dict:
+def _measure(variant: str, shape, device: str, reps: int, warmup: int, compile_backend: str | None = None) -> dict:
     B, T, H, V, dtype = shape
     torch.manual_seed(0)
     body = Body(H).to(device=device, dtype=dtype)
@@ -111,7 +111,8 @@ def _measure(variant: str, shape, device: str, reps: int, warmup: int) -> dict:
     fn = _step_fn(kind, body, head, _config(), host_sync=False if variant == "fastrl-nosync" else None)
     if "compile" in variant:
         mode = "reduce-overhead" if variant.endswith("-ro") else None
-        fn = torch.compile(fn, fullgraph=(kind == "fastrl"), mode=mode, dynamic=False)
+        backend = {"backend": compile_backend} if compile_backend else {}
+        fn = torch.compile(fn, fullgraph=(kind == "fastrl"), mode=mode, dynamic=False, **backend)
     inputs = _inputs(B, T, H, V, dtype, device)
 
     def step():
@@ -146,20 +147,22 @@ def _measure(variant: str, shape, device: str, reps: int, warmup: int) -> dict:
     flops = 6 * N * H * V + 48 * N * H * H
     ms = 1e3 * statistics.median(times)
     row = {"variant": variant, "B": B, "T": T, "H": H, "V": V, "dtype": str(dtype).replace("torch.", ""),
-           "ms": ms, "ms_min": 1e3 * min(times), "first_step_s": first, "first_loss": first_loss,
+           "ms": ms, "ms_min": 1e3 * min(times), "ms_max": 1e3 * max(times), "first_step_s": first, "first_loss": first_loss,
            "tflops": flops / (ms * 1e-3) / 1e12, "reps": reps}
     if device == "cuda":
         row["peak_extra_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
     return row
 
 
-def run(device: str, variants, reps: int, warmup: int, shape=None) -> list[dict]:
+def run(device: str, variants, reps: int, warmup: int, shape=None, compile_backend: str | None = None) -> list[dict]:
+    """``compile_backend``: torch.compile's backend (default inductor; ``"aot_eager"`` traces without generating
+    code: the plumbing only)."""
     shape = shape or SHAPES[device]
     rows = []
     for v in variants:
         torch._dynamo.reset()
         try:
-            rows.append(_measure(v, shape, device, reps, warmup))
+            rows.append(_measure(v, shape, device, reps, warmup, compile_backend))
         except Exception as e:  # report and go on: one variant failing must not hide the others
             rows.append({"variant": v, "error": f"{type(e).__name__}: {str(e)[:400]}"})
         print(json.dumps(rows[-1]), flush=True)

@@ -188,7 +188,8 @@ def run_point(spec: dict) -> dict:
     rows = min(spec.get("accuracy_rows", 64), wl.N)
     t0 = time.perf_counter()
     if device.type == "cuda":
-        m, kept = measure.measure_cuda(op, states, spec["reps"], spec["warmup"], rows, rep_ms=spec.get("rep_ms", 2000))
+        m, kept = measure.measure_cuda(op, states, spec["reps"], spec["warmup"], rows, rep_ms=spec.get("rep_ms", 2000),
+                                       total_only=spec.get("total_only", False))
     else:
         m, kept = measure.measure_cpu(op, states, spec["reps"], spec["warmup"], rows)
     res = {"status": "ok", "reason": "", **m, "loss_value": kept.get("loss"), "measure_s": time.perf_counter() - t0}

@@ -212,7 +212,26 @@ def _flush_l2():
         return buf.zero_
 
 
-def measure_cuda(op: Op, states: list[dict], reps: int, warmup: int, keep_rows: int, rep_ms: int = 2000) -> dict:
+def _event_times(fn, reps: int) -> list[float]:
+    """``reps`` calls of ``fn``, each timed with CUDA events after an L2 flush (ms)."""
+    flush = _flush_l2()
+    out = []
+    for _ in range(max(1, reps)):
+        flush()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        out.append(a.elapsed_time(b))
+    return out
+
+
+def measure_cuda(op: Op, states: list[dict], reps: int, warmup: int, keep_rows: int, rep_ms: int = 2000,
+                 total_only: bool = False) -> dict:
+    """``total_only``: time forward + backward only, ``reps`` steps each between CUDA events after an L2 flush (as
+    do_bench times, without its estimate and warm-up calls): about a third of the steps, for a whole tournament in
+    one short GPU window (``bench/session.py``)."""
     dev = torch.device("cuda")
     with torch.set_grad_enabled(op.needs_grad):
         for i in range(max(1, warmup)):  # compile, autotune, allocator warm-up
@@ -235,6 +254,9 @@ def measure_cuda(op: Op, states: list[dict], reps: int, warmup: int, keep_rows: 
         del out, grads
 
         cycle = itertools.cycle(states)
+        if total_only:
+            res = {"fwd_ms": {}, "bwd_ms": {}, "total_ms": summarize(_event_times(lambda: _step(op, next(cycle)), reps))}
+            return _with_memory(res, peak_f, peak_t, base), kept
         fwd = _do_bench_all(lambda: op.forward(next(cycle)), 200, rep_ms)
         res = {"fwd_ms": summarize(fwd)}
         if op.needs_grad:
@@ -259,13 +281,17 @@ def measure_cuda(op: Op, states: list[dict], reps: int, warmup: int, keep_rows: 
         else:
             res["total_ms"] = res["fwd_ms"]
             res["bwd_ms"] = {}
+    return _with_memory(res, peak_f, peak_t, base), kept
+
+
+def _with_memory(res: dict, peak_f: float, peak_t: float, base: float) -> dict:
     res.update({
         "peak_extra_fwd_mb": peak_f / MB,
         "peak_extra_mb": peak_t / MB,
         "inputs_mb": base / MB,
         "memory_method": "torch.cuda.max_memory_allocated() minus inputs and outputs",
     })
-    return res, kept
+    return res
 
 
 # ---------------------------------------------------------------------------------------------------
