@@ -17,6 +17,11 @@
     python -m bench list                 workloads and providers, and why a provider cannot run here
     python -m bench compile              a training step with fastrl inside torch.compile, vs eager and vs the
                                          compiled materialised reference (CUDA: reduce-overhead too)
+    python -m bench session              everything a GPU window measures in one command sized to --budget S (default
+                                         480): float64 checks, W1-W3 for every implementation and configuration,
+                                         keptset, divergence, compile, W4; PASS/FAIL per target (--smoke: on a CPU)
+    python -m bench defaults             kernels/_defaults.py (what backend="auto" and the launch configurations
+                                         follow) from the committed session results
     python -m bench sass                 compile every kernel for sm_90 (no GPU needed): registers, spills,
                                          shared memory, tensor-core and TMA instructions; fails on a spill
     python -m bench COMMAND --help       that command's options
@@ -422,8 +427,8 @@ def _keptset_command(args, device: str, con) -> int:
 
 
 def _targets_options(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("paths", nargs="+", help="result files (gpu*.json, or *.rows.jsonl of a run stopped part-way) "
-                                             "or folders holding them")
+    ap.add_argument("paths", nargs="+", help="result files (session*.json, gpu*.json, or gpu*.rows.jsonl of a run "
+                                             "stopped part-way) or folders holding them")
 
 
 def _load_rows(path: Path) -> list[dict]:
@@ -435,19 +440,39 @@ def _load_rows(path: Path) -> list[dict]:
     return [r for r in rows if r.get("group") != "floor"]
 
 
+def _session_targets(files: list[Path], con) -> None:
+    """A session file's targets, recomputed from its rows (bench/session_report.py)."""
+    from bench.session_report import add_ratios, targets
+
+    for f in files:
+        data = json.loads(f.read_text())
+        add_ratios(data["rows"])
+        con.print(f"[bold]{f}[/bold] ({data['env'].get('device')}, fastrl {str(data['env'].get('fastrl_commit'))[:10]})")
+        targets(data["rows"], con, smoke=data.get("smoke", False))
+
+
 def _targets_command(args, device: str, con) -> int:
     """The GPU targets over several runs (e.g. the stages of bench/gpu_session.sh): ratios within each run."""
     files: list[Path] = []
+    sessions: list[Path] = []
     for p in map(Path, args.paths):
         if not p.exists():
             con.print(f"[red]{p}: no such file or folder[/red]")
             return 2
+        if p.is_dir() or p.name.startswith("session"):
+            sessions += sorted(p.rglob("session*.json")) if p.is_dir() else [p]
+            if not p.is_dir():
+                continue
         found = sorted(p.rglob("gpu*.json")) + sorted(p.rglob("gpu*.rows.jsonl")) if p.is_dir() else [p]
         # a run that finished has both files: its JSON is the whole record
         done = {f.with_suffix("") for f in found if f.suffix == ".json"}
         files += [f for f in found if f.suffix == ".json" or f.with_suffix("").with_suffix("") not in done]
+    if sessions:
+        _session_targets(sessions, con)
     if not files:
-        con.print(f"[red]no gpu*.json or gpu*.rows.jsonl under {', '.join(args.paths)}[/red]")
+        if sessions:
+            return 0
+        con.print(f"[red]no session*.json, gpu*.json or gpu*.rows.jsonl under {', '.join(args.paths)}[/red]")
         return 2
     rows = []
     for f in files:
@@ -457,6 +482,30 @@ def _targets_command(args, device: str, con) -> int:
         con.print(f"{f}: {len(run_rows)} rows")
     _gpu_targets(rows, con)
     return 0
+
+
+def _session_options(ap: argparse.ArgumentParser) -> None:
+    from bench import session
+
+    session.add_options(ap)
+
+
+def _session_command(args, device: str, con) -> int:
+    from bench import session
+
+    return session.command(args, device, con)
+
+
+def _defaults_options(ap: argparse.ArgumentParser) -> None:
+    from bench import defaults
+
+    defaults.add_options(ap)
+
+
+def _defaults_command(args, device: str, con) -> int:
+    from bench import defaults
+
+    return defaults.command(args, con)
 
 
 def _sass_options(ap: argparse.ArgumentParser) -> None:
@@ -634,6 +683,20 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             "ratios against TRL within each run, and prints the GPU targets PASS/FAIL, as `python -m bench gpu` does\n"
             "at the end of one run. For a measurement split into stages (bench/gpu_session.sh).",
             (_targets_options,), _targets_command),
+    Command("session", "everything a GPU window measures, in one command sized to a time budget",
+            "One command for a short GPU window (bench/session.py): the float64 checks of every Triton implementation,\n"
+            "W1-W3 for each implementation, launch configuration and FASTRL_AUTOTUNE=1 next to TRL and the cuBLAS\n"
+            "floor in one process, keptset K=64, divergence beta 0/0.5/1, compile with and without CUDA graphs, W4 at\n"
+            "4096 tokens; one process per provider family, rows written as they finish. --budget S (default 480)\n"
+            "drops whole sections, last first, to fit. Writes <out>/session.json and prints PASS/FAIL per target.\n"
+            "--smoke: the same plumbing on a CPU at tiny shapes.",
+            (_session_options,), _session_command),
+    Command("defaults", "the measured defaults table (kernels/_defaults.py) from committed session results",
+            "Reads every session*.json under the folders given (default bench/results) and writes kernels/_defaults.py:\n"
+            "per GPU family, kind of work, dtype and H range, the implementation and launch configurations that were\n"
+            "fastest in the family's newest GPU session of a clean tree, among those that passed its float64 checks;\n"
+            "what backend='auto' and the kernels' launch configuration follow. --check: exit 1 if the file is stale.",
+            (_defaults_options,), _defaults_command),
     Command("sass", "compile every kernel for sm_90 without a GPU; fail on spills or missing HGMMA",
             "Compiles every fastrl kernel at its default launch configuration for a GPU target (no GPU needed) and\n"
             "prints registers, stack, spill loads/stores, shared memory, tensor-core (HGMMA) and TMA instruction\n"

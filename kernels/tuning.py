@@ -158,14 +158,14 @@ def forced() -> KernelConfig | None:
     return parse_config(text, FORCE_ENV) if text else None
 
 
-# kernel -> (config, source) of its latest launch: a benchmark records which configuration really ran (the
+# kernel -> (config, source, use_tma) of its latest launch: a benchmark records which configuration really ran (the
 # autotuner's pick, a measured default, the built-in table)
-_SERVED: dict[str, tuple[KernelConfig, str]] = {}
+_SERVED: dict[str, tuple[KernelConfig, str, bool]] = {}
 
 
-def served() -> dict[str, tuple[KernelConfig, str]]:
-    """Per kernel, the configuration its latest launch got and where it came from ("forced", "autotune",
-    "measured" or "table") since ``reset_served()``."""
+def served() -> dict[str, tuple[KernelConfig, str, bool]]:
+    """Per kernel, the configuration its latest launch got, where it came from ("forced", "autotune", "measured"
+    or "table") and whether it loaded through TMA, since ``reset_served()``."""
     return dict(_SERVED)
 
 
@@ -215,7 +215,7 @@ def config_for(kernel: str, device: torch.device, *, H: int, V: int, dtype: torc
     measured); the built-in table.
     """
     cfg, source = _config_for(kernel, device, H, V, dtype, use_tma, has_bias, has_softcap, with_entropy, launch)
-    _SERVED[kernel] = (cfg, source)
+    _SERVED[kernel] = (cfg, source, use_tma)
     return cfg
 
 

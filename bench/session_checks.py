@@ -1,0 +1,164 @@
+"""The float64 checks of ``python -m bench session``: each Triton implementation, compiled, against ground truth.
+
+The same rule as the test-suite's (``tests/test_logprobs.py``: ``check_against_float64``): fastrl's error against
+float64 must be no worse than PyTorch's own at the input dtype (materialised, logits in that dtype) plus a small
+tolerance per dtype, and 2-byte log-probs within 1e-3 nats of float64 (which PyTorch's own bf16 logits miss by
+4e-3 to 8e-2). Cases: awkward and real shapes, fp16, temperature, softcap with a logit scale, a bias, V=262144,
+N*V > 2^31 (int64 offsets), and the one-pass policy loss with padding. Large cases check a subset of rows (the
+first and last 128: each token's log-prob, entropy and hidden-state gradient depend on its own row only), so no
+[N, V] float64 tensor is built. An implementation that fails here cannot become a default (``bench/defaults.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["CASES", "SMOKE_CASES", "TOLERANCES", "LOGP_CAP", "LOSS_TOLERANCE", "run_check"]
+
+# tests/test_logprobs.py's table (tests/test_bench_session.py checks that the two agree)
+TOLERANCES = {
+    torch.float32: dict(out=1e-6, grad=1e-6),
+    torch.bfloat16: dict(out=1e-5, grad=2**-8),
+    torch.float16: dict(out=1e-5, grad=2**-10),
+}
+LOGP_CAP = 1e-3  # nats, 2-byte inputs (tests/test_logprobs.py)
+LOSS_TOLERANCE = (1e-4, 2**-7)  # loss relative to 1 + |loss|, gradients relative (tests/test_cuda_kernels.py)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    N: int  # tokens (loss: B * T)
+    H: int
+    V: int
+    dtype: str
+    bias: bool = False
+    tf: dict = field(default_factory=dict)  # temperature / softcap / logit_scale
+    rows: int = 0  # 0: every row and every gradient in float64; else the first and last `rows` rows, grad_h only
+    loss: bool = False  # the one-pass policy loss (B = 4) with padding instead of log-probs
+
+
+CASES = (
+    Case("awkward-bias", 47, 31, 123, "bfloat16", bias=True),
+    Case("qwen0.5b-fp16", 300, 896, 32000, "float16"),
+    Case("temperature", 300, 896, 32000, "bfloat16", tf={"temperature": 0.7}),
+    Case("softcap-scale", 300, 256, 5000, "bfloat16", tf={"softcap": 30.0, "logit_scale": 0.5}),
+    Case("W1-rows", 1030, 4096, 151936, "bfloat16"),
+    Case("V262144", 1030, 4096, 262144, "bfloat16", rows=128),
+    Case("int64-offsets", 14200, 256, 151936, "bfloat16", rows=128),  # 14200 * 151936 > 2^31
+    Case("loss-dapo-padding", 2048, 896, 151936, "bfloat16", loss=True),
+)
+SMOKE_CASES = (
+    Case("awkward-bias", 47, 31, 123, "bfloat16", bias=True),
+    Case("temperature-rows", 48, 32, 1000, "bfloat16", tf={"temperature": 0.7}, rows=8),
+    Case("loss-dapo-padding", 32, 32, 512, "bfloat16", loss=True),
+)
+
+
+def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item()
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return _max_err(a, b) / max(b.double().abs().max().item(), 1e-30)
+
+
+def _inputs(c: Case, device: torch.device, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    dt = getattr(torch, c.dtype)
+    hidden = torch.randn(c.N, c.H, generator=g).to(device, dt).requires_grad_()
+    weight = (torch.randn(c.V, c.H, generator=g) * (3.0 / c.H**0.5)).to(device, dt).requires_grad_()
+    bias = torch.randn(c.V, generator=g).to(device, dt).requires_grad_() if c.bias else None
+    targets = torch.randint(0, c.V, (c.N,), generator=g).to(device)
+    a, w = (torch.randn(c.N, generator=g).to(device) for _ in range(2))  # per-token weights of logp and entropy
+    return hidden, weight, bias, targets, a, w
+
+
+def _check_logprobs(c: Case, impl: str, device: torch.device) -> tuple[dict, list[str]]:
+    import fastrl
+    from fastrl.reference import logprobs_reference
+
+    hidden, weight, bias, targets, a, w = _inputs(c, device)
+    params = [p for p in (hidden, weight, bias) if p is not None]
+    logp, ent = fastrl.fused_logprobs(hidden, weight, targets, bias=bias, backend=impl, **c.tf)
+    grads = torch.autograd.grad((a * logp).sum() + (w * ent).sum(), params)
+    rows = (torch.arange(c.N, device=device) if not c.rows
+            else torch.cat([torch.arange(c.rows), torch.arange(c.N - c.rows, c.N)]).to(device))
+
+    def reference(dtype):
+        """log-probs, entropies and gradients of the checked rows: every parameter (all rows), else hidden's."""
+        h = hidden.detach()[rows].to(dtype or hidden.dtype).requires_grad_()
+        others = [p.detach().to(dtype or p.dtype).requires_grad_(not c.rows) for p in params[1:]]
+        wt, b = others[0], (others[1] if bias is not None else None)
+        lp, en = logprobs_reference(h, wt, targets[rows], bias=b, dtype=dtype, **c.tf)
+        wrt = [h] + ([] if c.rows else others)
+        return lp, en, torch.autograd.grad((a[rows] * lp).sum() + (w[rows] * en).sum(), wrt)
+
+    lp64, en64, g64 = reference(torch.float64)
+    lpt, ent_t, gt = reference(None)  # PyTorch at the input dtype
+    mine = [grads[0][rows]] + ([] if c.rows else list(grads[1:]))
+    tol = TOLERANCES[getattr(torch, c.dtype)]
+    err, fails = {}, []
+    for name, fast, ref, plain in (("logp", logp[rows], lp64, lpt), ("entropy", ent[rows], en64, ent_t)):
+        err[name], err[f"{name}_torch"] = _max_err(fast, ref), _max_err(plain, ref)
+        if err[name] > err[f"{name}_torch"] + tol["out"]:
+            fails.append(f"{name} {err[name]:.2e} > PyTorch's {err[f'{name}_torch']:.2e} + {tol['out']:.0e}")
+    for name, gf, gr, gp in zip(("grad_hidden", "grad_weight", "grad_bias"), mine, g64, gt):
+        err[name], err[f"{name}_torch"] = _rel_err(gf, gr), _rel_err(gp, gr)
+        if err[name] > err[f"{name}_torch"] + tol["grad"]:
+            fails.append(f"{name} {err[name]:.2e} (relative) > PyTorch's {err[f'{name}_torch']:.2e} + {tol['grad']:.0e}")
+    if c.dtype != "float32" and err["logp"] >= LOGP_CAP:
+        fails.append(f"logp {err['logp']:.2e} nats from float64 (limit {LOGP_CAP:.0e})")
+    return err, fails
+
+
+def _check_loss(c: Case, impl: str, device: torch.device) -> tuple[dict, list[str]]:
+    import fastrl
+    from bench.providers import loss_config
+    from fastrl.reference import logprobs_reference, policy_loss_from_logprobs
+
+    B = 4
+    T = c.N // B
+    hidden, weight, _, targets, _, _ = _inputs(c, device)
+    hidden = hidden.detach().view(B, T, c.H).requires_grad_()
+    targets = targets.view(B, T)
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(T // 3, T + 1, (B,), generator=g)
+    mask = (torch.arange(T)[None, :] < lengths[:, None]).to(device)
+    adv = torch.randn(B, generator=g).to(device)
+    old = (-torch.rand(B, T, generator=g) * 8 - 4).to(device)
+    ref = old + 0.1 * torch.randn(B, T, generator=g).to(device)
+    config = loss_config()
+    loss, _ = fastrl.policy_loss(hidden, weight, targets, adv, mask, config=config, old_logprobs=old, ref_logprobs=ref,
+                                 backend=impl)
+    gh, gw = torch.autograd.grad(loss, [hidden, weight])
+    h64, w64 = (x.detach().double().requires_grad_() for x in (hidden, weight))
+    lp, en = logprobs_reference(h64, w64, torch.where(mask, targets, -100))
+    loss64, _ = policy_loss_from_logprobs(lp, en, adv.double(), mask, config=config, old_logprobs=old.double(),
+                                          ref_logprobs=ref.double())
+    g64 = torch.autograd.grad(loss64, [h64, w64])
+    err = {"loss": abs(loss.item() - loss64.item()), "grad_hidden": _rel_err(gh, g64[0]),
+           "grad_weight": _rel_err(gw, g64[1])}
+    fails = []
+    if err["loss"] > LOSS_TOLERANCE[0] * (1 + abs(loss64.item())):
+        fails.append(f"loss {loss.item():.6f} vs float64 {loss64.item():.6f}")
+    fails += [f"{k} {err[k]:.2e} (relative) >= {LOSS_TOLERANCE[1]:.1e}" for k in ("grad_hidden", "grad_weight")
+              if err[k] >= LOSS_TOLERANCE[1]]
+    if not torch.equal(gh[~mask], torch.zeros_like(gh[~mask])):
+        fails.append("a padded token has a nonzero hidden-state gradient")
+    return err, fails
+
+
+def run_check(p: dict, device: torch.device) -> dict:
+    """One implementation at one case: the row of ``bench/session_points.py`` (``pass`` and, if not, why)."""
+    from fastrl.kernels import tuning
+
+    c = next(x for x in (SMOKE_CASES if p["smoke"] else CASES) if x.name == p["workload"])
+    tuning.reset_served()
+    err, fails = (_check_loss if c.loss else _check_logprobs)(c, p["implementation"], device)
+    served = {k: {"config": str(v), "source": s, "use_tma": t} for k, (v, s, t) in sorted(tuning.served().items())}
+    return {"status": "ok", "pass": not fails, "reason": "; ".join(fails), "error": err, "configs_served": served,
+            "kind": "loss" if c.loss else "logprob", "N": c.N, "H": c.H, "V": c.V, "dtype": c.dtype,
+            "bias": c.bias, "transform": c.tf, "rows_checked": 2 * c.rows if c.rows else c.N}

@@ -1,0 +1,331 @@
+"""One measuring process of ``python -m bench session``: many points of one provider family, rows written as they go.
+
+    python -m bench.session_points SPEC.json
+
+SPEC (written by ``bench/session.py``): the device, whether this is a smoke run, the points in order, a deadline per
+section (epoch seconds) and the rows file. Before each point this process appends ``{"begin": id}`` to the rows
+file, after it the point's row(s), flushed: a parent that finds a ``begin`` without its row knows which point
+killed the process (a CUDA fault is sticky, so it starts a fresh process for the points left). A point past its
+section's deadline becomes a ``skipped`` row without running. Sections (``point["section"]``):
+
+* ``checks``: one implementation at one case against float64 (``bench/session_checks.py``);
+* ``tournament`` / ``configs`` / ``autotune``: a provider at one of W1, W1-lp, W2, W2-lp, W3 (``bench/workloads.py``),
+  with every provider of this process sharing the inputs and the float64 references of the workload; ``configs``
+  forces one launch configuration (``fastrl.kernels.tuning.forced_config``), ``autotune`` sets
+  ``FASTRL_AUTOTUNE=1``; the cuBLAS floor is provider ``cublas``;
+* ``keptset``, ``divergence``, ``compile``: one point of ``bench/keptset.py``, ``bench/divergence.py``,
+  ``bench/compiled_step.py`` each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import replace
+
+import torch
+
+from bench import measure, providers
+from bench import workloads as W
+from bench.providers import Op
+
+__all__ = ["lmhead_workloads", "main", "LOSS_PROVIDERS", "PRUNE"]
+
+SESSION_WORKLOADS = ("W1", "W1-lp", "W2", "W2-lp", "W3")
+# the fastrl providers of each kind: policy_loss (the one-pass op) and fused_logprobs + the loss math (two-pass)
+LOSS_PROVIDERS = ("fastrl-fused", "fastrl")
+PRUNE = 1.3  # a candidate configuration this much slower than the default at its H's log-prob workload stops there
+
+
+def lmhead_workloads(smoke: bool) -> dict[str, W.Workload]:
+    """W1, W1-lp, W2, W2-lp, W3 (GPU sizes); smoke: 32 tokens in float32, V=512, H=64 for W1's and 32 for W2's (two H
+    values, so the H ranges of the defaults table are exercised too; few tokens, since the interpreter runs one
+    program per row in the hybrid's folds)."""
+    out = {}
+    for wl in W.gpu_workloads():
+        if wl.name in SESSION_WORKLOADS:
+            out[wl.name] = replace(W.tiny(wl), name=wl.name, N=32, batch=min(wl.batch, 2),
+                                   H=64 if wl.H == 4096 else 32) if smoke else wl
+    return out
+
+
+def _served() -> dict:
+    from fastrl.kernels import tuning
+
+    return {k: {"config": str(c), "source": s, "use_tma": t} for k, (c, s, t) in sorted(tuning.served().items())}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# W1-W3: every provider of this process on the same inputs
+# ---------------------------------------------------------------------------------------------------------------
+
+def floor_op(wl: W.Workload, device: torch.device) -> Op:
+    """cuBLAS alone on the workload's GEMMs: ``y = h W^T`` (2NHV), and for a gradient workload ``G W`` and ``G^T h``
+    (4NHV more) with a random ``G`` [N, V]: the time no LM-head implementation can beat at that shape."""
+    def prepare(inp):
+        g = torch.Generator(device=device).manual_seed(7)
+        dt = getattr(torch, wl.dtype)
+        st = {"h": torch.randn(wl.N, wl.H, generator=g, device=device).to(dt),
+              "w": torch.randn(wl.V, wl.H, generator=g, device=device).to(dt), "wrt": ()}
+        if wl.kind != "forward":
+            st["g"] = torch.randn(wl.N, wl.V, generator=g, device=device).to(dt)
+        return st
+
+    def forward(st):
+        y = st["h"] @ st["w"].T
+        if "g" in st:
+            return {"loss": None, "logp": None, "entropy": None, "out": (y, st["g"] @ st["w"], st["g"].T @ st["h"])}
+        return {"loss": None, "logp": None, "entropy": None, "out": y}
+    return Op(forward, prepare, needs_grad=False, has_entropy=False, path="forward",
+              notes=["cuBLAS GEMMs alone: " + ("2NHV" if wl.kind == "forward" else "6NHV")])
+
+
+class LMHead:
+    """The inputs of the current workload (rebuilt when the workload changes: W1's are 4 GB on a GPU) and the float64
+    references of each workload (kept: a few numbers per token)."""
+
+    def __init__(self, device: torch.device, smoke: bool):
+        self.device, self.smoke = device, smoke
+        self.wls = lmhead_workloads(smoke)
+        self.n_sets = 1 if smoke else 3
+        self.rows = 16 if smoke else 256
+        self._name, self._sets = None, []
+        self._loss_ref: dict[str, tuple[float, torch.Tensor]] = {}
+
+    def inputs(self, wl: W.Workload) -> list:
+        if self._name != wl.name:
+            self._sets = []  # free the last workload's first
+            self._sets = [providers.make_inputs(wl, self.device, 1234 + i) for i in range(self.n_sets)]
+            self._name = wl.name
+        return self._sets
+
+    def loss_reference(self, wl: W.Workload, inp) -> tuple[float, torch.Tensor]:
+        """(loss, d loss / d hidden of the first rows) in float64 on input set 0: the per-token log-probs and
+        entropies in row chunks (never all [N, V] float64 logits at once), the first rows under autograd."""
+        if wl.name not in self._loss_ref:
+            from fastrl.reference import logprobs_reference
+
+            H, rows = wl.H, self.rows
+            h = inp.hidden.detach().reshape(-1, H)
+            t = inp.targets.reshape(-1)
+            w64 = inp.weight.detach().double()
+            first = h[:rows].double().requires_grad_()
+            with torch.enable_grad():
+                lp0, en0 = logprobs_reference(first, w64, t[:rows])
+                lps, ens = [lp0], [en0]
+                with torch.no_grad():
+                    for c0 in range(rows, h.shape[0], 1024):
+                        lp, en = logprobs_reference(h[c0:c0 + 1024].double(), w64, t[c0:c0 + 1024])
+                        lps.append(lp)
+                        ens.append(en)
+                logp, ent = torch.cat(lps).view(wl.batch, wl.T), torch.cat(ens).view(wl.batch, wl.T)
+                from fastrl.reference import policy_loss_from_logprobs
+
+                loss, _ = policy_loss_from_logprobs(
+                    logp, ent, inp.advantages.double(), inp.mask, config=providers.loss_config(),
+                    old_logprobs=inp.old_logprobs.double(), ref_logprobs=inp.ref_logprobs.double())
+                (g,) = torch.autograd.grad(loss, first)
+            self._loss_ref[wl.name] = (float(loss), g.detach())
+            del w64
+        return self._loss_ref[wl.name]
+
+
+def _error(op: Op, wl: W.Workload, inp, kept: dict, lm: LMHead) -> dict:
+    """Max abs error against float64: log-prob, entropy and grad_h of the first rows; for a loss, the loss value and
+    grad_h of the first rows (the loss couples every token, so its reference covers all of them)."""
+    if wl.kind == "loss":
+        if "loss" not in kept:
+            return {}
+        loss64, g64 = lm.loss_reference(wl, inp)
+        err = {"loss": abs(kept["loss"] - loss64)}
+        if "grad_h" in kept:
+            err["grad_h"] = (kept["grad_h"].double() - g64[: kept["grad_h"].shape[0]]).abs().max().item()
+        return err
+    acc = measure.accuracy(op, wl, inp, kept, lm.rows)
+    return {k.removesuffix("_max_abs_err"): v for k, v in acc.items() if k.endswith("_max_abs_err")}
+
+
+def _lmhead_point(p: dict, lm: LMHead, times: dict) -> dict:
+    from fastrl.kernels import tuning
+
+    wl = lm.wls[p["workload"]]
+    impl, config = p.get("implementation"), p.get("config", "default")
+    probe = p.get("probe")
+    if probe and config not in ("default", "autotune"):
+        base = times.get((impl, "default", probe, "fastrl"))
+        mine = times.get((impl, config, probe, "fastrl"))
+        if base and mine and mine >= PRUNE * base:
+            return {"status": "pruned", "reason": f"{mine / base:.2f}x the default configuration's time at {probe} "
+                                                  f"(pruned at {PRUNE}x)"}
+    if p["provider"] == "cublas":
+        op, sets = floor_op(wl, lm.device), [None]
+    else:
+        op = providers.get(p["provider"]).build(wl, lm.device, {"fastrl_backend": impl} if impl else {})
+        sets = lm.inputs(wl)
+    states = [op.prepare(s) for s in sets]
+    tuning.reset_served()
+    forced = tuning.forced_config(config) if config not in ("default", "autotune") else contextlib.nullcontext()
+    with forced, _autotune(config == "autotune"):
+        if lm.device.type == "cuda":
+            m, kept = measure.measure_cuda(op, states, reps=6, warmup=2, keep_rows=lm.rows, rep_ms=300,
+                                           total_only=True)
+        else:
+            m, kept = measure.measure_cpu(op, states, reps=1, warmup=0, keep_rows=lm.rows)
+    from fastrl.ops.backend import resolve_backend
+
+    # what backend="triton" / "auto" picks for this work in this process: the row that stands for today's default
+    auto = resolve_backend(lm.device, "triton", kind=wl.kind, H=wl.H, dtype=getattr(torch, wl.dtype))
+    row = {"status": "ok", "auto": auto, "path": op.path, "notes": "; ".join(op.notes), "total_ms": m["total_ms"],
+           "extra_mb": m["peak_extra_mb"], "configs_served": _served(),
+           "flops": W.flops(wl, "total"), "error": {} if sets[0] is None else _error(op, wl, sets[0], kept, lm)}
+    times[(impl, config, p["workload"], p["provider"])] = m["total_ms"]["median"]
+    return row
+
+
+@contextlib.contextmanager
+def _autotune(on: bool):
+    """FASTRL_AUTOTUNE=1 inside (fastrl reads it at each launch), as it was after."""
+    was = os.environ.get("FASTRL_AUTOTUNE")
+    if on:
+        os.environ["FASTRL_AUTOTUNE"] = "1"
+    try:
+        yield
+    finally:
+        if on and was is None:
+            os.environ.pop("FASTRL_AUTOTUNE", None)
+        elif on:
+            os.environ["FASTRL_AUTOTUNE"] = was
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# keptset, divergence, compile: one point of the existing benchmarks each
+# ---------------------------------------------------------------------------------------------------------------
+
+def _keptset_point(p: dict, device: torch.device) -> dict:
+    from bench import keptset
+
+    res = keptset.run_point({**p["spec"], "device": device.type, "reps": 1 if p["smoke"] else 6,
+                             "warmup": 0 if p["smoke"] else 2, "threads": 0})
+    ms = res.pop("ms_all")
+    return {"status": "ok", "total_ms": measure.summarize(ms), "extra_mb": res.pop("peak_extra_mb"), **res}
+
+
+def _divergence_point(p: dict, device: torch.device) -> dict:
+    from bench import divergence
+
+    spec = {"kind": "divergence", "workload": p["spec"], "provider": p["provider"], "device": device.type,
+            "reps": 1 if p["smoke"] else 6, "warmup": 0 if p["smoke"] else 2, "n_sets": 1 if p["smoke"] else 2,
+            "seed": 1234, "threads": 0, "options": {}, "rep_ms": 50 if p["smoke"] else 300, "total_only": True,
+            "accuracy_rows": 16 if p["smoke"] else 256}
+    res = divergence.run_point(spec)
+    if res.get("status") != "ok":
+        return res
+    err = {k.removesuffix("_max_abs_err"): res[k] for k in ("div_max_abs_err", "grad_h_max_abs_err") if k in res}
+    return {"status": "ok", "total_ms": res["total_ms"], "extra_mb": res["peak_extra_mb"], "error": err,
+            "loss_value": res.get("loss_value")}
+
+
+def _compile_point(p: dict, device: torch.device) -> dict:
+    from bench import compiled_step
+
+    shape = compiled_step.SHAPES[device.type] if not p["smoke"] else (2, 32, 32, 512, torch.float32)
+    # smoke: aot_eager traces the same graph without inductor's code generation (a minute on two cores);
+    # tests/test_compile.py compiles fastrl with inductor
+    (r,) = compiled_step.run(device.type, [p["provider"]], 1 if p["smoke"] else 5, 1 if p["smoke"] else 2, shape,
+                             compile_backend="aot_eager" if p["smoke"] else None)
+    if "error" in r:
+        return {"status": "error", "reason": r["error"]}
+    return {"status": "ok", "total_ms": {"median": r["ms"], "min": r["ms_min"], "max": r["ms_max"], "n": r["reps"]},
+            "extra_mb": r.get("peak_extra_mb"), "first_step_s": r["first_step_s"], "loss_value": r["first_loss"],
+            "shape": list(shape[:4])}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The process
+# ---------------------------------------------------------------------------------------------------------------
+
+def _first_line(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0] if msg else ''}"[:300]
+
+
+def _run(p: dict, device: torch.device, lm: LMHead, times: dict) -> dict:
+    section = p["section"]
+    if section == "checks":
+        from bench.session_checks import run_check
+
+        return run_check(p, device)
+    if section in ("tournament", "configs", "autotune"):
+        return _lmhead_point(p, lm, times)
+    return {"keptset": _keptset_point, "divergence": _divergence_point, "compile": _compile_point}[section](p, device)
+
+
+def _echo(row: dict) -> None:
+    what = " ".join(str(row[k]) for k in ("section", "workload", "provider", "implementation", "config")
+                    if row.get(k) not in (None, "", "default"))
+    if row["status"] == "ok" and "total_ms" in row:
+        t = row["total_ms"]
+        extra = row.get("extra_mb")
+        print(f"  {what}: {t['median']:.2f} ms [{t['min']:.2f}-{t['max']:.2f}]"
+              + (f", {extra:.0f} MB extra" if extra is not None else ""), flush=True)
+    else:
+        verdict = "" if row.get("pass", True) else " FAILED"
+        print(f"  {what}: {row['status']}{verdict} {row.get('reason', '')}"[:300], flush=True)
+
+
+def _cuda_usable() -> bool:
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return True
+    except Exception:  # noqa: BLE001 - an illegal address or a launch failure poisons the context for good
+        return False
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(open(argv[0]).read())
+    device = torch.device(spec["device"])
+    rows_path = spec["rows"]
+    lm = LMHead(device, spec["smoke"])
+    times: dict = {}
+    if os.path.exists(rows_path):  # a restarted process: the rows of the last one still decide pruning
+        for line in open(rows_path):
+            r = json.loads(line)
+            if r.get("status") == "ok" and "total_ms" in r and r.get("section") in ("tournament", "configs"):
+                times[(r.get("implementation"), r.get("config"), r["workload"], r["provider"])] = r["total_ms"]["median"]
+    for p in spec["points"]:
+        base = {k: p[k] for k in ("id", "section", "workload", "provider", "implementation", "config") if k in p}
+        wl = lm.wls.get(p.get("workload", ""))
+        if wl is not None and p["section"] in ("tournament", "configs", "autotune"):
+            base.update(kind=wl.kind, N=wl.N, H=wl.H, V=wl.V, dtype=wl.dtype)
+        left = spec["deadlines"][p["section"]] - time.time()
+        with open(rows_path, "a") as f:
+            f.write(json.dumps({"begin": p["id"]}) + "\n")
+        t0 = time.perf_counter()
+        if left <= 0:
+            row = {**base, "status": "skipped", "reason": "the section's time ran out (--budget)"}
+        else:
+            try:
+                row = {**base, **_run(p, device, lm, times)}
+            except Exception as e:  # noqa: BLE001 - a row that says why; the next point still runs
+                row = {**base, "status": "error", "reason": _first_line(e), "traceback": traceback.format_exc(limit=6)}
+            if device.type == "cuda" and not _cuda_usable():
+                row["reason"] = row.get("reason", "") + " (the CUDA context is broken: this process stops here)"
+                with open(rows_path, "a") as f:
+                    f.write(json.dumps({**row, "point_s": time.perf_counter() - t0}, default=str) + "\n")
+                _echo(row)
+                os._exit(3)  # (bench.session.RESTART) a sticky CUDA error fails every later launch: the parent starts a fresh process
+        row["point_s"] = time.perf_counter() - t0
+        row["pid"] = os.getpid()
+        with open(rows_path, "a") as f:
+            f.write(json.dumps(row, default=str) + "\n")
+        _echo(row)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
