@@ -52,8 +52,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-__all__ = ["SECTIONS", "DROP_ORDER", "Costs", "GPU_COSTS", "SMOKE_COSTS", "plan_budget", "estimate", "targets",
-           "command", "add_options"]
+__all__ = ["DROP_ORDER", "GPU_COSTS", "SECTIONS", "SMOKE_COSTS", "Costs", "add_options", "command", "deadlines",
+           "estimate", "plan_budget", "points", "run_family"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("checks", "tournament", "configs", "autotune", "keptset", "divergence", "compile", "w4")
@@ -259,7 +259,8 @@ def run_family(name: str, pts: list[dict], dls: dict[str, float], device: str, w
         t0 = time.time()
         try:
             proc = subprocess.run([sys.executable, "-m", "bench.session_points", str(spec_path)], cwd=REPO_ROOT,
-                                  env=_child_env(device), timeout=max(limit, 1), stderr=subprocess.PIPE, text=True)
+                                  env=_child_env(device), timeout=max(limit, 1), stderr=subprocess.PIPE, text=True,
+                                  check=False)
             why = f"the {name} process died (exit code {proc.returncode}): " + (
                 [ln for ln in proc.stderr.splitlines() if ln.strip()] or ["no output"])[-1][:300]
             killed = False
@@ -333,6 +334,14 @@ def add_options(ap) -> None:
                                              "they share the machine, so times are not comparable")
 
 
+def _family(device: str) -> str:
+    import torch
+
+    from fastrl.kernels.tuning import device_family
+
+    return device_family(torch.device(device))
+
+
 def _wanted(spec: str | None) -> list[str]:
     if not spec:
         return list(SECTIONS)
@@ -360,12 +369,7 @@ def command(args, device: str, con) -> int:
     budget = args.budget or DEFAULT_BUDGET["smoke" if smoke else "cuda"]
     jobs = args.jobs or (2 if smoke else 1)
     wanted = _wanted(args.sections)
-    env = {**report.environment(device), **provenance()}
-    from fastrl.kernels.tuning import device_family
-
-    import torch
-
-    env["family"] = device_family(torch.device(device))
+    env = {**report.environment(device), **provenance(), "family": _family(device)}
     out = Path(args.out) if args.out else (Path(tempfile.mkdtemp(prefix="fastrl-session-smoke-")) if smoke
                                            else REPO_ROOT / "bench" / "results" / env["device_slug"])
     out.mkdir(parents=True, exist_ok=True)

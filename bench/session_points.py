@@ -287,13 +287,15 @@ def _cuda_usable() -> bool:
 
 
 def main(argv: list[str]) -> int:
-    spec = json.loads(open(argv[0]).read())
+    with open(argv[0]) as f:
+        spec = json.load(f)
     device = torch.device(spec["device"])
     rows_path = spec["rows"]
     lm = LMHead(device, spec["smoke"])
     times: dict = {}
-    if os.path.exists(rows_path):  # a restarted process: the rows of the last one still decide pruning
-        for line in open(rows_path):
+    lines = open(rows_path).read().splitlines() if os.path.exists(rows_path) else []  # noqa: SIM115
+    for line in lines:  # a restarted process: the rows of the last one still decide pruning
+        if line.strip():
             r = json.loads(line)
             if r.get("status") == "ok" and "total_ms" in r and r.get("section") in ("tournament", "configs"):
                 times[(r.get("implementation"), r.get("config"), r["workload"], r["provider"])] = r["total_ms"]["median"]
