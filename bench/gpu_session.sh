@@ -1,90 +1,97 @@
 #!/usr/bin/env bash
-# One stage of the GPU measurements, sized for a lent machine that allows 10 minutes per command (device tool):
+# The GPU window in one or two calls of a lent machine (10 minutes a command; about 15 minutes of device time in all,
+# machine start included; no network there). bench/README.md ("A GPU window, step by step") says when to call what.
 #
-#   bash bench/device_wheels.sh                  # here, once: TRL, Liger, datasets, ... into .whl/ (ignored)
-#   run(command="bash bench/gpu_session.sh check", carry=[".whl"])   # then core, sweeps, w4, ... (one call each)
+#   bash bench/device_wheels.sh               # here, right before: wheels into .whl/ and the commit stamp
+#   bash bench/gpu_session.sh                 # call 1 (timeout 600 s, carry .whl): the window
+#   bash bench/gpu_session.sh rest compile,w4 # call 2, only if call 1 dropped sections and time is left
 #
-# Each stage installs the carried wheels and fastrl itself (no network there), prints the device and versions,
-# runs its commands under a time limit, tees everything to $OUT/<stage>.log and packs the result files into
-# $OUT/<stage>.tgz (the device tool returns at most 8 files). Rows are also written as they finish
-# (<name>.rows.jsonl), so a stage stopped by its limit still brings back what it measured. Unpack with
-#   mkdir -p bench/results/<gpu-slug>/<stage> && tar xzf <stage>.tgz -C bench/results/<gpu-slug>/<stage>
+# Stages:
+#   window (default)  python -m bench session (budget $BUDGET, default 480 s: 8 minutes), then the test suite in
+#                     whatever is left of $CALL_LIMIT (default 570 s from this script's start, so the command ends
+#                     inside the 10-minute limit with its files)
+#   rest SECTIONS     python -m bench session --sections SECTIONS (what call 1 dropped; it printed them), results as
+#                     session-rest.json, in what is left of $CALL_LIMIT less 60 s ($BUDGET overrides); then the suite
+#   suite             only the test suite
+#   w5                python -m bench w5: the 0.5B architecture at 24 GiB, stock TRL vs fastrl with both memory options
+#   smoke             python -m bench session --smoke (runs on a CPU too: the plumbing)
 #
-# Stages, in the order that answers issue 9 soonest:
-#   check   the CUDA kernel tests (compiled kernels against float64), then W1, W1-lp and W1-frozen: fastrl
-#           (hybrid by default), fastrl-fused, fastrl-tfused (fully fused Triton kernels) and TRL
-#   core    W2, W2-lp and W3 for the same providers
-#   sweeps  the loss at 2k-16k tokens, H=4096 and H=896: fastrl-fused, fastrl-tfused, TRL
-#   peers   W1 and W2 for torch (materialised), torch.compile and Liger
-#   w4      python -m bench w4 (GRPOTrainer step, stock TRL vs fastrl, 4k-16k tokens)
-#   w5      python -m bench w5, the 0.5B architecture at 24 GiB, stock TRL vs fastrl with both memory options
-#   suite   the README's test command on the GPU machine (compiled kernels instead of the interpreter)
-#   smoke   tiny shapes through the same plumbing (`bench gpu --smoke`); runs on a CPU too
-#   next    issues 20-22 on the GPU: the CUDA tests of fused_divergence and the compiled ops, then
-#           `bench keptset`, `bench divergence` and `bench compile` (CUDA graphs included), each under its own limit
-# Then `python -m bench targets bench/results/<gpu-slug>` prints the targets over all stages' rows.
-# STAGE_LIMIT (seconds, default 540) bounds each stage's measuring command.
+# The suite is the README's test command without xdist (one process: eight workers sharing one GPU made failures
+# that may be contention), the CUDA test files first, `-v` so that every test's verdict is in the log as it
+# finishes (a run cut by its limit still names its failures); suite-failures.txt lists them.
+# Files under $OUT (the device tool returns at most 8, 16 MiB each): <stage>.log, <stage>.tgz (the session's JSON
+# and rows, the suite's log) and suite-failures.txt. Unpack here with
+#   d=bench/results/<gpu-slug>/<date>-<commit>; mkdir -p $d && tar xzf <stage>.tgz -C $d
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STAGE="${1:?usage: bash bench/gpu_session.sh check|core|sweeps|peers|w4|w5|suite|smoke|next}"
+T0=$SECONDS
+STAGE="${1:-window}"
 OUT="${OUT:-$(mktemp -d)}"
-LIMIT="${STAGE_LIMIT:-540}"
+CALL_LIMIT="${CALL_LIMIT:-570}"
 RES="$(mktemp -d)/$STAGE"
 mkdir -p "$OUT" "$RES"
 LOG="$OUT/$STAGE.log"
-export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1
+left() { echo $((CALL_LIMIT - (SECONDS - T0))); }
+exec > >(tee -a "$LOG") 2>&1  # everything to the log and to the caller
 
-{
-    # the wheels are for the GPU image's Python 3.12; elsewhere (a CPU smoke run) the installed packages serve
-    if compgen -G ".whl/*.whl" >/dev/null && python3 -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))'; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-            .whl/*.whl || exit 1
-        export PYTHONPATH=/tmp/site
-    fi
-    # fastrl.kernels is the kernels/ folder: an editable install maps it (no build isolation: no network)
-    python3 -c "import fastrl.kernels" 2>/dev/null ||
-        python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
-    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader || true
-    python3 - <<'EOF'
+# the wheels are for the GPU image's Python 3.12; elsewhere (a CPU smoke run) the installed packages serve
+if compgen -G ".whl/*.whl" >/dev/null && python3 -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))'; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site
+fi
+# fastrl.kernels is the kernels/ folder: an editable install maps it (no build isolation: no network)
+python3 -c "import fastrl.kernels" 2>/dev/null ||
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader || true
+python3 - <<'PY' || exit 1
 from importlib.metadata import PackageNotFoundError, version
 import torch
-print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else "NO CUDA")
+from bench.provenance import provenance
+print("torch", torch.__version__, "cuda", torch.version.cuda,
+      torch.cuda.get_device_name() if torch.cuda.is_available() else "NO CUDA")
 for name in ("triton", "transformers", "trl", "accelerate", "liger-kernel", "datasets"):
     try:
         print(name, version(name))
-    except PackageNotFoundError:  # a stage that needs it fails later with the real error
+    except PackageNotFoundError:  # a section that needs it says so in its rows
         print(name, "missing")
-EOF
-    git log -1 --format='fastrl commit %h %s' 2>/dev/null || true
-} 2>&1 | tee "$LOG"
-[ "${PIPESTATUS[0]}" = 0 ] || exit 1
+print("fastrl", provenance())
+PY
 
-P4=fastrl,fastrl-fused,fastrl-tfused,trl
-gpu() { timeout "$LIMIT" python3 -m bench gpu --no-plots --out "$RES" "$@"; }
+suite() {  # the test suite in what is left of the call, CUDA files first; every verdict in the log as it comes
+    local limit=$(($(left) - 15))
+    if [ "$limit" -lt 30 ]; then
+        echo "suite: not run (${limit} s left of the call)"
+        return 0
+    fi
+    echo "suite: python -m pytest -v (no xdist), ${limit} s"
+    timeout "$limit" python3 -m pytest -v -p no:cacheprovider -rfE --durations=15 \
+        tests/test_cuda_kernels.py tests/test_cuda.py tests >"$RES/suite.log" 2>&1
+    local rc=$?
+    [ "$rc" = 124 ] && echo "suite: stopped at its limit (${limit} s)" >>"$RES/suite.log"
+    grep -E "(FAILED|ERROR)( |$)" "$RES/suite.log" | grep -v "^=" | sort -u >"$OUT/suite-failures.txt"
+    tail -n 25 "$RES/suite.log"
+    echo "suite: exit $rc, $(grep -c PASSED "$RES/suite.log") passed, $(wc -l <"$OUT/suite-failures.txt") failed" \
+        "(names in suite-failures.txt)"
+}
+
 rc=0
 case "$STAGE" in
-    check)
-        timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_kernels.py tests/test_cuda.py \
-            2>&1 | tee -a "$LOG" || rc=1
-        LIMIT=$((LIMIT - 240))
-        gpu --workload W1,W1-frozen --providers "$P4" 2>&1 | tee -a "$LOG" || rc=1 ;;
-    core) gpu --workload W2,W3 --providers "$P4" 2>&1 | tee -a "$LOG" || rc=1 ;;
-    sweeps) gpu --workload sweep-loss-h4096,sweep-loss-h896 --providers fastrl-fused,fastrl-tfused,trl 2>&1 |
-        tee -a "$LOG" || rc=1 ;;
-    peers) gpu --workload W1,W2 --providers torch,torch-compile,liger-fused,liger-triton 2>&1 | tee -a "$LOG" || rc=1 ;;
-    w4) timeout "$LIMIT" python3 -m bench w4 --no-plots --out "$RES" 2>&1 | tee -a "$LOG" || rc=1 ;;
-    w5) timeout "$LIMIT" python3 -m bench w5 --no-plots --out "$RES" --workload 0.5B --budget-mb 24576 \
-            --providers trl,fastrl,fastrl+both 2>&1 | tee -a "$LOG" || rc=1 ;;
-    smoke) gpu --smoke --workload W1,W3 --providers "$P4" 2>&1 | tee -a "$LOG" || rc=1 ;;
-    suite) timeout "$LIMIT" python3 -m pytest -q -p no:cacheprovider 2>&1 | tee -a "$LOG" || rc=1 ;;
-    next)
-        timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_divergence.py tests/test_compile.py \
-            tests/test_compile_divergence.py -k "cuda or compile" 2>&1 | tee -a "$LOG" || rc=1
-        for cmd in keptset divergence; do
-            timeout 130 python3 -m bench "$cmd" --out "$RES" 2>&1 | tee -a "$LOG" || rc=1
-        done
-        timeout 130 python3 -m bench compile --device cuda --out "$RES" 2>&1 | tee -a "$LOG" || rc=1 ;;
-    *) echo "unknown stage $STAGE" | tee -a "$LOG"; exit 2 ;;
+    window)
+        timeout $(($(left) - 30)) python3 -m bench session --budget "${BUDGET:-480}" --out "$RES" || rc=1
+        suite ;;
+    rest)
+        if [ -n "${2:-}" ]; then
+            timeout $(($(left) - 30)) python3 -m bench session --sections "$2" --name session-rest \
+                --budget "${BUDGET:-$(($(left) - 60))}" --out "$RES" || rc=1
+        fi
+        suite ;;
+    suite) suite ;;
+    w5) timeout $(($(left) - 20)) python3 -m bench w5 --no-plots --out "$RES" --workload 0.5B --budget-mb 24576 \
+            --providers trl,fastrl,fastrl+both || rc=1 ;;
+    smoke) python3 -m bench session --smoke --out "$RES" || rc=1 ;;
+    *) echo "unknown stage $STAGE (window, rest, suite, w5, smoke)"; exit 2 ;;
 esac
-tar czf "$OUT/$STAGE.tgz" -C "$RES" . && echo "results: $OUT/$STAGE.tgz ($(ls "$RES" | tr '\n' ' '))" | tee -a "$LOG"
+tar czf "$OUT/$STAGE.tgz" -C "$RES" . && echo "results: $OUT/$STAGE.tgz ($(ls "$RES" | tr '\n' ' '))"
 exit $rc
