@@ -201,3 +201,24 @@ def test_committed_table_is_what_the_committed_results_give():
 
     table = defaults.build([defaults.REPO_ROOT / "bench" / "results"])
     assert defaults.TABLE_PATH.read_text() == defaults.render(table), "run `python -m bench defaults`"
+
+
+def test_fused_logprobs_tells_the_dispatch_what_work_it_is(monkeypatch):
+    """The measured defaults are per kind of work: fused_logprobs says whether a gradient will follow."""
+    import fastrl
+    from fastrl.ops import linear_logprob
+
+    seen = []
+
+    def spy(device, requested=None, **kw):
+        seen.append(kw)
+        return backend.resolve_backend(device, requested, **kw)
+
+    monkeypatch.setattr(linear_logprob, "resolve_backend", spy)
+    hidden, weight = torch.randn(5, 8, requires_grad=True), torch.randn(11, 8)
+    targets = torch.randint(0, 11, (5,))
+    fastrl.fused_logprobs(hidden, weight, targets, backend="torch")
+    with torch.no_grad():
+        fastrl.fused_logprobs(hidden, weight, targets, backend="torch")
+    fastrl.fused_logprobs(hidden.detach(), weight, targets, backend="torch")
+    assert seen == [dict(kind="logprob", H=8, dtype=torch.float32)] + [dict(kind="forward", H=8, dtype=torch.float32)] * 2
