@@ -84,7 +84,8 @@ def _entries(rows: list[dict], family: str, run: str) -> tuple[list[dict], list[
     choices, configs = [], []
     for kind, provider in KINDS:
         for (H, dtype) in sorted({(r["H"], r["dtype"]) for r in lm if r["kind"] == kind}):
-            mine = sorted((r for r in lm if (r["kind"], r["provider"], r["H"], r["dtype"]) == (kind, provider, H, dtype)),
+            key = (kind, provider, H, dtype)
+            mine = sorted((r for r in lm if (r["kind"], r["provider"], r["H"], r["dtype"]) == key),
                           key=lambda r: r["total_ms"]["median"])
             if not mine:
                 continue
@@ -162,8 +163,8 @@ def render(table: dict) -> str:
     parts = [_HEADER]
     for name in ("RUNS", "CHOICES", "CONFIGS"):
         items = table[name]
-        body = "()" if not items else "(\n" + "".join(
-            "    " + pprint.pformat(x, width=112, sort_dicts=False).replace("\n", "\n    ") + ",\n" for x in items) + ")"
+        lines = ("    " + pprint.pformat(x, width=112, sort_dicts=False).replace("\n", "\n    ") + ",\n" for x in items)
+        body = "(\n" + "".join(lines) + ")" if items else "()"
         parts.append(f"{_COMMENTS[name]}\n{name} = {body}\n")
     return "\n".join(parts)
 

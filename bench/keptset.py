@@ -93,14 +93,7 @@ def run_point(spec: dict) -> dict:
             step()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        times = []
-        for _ in range(spec["reps"]):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            step()
-            e1.record()
-            torch.cuda.synchronize()
-            times.append(e0.elapsed_time(e1))
+        times = measure.event_times(step, spec["reps"])  # each after an L2 flush, as do_bench times
         res["peak_extra_mb"] = (torch.cuda.max_memory_allocated() - base) / measure.MB
         res["device_name"] = torch.cuda.get_device_name(dev)
     else:

@@ -32,7 +32,7 @@ import torch
 from bench.providers import Op
 from bench.workloads import ENTROPY_COEF, Workload
 
-__all__ = ["measure_cpu", "measure_cuda", "accuracy", "summarize"]
+__all__ = ["measure_cpu", "measure_cuda", "accuracy", "summarize", "event_times"]
 
 MB = 1024.0 * 1024.0
 
@@ -212,7 +212,7 @@ def _flush_l2():
         return buf.zero_
 
 
-def _event_times(fn, reps: int) -> list[float]:
+def event_times(fn, reps: int) -> list[float]:
     """``reps`` calls of ``fn``, each timed with CUDA events after an L2 flush (ms)."""
     flush = _flush_l2()
     out = []
@@ -255,7 +255,7 @@ def measure_cuda(op: Op, states: list[dict], reps: int, warmup: int, keep_rows: 
 
         cycle = itertools.cycle(states)
         if total_only:
-            res = {"fwd_ms": {}, "bwd_ms": {}, "total_ms": summarize(_event_times(lambda: _step(op, next(cycle)), reps))}
+            res = {"fwd_ms": {}, "bwd_ms": {}, "total_ms": summarize(event_times(lambda: _step(op, next(cycle)), reps))}
             return _with_memory(res, peak_f, peak_t, base), kept
         fwd = _do_bench_all(lambda: op.forward(next(cycle)), 200, rep_ms)
         res = {"fwd_ms": summarize(fwd)}

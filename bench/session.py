@@ -159,7 +159,8 @@ def points(section: str, *, smoke: bool, device: str, impls: list[str], tunable:
         from bench import divergence
 
         for wl in divergence.workloads(device, smoke=smoke):
-            out += [{**base, "workload": wl.name, "provider": p, "spec": asdict(wl)} for p in ("fastrl", "trl", "liger")]
+            out += [{**base, "workload": wl.name, "provider": p, "spec": asdict(wl)}
+                    for p in ("fastrl", "trl", "liger")]
     elif section == "compile":
         variants = ["fastrl-eager", "fastrl-compile"] + (["fastrl-compile-ro"] if device == "cuda" else [])
         out += [{**base, "workload": "compile-step", "provider": v} for v in variants]

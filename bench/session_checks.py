@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["CASES", "SMOKE_CASES", "TOLERANCES", "LOGP_CAP", "LOSS_TOLERANCE", "run_check"]
+__all__ = ["CASES", "SMOKE_CASES", "TOLERANCES", "LOGP_CAP", "LOSS_TOLERANCE", "run_check", "served_configs"]
 
 # tests/test_logprobs.py's table (tests/test_bench_session.py checks that the two agree)
 TOLERANCES = {
@@ -108,7 +108,8 @@ def _check_logprobs(c: Case, impl: str, device: torch.device) -> tuple[dict, lis
     for name, gf, gr, gp in zip(("grad_hidden", "grad_weight", "grad_bias"), mine, g64, gt):
         err[name], err[f"{name}_torch"] = _rel_err(gf, gr), _rel_err(gp, gr)
         if err[name] > err[f"{name}_torch"] + tol["grad"]:
-            fails.append(f"{name} {err[name]:.2e} (relative) > PyTorch's {err[f'{name}_torch']:.2e} + {tol['grad']:.0e}")
+            fails.append(f"{name} {err[name]:.2e} (relative) > PyTorch's {err[f'{name}_torch']:.2e} "
+                         f"+ {tol['grad']:.0e}")
     if c.dtype != "float32" and err["logp"] >= LOGP_CAP:
         fails.append(f"logp {err['logp']:.2e} nats from float64 (limit {LOGP_CAP:.0e})")
     return err, fails
@@ -151,6 +152,13 @@ def _check_loss(c: Case, impl: str, device: torch.device) -> tuple[dict, list[st
     return err, fails
 
 
+def served_configs() -> dict:
+    """What each kernel launched since ``tuning.reset_served()`` ran at: {kernel: {config, source, use_tma}}."""
+    from fastrl.kernels import tuning
+
+    return {k: {"config": str(c), "source": s, "use_tma": t} for k, (c, s, t) in sorted(tuning.served().items())}
+
+
 def run_check(p: dict, device: torch.device) -> dict:
     """One implementation at one case: the row of ``bench/session_points.py`` (``pass`` and, if not, why)."""
     from fastrl.kernels import tuning
@@ -158,7 +166,7 @@ def run_check(p: dict, device: torch.device) -> dict:
     c = next(x for x in (SMOKE_CASES if p["smoke"] else CASES) if x.name == p["workload"])
     tuning.reset_served()
     err, fails = (_check_loss if c.loss else _check_logprobs)(c, p["implementation"], device)
-    served = {k: {"config": str(v), "source": s, "use_tma": t} for k, (v, s, t) in sorted(tuning.served().items())}
-    return {"status": "ok", "pass": not fails, "reason": "; ".join(fails), "error": err, "configs_served": served,
+    return {"status": "ok", "pass": not fails, "reason": "; ".join(fails), "error": err,
+            "configs_served": served_configs(),
             "kind": "loss" if c.loss else "logprob", "N": c.N, "H": c.H, "V": c.V, "dtype": c.dtype,
             "bias": c.bias, "transform": c.tf, "rows_checked": 2 * c.rows if c.rows else c.N}

@@ -32,6 +32,7 @@ import torch
 from bench import measure, providers
 from bench import workloads as W
 from bench.providers import Op
+from bench.session_checks import run_check, served_configs
 
 __all__ = ["lmhead_workloads", "main", "LOSS_PROVIDERS", "PRUNE"]
 
@@ -51,12 +52,6 @@ def lmhead_workloads(smoke: bool) -> dict[str, W.Workload]:
             out[wl.name] = replace(W.tiny(wl), name=wl.name, N=32, batch=min(wl.batch, 2),
                                    H=64 if wl.H == 4096 else 32) if smoke else wl
     return out
-
-
-def _served() -> dict:
-    from fastrl.kernels import tuning
-
-    return {k: {"config": str(c), "source": s, "use_tma": t} for k, (c, s, t) in sorted(tuning.served().items())}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -180,7 +175,7 @@ def _lmhead_point(p: dict, lm: LMHead, times: dict) -> dict:
     # what backend="triton" / "auto" picks for this work in this process: the row that stands for today's default
     auto = resolve_backend(lm.device, "triton", kind=wl.kind, H=wl.H, dtype=getattr(torch, wl.dtype))
     row = {"status": "ok", "auto": auto, "path": op.path, "notes": "; ".join(op.notes), "total_ms": m["total_ms"],
-           "extra_mb": m["peak_extra_mb"], "configs_served": _served(),
+           "extra_mb": m["peak_extra_mb"], "configs_served": served_configs(),
            "flops": W.flops(wl, "total"), "error": {} if sets[0] is None else _error(op, wl, sets[0], kept, lm)}
     times[(impl, config, p["workload"], p["provider"])] = m["total_ms"]["median"]
     return row
@@ -256,8 +251,6 @@ def _first_line(e: BaseException) -> str:
 def _run(p: dict, device: torch.device, lm: LMHead, times: dict) -> dict:
     section = p["section"]
     if section == "checks":
-        from bench.session_checks import run_check
-
         return run_check(p, device)
     if section in ("tournament", "configs", "autotune"):
         return _lmhead_point(p, lm, times)
@@ -298,7 +291,8 @@ def main(argv: list[str]) -> int:
         if line.strip():
             r = json.loads(line)
             if r.get("status") == "ok" and "total_ms" in r and r.get("section") in ("tournament", "configs"):
-                times[(r.get("implementation"), r.get("config"), r["workload"], r["provider"])] = r["total_ms"]["median"]
+                key = (r.get("implementation"), r.get("config"), r["workload"], r["provider"])
+                times[key] = r["total_ms"]["median"]
     for p in spec["points"]:
         base = {k: p[k] for k in ("id", "section", "workload", "provider", "implementation", "config") if k in p}
         wl = lm.wls.get(p.get("workload", ""))
@@ -320,7 +314,8 @@ def main(argv: list[str]) -> int:
                 with open(rows_path, "a") as f:
                     f.write(json.dumps({**row, "point_s": time.perf_counter() - t0}, default=str) + "\n")
                 _echo(row)
-                os._exit(3)  # (bench.session.RESTART) a sticky CUDA error fails every later launch: the parent starts a fresh process
+                # bench.session.RESTART: a sticky CUDA error fails every later launch; the parent starts a fresh process
+                os._exit(3)
         row["point_s"] = time.perf_counter() - t0
         row["pid"] = os.getpid()
         with open(rows_path, "a") as f:

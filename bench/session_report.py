@@ -149,7 +149,8 @@ def print_summary(con, rows: list[dict], title: str) -> None:
             continue
         t = r["total_ms"]
         err = ", ".join(f"{k} {v:.1e}" for k, v in (r.get("error") or {}).items() if not k.endswith("_torch"))
-        tab.add_row(r["section"], r["workload"], escape(_label(r)), f"{t['median']:.2f} [{t['min']:.2f}-{t['max']:.2f}]",
+        tab.add_row(r["section"], r["workload"], escape(_label(r)),
+                    f"{t['median']:.2f} [{t['min']:.2f}-{t['max']:.2f}]",
                     _x(r.get("time_vs_trl") or r.get("time_vs_full") or r.get("time_vs_eager")),
                     f"{100 * r['floor_fraction']:.0f}" if "floor_fraction" in r else "",
                     f"{r['extra_mb']:.0f}" if r.get("extra_mb") is not None else "", _x(r.get("mem_vs_trl")), err)

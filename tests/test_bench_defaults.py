@@ -72,7 +72,8 @@ def test_measured_config_by_family_h_range_dtype_and_variant(sm90, monkeypatch):
     assert tuning.config_for("stats", CUDA, H=896, **kw) == built_in  # below the measured H range
     assert tuning.config_for("grad", CUDA, H=4096, **kw) == tuning.CONFIGS[("grad", "sm90", True, "default")]
     assert tuning.config_for("stats", CUDA, H=4096, V=151936, dtype=torch.float16, use_tma=True) == built_in
-    assert tuning.config_for("stats", CUDA, H=4096, has_bias=True, **kw) == tuning.CONFIGS[("stats", "sm90", True, "bias")]
+    biased = tuning.CONFIGS[("stats", "sm90", True, "bias")]
+    assert tuning.config_for("stats", CUDA, H=4096, has_bias=True, **kw) == biased
     assert tuning.config_for("stats", CUDA, H=4096, V=151936, dtype=torch.bfloat16, use_tma=False) == \
         tuning.CONFIGS[("stats", "sm90", False, "default")]
     monkeypatch.setattr(tuning, "device_family", lambda device: "sm100")  # another family: the built-in table
@@ -221,4 +222,5 @@ def test_fused_logprobs_tells_the_dispatch_what_work_it_is(monkeypatch):
     with torch.no_grad():
         fastrl.fused_logprobs(hidden, weight, targets, backend="torch")
     fastrl.fused_logprobs(hidden.detach(), weight, targets, backend="torch")
-    assert seen == [dict(kind="logprob", H=8, dtype=torch.float32)] + [dict(kind="forward", H=8, dtype=torch.float32)] * 2
+    fp32 = torch.float32
+    assert seen == [dict(kind="logprob", H=8, dtype=fp32)] + [dict(kind="forward", H=8, dtype=fp32)] * 2

@@ -31,7 +31,8 @@ def test_gpu_estimates_are_the_documented_arithmetic():
                                                      "keptset": 20, "divergence": 39, "compile": 103, "w4": 70}
     assert round(sum(est.values())) == 444 <= S.DEFAULT_BUDGET["cuda"] - S.GPU_COSTS.grace
     doc = " ".join(S.__doc__.split())
-    for phrase in ("checks 7 + 2 x 20 = 47", "= 48", "= 90 per implementation", "Total 444 s", "adds 20 + 7 + 90 + 27 = 144"):
+    for phrase in ("checks 7 + 2 x 20 = 47", "= 48", "= 90 per implementation", "Total 444 s",
+                   "adds 20 + 7 + 90 + 27 = 144"):
         assert phrase in doc, phrase
     kept, dropped = S.plan_budget(S.DEFAULT_BUDGET["cuda"] - S.GPU_COSTS.grace, est, list(S.SECTIONS))
     assert kept == list(S.SECTIONS) and not dropped
@@ -133,7 +134,8 @@ def test_a_crashed_process_costs_one_point(tmp_path, monkeypatch):
     assert calls == [["p0", "p1", "p2"], ["p2"]]
     by = {r["id"]: r for r in rows}
     assert by["p0"]["status"] == "ok" and by["p2"]["status"] == "ok"
-    assert by["p1"]["status"] == "error" and "exit code -11" in by["p1"]["reason"] and "Segmentation" in by["p1"]["reason"]
+    assert by["p1"]["status"] == "error"
+    assert "exit code -11" in by["p1"]["reason"] and "Segmentation" in by["p1"]["reason"]
 
 
 @pytest.mark.slow
@@ -160,7 +162,8 @@ def test_session_smoke(tmp_path):
             assert r["total_ms"]["min"] <= r["total_ms"]["median"] <= r["total_ms"]["max"]
     checks = [r for r in rows if r["section"] == "checks"]
     assert {r["implementation"] for r in checks} == set(S.cuda_implementations()) and all(r["pass"] for r in checks)
-    lm = [r for r in rows if r["section"] in ("tournament", "configs", "autotune") and r["provider"].startswith("fastrl")]
+    lm = [r for r in rows
+          if r["section"] in ("tournament", "configs", "autotune") and r["provider"].startswith("fastrl")]
     assert all(r["status"] in ("ok", "pruned") for r in lm)
     assert {r["implementation"] for r in lm if r["section"] == "tournament"} == set(S.cuda_implementations())
     forced = [r for r in lm if r["section"] == "configs" and r["status"] == "ok"]
