@@ -62,7 +62,7 @@ FAMILY = {"checks": "checks", "tournament": "lmhead", "configs": "lmhead", "auto
           "keptset": "keptset", "divergence": "divergence", "compile": "compile", "w4": "w4"}
 WORKLOAD_ORDER = ("W1", "W1-lp", "W2", "W2-lp", "W3")
 CONFIG_ORDER = ("W1-lp", "W2-lp", "W3", "W1", "W2")  # the log-prob workloads first: they decide the configurations
-DEFAULT_BUDGET = {"cuda": 480.0, "smoke": 110.0}
+DEFAULT_BUDGET = {"cuda": 480.0, "smoke": 120.0}
 RESTART = 3  # a measuring process exits with this after a CUDA fault: the parent starts a fresh one
 
 
@@ -89,10 +89,11 @@ GPU_COSTS = Costs(process=7, trl_import=12, check_impl=20, jit_config=8, autotun
                   point={"W1": 1.5, "W1-lp": 1.5, "W2": 0.65, "W2-lp": 0.65, "W3": 0.6}, references=2 + 3,
                   keptset=13, divergence_point=1.25, divergence_jit=9, compile_eager=2, compile_variant=47,
                   w4_point=35, grace=20)
-# measured on the 2-core CPU this was written on (loaded: load average 6-10), Triton interpreted
-SMOKE_COSTS = Costs(process=5, trl_import=8, check_impl=8, jit_config=1, autotune_impl=0,
-                    point={w: 0.4 for w in WORKLOAD_ORDER}, references=0.5, keptset=3, divergence_point=0.3,
-                    divergence_jit=0, compile_eager=1, compile_variant=10, w4_point=25, grace=30)
+# a 2-core CPU, Triton interpreted: a third of what the CPU this was written on took at load average 7-10 (where the
+# whole smoke run took 3-4 minutes; idle machines were not to be had)
+SMOKE_COSTS = Costs(process=3, trl_import=5, check_impl=4, jit_config=0.5, autotune_impl=0,
+                    point={w: 0.5 for w in WORKLOAD_ORDER}, references=0.3, keptset=5, divergence_point=1.5,
+                    divergence_jit=0, compile_eager=4, compile_variant=6, w4_point=12, grace=20)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -195,13 +196,16 @@ def estimate(section: str, c: Costs, pts: list[dict]) -> float:
     raise ValueError(f"unknown section {section!r}; one of {', '.join(SECTIONS)}")
 
 
-def plan_budget(budget: float, estimates: dict[str, float], wanted: list[str]) -> tuple[list[str], list[tuple]]:
+def plan_budget(budget: float, estimates: dict[str, float], wanted: list[str],
+                jobs: int = 1) -> tuple[list[str], list[tuple]]:
     """(the sections kept, in SECTIONS order; [(section, why)] dropped): whole sections dropped in DROP_ORDER until
-    the estimates fit ``budget`` (the caller passes its budget less the grace a process gets past its deadline)."""
+    the estimates fit ``budget`` (the caller passes its budget less the grace a process gets past its deadline);
+    with ``jobs`` > 1 (smoke runs) the sections after the checks share the time ``jobs`` at a time."""
     kept = [s for s in SECTIONS if s in wanted]
     dropped = []
     for s in DROP_ORDER:
-        total = sum(estimates[k] for k in kept)
+        total = sum(estimates[k] for k in kept if k == "checks") + sum(
+            estimates[k] for k in kept if k != "checks") / max(1, jobs)
         if total <= budget:
             break
         if s in kept:
@@ -323,7 +327,7 @@ def run_w4(pts: list[dict], deadline: float, device: str, smoke: bool, grace: fl
 # ---------------------------------------------------------------------------------------------------------------
 
 def add_options(ap) -> None:
-    ap.add_argument("--budget", type=float, help="seconds for the whole session (default 480 on a GPU, 110 with "
+    ap.add_argument("--budget", type=float, help="seconds for the whole session (default 480 on a GPU, 120 with "
                                                  "--smoke); whole sections are dropped, last first, to fit")
     ap.add_argument("--sections", help=f"comma list of {', '.join(SECTIONS)} (default all; checks and tournament "
                                        "always run first when configs or autotune are named)")
@@ -391,7 +395,7 @@ def command(args, device: str, con) -> int:
     dropped: list[tuple] = []
     # the checks first and alone: which implementations take launch configurations decides the rest of the plan
     if "checks" in wanted:
-        kept, _ = plan_budget(budget - costs.grace, est, wanted)
+        kept, _ = plan_budget(budget - costs.grace, est, wanted, jobs)
         dls = deadlines(kept, est, end, costs.grace)
         con.print(f"[bold]checks[/bold] (~{est['checks']:.0f} s)")
         rows += run_family("checks", points("checks", smoke=smoke, device=device, impls=impls, tunable=[]),
@@ -400,7 +404,7 @@ def command(args, device: str, con) -> int:
                      key=impls.index) if "checks" in wanted else impls
     est = estimates(tunable)
     est["checks"] = time.time() - t_start if "checks" in wanted else 0.0
-    kept, dropped = plan_budget(budget - costs.grace, est, wanted)
+    kept, dropped = plan_budget(budget - costs.grace, est, wanted, jobs)
     dls = deadlines(kept, est, end, costs.grace) if jobs == 1 else {s: end - costs.grace for s in kept}
     con.print("plan: " + ", ".join(f"{s} ~{est[s]:.0f} s" for s in kept if s != "checks")
               + (f"; implementations taking launch configurations: {', '.join(tunable) or 'none'}"))

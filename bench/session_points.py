@@ -159,7 +159,14 @@ def _lmhead_point(p: dict, lm: LMHead, times: dict) -> dict:
     if p["provider"] == "cublas":
         op, sets = floor_op(wl, lm.device), [None]
     else:
-        op = providers.get(p["provider"]).build(wl, lm.device, {"fastrl_backend": impl} if impl else {})
+        prov = providers.get(p["provider"])
+        why = prov.unavailable(wl, lm.device.type)  # e.g. TRL's wheel not carried: a row that says so
+        if why is not None:
+            return {"status": why[0], "reason": why[1]}
+        try:
+            op = prov.build(wl, lm.device, {"fastrl_backend": impl} if impl else {})
+        except providers.ProviderUnavailable as e:
+            return {"status": "skipped", "reason": str(e)}
         sets = lm.inputs(wl)
     states = [op.prepare(s) for s in sets]
     tuning.reset_served()
