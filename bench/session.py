@@ -214,8 +214,14 @@ def plan_budget(budget: float, estimates: dict[str, float], wanted: list[str],
     return kept, dropped
 
 
-def deadlines(kept: list[str], estimates: dict[str, float], end: float, grace: float) -> dict[str, float]:
-    """Each section's deadline: the end of the budget less the grace and the later sections' estimated time."""
+def deadlines(kept: list[str], estimates: dict[str, float], end: float, grace: float,
+              jobs: int = 1) -> dict[str, float]:
+    """Each section's deadline: the end of the budget less the grace and the later sections' estimated time (with
+    ``jobs`` > 1 the sections after the checks run side by side: they share one deadline, and the checks leave them
+    their time divided by ``jobs``)."""
+    if jobs > 1:
+        rest = sum(estimates[k] for k in kept if k != "checks") / jobs
+        return {s: end - grace - (rest if s == "checks" else 0.0) for s in kept}
     out = {}
     for i, s in enumerate(kept):
         out[s] = end - grace - sum(estimates[k] for k in kept[i + 1:])
@@ -396,7 +402,7 @@ def command(args, device: str, con) -> int:
     # the checks first and alone: which implementations take launch configurations decides the rest of the plan
     if "checks" in wanted:
         kept, _ = plan_budget(budget - costs.grace, est, wanted, jobs)
-        dls = deadlines(kept, est, end, costs.grace)
+        dls = deadlines(kept, est, end, costs.grace, jobs)
         con.print(f"[bold]checks[/bold] (~{est['checks']:.0f} s)")
         rows += run_family("checks", points("checks", smoke=smoke, device=device, impls=impls, tunable=[]),
                            dls, device, work, costs.grace, con)
@@ -405,7 +411,7 @@ def command(args, device: str, con) -> int:
     est = estimates(tunable)
     est["checks"] = time.time() - t_start if "checks" in wanted else 0.0
     kept, dropped = plan_budget(budget - costs.grace, est, wanted, jobs)
-    dls = deadlines(kept, est, end, costs.grace) if jobs == 1 else {s: end - costs.grace for s in kept}
+    dls = deadlines(kept, est, end, costs.grace, jobs)
     con.print("plan: " + ", ".join(f"{s} ~{est[s]:.0f} s" for s in kept if s != "checks")
               + (f"; implementations taking launch configurations: {', '.join(tunable) or 'none'}"))
     for s, why in dropped:

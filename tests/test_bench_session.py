@@ -53,6 +53,10 @@ def test_a_smaller_budget_drops_whole_sections_last_first():
     assert kept == ["checks", "tournament"]  # never dropped: the budget cuts their points instead (deadlines)
     dls = S.deadlines(kept, est, end=1000.0, grace=20.0)
     assert dls == {"checks": 1000 - 20 - est["tournament"], "tournament": 980.0}
+    # two processes at a time (smoke): the checks leave the rest half their estimated time, the rest share the end
+    dls = S.deadlines(list(S.SECTIONS), est, end=1000.0, grace=20.0, jobs=2)
+    assert dls["checks"] == pytest.approx(980 - sum(v for k, v in est.items() if k != "checks") / 2)
+    assert {dls[s] for s in S.SECTIONS if s != "checks"} == {980.0}
     # --sections: configs / autotune need the tournament's rows and the checks' verdict
     assert S._wanted("autotune,w4") == ["checks", "tournament", "autotune", "w4"]
     assert S._wanted("compile") == ["compile"]
