@@ -383,8 +383,11 @@ def command(args, device: str, con) -> int:
     env = {**report.environment(device), **provenance(), "family": _family(device)}
     out = Path(args.out) if args.out else (Path(tempfile.mkdtemp(prefix="fastrl-session-smoke-")) if smoke
                                            else REPO_ROOT / "bench" / "results" / env["device_slug"])
-    out.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="fastrl-session-"))
+    # the rows, as each process appends them, next to the results: a run killed before it writes its JSON keeps them
+    work = out / f"{args.name}-rows"
+    work.mkdir(parents=True, exist_ok=True)
+    for f in work.glob("*.rows.jsonl"):
+        f.unlink()
     t_start = time.time()
     end = t_start + budget
     impls = cuda_implementations()
@@ -393,6 +396,7 @@ def command(args, device: str, con) -> int:
               f"{env['fastrl_commit'][:10]} ({'clean' if env['tree_clean'] else 'NOT a clean tree'}); "
               f"implementations {', '.join(impls)}; budget {budget:.0f} s")
     rows: list[dict] = []
+
     def estimates(tunable: list[str]) -> dict[str, float]:
         return {s: estimate(s, costs, points(s, smoke=smoke, device=device, impls=impls, tunable=tunable))
                 for s in SECTIONS}
