@@ -36,6 +36,7 @@ import trl
 
 from fastrl.trainers._common import opt
 from fastrl.trainers._distributed import check_launch
+from fastrl.trainers._guards import check_fused_head_protocol, check_overrides, check_reference_pass_skip
 from fastrl.trainers.grpo_config import GRPOConfig, check_loss_options
 from fastrl.trainers.grpo_loss import compute_loss_one_pass, exact_kl, fastrl_kl, install_fastrl_head, one_pass_reason
 from fastrl.trainers.grpo_reference import ReferenceCaptureMixin, skip_trl_reference_pass
@@ -45,6 +46,15 @@ from fastrl.trainers.memory import MemoryOptions, MemoryStepsMixin, trl_alias_wa
 from fastrl.trainers.sampling import check_replay_options
 
 __all__ = ["GRPOConfig", "GRPOTrainer"]
+
+# the trl.GRPOTrainer methods fastrl.GRPOTrainer overrides, with the leading parameters it takes and passes on
+TRL_OVERRIDES = (
+    ("_compute_loss", ("model", "inputs")),
+    ("_generate_and_score_completions", ("inputs",)),
+    ("_get_per_token_logps_and_entropies", ("model", "input_ids", "attention_mask", "logits_to_keep", "batch_size",
+                                            "compute_entropy", "compute_aux_loss")),
+    ("_generate_single_turn", ("prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images")),
+)
 
 
 class GRPOTrainer(MemoryStepsMixin, SamplingReplayMixin, ReferenceCaptureMixin, trl.GRPOTrainer):
@@ -67,6 +77,12 @@ class GRPOTrainer(MemoryStepsMixin, SamplingReplayMixin, ReferenceCaptureMixin, 
         replay = opt(args, "sampling_replay", "off")
         check_replay_options(type(args).__name__, replay, opt(args, "log_kept_mass", False))
         check_vllm_replay_launch(args, replay)
+        # what fastrl overrides and patches in TRL must be there (a clear error now, not stock TRL's numbers later)
+        check_overrides(trl.GRPOTrainer, TRL_OVERRIDES, "fastrl.GRPOTrainer's overrides")
+        if opt(args, "fused_loss", True):
+            check_fused_head_protocol(trl.GRPOTrainer)
+        if args.beta != 0.0 and opt(args, "kl_estimator", "k3") == "exact":
+            check_reference_pass_skip(trl.GRPOTrainer)
         with vllm_sampling_masks(args, replay):
             super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         self._setup_sampling_replay(replay)
