@@ -289,3 +289,24 @@ def test_guard_reference_pass_skip(monkeypatch, tmp_path):
                                    kl_estimator="exact")
         _guard_error(fastrl.GRPOTrainer, "no-such-model", None, config, match="reference log-prob pass")
         fastrl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", beta=0.04)  # k3: not needed
+
+
+def test_guard_reference_from_path(monkeypatch):
+    pytest.importorskip("trl")
+    import trl.trainer.grpo_trainer as grpo_module
+
+    from fastrl.testing import tiny_model
+    from fastrl.trainers._guards import check_reference_from_path
+    from fastrl.trainers.grpo_reference import reference_from_instance
+
+    check_reference_from_path()
+    with monkeypatch.context() as m:  # TRL loads the reference some other way: the copy would never be made
+        m.delattr(grpo_module, "create_model_from_path")
+        _guard_error(check_reference_from_path, match="has no create_model_from_path")
+        # only where the copy is needed: an in-memory policy with beta != 0
+        _guard_error(reference_from_instance(tiny_model(16, 8, 1), 0.04).__enter__, match="create_model_from_path")
+        with reference_from_instance(tiny_model(16, 8, 1), 0.0):
+            pass
+    with monkeypatch.context() as m:
+        m.setattr(grpo_module, "create_model_from_path", lambda path, **kw: None)
+        _guard_error(check_reference_from_path, match=r"takes \(path, kw\) where fastrl expects \(model_id, \.\.\.\)")

@@ -27,6 +27,7 @@ __all__ = [
     "check_fused_head_protocol",
     "check_logits_processor_hook",
     "check_overrides",
+    "check_reference_from_path",
     "check_reference_pass_skip",
     "check_vllm_generate",
     "check_vllm_llm_swap",
@@ -176,3 +177,20 @@ def check_reference_pass_skip(trainer_cls: type) -> None:
     if source is not None and not re.search(r"if self\.beta != 0\.0:\s*\n\s*if self\.ref_model is not None:", source):
         raise _error(what, f"{trainer_cls.__name__}._generate_and_score_completions no longer gates its reference "
                      "pass on self.beta != 0.0")
+
+
+def check_reference_from_path() -> None:
+    """A policy passed as a model object with ``beta != 0``: fastrl answers TRL's
+    ``create_model_from_path(get_config_model_id(self.model.config), ...)`` (the reference load, a name of
+    ``trl.trainer.grpo_trainer``) with a copy of the policy."""
+    import trl.trainer.grpo_trainer as grpo_module
+
+    what = "trl.trainer.grpo_trainer.create_model_from_path (the reference model of a policy built in memory)"
+    fn = getattr(grpo_module, "create_model_from_path", None)
+    if not callable(fn):
+        raise _error(what, "trl.trainer.grpo_trainer has no create_model_from_path")
+    if _params(fn)[:1] != ["model_id"]:
+        raise _error(what, f"it takes ({', '.join(_params(fn))}) where fastrl expects (model_id, ...)")
+    source = _source(grpo_module.GRPOTrainer.__init__)
+    if source is not None and "create_model_from_path(get_config_model_id(self.model.config)" not in source:
+        raise _error(what, "GRPOTrainer.__init__ no longer loads the reference from the policy's name_or_path")

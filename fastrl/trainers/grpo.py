@@ -39,7 +39,7 @@ from fastrl.trainers._distributed import check_launch
 from fastrl.trainers._guards import check_fused_head_protocol, check_overrides, check_reference_pass_skip
 from fastrl.trainers.grpo_config import GRPOConfig, check_loss_options
 from fastrl.trainers.grpo_loss import compute_loss_one_pass, exact_kl, fastrl_kl, install_fastrl_head, one_pass_reason
-from fastrl.trainers.grpo_reference import ReferenceCaptureMixin, skip_trl_reference_pass
+from fastrl.trainers.grpo_reference import ReferenceCaptureMixin, reference_from_instance, skip_trl_reference_pass
 from fastrl.trainers.grpo_replay import SamplingReplayMixin
 from fastrl.trainers.grpo_vllm import check_vllm_replay_launch, vllm_sampling_masks
 from fastrl.trainers.memory import MemoryOptions, MemoryStepsMixin, trl_alias_warnings_silenced
@@ -83,7 +83,7 @@ class GRPOTrainer(MemoryStepsMixin, SamplingReplayMixin, ReferenceCaptureMixin, 
             check_fused_head_protocol(trl.GRPOTrainer)
         if args.beta != 0.0 and opt(args, "kl_estimator", "k3") == "exact":
             check_reference_pass_skip(trl.GRPOTrainer)
-        with vllm_sampling_masks(args, replay):
+        with vllm_sampling_masks(args, replay), reference_from_instance(model, args.beta):
             super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         self._setup_sampling_replay(replay)
         if opt(self.args, "fused_loss", True):
