@@ -659,7 +659,8 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             "fastrl.fused_logprobs forward + backward with support=KeptSet (K ids per token: Zipf-distributed ids that\n"
             "recur across tokens, and uniformly random disjoint ones) and with support=SamplerRule(top_k=64), against\n"
             "the full-vocabulary path on the same inputs, each point in a fresh process: time, extra peak memory and\n"
-            "their ratios. V=151936; CPU: N=1024, H=512, float32 (a few minutes on 2 cores); CUDA: W1 and W2 shapes,\n"
+            "their ratios. V=151936; CPU: N=1024, H=512, float32 (85 s on a quiet 2-core machine with --threads 1, the\n"
+            "run in bench/results/; 14 min once on a 2-core machine shared with other jobs); CUDA: W1 and W2 shapes,\n"
             "bf16 (also run at the end of `python -m bench gpu`). Target: K=64 fwd+bwd <= 0.1x the full path.",
             (_run_options,), _keptset_command),
     Command("divergence", "student vs teacher head: fused_divergence vs TRL, Liger and torch, beta 0/0.5/1",

@@ -12,8 +12,9 @@ Kept sets (the ids, the sampled target among them):
   position to position, as in real samples: neighbouring tokens' sets overlap);
 * ``uniform``: K ids uniformly at random: disjoint sets, the worst case for the union GEMM.
 
-Shapes: CPU N=1024, H=512, V=151936, float32 (C1-like; a few minutes on 2 cores); CUDA W1 (N=16384, H=4096) and
-W2 (H=896), V=151936, bf16.
+Shapes: CPU N=1024, H=512, V=151936, float32 (C1-like; 85 s on a quiet 2-core machine with ``--threads 1``, the
+recorded run, and 14 min once on a 2-core machine shared with other jobs); CUDA W1 (N=16384, H=4096) and W2
+(H=896), V=151936, bf16.
 """
 
 from __future__ import annotations

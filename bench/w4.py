@@ -161,7 +161,7 @@ def run_point(spec: dict) -> dict:
 
     import fastrl
     from bench import measure
-    from fastrl.demo import build_tokenizer
+    from fastrl.testing import tiny_tokenizer
 
     s = W4Shape.from_dict(spec["shape"])
     which, L = spec["trainer"], int(spec["completion_len"])
@@ -172,7 +172,7 @@ def run_point(spec: dict) -> dict:
     from datasets import Dataset
 
     torch.manual_seed(spec.get("seed", 0))
-    tok = build_tokenizer(s.vocab)
+    tok = tiny_tokenizer(s.vocab, model_max_length=1 << 16)
     model = _build_model(s)
     cls, cfg_cls = (trl.GRPOTrainer, trl.GRPOConfig) if which == "trl" else (fastrl.GRPOTrainer, fastrl.GRPOConfig)
     out_dir = tempfile.mkdtemp(prefix="fastrl-w4-")  # the trainer's (unused) output folder, gone at exit

@@ -2,7 +2,7 @@
 
     python examples/custom_loop.py            # ~20 s on two CPU cores; needs the trl extra (transformers)
 
-A tiny Qwen2-architecture policy (random init, offline tokenizer, from ``fastrl.demo``) learns to say ``w7``:
+A tiny Qwen2-architecture policy (random init, offline tokenizer: ``fastrl.testing``) learns to say ``w7``:
 sample a group of completions per prompt, score them, normalise rewards within each group, then take a few
 gradient steps on ``fastrl.policy_loss``: hidden states from the model body, the LM head's weight, and the
 completion tokens go in; the loss and TRL's metrics come out, and no ``[batch, completion, vocab]`` logits are ever
@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 
 import fastrl
-from fastrl.demo import build_model, build_tokenizer, target_reward
+from fastrl.demo import target_reward
+from fastrl.testing import tiny_model, tiny_tokenizer
 
 VOCAB, GROUP, PROMPTS, MAX_NEW, ITERATIONS, STEPS = 64, 8, 4, 8, 2, 15
 
@@ -28,8 +29,8 @@ def hidden_for_completions(model, input_ids, attention_mask, n_completion):
 
 def main():
     torch.manual_seed(0)
-    tok = build_tokenizer(VOCAB)
-    model = build_model(VOCAB, 64, 2)
+    tok = tiny_tokenizer(VOCAB)
+    model = tiny_model(VOCAB, 64, 2, heads=4, kv_heads=2)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     config = fastrl.PolicyLossConfig(loss_type="dapo", epsilon_low=0.2, epsilon_high=0.28, temperature=1.0)
     for step in range(STEPS):

@@ -26,7 +26,7 @@ import time
 def measure(which: str, a) -> dict:
     import torch
 
-    from fastrl.demo import build_model, build_tokenizer
+    from fastrl.testing import tiny_model, tiny_tokenizer
 
     torch.set_num_threads(a.threads)
     if which == "trl":
@@ -37,11 +37,11 @@ def measure(which: str, a) -> dict:
 
     models = []
     for hidden, seed in ((a.hidden, 0), (a.teacher_hidden, 1)):
-        m = build_model(a.vocab, hidden, 1, seed=seed)
+        m = tiny_model(a.vocab, hidden, 1, seed=seed, heads=4, kv_heads=2)
         with torch.no_grad():
             m.lm_head.weight.mul_(30.0)  # peaked distributions (random init gives near-uniform ones)
         models.append(m)
-    tok = build_tokenizer(a.vocab)
+    tok = tiny_tokenizer(a.vocab)
     args = DistillationConfig(output_dir=tempfile.mkdtemp(), use_cpu=True, bf16=False, report_to="none",
                               per_device_train_batch_size=a.batch, max_completion_length=a.completion_len,
                               beta=a.beta, save_strategy="no", disable_tqdm=True)

@@ -15,7 +15,7 @@ Writes (random weights, nothing downloaded):
 - ``dataset/``: a parquet prompt dataset with a ``prompt`` text column and two splits named like TRL's
   ``trl-lib/descriptiveness-sentiment``: ``descriptiveness`` and ``sentiment``.
 
-The tokenizer is word-level over ``<pad> <eos> <bos> w0 w1 ...`` (left padding), built with ``tokenizers``.
+The tokenizer is ``fastrl.testing.tiny_tokenizer``: word-level over ``<pad> <eos> <bos> w0 w1 ...`` (left padding).
 """
 
 from __future__ import annotations
@@ -24,24 +24,6 @@ import argparse
 import os
 
 import torch
-
-SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>")
-
-
-def build_tokenizer(vocab_size: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
-    for i in range(vocab_size - len(SPECIAL_TOKENS)):
-        vocab[f"w{i}"] = i + len(SPECIAL_TOKENS)
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins word-level tokens with spaces
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", padding_side="left",
-        model_max_length=4096,
-    )
 
 
 def build_config(vocab_size: int, hidden_size: int, layers: int, **extra):
@@ -68,9 +50,11 @@ def main() -> None:
     a = parser.parse_args()
 
     from datasets import Dataset
+
+    from fastrl.testing import SPECIAL_TOKENS, tiny_tokenizer
     from transformers import GPTNeoXForCausalLM, GPTNeoXForSequenceClassification
 
-    tok = build_tokenizer(a.vocab_size)
+    tok = tiny_tokenizer(a.vocab_size)
     torch.manual_seed(a.seed)
     policy = GPTNeoXForCausalLM(build_config(a.vocab_size, a.hidden_size, a.layers))
     policy.generation_config.pad_token_id = tok.pad_token_id

@@ -36,11 +36,10 @@ import time
 from dataclasses import dataclass
 
 __all__ = [
-    "main", "build_tokenizer", "build_model", "target_reward", "pick_device", "use_bf16", "train_config_kwargs",
+    "main", "build_model", "target_reward", "pick_device", "use_bf16", "train_config_kwargs",
     "measurement_shape", "measure_step", "run_measurement", "step_line", "verdict",
 ]
 
-SPECIAL = ("<pad>", "<eos>", "<bos>")
 TARGET = "w7"
 TRAIN_VOCAB = 64
 DEVICES = ("auto", "cpu", "cuda")
@@ -49,40 +48,17 @@ NEEDS = ("trl", "transformers", "accelerate", "datasets", "tokenizers")
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# A tiny model and an offline tokenizer
+# The models and the task (the models and tokenizer: fastrl.testing)
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def build_tokenizer(vocab_size: int):
-    """Word-level tokenizer over ``<pad> <eos> <bos> w0 w1 ...`` (offline), left padding."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+def build_model(vocab_size: int, hidden_size: int, layers: int, seed: int = 0, dtype: str = "float32"):
+    """The demo's random Qwen2 (``fastrl.testing.tiny_model``): heads of 64 or less, 2 KV heads, SDPA attention."""
+    from fastrl.testing import tiny_model
 
-    vocab = {t: i for i, t in enumerate(SPECIAL)}
-    vocab.update({f"w{i}": i + len(SPECIAL) for i in range(vocab_size - len(SPECIAL))})
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
-                                   padding_side="left", model_max_length=1 << 16)
-
-
-def build_model(vocab_size: int, hidden_size: int, layers: int, seed: int = 0, attn: str = "sdpa",
-                dtype: str = "float32"):
-    """A randomly initialised ``Qwen2ForCausalLM`` (SDPA attention, transformers' default), heads of 64 or less."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    heads = max(4, hidden_size // 64)  # 4 heads up to H=256 (the sizes used so far), 14 at H=896 (Qwen2.5-0.5B)
-    cfg = Qwen2Config(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=2,
-                      max_position_embeddings=1 << 14, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1,
-                      bos_token_id=2)
-    cfg._attn_implementation = attn
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(cfg).to(getattr(torch, dtype))
-    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 1
-    return model
+    # 4 heads up to H=256 (the sizes used so far), 14 at H=896 (Qwen2.5-0.5B)
+    return tiny_model(vocab_size, hidden_size, layers, seed=seed, heads=max(4, hidden_size // 64), kv_heads=2,
+                      dtype=dtype, max_position_embeddings=1 << 14)
 
 
 def target_reward(completions, **kwargs):
@@ -183,17 +159,13 @@ def step_line(step: int, steps: int, logs: dict) -> str | None:
 
 
 def train(steps: int, device: str, bf16: bool) -> TrainResult:
-    import torch
-    from datasets import Dataset
     from transformers import PrinterCallback, ProgressCallback, TrainerCallback
 
     import fastrl
+    from fastrl.testing import tiny_prompt_dataset, tiny_tokenizer
     from fastrl.trainers.health import CHECKS, TrainingHealthCallback
 
-    tok = build_tokenizer(TRAIN_VOCAB)
-    g = torch.Generator().manual_seed(0)
-    words = torch.randint(0, TRAIN_VOCAB - len(SPECIAL), (256, 4), generator=g)
-    prompts = [" ".join(f"w{int(i)}" for i in row) for row in words]
+    tok = tiny_tokenizer(TRAIN_VOCAB, model_max_length=1 << 16)
     model = build_model(TRAIN_VOCAB, 64, 2)
     rewards: list[float] = []
 
@@ -209,7 +181,7 @@ def train(steps: int, device: str, bf16: bool) -> TrainResult:
     with tempfile.TemporaryDirectory(prefix="fastrl-demo-") as out_dir:
         args = fastrl.GRPOConfig(**train_config_kwargs(out_dir, device, bf16, steps))
         trainer = fastrl.GRPOTrainer(model=model, reward_funcs=target_reward, args=args, processing_class=tok,
-                                     train_dataset=Dataset.from_dict({"prompt": prompts}),
+                                     train_dataset=tiny_prompt_dataset(256, 4, TRAIN_VOCAB, seed=0),
                                      callbacks=[StepPrinter(), health])
         # our line per step replaces the trainer's own printing of every logged dict
         trainer.remove_callback(PrinterCallback)
@@ -285,11 +257,12 @@ def _measure_step(stack, which, vocab, hidden, layers, batch, prompt_len, comple
     from datasets import Dataset
 
     import fastrl
+    from fastrl.testing import tiny_tokenizer
 
     cuda = device == "cuda"
     reps = reps if reps is not None else (3 if cuda else 1)
     torch.manual_seed(seed)
-    tok = build_tokenizer(vocab)
+    tok = tiny_tokenizer(vocab, model_max_length=1 << 16)
     model = build_model(vocab, hidden, layers, seed=seed, dtype=dtype)
     cls, cfg = (trl.GRPOTrainer, trl.GRPOConfig) if which == "trl" else (fastrl.GRPOTrainer, fastrl.GRPOConfig)
     kw = dict(use_cpu=not cuda, bf16=dtype == "bfloat16", report_to="none", save_strategy="no",
@@ -488,6 +461,7 @@ def main(argv: list[str] | None = None, *, shape: dict | None = None) -> int:
     import trl
 
     import fastrl
+    from fastrl.testing import SPECIAL_TOKENS
 
     bf16 = use_bf16(device)
     steps = a.steps if a.steps is not None else (12 if a.quick else 40)
@@ -495,7 +469,7 @@ def main(argv: list[str] | None = None, *, shape: dict | None = None) -> int:
           f"trl {trl.__version__}", flush=True)
     print(f"\nPart 1: train a tiny Qwen2 policy (V={TRAIN_VOCAB}, H=64, 2 layers) with fastrl.GRPOTrainer to say "
           f"'{TARGET}'. Reward: the share of completion words that are '{TARGET}' (a random policy scores about "
-          f"{1 / (TRAIN_VOCAB - len(SPECIAL)):.3f}).", flush=True)
+          f"{1 / (TRAIN_VOCAB - len(SPECIAL_TOKENS)):.3f}).", flush=True)
     result = train(steps, device, bf16)
     rows = None
     if not a.skip_memory:

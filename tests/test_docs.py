@@ -85,3 +85,74 @@ def test_docstring_examples_run(name, capsys):
     assert "Example::" in doc and "Args:" in doc and "Returns:" in doc
     code = textwrap.dedent(doc.split("Example::", 1)[1])
     exec(compile(code, f"<{name} docstring>", "exec"), {})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# README.md's Python snippets, each run
+# ---------------------------------------------------------------------------------------------------------------
+
+# Snippets written as fragments over tensors a reader already has (named in the prose around them): run with those
+# names given (``_given``), built with fastrl.testing. Keyed by the snippet's first line. Every other snippet runs as
+# written, in an empty namespace.
+FRAGMENTS = ("div = fastrl.fused_divergence(", 'config = fastrl.PolicyLossConfig(loss_type="dapo", beta=0.04, kl_estimator',
+             "# the ids each token was sampled from")
+
+
+def readme_snippets() -> list[tuple[int, str]]:
+    """(first line number, code) of every ```python block of README.md."""
+    out, lines = [], (REPO / "README.md").read_text().splitlines()
+    i = 0
+    while i < len(lines):
+        if lines[i].strip() == "```python":
+            j = i + 1
+            while lines[j].strip() != "```":
+                j += 1
+            out.append((i + 2, "\n".join(lines[i + 1 : j])))
+            i = j
+        i += 1
+    return out
+
+
+def _given() -> dict:
+    """What the fragment snippets take as given: a policy's hidden states and head (the quickstart's names), a student
+    and a wider teacher, a reference model, kept sets holding each target."""
+    import torch
+
+    import fastrl
+    from fastrl.testing import tiny_model, tiny_tokenizer
+
+    tok = tiny_tokenizer(256)
+    ids = tok(["w1 w2 w3 w4 w5 w6", "w7 w8 w9 w10 w11 w12"], return_tensors="pt").input_ids  # [2, 6]
+    policy, student, teacher = (tiny_model(256, h, seed=s) for h, s in ((32, 0), (32, 1), (48, 2)))
+    hidden = policy.model(ids).last_hidden_state[:, :-1]  # [2, 5, 32]
+    targets = ids[:, 1:]
+    mask = torch.ones_like(targets, dtype=torch.bool)
+    with torch.no_grad():
+        old = fastrl.fused_logprobs(hidden, policy.lm_head.weight, targets, with_entropy=False)[0]
+        teacher_hidden = teacher.model(ids).last_hidden_state[:, :-1]
+    kept_ids = [sorted({int(t), *range(3, 3 + 7)}) for t in targets.reshape(-1)]  # each token's target among 8 ids
+    return dict(
+        fastrl=fastrl, torch=torch, hidden=hidden, lm_head=policy.lm_head, weight=policy.lm_head.weight,
+        completion_ids=targets, targets=targets, ids=targets, advantages=torch.tensor([1.0, -0.5]),
+        adv=torch.tensor([1.0, -0.5]), completion_mask=mask, mask=mask, old=old,
+        config=fastrl.PolicyLossConfig(loss_type="dapo"), student=student, teacher=teacher,
+        student_hidden=student.model(ids).last_hidden_state[:, :-1], teacher_hidden=teacher_hidden,
+        ref_hidden=teacher_hidden, ref_lm_head=teacher.lm_head, ids_per_token=kept_ids, vocab_size=256,
+    )
+
+
+def test_readme_has_its_snippets():
+    snippets = readme_snippets()
+    assert len(snippets) >= 8
+    firsts = [code.splitlines()[0] for _, code in snippets]
+    for prefix in FRAGMENTS:  # a fragment that no longer exists should leave this list
+        assert sum(f.startswith(prefix) for f in firsts) == 1, prefix
+
+
+@pytest.mark.parametrize("line,code", readme_snippets(), ids=lambda v: f"README.md:{v}" if isinstance(v, int) else "")
+def test_readme_snippet_runs(line, code, tmp_path, monkeypatch):
+    pytest.importorskip("trl")
+    monkeypatch.chdir(tmp_path)  # snippets that train write their output_dir here
+    fragment = code.splitlines()[0].startswith(FRAGMENTS)
+    namespace = _given() if fragment else {}
+    exec(compile(code, f"README.md:{line}", "exec"), namespace)

@@ -469,3 +469,29 @@ def test_no_full_logits_in_a_training_step(tmp_path):
     assert trainer._fastrl_last_path == "one_pass"
     numel, op, shape = max(largest)
     assert numel < B * C * big_v, f"{op} produced {shape}: as large as the [B, C, V] logits ({B}x{C}x{big_v})"
+
+
+def test_beta_with_an_in_memory_model_copies_it_as_the_reference(tmp_path):
+    """``beta != 0`` with a policy built in memory (no ``name_or_path`` to load): stock TRL stops in the hub's
+    "Repo id must use alphanumeric chars"; fastrl's reference is a copy of the policy as passed, and a step trains
+    with it (KL 0 at the first step: the policy has not moved yet)."""
+    from fastrl.testing import tiny_model, tiny_prompt_dataset
+
+    model = tiny_model(V, H, 1, seed=3)
+    assert model.config._name_or_path == ""
+    kw = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
+              report_to="none", use_cpu=True, save_strategy="no", logging_steps=1, max_steps=1, disable_tqdm=True,
+              beta=0.04)
+    with pytest.raises(Exception, match="Repo id|repo_id|alphanumeric"):  # what TRL does with it
+        trl.GRPOTrainer(model=model, reward_funcs=reward_even, args=trl.GRPOConfig(**kw),
+                        processing_class=tiny_tokenizer(V), train_dataset=tiny_prompt_dataset(8, vocab_size=V))
+    trainer = fastrl.GRPOTrainer(model=model, reward_funcs=reward_even, args=fastrl.GRPOConfig(**kw),
+                                 processing_class=tiny_tokenizer(V), train_dataset=tiny_prompt_dataset(8, vocab_size=V))
+    ref, policy = trainer.ref_model, trainer.accelerator.unwrap_model(trainer.model)
+    assert ref is not None and ref is not policy
+    for (name, p), (_, q) in zip(policy.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p, q) and p.data_ptr() != q.data_ptr(), name
+    trainer.train()
+    log = next(h for h in trainer.state.log_history if "kl" in h)
+    assert log["kl"] == 0.0
+    assert any(not torch.equal(p, q) for p, q in zip(policy.parameters(), ref.parameters()))  # only the policy moved

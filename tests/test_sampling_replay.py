@@ -358,9 +358,35 @@ def test_ppo_kept_set_rollout_reference_and_update_over_recorded_sets(tmp_path):
 def test_ppo_rule_trains_and_logs(tmp_path):
     trainer = ppo_trainer(tmp_path, sampling_replay="rule", log_kept_mass=True, total_episodes=8)
     assert trainer.sampling_rule == SamplerRule(top_k=TOP_K, order="transformers")
+    rollouts = []  # (the policy as it sampled, the rollout batch)
+    rollout = trainer._rollout
+
+    def recording(queries):
+        policy = copy.deepcopy(trainer.accelerator.unwrap_model(trainer.model_wrapped).policy)
+        batch = rollout(queries)
+        rollouts.append((policy, batch))
+        return batch
+
+    trainer._rollout = recording
     trainer.train()
     log = [h for h in trainer.state.log_history if "objective/kl" in h][0]
-    assert log["objective/kl"] == pytest.approx(log["objective/kl"])  # finite
+    # objective/kl against float64: the k1 KL summed over each response's real tokens, averaged over responses, with
+    # each model's log-probs over the rule replayed on its own float64 logits (extended by the sampled token)
+    (policy, batch), = rollouts
+    qr, ctx, real = batch["query_responses"], int(batch["context_length"]), ~batch["padding_mask"]
+    targets = batch["responses"].masked_fill(~real, -100)
+    logps = []
+    with torch.no_grad():
+        for model in (policy, trainer.ref_model):
+            m, h, _ = ppo_float64_logprobs(model, qr, ctx, None)
+            kept, _ = rule_mask_reference(h, m.lm_head.weight, targets, trainer.sampling_rule,
+                                          temperature=TEMPERATURE + 1e-7, dtype=torch.float64)
+            lp, _ = masked_logprobs_reference(h, m.lm_head.weight, targets, kept.reshape(*targets.shape, V),
+                                              temperature=TEMPERATURE + 1e-7)
+            logps.append(torch.where(real, lp, 0.0))
+    kl64 = (logps[0] - logps[1]).sum(1).mean().item()
+    assert abs(kl64) > 1e-2  # the reference is another model: a KL that says something
+    assert log["objective/kl"] == pytest.approx(kl64, rel=1e-5, abs=1e-6)
     assert 1.0 <= log["sampling/kept_size_mean"] <= TOP_K
     assert 0.0 <= log["sampling/label_outside_frac"] <= 1.0
     assert 0.0 < log["sampling/kept_mass_mean"] <= 1.0

@@ -175,6 +175,22 @@ def test_nan_reward_stops_before_any_optimizer_step(tmp_path):
     assert any(name == "reward_nan" and "objective/scores" in msg and "reward" in msg for name, msg in fired), fired
 
 
+def test_nan_reference_exact_kl_stops_before_any_optimizer_step(tmp_path):
+    """kl_estimator="exact" with a reference whose head holds a NaN: the rollout's exact KL is not finite, and the
+    rollout check names it (on every process at once) before any optimizer step."""
+    trainer = make_trainer(tmp_path, total_episodes=8, kl_estimator="exact", ref_model=tiny_qwen2(V, 32, 1, seed=7))
+    with torch.no_grad():
+        trainer.ref_model.lm_head.weight[3, 1] = float("nan")
+    steps = _count_steps(trainer)
+    before = _trainer_tensors(trainer)
+    with pytest.raises(FloatingPointError, match=r"the exact KL to the reference policy \(kl\) is not finite in the "
+                                                 r"rollout of update 1: \d+ non-finite, the first nan at kl\[.*No optimizer"):
+        trainer.train()
+    assert not steps
+    after = _trainer_tensors(trainer)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+
 def test_non_finite_loss_never_reaches_the_optimizer(tmp_path, monkeypatch):
     """A loss that turns non-finite during the PPO epochs (here: the value loss) stops training before the step."""
     trainer = make_trainer(tmp_path, total_episodes=8)

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,3 +97,216 @@ def test_ppo_trains_with_gradient_checkpointing(tmp_path):
         assert trainer.model.is_gradient_checkpointing
         trainer.train()
     assert trainer.state.global_step == 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Guarded patch points (fastrl.trainers._guards): each check raises, naming the installed versions and the supported
+# range, when what fastrl patches or overrides in TRL / transformers / vLLM is missing or has another signature
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_supported_ranges_are_pyprojects():
+    tomllib = pytest.importorskip("tomllib")
+    pytest.importorskip("trl")
+    from fastrl.trainers._guards import SUPPORTED
+
+    declared = {Requirement(r).name.lower(): Requirement(r).specifier
+                for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["trl"]}
+    for name, spec in SUPPORTED.items():
+        assert declared[name] == SpecifierSet(spec), f"{name}: pyproject.toml {declared[name]}, the guards {spec}"
+
+
+def _guard_error(fn, *args, match: str):
+    """``fn(*args)`` raises IncompatibleVersionError naming ``match``, the installed versions and the range."""
+    import importlib.metadata
+
+    from fastrl.trainers._guards import IncompatibleVersionError
+
+    with pytest.raises(IncompatibleVersionError, match=match) as info:
+        fn(*args)
+    msg = str(info.value)
+    for package in ("trl", "transformers"):
+        assert f"{package} {importlib.metadata.version(package)}" in msg, msg
+    assert "trl>=1.16,<1.17" in msg and "transformers>=5.18" in msg and "vllm" in msg, msg
+    return msg
+
+
+def test_guard_overridden_trl_methods(monkeypatch, tmp_path):
+    trl = pytest.importorskip("trl")
+    import fastrl
+    from fastrl.trainers._guards import check_overrides
+    from fastrl.trainers.grpo import TRL_OVERRIDES
+
+    check_overrides(trl.GRPOTrainer, TRL_OVERRIDES, "x")  # the installed TRL has them all
+    with monkeypatch.context() as m:  # a renamed method: fastrl's override would never run
+        m.delattr(trl.GRPOTrainer, "_generate_single_turn")
+        _guard_error(check_overrides, trl.GRPOTrainer, TRL_OVERRIDES, "x", match="has no _generate_single_turn")
+        config = fastrl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+        # the constructor checks before it loads anything
+        _guard_error(fastrl.GRPOTrainer, "no-such-model", None, config, match="_generate_single_turn")
+    with monkeypatch.context() as m:  # another signature: fastrl would pass its arguments to the wrong parameters
+        m.setattr(trl.GRPOTrainer, "_compute_loss", lambda self, inputs, model: None)
+        msg = _guard_error(check_overrides, trl.GRPOTrainer, TRL_OVERRIDES, "x", match="_compute_loss")
+        assert "takes (inputs, model) where fastrl expects (model, inputs, ...)" in msg
+
+
+def test_guard_ppo_and_distillation_internals(monkeypatch, tmp_path):
+    trl = pytest.importorskip("trl")
+    import transformers
+
+    import fastrl
+
+    with monkeypatch.context() as m:
+        m.delattr(transformers.Trainer, "_prepare_for_training")  # what transformers < 5.3 lacked
+        config = fastrl.PPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+        _guard_error(fastrl.PPOTrainer, config, None, None, None, None, None, None, match="_prepare_for_training")
+    with monkeypatch.context() as m:
+        m.setattr(trl.DistillationTrainer, "_compute_loss", lambda self, inputs, student, n: None)
+        config = fastrl.DistillationConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+        _guard_error(fastrl.DistillationTrainer, "student", "teacher", config, match="DistillationTrainer._compute_loss")
+
+
+def test_guard_fused_head_protocol(monkeypatch):
+    trl = pytest.importorskip("trl")
+    import dataclasses
+
+    import trl.trainer.utils as trl_utils
+
+    import fastrl
+    from fastrl.trainers._guards import check_fused_head_protocol
+
+    check_fused_head_protocol(trl.GRPOTrainer)
+    check_fused_head_protocol(trl.RLOOTrainer)
+    with monkeypatch.context() as m:  # an output without the entropy fastrl fills
+        m.setattr(trl_utils, "FusedCausalLMOutput", dataclasses.make_dataclass("Out", ["loss", "log_probs"]))
+        _guard_error(check_fused_head_protocol, trl.GRPOTrainer, match="FusedCausalLMOutput has fields")
+    with monkeypatch.context() as m:
+        m.delattr(trl_utils, "maybe_gather_lm_head_ctx")
+        _guard_error(check_fused_head_protocol, trl.GRPOTrainer, match="no maybe_gather_lm_head_ctx")
+
+    def logps_without_fused_head(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None):
+        return model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+    with monkeypatch.context() as m:  # TRL scores through the logits again: fastrl's head would never run
+        m.setattr(trl.GRPOTrainer, "_get_per_token_logps_and_entropies", logps_without_fused_head)
+        _guard_error(check_fused_head_protocol, trl.GRPOTrainer, match="no longer calls the model with fused_lm_head")
+        # patch_trainer checks the same before patching a TRL trainer
+        _guard_error(fastrl.patch_trainer, object.__new__(trl.GRPOTrainer), match="fused_lm_head")
+
+
+def test_guard_logits_processor_hook(monkeypatch):
+    pytest.importorskip("trl")
+    from transformers import GenerationMixin
+
+    from fastrl.trainers._guards import check_logits_processor_hook
+
+    class Model(GenerationMixin):
+        pass
+
+    check_logits_processor_hook(Model())
+    _guard_error(check_logits_processor_hook, object(), match="object has no _get_logits_processor")
+    with monkeypatch.context() as m:
+        m.setattr(Model, "_get_logits_processor", lambda self, config, input_ids_seq_length=None: None, raising=False)
+        _guard_error(check_logits_processor_hook, Model(), match=r"takes \(config, input_ids_seq_length\)")
+
+    def generate_elsewhere(self, inputs=None, generation_config=None, **kwargs):
+        return self._build_processors(generation_config)
+
+    with monkeypatch.context() as m:
+        m.setattr(GenerationMixin, "generate", generate_elsewhere)
+        _guard_error(check_logits_processor_hook, Model(), match="no longer calls self._get_logits_processor")
+
+
+def test_guard_vllm_llm_swap(monkeypatch):
+    pytest.importorskip("trl")
+    import types
+
+    import trl.import_utils as trl_import_utils
+    from trl.generation import vllm_generation
+
+    import fastrl.trainers._guards as guards
+    from fastrl.trainers.grpo_vllm import vllm_sampling_masks
+
+    monkeypatch.setattr(vllm_generation, "LLM", lambda *a, **k: None, raising=False)  # as if vLLM were installed
+    guards.check_vllm_llm_swap()
+    with monkeypatch.context() as m:
+        m.setattr(vllm_generation, "LLM", None)
+        _guard_error(guards.check_vllm_llm_swap, match="vllm_generation has no LLM")
+        m.setattr(trl_import_utils, "is_vllm_available", lambda: True)
+        args = types.SimpleNamespace(use_vllm=True)
+        _guard_error(vllm_sampling_masks(args, "kept_set").__enter__, match="vllm_generation has no LLM")
+
+    class VLLMGeneration:  # builds the engine some other way: the swap would add nothing
+        def __init__(self):
+            import vllm
+
+            self.llm = vllm.LLMEngine()
+
+    with monkeypatch.context() as m:
+        m.setattr(vllm_generation, "VLLMGeneration", VLLMGeneration)
+        _guard_error(guards.check_vllm_llm_swap, match=r"no longer builds the engine with LLM\(")
+    with monkeypatch.context() as m:
+        m.setattr(guards, "_version", lambda p: "0.27.0" if p == "vllm" else "1.0")
+        with pytest.raises(guards.IncompatibleVersionError, match=r"vLLM 0\.27\.0 returns no sampling masks"):
+            guards.check_vllm_llm_swap()
+
+
+def test_guard_vllm_generate(monkeypatch):
+    pytest.importorskip("trl")
+    import types
+
+    from trl.generation import vllm_generation
+
+    from fastrl.trainers._guards import check_vllm_generate
+
+    engine = types.SimpleNamespace(generate=lambda *a, **k: [])
+    check_vllm_generate(engine)
+    _guard_error(check_vllm_generate, types.SimpleNamespace(), match="has no generate")
+
+    def generate(self, prompts, **kwargs):
+        return self.llm.chat(prompts)
+
+    with monkeypatch.context() as m:
+        m.setattr(vllm_generation.VLLMGeneration, "generate", generate)
+        _guard_error(check_vllm_generate, engine, match="no longer calls self.llm.generate")
+
+
+def test_guard_reference_pass_skip(monkeypatch, tmp_path):
+    trl = pytest.importorskip("trl")
+    import fastrl
+    from fastrl.trainers._guards import check_reference_pass_skip
+
+    check_reference_pass_skip(trl.GRPOTrainer)
+
+    def generate_and_score(self, inputs):
+        if self.ref_model is not None and self.args.beta:  # reads the config, not self.beta: the swap would not skip
+            pass
+
+    with monkeypatch.context() as m:
+        m.setattr(trl.GRPOTrainer, "_generate_and_score_completions", generate_and_score)
+        _guard_error(check_reference_pass_skip, trl.GRPOTrainer, match="gates its reference pass on self.beta")
+        config = fastrl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", beta=0.04,
+                                   kl_estimator="exact")
+        _guard_error(fastrl.GRPOTrainer, "no-such-model", None, config, match="reference log-prob pass")
+        fastrl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", beta=0.04)  # k3: not needed
+
+
+def test_guard_reference_from_path(monkeypatch):
+    pytest.importorskip("trl")
+    import trl.trainer.grpo_trainer as grpo_module
+
+    from fastrl.testing import tiny_model
+    from fastrl.trainers._guards import check_reference_from_path
+    from fastrl.trainers.grpo_reference import reference_from_instance
+
+    check_reference_from_path()
+    with monkeypatch.context() as m:  # TRL loads the reference some other way: the copy would never be made
+        m.delattr(grpo_module, "create_model_from_path")
+        _guard_error(check_reference_from_path, match="has no create_model_from_path")
+        # only where the copy is needed: an in-memory policy with beta != 0
+        _guard_error(reference_from_instance(tiny_model(16, 8, 1), 0.04).__enter__, match="create_model_from_path")
+        with reference_from_instance(tiny_model(16, 8, 1), 0.0):
+            pass
+    with monkeypatch.context() as m:
+        m.setattr(grpo_module, "create_model_from_path", lambda path, **kw: None)
+        _guard_error(check_reference_from_path, match=r"takes \(path, kw\) where fastrl expects \(model_id, \.\.\.\)")

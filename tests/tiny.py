@@ -1,9 +1,9 @@
-"""Tiny Qwen2-architecture models, an offline tokenizer, a toy prompt dataset and its reward, for trainer tests and
-demos; and the one-step harness the trainer tests compare trainers with (``run_step``, ``rel_err``).
+"""Tiny Qwen2-architecture models, an offline tokenizer, a toy prompt dataset and its reward, for trainer tests; and
+the one-step harness the trainer tests compare trainers with (``run_step``, ``rel_err``).
 
-Nothing here touches the network: the model is built from a ``Qwen2Config`` with random weights and the
-tokenizer from the ``tokenizers`` library (a word-level vocabulary ``<pad> <eos> <bos> w0 w1 ...``), wrapped in
-a ``transformers.PreTrainedTokenizerFast``. Shared by the GRPO and PPO trainer tests; keep the API stable.
+The models, tokenizer and prompts are ``fastrl.testing``'s (the public, documented copy), with the defaults the
+tests were written against (eager attention). Nothing here touches the network. Shared by the GRPO and PPO trainer
+tests; keep the API stable.
 
     tok = tiny_tokenizer(256)
     model = tiny_qwen2(vocab_size=256, hidden_size=32, layers=1, seed=0)
@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fastrl.testing import BOS_ID, EOS_ID, PAD_ID, SPECIAL_TOKENS, tiny_prompts, tiny_tokenizer, word  # noqa: F401
+
 __all__ = [
     "PAD_ID",
     "EOS_ID",
@@ -37,42 +39,6 @@ __all__ = [
     "rel_err",
 ]
 
-PAD_ID, EOS_ID, BOS_ID = 0, 1, 2
-SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>")
-
-
-def word(i: int) -> str:
-    """The text of the i-th ordinary token (token id ``i + len(SPECIAL_TOKENS)``)."""
-    return f"w{i}"
-
-
-def tiny_tokenizer(vocab_size: int = 256):
-    """A ``PreTrainedTokenizerFast`` over ``vocab_size`` tokens: 3 specials then ``w0 w1 ...``; left padding.
-
-    Text is split on whitespace; decoding joins tokens with single spaces (specials skipped on request).
-    """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    if vocab_size <= len(SPECIAL_TOKENS):
-        raise ValueError(f"vocab_size must be > {len(SPECIAL_TOKENS)}, got {vocab_size}")
-    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
-    for i in range(vocab_size - len(SPECIAL_TOKENS)):
-        vocab[word(i)] = i + len(SPECIAL_TOKENS)
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins word-level tokens with spaces
-    out = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token="<pad>",
-        eos_token="<eos>",
-        bos_token="<bos>",
-        padding_side="left",
-        model_max_length=4096,
-    )
-    return out
-
-
 def tiny_qwen2(
     vocab_size: int = 256,
     hidden_size: int = 32,
@@ -86,52 +52,24 @@ def tiny_qwen2(
     dtype: torch.dtype = torch.float32,
     **config_kwargs,
 ):
-    """A randomly initialised ``Qwen2ForCausalLM`` (eager attention), special ids matching ``tiny_tokenizer``.
+    """``fastrl.testing.tiny_model`` with eager attention (what the trainer tests were written against)."""
+    from fastrl.testing import tiny_model
 
-    ``config_kwargs`` go to ``Qwen2Config`` (e.g. ``max_position_embeddings``).
-    """
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size or 2 * hidden_size,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=config_kwargs.pop("max_position_embeddings", 8192),
-        tie_word_embeddings=tie_word_embeddings,
-        pad_token_id=PAD_ID,
-        eos_token_id=EOS_ID,
-        bos_token_id=BOS_ID,
-        **config_kwargs,
-    )
-    config._attn_implementation = "eager"
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
-    model = model.to(dtype)
-    model.generation_config.pad_token_id = PAD_ID
-    model.generation_config.eos_token_id = EOS_ID
-    model.generation_config.bos_token_id = BOS_ID
-    return model
+    return tiny_model(vocab_size, hidden_size, layers, seed=seed, heads=heads, kv_heads=kv_heads,
+                      intermediate_size=intermediate_size, tie_word_embeddings=tie_word_embeddings, attn="eager",
+                      dtype=dtype, **config_kwargs)
 
 
-def toy_prompts(n: int = 16, prompt_len: int = 4, vocab_size: int = 256, seed: int = 0) -> list[str]:
-    """``n`` prompts of ``prompt_len`` random ordinary words (deterministic in ``seed``)."""
-    g = torch.Generator().manual_seed(seed)
-    n_words = vocab_size - len(SPECIAL_TOKENS)
-    ids = torch.randint(0, n_words, (n, prompt_len), generator=g)
-    return [" ".join(word(int(i)) for i in row) for row in ids]
+toy_prompts = tiny_prompts
 
 
 def toy_prompt_dataset(tokenizer=None, n: int = 16, prompt_len: int = 4, vocab_size: int | None = None, seed: int = 0):
     """A ``datasets.Dataset`` with a standard-format ``prompt`` column of ``n`` toy prompts."""
-    from datasets import Dataset
+    from fastrl.testing import tiny_prompt_dataset
 
     if vocab_size is None:
         vocab_size = len(tokenizer) if tokenizer is not None else 256
-    return Dataset.from_dict({"prompt": toy_prompts(n, prompt_len, vocab_size, seed)})
+    return tiny_prompt_dataset(n, prompt_len, vocab_size, seed)
 
 
 def save_for_reference(model, path) -> str:

@@ -40,6 +40,7 @@ import trl
 from fastrl.ops.backend import BACKENDS
 from fastrl.trainers._common import MULTIMODAL_KEYS, default_activation_checkpointing, opt
 from fastrl.trainers._distributed import check_launch
+from fastrl.trainers._guards import check_overrides
 from fastrl.trainers._lm_head import (
     HeadSettings,
     is_zero3_param,
@@ -228,6 +229,15 @@ def distillation_loss(
 # ---------------------------------------------------------------------------------------------------------------
 
 
+# the trl.DistillationTrainer methods fastrl.DistillationTrainer overrides or calls, with the leading parameters it
+# passes
+TRL_OVERRIDES = (
+    ("_compute_loss", ("unwrapped_student", "inputs", "num_items_in_batch")),
+    ("_generate_and_score_completions", ("inputs",)),
+    ("_get_last_hidden_state", ("unwrapped_model", "input_ids", "attention_mask", "logits_to_keep")),
+)
+
+
 class DistillationTrainer(MemoryStepsMixin, trl.DistillationTrainer):
     """TRL 1.16's ``DistillationTrainer`` with the loss through ``fastrl.fused_divergence`` (module docstring).
 
@@ -254,6 +264,7 @@ class DistillationTrainer(MemoryStepsMixin, trl.DistillationTrainer):
                 "which fastrl does not replace)"
             )
         check_launch(args)
+        check_overrides(trl.DistillationTrainer, TRL_OVERRIDES, "fastrl.DistillationTrainer's loss")
         super().__init__(model, teacher_model, args, *pargs, **kwargs)
         if self.teacher_model is not None:
             unwrap = self.accelerator.unwrap_model

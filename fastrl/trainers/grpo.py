@@ -36,15 +36,25 @@ import trl
 
 from fastrl.trainers._common import opt
 from fastrl.trainers._distributed import check_launch
+from fastrl.trainers._guards import check_fused_head_protocol, check_overrides, check_reference_pass_skip
 from fastrl.trainers.grpo_config import GRPOConfig, check_loss_options
 from fastrl.trainers.grpo_loss import compute_loss_one_pass, exact_kl, fastrl_kl, install_fastrl_head, one_pass_reason
-from fastrl.trainers.grpo_reference import ReferenceCaptureMixin, skip_trl_reference_pass
+from fastrl.trainers.grpo_reference import ReferenceCaptureMixin, reference_from_instance, skip_trl_reference_pass
 from fastrl.trainers.grpo_replay import SamplingReplayMixin
 from fastrl.trainers.grpo_vllm import check_vllm_replay_launch, vllm_sampling_masks
 from fastrl.trainers.memory import MemoryOptions, MemoryStepsMixin, trl_alias_warnings_silenced
 from fastrl.trainers.sampling import check_replay_options
 
 __all__ = ["GRPOConfig", "GRPOTrainer"]
+
+# the trl.GRPOTrainer methods fastrl.GRPOTrainer overrides, with the leading parameters it takes and passes on
+TRL_OVERRIDES = (
+    ("_compute_loss", ("model", "inputs")),
+    ("_generate_and_score_completions", ("inputs",)),
+    ("_get_per_token_logps_and_entropies", ("model", "input_ids", "attention_mask", "logits_to_keep", "batch_size",
+                                            "compute_entropy", "compute_aux_loss")),
+    ("_generate_single_turn", ("prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images")),
+)
 
 
 class GRPOTrainer(MemoryStepsMixin, SamplingReplayMixin, ReferenceCaptureMixin, trl.GRPOTrainer):
@@ -67,7 +77,13 @@ class GRPOTrainer(MemoryStepsMixin, SamplingReplayMixin, ReferenceCaptureMixin, 
         replay = opt(args, "sampling_replay", "off")
         check_replay_options(type(args).__name__, replay, opt(args, "log_kept_mass", False))
         check_vllm_replay_launch(args, replay)
-        with vllm_sampling_masks(args, replay):
+        # what fastrl overrides and patches in TRL must be there (a clear error now, not stock TRL's numbers later)
+        check_overrides(trl.GRPOTrainer, TRL_OVERRIDES, "fastrl.GRPOTrainer's overrides")
+        if opt(args, "fused_loss", True):
+            check_fused_head_protocol(trl.GRPOTrainer)
+        if args.beta != 0.0 and opt(args, "kl_estimator", "k3") == "exact":
+            check_reference_pass_skip(trl.GRPOTrainer)
+        with vllm_sampling_masks(args, replay), reference_from_instance(model, args.beta):
             super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         self._setup_sampling_replay(replay)
         if opt(self.args, "fused_loss", True):

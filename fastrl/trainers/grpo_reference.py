@@ -1,21 +1,72 @@
-"""Reference capture for ``kl_estimator="exact"`` in ``fastrl.GRPOTrainer``: the reference model's last hidden states
-at the completion positions, taken once per generation, instead of its log-probs.
+"""The reference model of ``fastrl.GRPOTrainer``: where it comes from, and its capture for ``kl_estimator="exact"``.
 
-``skip_trl_reference_pass`` sets the trainer's ``beta`` to 0 while TRL's ``_generate_and_score_completions`` runs
-(the only place TRL's generation reads ``beta``: it then skips its reference log-prob pass), and
-``ReferenceCaptureMixin._reference_hidden_states`` takes the hidden states and keeps the reference head.
+* ``reference_from_instance``: with ``beta != 0`` TRL builds the reference by loading the policy's ``name_or_path``
+  (``create_model_from_path``), which a model built in memory does not have (TRL then stops in the hub's "Repo id
+  must use alphanumeric chars"). For such a policy the reference is a copy of it, as built.
+* ``kl_estimator="exact"``: the reference model's last hidden states at the completion positions, taken once per
+  generation, instead of its log-probs. ``skip_trl_reference_pass`` sets the trainer's ``beta`` to 0 while TRL's
+  ``_generate_and_score_completions`` runs (the only place TRL's generation reads ``beta``: it then skips its
+  reference log-prob pass), and ``ReferenceCaptureMixin._reference_hidden_states`` takes the hidden states and keeps
+  the reference head.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import os
 
 import torch
 
 from fastrl.trainers._common import MULTIMODAL_KEYS
+from fastrl.trainers._guards import check_reference_from_path
 from fastrl.trainers._lm_head import is_zero3_param, unwrap_causal_lm
 
-__all__ = ["ReferenceCaptureMixin", "skip_trl_reference_pass"]
+__all__ = ["ReferenceCaptureMixin", "reference_from_instance", "skip_trl_reference_pass"]
+
+
+def _loadable(name: str) -> bool:
+    """Whether TRL can load ``name``: a local folder, or a valid hub id (which TRL downloads, as it always has)."""
+    if not name:
+        return False
+    if os.path.isdir(name):
+        return True
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return not os.path.isabs(name) and not name.startswith(".")  # a path that does not exist is not a hub id
+
+
+@contextlib.contextmanager
+def reference_from_instance(model, beta: float):
+    """While TRL's constructor runs: when ``model`` is a model object whose ``name_or_path`` TRL cannot load and
+    ``beta != 0``, TRL's ``create_model_from_path`` for that name returns a deep copy of ``model`` instead (the
+    policy's weights as passed, its dtype and attention implementation: what TRL's reload would give for a saved
+    model). Anything else loads as TRL loads it."""
+    name = getattr(getattr(model, "config", None), "_name_or_path", None)
+    if isinstance(model, str) or name is None or beta == 0.0 or _loadable(name):
+        yield
+        return
+    check_reference_from_path()
+    import trl.trainer.grpo_trainer as grpo_module
+
+    original = grpo_module.create_model_from_path
+
+    def create_model_from_path(model_id, *args, **kwargs):
+        if model_id != name:
+            return original(model_id, *args, **kwargs)
+        dtype = kwargs.get("dtype")
+        ref = copy.deepcopy(model)
+        return ref.to(dtype) if isinstance(dtype, torch.dtype) else ref
+
+    grpo_module.create_model_from_path = create_model_from_path
+    try:
+        yield
+    finally:
+        grpo_module.create_model_from_path = original
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ import functools
 import torch
 
 from fastrl.trainers._common import SAMPLING_METRICS, opt
+from fastrl.trainers._guards import check_logits_processor_hook
 from fastrl.trainers._lm_head import unwrap_causal_lm
 from fastrl.trainers.grpo_vllm import keep_vllm_outputs, vllm_kept_sets, vllm_rule
 from fastrl.trainers.sampling import (
@@ -52,6 +53,7 @@ class SamplingReplayMixin:
         # kept_set: who generates must be able to record
         if not self.use_vllm:
             warn_if_untruncated(self.generation_config)
+            check_logits_processor_hook(unwrap_causal_lm(self.accelerator.unwrap_model(self.model)))
         if self.rollout_func is not None:
             raise ValueError("sampling_replay='kept_set' records kept sets where TRL generates; a custom rollout_func "
                              "returns none. Use sampling_replay='rule'.")

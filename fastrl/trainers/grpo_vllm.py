@@ -18,6 +18,7 @@ import contextlib
 
 import torch
 
+from fastrl.trainers._guards import check_vllm_generate, check_vllm_llm_swap
 from fastrl.trainers.sampling import kept_sets_from_vllm, rule_from_vllm_settings
 
 __all__ = ["check_vllm_replay_launch", "keep_vllm_outputs", "vllm_kept_sets", "vllm_rule", "vllm_sampling_masks"]
@@ -54,12 +55,15 @@ def vllm_sampling_masks(args, replay: str):
     if replay != "kept_set" or not getattr(args, "use_vllm", False):
         yield
         return
-    from trl.generation import vllm_generation
+    from trl.import_utils import is_vllm_available
 
-    original = getattr(vllm_generation, "LLM", None)
-    if original is None:  # no vLLM: TRL raises its own error
+    if not is_vllm_available():  # TRL raises its own error
         yield
         return
+    check_vllm_llm_swap()
+    from trl.generation import vllm_generation
+
+    original = vllm_generation.LLM
 
     def llm(*a, **k):
         k.setdefault("return_sampling_mask", True)
@@ -75,6 +79,7 @@ def vllm_sampling_masks(args, replay: str):
 def keep_vllm_outputs(trainer) -> None:
     """Wrap the colocated engine's ``generate`` so that its outputs stay on ``trainer._fastrl_vllm_outputs``."""
     llm = trainer.vllm_generation.llm
+    check_vllm_generate(llm)
     original = llm.generate
 
     def generate(*a, **k):  # keep vLLM's outputs: TRL drops their sampling masks

@@ -38,6 +38,7 @@ def patch_trainer(
     """
     import trl
 
+    from fastrl.trainers._guards import check_fused_head_protocol, check_overrides
     from fastrl.trainers.grpo import GRPOTrainer as FastrlGRPOTrainer
     from fastrl.trainers.grpo_loss import compute_loss_one_pass, install_fastrl_head, one_pass_reason
 
@@ -47,6 +48,9 @@ def patch_trainer(
         raise TypeError(f"patch_trainer expects a trl.GRPOTrainer or trl.RLOOTrainer, got {type(trainer).__name__}")
     if isinstance(trainer, FastrlGRPOTrainer):
         return trainer  # already fastrl's
+    check_fused_head_protocol(type(trainer))
+    if is_grpo:
+        check_overrides(trl.GRPOTrainer, [("_compute_loss", ("model", "inputs"))], "fastrl.patch_trainer")
     install_fastrl_head(trainer, backend=backend, vocab_chunk=vocab_chunk, chunk_tokens=chunk_tokens)
 
     if is_grpo and not getattr(trainer, "_fastrl_patched_loss", False):

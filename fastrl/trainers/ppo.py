@@ -53,6 +53,7 @@ from transformers.trainer_utils import TrainOutput, get_last_checkpoint, set_see
 from fastrl.losses.config import PolicyLossConfig
 from fastrl.trainers._common import args_checkpointing
 from fastrl.trainers._distributed import check_launch
+from fastrl.trainers._guards import check_logits_processor_hook, check_overrides
 from fastrl.trainers._lm_head import head_settings_from_config, unwrap_causal_lm
 from fastrl.trainers.memory import MemoryOptions, during_training
 from fastrl.trainers.ppo_checkpoints import CheckpointMixin, OnlineTrainerState
@@ -64,6 +65,18 @@ from fastrl.trainers.ppo_update import UpdateMixin
 from fastrl.trainers.sampling import rule_from_generation_config, warn_if_untruncated
 
 __all__ = ["PPOTrainer", "PolicyAndValueWrapper", "OnlineTrainerState", "get_reward"]
+
+# the transformers.Trainer methods PPOTrainer overrides or calls, with the leading parameters it passes
+TRAINER_INTERNALS = (
+    ("_prepare_for_training", ("max_steps", "train_dataloader", "resume_from_checkpoint")),
+    ("_load_from_checkpoint", ("resume_from_checkpoint", "model")),
+    ("save_model", ("output_dir", "_internal_call")),
+    ("_save_checkpoint", ("model", "trial")),
+    ("_load_optimizer_and_scheduler", ("checkpoint",)),
+    ("_load_scaler", ("checkpoint",)),
+    ("_load_rng_state", ("checkpoint",)),
+    ("_load_callback_state", ()),
+)
 
 
 class PPOTrainer(RolloutMixin, UpdateMixin, CheckpointMixin, TablesMixin, Trainer):
@@ -102,6 +115,7 @@ class PPOTrainer(RolloutMixin, UpdateMixin, CheckpointMixin, TablesMixin, Traine
         if not isinstance(args, PPOConfig):
             raise TypeError(f"args must be a fastrl.PPOConfig, got {type(args).__name__}")
         check_launch(args)
+        check_overrides(Trainer, TRAINER_INTERNALS, "fastrl.PPOTrainer's training loop and checkpoints")
         if ref_model is model:
             raise ValueError(
                 "`model` and `ref_model` cannot be the same object. If you want `ref_model` to be the "
@@ -221,6 +235,7 @@ class PPOTrainer(RolloutMixin, UpdateMixin, CheckpointMixin, TablesMixin, Traine
             self.sampling_rule = rule_from_generation_config(self.generation_config, self.stop_token_id)
         elif self.sampling_replay == "kept_set":
             warn_if_untruncated(self.generation_config)
+            check_logits_processor_hook(unwrap_causal_lm(model))
         bad = [b for b in negative_kl_settings(self.generation_config, temperature)
                if b.split("=")[0] not in REPLAYED.get(self.sampling_replay, ())]
         if bad:
