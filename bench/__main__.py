@@ -15,6 +15,8 @@
                                          torch, beta 0 / 0.5 / 1
     python -m bench                      everything for this device (GPU sizes on CUDA, CPU sizes otherwise)
     python -m bench list                 workloads and providers, and why a provider cannot run here
+    python -m bench gap                  the vLLM-trainer log-prob gap with TRL's colocated vLLM: stock TRL, fastrl,
+                                         fastrl + vLLM's float32 LM head; replay off and on (needs the vLLM env)
     python -m bench compile              a training step with fastrl inside torch.compile, vs eager and vs the
                                          compiled materialised reference (CUDA: reduce-overhead too)
     python -m bench session              everything a GPU window measures in one command sized to --budget S (default
@@ -426,6 +428,18 @@ def _keptset_command(args, device: str, con) -> int:
     return keptset.cli(args, device, con, env, out_dir, prefix)
 
 
+def _gap_options(ap: argparse.ArgumentParser) -> None:
+    from bench import gap
+
+    gap.add_options(ap)
+
+
+def _gap_command(args, device: str, con) -> int:
+    from bench import gap  # runs TRL's colocated vLLM: needs the vLLM environment (bash .ci/vllm-env.sh)
+
+    return gap.command(args, device, con)
+
+
 def _targets_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("paths", nargs="+", help="result files (session*.json, gpu*.json, or gpu*.rows.jsonl of a run "
                                              "stopped part-way) or folders holding them")
@@ -671,6 +685,13 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             "extra memory; GPU: <= 0.8x TRL's time). CUDA: N=16384, H=896, teacher 1536, V=151936, bf16; CPU:\n"
             "N=1024 (--quick 512), H=256, teacher 384, V=65536, float32.",
             (_run_options, _divergence_options), _divergence_command),
+    Command("gap", "the vLLM-trainer log-prob gap: TRL, fastrl, fastrl + vLLM float32 head; replay off and on",
+            "The gap between vLLM's log-probs of the sampled tokens and the trainer's (TRL's metrics\n"
+            "sampling/sampling_logp_difference/* and the IS ratio) with TRL's colocated vLLM on a tiny Qwen2: stock\n"
+            "trl.GRPOTrainer, fastrl.GRPOTrainer, and fastrl with vLLM's LM head in float32, sampling replay off and\n"
+            "kept_set, for a float32 and a bf16 policy (bench/gap.py). Needs vLLM: run it with the python that\n"
+            "`bash .ci/vllm-env.sh` prints. About 10 minutes on 2 cores (--quick: a smaller model, one step).",
+            (_run_options, _gap_options), _gap_command),
     Command("compile", "a training step with fastrl inside torch.compile vs eager vs compiled materialised reference",
             "One training step (an MLP body, the LM head and the W1 GRPO loss, backward, SGD) with fastrl.policy_loss\n"
             "eager and under torch.compile(fullgraph=True), against the materialised reference eager and compiled;\n"

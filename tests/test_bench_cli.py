@@ -62,8 +62,8 @@ def test_bench_cli_commands(tmp_path):
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert proc.returncode == 0 and line, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
     res = json.loads(line[len("RESULT "):])
-    assert res["commands"] == ["run", "c1", "gpu", "w4", "w5", "keptset", "divergence", "compile", "list", "targets",
-                               "session", "defaults", "sass"]
+    assert res["commands"] == ["run", "c1", "gpu", "w4", "w5", "keptset", "divergence", "gap", "compile", "list",
+                               "targets", "session", "defaults", "sass"]
     assert "--budget" in res["help"]["session"] and "--sections" in res["help"]["session"]
     assert "--check" in res["help"]["defaults"]
     assert "--beta" in res["help"]["divergence"] and "LigerFusedLinearJSD" in res["help"]["divergence"]

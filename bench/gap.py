@@ -1,0 +1,212 @@
+"""``python -m bench gap``: the gap between vLLM's log-probs and the trainer's, as GRPO users meet it (TRL's colocated
+vLLM), for stock TRL, fastrl, and fastrl with vLLM's LM head in float32; sampling replay off and on.
+
+Run it in the vLLM environment (``bash .ci/vllm-env.sh`` prints its python). Each configuration runs in a fresh
+process: a tiny Qwen2 saved to disk (byte-level BPE, untied, peaked LM head; see ``bench.vllm_cpu``), loaded by TRL
+and by vLLM; a few GRPO steps with learning rate 0 (the weights never move, so every step measures the same
+numerics on fresh samples), top_k=20, top_p=0.9, temperature 1. Per step the trainer logs TRL's metrics:
+
+    sampling/sampling_logp_difference/mean|max   |vLLM log-prob - trainer log-prob| of the sampled tokens
+    sampling/importance_sampling_ratio/...       TRL's vLLM IS ratio (sequence_mask: exp of the summed difference)
+
+The table gives their mean (max for the max) over steps. Rows, for a float32 and a bf16 policy:
+
+* TRL: ``trl.GRPOTrainer`` as shipped: its ``LLM(...)`` (no dtype: vLLM's "auto" serves a float32 checkpoint in
+  bf16 on a CPU that has bf16) and its LM head (chunked, logits in the policy's dtype). On vLLM's CPU build TRL's
+  first weight sync fails (vLLM packs its linear weights for oneDNN / AMX and drops the parameters TRL loads into),
+  so this row runs with fastrl's GEMM choice for the engine (``fastrl.trainers.grpo_vllm.plain_cpu_gemm``), which
+  changes no number. TRL has no sampling replay.
+* fastrl: ``fastrl.GRPOTrainer``: vLLM at the policy's dtype, fastrl's head (float32 logits from any policy dtype).
+* fastrl + vLLM float32 head: also ``vllm_fp32_lm_head=True`` (vLLM's ``hf_overrides={"head_dtype": "float32"}``);
+  for a float32 policy the head is already float32, so the row is left out.
+
+Replay off: the trainer scores the full softmax while vLLM sampled from the top-k/top-p truncated one, so the
+"gap" is mostly the truncation (nats); replay on (``sampling_replay="kept_set"``, vLLM's sampling masks): both
+score the same support and what is left is arithmetic. A CPU runs float32 and bf16 (no float16 on the trainer's
+CPU path here); the bf16 GPU numbers come with the GPU window.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench import report
+
+STEPS, QUICK_STEPS = 3, 1
+METRICS = ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
+           "sampling/importance_sampling_ratio/mean", "sampling/importance_sampling_ratio/min",
+           "sampling/importance_sampling_ratio/max", "sampling/kept_size_mean")
+MODEL = {"vocab_size": 2048, "hidden_size": 256, "layers": 2, "heads": 4, "kv_heads": 2, "head_scale": 8.0}
+QUICK_MODEL = {"vocab_size": 512, "hidden_size": 128, "layers": 2, "heads": 2, "kv_heads": 1, "head_scale": 8.0}
+PROMPTS = ["the quick brown fox", "what is two plus two", "hello world", "the lazy dog jumps", "one two three",
+           "answer is four", "a cat sat on the mat", "rain falls in spring"]
+
+
+def configurations(dtypes=("float32", "bfloat16")) -> list[dict]:
+    out = []
+    for dtype in dtypes:
+        out.append({"dtype": dtype, "trainer": "trl", "replay": "off", "fp32_head": False})
+        for fp32_head in (False, True) if dtype != "float32" else (False,):
+            for replay in ("off", "kept_set"):
+                out.append({"dtype": dtype, "trainer": "fastrl", "replay": replay, "fp32_head": fp32_head})
+    return out
+
+
+def label(c: dict) -> str:
+    if c["trainer"] == "trl":
+        return "TRL (its LLM(...) and head)"
+    return "fastrl + vLLM float32 head" if c["fp32_head"] else "fastrl"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One configuration, in this (fresh) process
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def reward_len(completions, **kwargs):
+    return [len(set(c)) / 10.0 for c in completions]
+
+
+def run_config(spec: dict) -> dict:
+    from bench import vllm_cpu
+
+    vllm_cpu.prepare()
+    import torch
+    import trl
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+
+    import fastrl
+    from fastrl.trainers.grpo_vllm import plain_cpu_gemm
+
+    dtype = getattr(torch, spec["dtype"])
+    tok = vllm_cpu.load_tokenizer(spec["model_dir"])
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=dtype)
+    kw = dict(output_dir=spec["out_dir"], use_vllm=True, vllm_mode="colocate", per_device_train_batch_size=8,
+              num_generations=4, max_completion_length=16, max_steps=spec["steps"], learning_rate=0.0,
+              report_to="none", use_cpu=True, bf16=False, logging_steps=1, save_strategy="no", seed=0,
+              vllm_gpu_memory_utilization=0.1, vllm_max_model_length=256, top_k=20, top_p=0.9, temperature=1.0,
+              beta=0.0, disable_tqdm=True)
+    ds = Dataset.from_dict({"prompt": PROMPTS})
+    if spec["trainer"] == "trl":
+        with plain_cpu_gemm():  # TRL's own LLM(...) arguments; only the CPU GEMM choice, so its sync can run
+            trainer = trl.GRPOTrainer(model=model, reward_funcs=reward_len, args=trl.GRPOConfig(**kw),
+                                      processing_class=tok, train_dataset=ds)
+    else:
+        args = fastrl.GRPOConfig(**kw, sampling_replay=spec["replay"], vllm_fp32_lm_head=spec["fp32_head"])
+        trainer = fastrl.GRPOTrainer(model=model, reward_funcs=reward_len, args=args, processing_class=tok,
+                                     train_dataset=ds)
+    mc = trainer.vllm_generation.llm.llm_engine.model_config
+    engine = {"vllm_dtype": str(mc.dtype).removeprefix("torch."), "vllm_head_dtype": str(mc.head_dtype).removeprefix("torch.")}
+    t0 = time.perf_counter()
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    res = {"steps": len(logs), "train_s": time.perf_counter() - t0, **engine}
+    for m in METRICS:
+        vals = [h[m] for h in logs if m in h]
+        if vals:
+            res[m] = max(vals) if m.endswith("/max") else min(vals) if m.endswith("/min") else sum(vals) / len(vals)
+    return res
+
+
+def _worker(spec: dict, timeout: float) -> dict:
+    with tempfile.TemporaryDirectory(prefix="fastrl-gap-") as tmp:
+        sp, rp = Path(tmp) / "spec.json", Path(tmp) / "result.json"
+        sp.write_text(json.dumps({**spec, "out_dir": str(Path(tmp) / "out")}))
+        env = {**os.environ, "TRITON_INTERPRET": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+        try:
+            proc = subprocess.run([sys.executable, "-m", "bench.gap", str(sp), str(rp)], timeout=timeout, env=env,
+                                  capture_output=True, text=True)
+        except subprocess.TimeoutExpired:
+            return {"status": "error", "reason": f"timed out after {timeout:.0f} s"}
+        if rp.exists():
+            return json.loads(rp.read_text())
+        return {"status": "error", "reason": f"exit {proc.returncode}: {proc.stderr[-600:]}"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The command
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def add_options(ap) -> None:
+    ap.add_argument("--steps", type=int, help=f"GRPO steps per configuration (default {STEPS}; --quick {QUICK_STEPS})")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="policy dtypes (default float32,bfloat16)")
+
+
+def command(args, device: str, con) -> int:
+    from bench import vllm_cpu
+
+    if vllm_cpu.vllm_version() is None:
+        con.print("[red]`python -m bench gap` needs vLLM: run it with the vLLM environment's python "
+                  "(`PY=$(bash .ci/vllm-env.sh); $PY -m bench gap`)[/red]")
+        return 2
+    env = report.environment("cpu")
+    env["vllm"] = vllm_cpu.vllm_version()
+    quick = bool(args.quick or args.smoke)
+    steps = args.steps or (QUICK_STEPS if quick else STEPS)
+    shape = QUICK_MODEL if quick else MODEL
+    out_dir = Path(args.out) if args.out else (Path(tempfile.mkdtemp(prefix="fastrl-bench-smoke-")) if args.smoke
+                                               else report.REPO_ROOT / "bench" / "results" / env["device_slug"])
+    prefix = "gap" + ("-smoke" if args.smoke else "-quick" if args.quick else "")
+    rows = []
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="fastrl-gap-models-") as tmp:
+        dirs = {}
+        for dtype in args.dtypes.split(","):
+            dirs[dtype] = vllm_cpu.save_tiny_qwen2(Path(tmp) / dtype, dtype=dtype, **shape)
+        for c in configurations(tuple(dirs)):
+            res = _worker({**c, "model_dir": dirs[c["dtype"]], "steps": steps}, args.timeout or 1200)
+            row = {**c, "label": label(c), **res, "status": res.get("status", "ok")}
+            rows.append(row)
+            gap = row.get(METRICS[0])
+            con.print(f"{c['dtype']:<9} {label(c):<28} replay {c['replay']:<8} "
+                      + (f"gap {gap:.3g} nats" if gap is not None else f"[red]{row.get('reason')}[/red]"))
+    elapsed = time.perf_counter() - t0
+    print_table(con, rows, env, steps, shape)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{prefix}.json"
+    report.write_json(path, {"command": "gap", "argv": getattr(args, "argv", []), "env": env, "model": shape,
+                             "steps": steps, "elapsed_s": elapsed, "rows": rows})
+    con.print(f"wrote {path}  ({elapsed:.0f} s)")
+    return 1 if any(r["status"] != "ok" for r in rows) else 0
+
+
+def print_table(con, rows: list[dict], env: dict, steps: int, shape: dict) -> None:
+    con.print()
+    con.print(f"sampler-trainer gap on {env['device']} (CPU) | vLLM {env['vllm']} (CPU build), TRL {env['trl']}, "
+              f"torch {env['torch']} | tiny Qwen2 V={shape['vocab_size']} H={shape['hidden_size']}, top_k=20 "
+              f"top_p=0.9, {steps} step(s) of 8 completions x 16 tokens, learning rate 0")
+    head = (f"{'policy':<9}{'trainer':<29}{'vLLM dtype / head':<19}{'replay':<10}{'gap mean':>11}{'gap max':>11}"
+            f"{'IS ratio mean [min, max]':>28}{'kept ids':>9}")
+    con.print(head)
+    for r in rows:
+        if r["status"] != "ok":
+            con.print(f"{r['dtype']:<9}{r['label']:<29}{'':<19}{r['replay']:<10}[red]{r.get('reason')}[/red]")
+            continue
+        g = r.get(METRICS[0])
+        ratio = (f"{r[METRICS[2]]:.4f} [{r[METRICS[3]]:.4f}, {r[METRICS[4]]:.4f}]"
+                 if METRICS[2] in r else "-")
+        kept = f"{r[METRICS[5]]:.1f}" if METRICS[5] in r else "-"
+        con.print(f"{r['dtype']:<9}{r['label']:<29}{r['vllm_dtype'] + ' / ' + r['vllm_head_dtype']:<19}"
+                  f"{r['replay']:<10}{g:>11.3g}{r[METRICS[1]]:>11.3g}{ratio:>28}{kept:>9}")
+
+
+def main(argv: list[str]) -> int:
+    spec_path, result_path = map(Path, argv)
+    try:
+        res = run_config(json.loads(spec_path.read_text()))
+    except Exception as e:  # the row says why; the table goes on
+        res = {"status": "error", "reason": f"{type(e).__name__}: {str(e)[:300]}"}
+    result_path.write_text(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
