@@ -196,18 +196,18 @@ def print_table(con, rows: list[dict], env: dict, steps: int, shape: dict) -> No
     con.print(f"sampler-trainer gap on {env['device']} (CPU) | vLLM {env['vllm']} (CPU build), TRL {env['trl']}, "
               f"torch {env['torch']} | tiny Qwen2 V={shape['vocab_size']} H={shape['hidden_size']}, top_k=20 "
               f"top_p=0.9, {steps} step(s) of 8 completions x 16 tokens, learning rate 0")
-    head = (f"{'policy':<9}{'trainer':<29}{'vLLM dtype / head':<19}{'replay':<10}{'gap mean':>11}{'gap max':>11}"
+    head = (f"{'policy':<9}{'trainer':<29}{'vLLM dtype / head':<21}{'replay':<10}{'gap mean':>11}{'gap max':>11}"
             f"{'IS ratio mean [min, max]':>28}{'kept ids':>9}")
     con.print(head)
     for r in rows:
         if r["status"] != "ok":
-            con.print(f"{r['dtype']:<9}{r['label']:<29}{'':<19}{r['replay']:<10}[red]{r.get('reason')}[/red]")
+            con.print(f"{r['dtype']:<9}{r['label']:<29}{'':<21}{r['replay']:<10}[red]{r.get('reason')}[/red]")
             continue
         g = r.get(METRICS[0])
         ratio = (f"{r[METRICS[2]]:.4f} [{r[METRICS[3]]:.4f}, {r[METRICS[4]]:.4f}]"
                  if METRICS[2] in r else "-")
         kept = f"{r[METRICS[5]]:.1f}" if METRICS[5] in r else "-"
-        con.print(f"{r['dtype']:<9}{r['label']:<29}{r['vllm_dtype'] + ' / ' + r['vllm_head_dtype']:<19}"
+        con.print(f"{r['dtype']:<9}{r['label']:<29}{r['vllm_dtype'] + ' / ' + r['vllm_head_dtype']:<21}"
                   f"{r['replay']:<10}{g:>11.3g}{r[METRICS[1]]:>11.3g}{ratio:>28}{kept:>9}")
 
 
