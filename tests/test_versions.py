@@ -225,7 +225,7 @@ def test_guard_vllm_llm_swap(monkeypatch):
     from trl.generation import vllm_generation
 
     import fastrl.trainers._guards as guards
-    from fastrl.trainers.grpo_vllm import vllm_sampling_masks
+    from fastrl.trainers.grpo_vllm import vllm_engine
 
     monkeypatch.setattr(vllm_generation, "LLM", lambda *a, **k: None, raising=False)  # as if vLLM were installed
     guards.check_vllm_llm_swap()
@@ -234,7 +234,7 @@ def test_guard_vllm_llm_swap(monkeypatch):
         _guard_error(guards.check_vllm_llm_swap, match="vllm_generation has no LLM")
         m.setattr(trl_import_utils, "is_vllm_available", lambda: True)
         args = types.SimpleNamespace(use_vllm=True)
-        _guard_error(vllm_sampling_masks(args, "kept_set").__enter__, match="vllm_generation has no LLM")
+        _guard_error(vllm_engine(args, "kept_set").__enter__, match="vllm_generation has no LLM")
 
     class VLLMGeneration:  # builds the engine some other way: the swap would add nothing
         def __init__(self):

@@ -231,10 +231,10 @@ def vllm_engine(args, replay: str):
     if replay == "kept_set":
         check_vllm_llm_swap()  # TRL builds the engine through the name LLM, and this vLLM returns masks
     init_vllm = getattr(vllm_generation.VLLMGeneration, "_init_vllm", None)
-    if init_vllm is None or getattr(vllm_generation, "LLM", None) is None:
+    if init_vllm is None:
         raise RuntimeError(
             "fastrl sets up TRL's colocated vLLM engine around trl.generation.vllm_generation.VLLMGeneration._init_vllm "
-            "and the LLM(...) it calls; this TRL has no such method or name (TRL 1.16 has both)"
+            "(where TRL calls LLM(...)); this TRL has no such method (TRL 1.16 has)"
         )
     fp32_head = bool(opt(args, "vllm_fp32_lm_head", False))
 
