@@ -34,22 +34,26 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when 
 __all__ = ["Spec", "specs", "compile_spec", "main"]
 
 _TY = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+MATMUL_KERNELS = ("stats", "grad", "sm90_stats", "sm90_grad")
+SMEM_LIMIT = 232448  # bytes of shared memory one block may have on sm_90 (227 KB)
 
 
 @dataclass(frozen=True)
 class Spec:
-    kernel: str  # "stats", "grad" (fused matmul kernels), "fold", "grad_tile", "div_*" (hybrid elementwise kernels)
+    kernel: str  # "stats", "grad" (fused matmul kernels), "sm90_stats", "sm90_grad" (persistent TMA matmul kernels),
+    # "fold", "grad_tile", "div_*" (hybrid elementwise kernels), "sm90_exp_grad" (G from stored scaled exps)
     dtype: str = "bfloat16"
     tma: bool = True
     bias: bool = False
     softcap: bool = False
     entropy: bool = True
+    store_exp: bool = False  # sm90_stats: also writes the scaled-exp tile (the one-pass loss)
     checked: bool = True  # a spill (or missing HGMMA) here fails the command
     note: str = field(default="", compare=False)
 
     @property
     def matmul(self) -> bool:
-        return self.kernel in ("stats", "grad")
+        return self.kernel in MATMUL_KERNELS
 
     @property
     def label(self) -> str:
@@ -57,6 +61,8 @@ class Spec:
         parts += [x for x, on in (("bias", self.bias), ("softcap", self.softcap)) if on]
         if not self.entropy:
             parts.append("no-entropy")
+        if self.store_exp:
+            parts.append("store-exp")
         return " ".join(parts)
 
 
@@ -73,6 +79,19 @@ def specs() -> list[Spec]:
             Spec(k, dtype="float32", note="fp32 heads: IEEE FMA dot, no tensor cores"),
         ]
     out.append(Spec("stats", entropy=False, note="forward-only log-probs (reference / old policy)"))
+    # the triton-sm90 backend: persistent TMA kernels (TMA only: unaligned tensors are refused, not pointer-loaded)
+    for k in ("sm90_stats", "sm90_grad"):
+        out += [
+            Spec(k, note="persistent, TMA, no logit stored"),
+            Spec(k, bias=True),
+            Spec(k, softcap=True),
+            Spec(k, dtype="float16"),
+            Spec(k, dtype="float32", note="fp32 heads: IEEE FMA dot, no tensor cores"),
+        ]
+    out += [Spec("sm90_stats", entropy=False, note="forward-only log-probs"),
+            Spec("sm90_stats", store_exp=True, note="one-pass loss: also writes the bf16 scaled exps"),
+            Spec("sm90_stats", store_exp=True, bias=True, softcap=True),
+            Spec("sm90_exp_grad"), Spec("sm90_exp_grad", softcap=True), Spec("sm90_exp_grad", dtype="float32")]
     out += [Spec("fold"), Spec("fold", bias=True, softcap=True), Spec("grad_tile"), Spec("grad_tile", bias=True, softcap=True),
             Spec("grad_tile", dtype="float32")]
     # fused_divergence's hybrid kernels: both heads' float32 tiles in one pass (kernels/divergence_fold.py)
@@ -103,7 +122,8 @@ def _divisible(fn, types: dict) -> dict:
     for i, a in enumerate(fn.arg_names):
         t = types.get(a, "i32")
         if (t.startswith("*") or a in ("H", "stride_hn", "stride_wv", "stride_gn", "stride_yr", "stride_gr", "V",
-                                        "N", "C", "V_blk", "stride_ys", "stride_yt", "stride_g")):
+                                        "N", "C", "V_blk", "stride_ys", "stride_yt", "stride_g", "stride_er",
+                                        "v_per_split")):
             attrs[(i,)] = [["tt.divisibility", 16]]
     return attrs
 
@@ -122,12 +142,15 @@ def compile_spec(spec: Spec, arch: int):
     ty = _TY[spec.dtype]
     dtype = getattr(torch, spec.dtype)
     if spec.matmul:
-        cfg = CONFIGS[(spec.kernel, "sm90" if arch >= 90 else "other", spec.tma, variant_of(dtype, spec.softcap, spec.bias))]
+        key = "sm90_exp_stats" if spec.store_exp else spec.kernel
+        cfg = CONFIGS[(key, "sm90" if arch >= 90 else "other", spec.tma, variant_of(dtype, spec.softcap, spec.bias))]
         hsrc = f"tensordesc<{ty}[{cfg.block_n},{cfg.block_h}]>" if spec.tma else f"*{ty}"
         wsrc = f"tensordesc<{ty}[{cfg.block_v},{cfg.block_h}]>" if spec.tma else f"*{ty}"
         common = dict(HAS_BIAS=spec.bias, HAS_SOFTCAP=spec.softcap, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v,
                       BLOCK_H=cfg.block_h, USE_TMA=spec.tma, DOT_PRECISION=K._dot_precision(dtype), INTERP_BF16=False)
-        if spec.kernel == "stats":
+        if spec.kernel.startswith("sm90_"):
+            fn, types, consts = _sm90_matmul(spec, cfg, ty, common)
+        elif spec.kernel == "stats":
             fn = K._stats_fwd_kernel
             types = dict(h_src=hsrc, w_src=wsrc, h_ptr=f"*{ty}", w_ptr=f"*{ty}", b_ptr=f"*{ty}", t_ptr="*i64",
                          m_ptr="*fp32", s_ptr="*fp32", u_ptr="*fp32", zt_ptr="*fp32")
@@ -140,6 +163,16 @@ def compile_spec(spec: Spec, arch: int):
             consts = dict(common, HAS_GLOGP=True, HAS_GENT=spec.entropy)
         label = str(cfg)
         warps, stages = cfg.num_warps, cfg.num_stages
+    elif spec.kernel == "sm90_exp_grad":
+        from fastrl.kernels import persistent_grad as PG
+
+        fn = PG._scaled_exp_grad_kernel
+        types = dict(e_ptr=f"*{ty}", k_ptr="*fp32", t_ptr="*i64",
+                     **{p: "*fp32" for p in ("lse_ptr", "ent_ptr", "glogp_ptr", "gent_ptr")})
+        consts = dict(HAS_SOFTCAP=spec.softcap, HAS_GLOGP=True, HAS_GENT=spec.entropy, BLOCK_V=256,
+                      BLOCK_C=PG.BLOCK_C, EMULATE_RNE=False)
+        label = f"BLOCK_C={PG.BLOCK_C} w{PG.NUM_WARPS}"
+        warps, stages = PG.NUM_WARPS, 3
     elif spec.kernel.startswith("div_"):
         from fastrl.kernels import divergence_fold as D
 
@@ -185,6 +218,25 @@ def compile_spec(spec: Spec, arch: int):
     return compiled, label
 
 
+def _sm90_matmul(spec: Spec, cfg, ty: str, common: dict):
+    """(kernel, argument types, constexprs) of a persistent TMA kernel of the triton-sm90 backend."""
+    from fastrl.kernels import persistent_grad as PG
+    from fastrl.kernels import persistent_stats as PS
+
+    consts = {k: v for k, v in common.items() if k != "USE_TMA"}
+    consts["NUM_PROGS"] = 132  # an H100 SXM's SMs (the H200 has as many)
+    hdesc = f"tensordesc<{ty}[{cfg.block_n},{cfg.block_h}]>"
+    wdesc = f"tensordesc<{ty}[{cfg.block_v},{cfg.block_h}]>"
+    half = f"tensordesc<{ty}[{cfg.block_n},{cfg.block_v // 2}]>"  # the epilogue stores column halves
+    if spec.kernel == "sm90_stats":
+        types = dict(h_desc=hdesc, w_desc=wdesc, h_ptr=f"*{ty}", w_ptr=f"*{ty}", b_ptr=f"*{ty}", t_ptr="*i64",
+                     part_ptr="*fp32", zt_ptr="*fp32", e_desc=half if spec.store_exp else hdesc, k_ptr="*fp32")
+        return PS._persistent_stats_kernel, types, dict(consts, HAS_ENTROPY=spec.entropy, STORE_EXP=spec.store_exp)
+    types = dict(h_desc=hdesc, w_desc=wdesc, b_ptr=f"*{ty}", t_ptr="*i64", lse_ptr="*fp32", ent_ptr="*fp32",
+                 glogp_ptr="*fp32", gent_ptr="*fp32", g_desc=half)
+    return PG._persistent_grad_kernel, types, dict(consts, HAS_GLOGP=True, HAS_GENT=spec.entropy)
+
+
 def _cuobjdump() -> str:
     import triton
 
@@ -220,6 +272,8 @@ def verdict(spec: Spec, r: dict, arch: int) -> str:
     why = []
     if r["spill_loads"] or r["spill_stores"] or r["stack"]:
         why.append(f"spills ({r['stack']} B stack, {r['spill_loads']} LDL / {r['spill_stores']} STL)")
+    if r["shared"] > SMEM_LIMIT:
+        why.append(f"{r['shared']} B of shared memory, over the {SMEM_LIMIT} B a block may have on sm_90 (no launch)")
     if spec.matmul and spec.dtype in ("bfloat16", "float16") and not r["tensor_core"]:
         why.append("no HGMMA (tensor cores unused)")
     return "; ".join(why)
@@ -235,6 +289,8 @@ def main(argv=None) -> int:
 
     rows, failures, seen = [], [], set()
     for spec in specs():
+        if args.arch < 90 and spec.kernel.startswith("sm90_"):
+            continue  # TMA kernels: the triton-sm90 backend refuses GPUs before Hopper
         if args.arch < 90 and spec.tma:
             spec = replace(spec, tma=False)  # no TMA before Hopper: every launch there loads with pointers
         if spec in seen:

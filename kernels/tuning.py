@@ -30,8 +30,9 @@ import torch
 
 from fastrl.kernels import _defaults
 
-__all__ = ["KernelConfig", "CONFIGS", "CANDIDATES", "FORCE_ENV", "gpu_family", "device_family", "variant_of",
-           "config_for", "autotune_enabled", "parse_config", "forced_config", "forced", "served", "reset_served"]
+__all__ = ["KernelConfig", "CONFIGS", "CANDIDATES", "CANDIDATES_BY_KERNEL", "candidates", "FORCE_ENV", "gpu_family",
+           "device_family", "variant_of", "config_for", "autotune_enabled", "parse_config", "forced_config", "forced",
+           "served", "reset_served"]
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,17 @@ CONFIGS[("stats", "sm90", True, "bias")] = KernelConfig(128, 256, 64, 8, 3)
 CONFIGS[("grad", "sm90", True, "bias")] = _MID
 
 
+# The persistent TMA kernels of the "triton-sm90" backend (kernels/persistent_stats.py, persistent_grad.py): TMA only
+# (the backend refuses tensors TMA cannot address), so only the tma=True rows exist. Not yet timed on a GPU: the
+# tiles are the measured best of the fused kernels above, which compile for sm_90 without spills in the persistent
+# loop too (python -m bench sass); the tournament (CANDIDATES_BY_KERNEL) measures the alternatives.
+# "sm90_exp_stats" is the forward that also writes the scaled exps of the one-pass loss.
+for _k, _like in (("sm90_stats", "stats"), ("sm90_exp_stats", "stats"), ("sm90_grad", "grad")):
+    for _fam in ("sm90", "other", "interpreter"):
+        for _variant in ("default", "softcap", "bias", "fp32"):
+            CONFIGS[(_k, _fam, True, _variant)] = CONFIGS[(_like, _fam, True, _variant)]
+
+
 def variant_of(dtype: torch.dtype, has_softcap: bool, has_bias: bool = False) -> str:
     if dtype == torch.float32:
         return "fp32"
@@ -101,6 +113,35 @@ CANDIDATES: tuple[KernelConfig, ...] = (
     KernelConfig(64, 256, 64, 8, 3),
     KernelConfig(64, 128, 64, 8, 3),
 )
+
+# Per-kernel candidate lists where they differ from CANDIDATES (what FASTRL_AUTOTUNE=1 and the GPU tournament try).
+# The persistent kernels add a 4-stage pipeline at 128x256 (a stage is 48 KB there: 192 KB of 227) and 128x128
+# with 4 warps (one warpgroup, Liger-style M=128 tiles per consumer).
+CANDIDATES_BY_KERNEL: dict[str, tuple[KernelConfig, ...]] = {
+    "sm90_stats": (
+        KernelConfig(128, 256, 64, 8, 3),
+        KernelConfig(128, 256, 64, 8, 4),
+        KernelConfig(128, 128, 64, 8, 4),
+        KernelConfig(128, 128, 64, 4, 4),
+        KernelConfig(64, 256, 64, 8, 4),
+    ),
+    "sm90_exp_stats": (
+        KernelConfig(128, 256, 64, 8, 3),
+        KernelConfig(128, 128, 64, 8, 4),
+        KernelConfig(128, 128, 64, 4, 4),
+    ),
+    "sm90_grad": (
+        KernelConfig(128, 256, 64, 8, 4),
+        KernelConfig(128, 256, 64, 8, 3),
+        KernelConfig(128, 128, 64, 8, 4),
+        KernelConfig(128, 128, 64, 4, 4),
+    ),
+}
+
+
+def candidates(kernel: str) -> tuple[KernelConfig, ...]:
+    """The launch configurations worth timing for ``kernel``."""
+    return CANDIDATES_BY_KERNEL.get(kernel, CANDIDATES)
 
 
 # Hopper and Blackwell data-centre parts (H100/H200, B200/GB200, B300): TMA and ~227 KB of shared memory per
@@ -229,7 +270,7 @@ def _config_for(kernel, device, H, V, dtype, use_tma, has_bias, has_softcap, wit
     if launch is not None and family != "interpreter" and autotune_enabled():
         key = (kernel, family, use_tma, H, V, dtype, has_bias, has_softcap, with_entropy)
         if key not in _TUNED:
-            _TUNED[key] = _time_candidates(launch, default)
+            _TUNED[key] = _time_candidates(launch, default, candidates(kernel))
         return _TUNED[key], "autotune"
     if family != "interpreter" and variant == "default" and _MEASURED:
         cfg = measured_config(kernel, device_family(device), H, dtype, use_tma)
@@ -238,11 +279,11 @@ def _config_for(kernel, device, H, V, dtype, use_tma, has_bias, has_softcap, wit
     return default, "table"
 
 
-def _time_candidates(launch, default: KernelConfig) -> KernelConfig:
+def _time_candidates(launch, default: KernelConfig, cands: tuple[KernelConfig, ...] = CANDIDATES) -> KernelConfig:
     import triton.testing
 
     best, best_ms = default, float("inf")
-    for cfg in dict.fromkeys((default,) + CANDIDATES):
+    for cfg in dict.fromkeys((default,) + cands):
         try:
             ms = triton.testing.do_bench(lambda: launch(cfg), warmup=5, rep=20)
         except Exception:  # noqa: BLE001 - a config this GPU cannot run (shared memory, registers) is skipped

@@ -8,6 +8,11 @@
   logits from bf16 operands (CUDA, torch >= 2.8), fused otherwise. On an H100 cuBLAS ran those GEMMs at
   701 TFLOP/s (H=4096) where the fused forward reached 486 (docs/gpu-map.md); the fused kernels stay
   selectable by name so both can be measured side by side (``python -m bench gpu``).
+* ``triton-sm90``: persistent Triton kernels fed by TMA tensor descriptors (``fastrl.ops.sm90``): no logit stored in
+  the forward or the log-prob backward, and a half-size scaled-exp tile in the one-pass loss. Hopper or newer (or
+  the interpreter), 16-byte aligned rows; refused with a clear error elsewhere, never chosen by ``auto`` (proven by
+  the interpreter tests and ``python -m bench sass``, not yet measured on a GPU). ``fused_divergence`` runs the
+  hybrid kernels under it, as under ``triton-fused``.
 * ``torch``: a chunked pure-PyTorch path that also never materialises ``[N, V]``; the default on CPU.
 
 Where a committed GPU session measured the implementations against each other (``python -m bench session``),
@@ -29,8 +34,8 @@ from fastrl.kernels import _defaults
 from fastrl.kernels.tuning import device_family
 from fastrl.ops._gemm import cuda_f32_out
 
-BACKENDS = ("triton", "triton-hybrid", "triton-fused", "torch")
-CONCRETE = ("triton-hybrid", "triton-fused", "torch")
+BACKENDS = ("triton", "triton-hybrid", "triton-fused", "triton-sm90", "torch")
+CONCRETE = ("triton-hybrid", "triton-fused", "triton-sm90", "torch")
 
 __all__ = ["BACKENDS", "CONCRETE", "resolve_backend", "choose_triton", "measured_choice", "is_triton"]
 
@@ -84,8 +89,8 @@ def choose_triton(device: torch.device, *, kind: str | None = None, H: int | Non
 
 def resolve_backend(device: torch.device, requested: str | None = None, *, kind: str | None = None,
                     H: int | None = None, dtype: torch.dtype | None = None) -> str:
-    """The concrete backend ("triton-hybrid", "triton-fused" or "torch") that computes on ``device``; ``kind``,
-    ``H`` and ``dtype`` describe the work, for the measured defaults (``choose_triton``)."""
+    """The concrete backend ("triton-hybrid", "triton-fused", "triton-sm90" or "torch") that computes on ``device``;
+    ``kind``, ``H`` and ``dtype`` describe the work, for the measured defaults (``choose_triton``)."""
     name = requested if requested is not None else os.environ.get("FASTRL_BACKEND", "auto")
     name = (name or "auto").lower()
     if name not in BACKENDS + ("auto",):
@@ -107,6 +112,10 @@ def resolve_backend(device: torch.device, requested: str | None = None, *, kind:
                 )
         elif device.type != "cuda":
             raise RuntimeError(f"backend {name!r} runs on CUDA (or CPU under TRITON_INTERPRET=1), got {device}")
+        elif name == "triton-sm90" and torch.cuda.get_device_capability(device)[0] < 9:
+            major, minor = torch.cuda.get_device_capability(device)
+            raise RuntimeError(f"backend 'triton-sm90' needs TMA (compute capability 9.0 or newer: H100, H200, B200), "
+                               f"got sm_{major}{minor}; use backend 'triton' or 'triton-fused'")
         if name == "triton":
             return choose_triton(device, kind=kind, H=H, dtype=dtype)
     return name

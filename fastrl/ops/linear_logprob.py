@@ -42,7 +42,7 @@ class LinearOptions(PackedOptions):
     temperature: float = 1.0
     logit_scale: float = 1.0
     softcap: Optional[float] = None
-    backend: str = "torch"  # concrete: "triton-hybrid", "triton-fused" or "torch"
+    backend: str = "torch"  # concrete: "triton-hybrid", "triton-fused", "triton-sm90" or "torch"
     with_entropy: bool = True
     vocab_chunk: Optional[int] = None
     ignore_index: int = -100
@@ -75,6 +75,10 @@ def linear_stats(
         from fastrl.ops import hybrid
 
         return hybrid.linear_stats(hidden, weight, bias, targets, tf, with_entropy, vocab_chunk)
+    if backend == "triton-sm90":
+        from fastrl.ops import sm90
+
+        return sm90.linear_stats(hidden, weight, bias, targets, tf, with_entropy)
     if backend == "triton-fused":
         from fastrl.kernels.linear_logprob import linear_stats as fused_stats
 
@@ -112,6 +116,11 @@ def linear_backward(
 
         return hybrid.linear_backward(hidden, weight, bias, targets, lse, entropy, grad_logp, grad_entropy,
                                       opts.tf, need, opts.vocab_chunk)
+    if opts.backend == "triton-sm90":
+        from fastrl.ops import sm90
+
+        return sm90.linear_backward(hidden, weight, bias, targets, lse, entropy, grad_logp, grad_entropy,
+                                    opts.tf, need, opts.vocab_chunk)
     need_h, need_w, need_b = need
     N, H = hidden.shape
     V = weight.shape[0]
@@ -351,7 +360,8 @@ def fused_logprobs(
         check_finite: raise ``FloatingPointError`` on a non-finite log-prob or entropy of a counted token,
             naming the token and whether hidden or weight holds inf/nan (checked on the O(N) outputs only).
         backend: "triton" (the CUDA default: "triton-hybrid" with torch >= 2.8, else "triton-fused"),
-            "triton-hybrid", "triton-fused" or "torch" (the CPU default); env ``FASTRL_BACKEND``. See
+            "triton-hybrid", "triton-fused", "triton-sm90" (Hopper or newer, opt-in) or "torch" (the CPU default);
+            env ``FASTRL_BACKEND``. See
             ``fastrl.ops.backend`` and docs/design.md.
         vocab_chunk: vocabulary columns per logits tile (default: bounded automatically); smaller uses
             less memory, larger gives the GEMMs more work per call.
