@@ -40,7 +40,7 @@ __all__ = ["persistent_grad_block", "scaled_exp_grad"]
 
 @triton.jit
 def _grad_from_p(p, z, is_t, lse, ent, glogp, gent, live, logit_scale, softcap, inv_temp,
-                 HAS_GLOGP: tl.constexpr, HAS_GENT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, Z_MAY_BE_INF: tl.constexpr):
+                 HAS_GLOGP: tl.constexpr, HAS_GENT: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     """G = dL/dy of a [rows, cols] tile from p = softmax, z (transformed logits) and the row vectors."""
     # d logp / d z_j = 1[j = t] - p_j ;  d H / d z_j = -p_j (z_j - lse + H)
     if HAS_GLOGP:
@@ -48,11 +48,7 @@ def _grad_from_p(p, z, is_t, lse, ent, glogp, gent, live, logit_scale, softcap, 
     else:
         g = tl.zeros_like(p)
     if HAS_GENT:
-        if Z_MAY_BE_INF:
-            # where e underflowed to 0, z = log2(0)... is -inf (the scaled-exp path): the term is 0, never 0 * inf
-            g -= tl.where(p > 0.0, gent[:, None] * p * (z - lse[:, None] + ent[:, None]), 0.0)
-        else:
-            g -= gent[:, None] * p * (z - lse[:, None] + ent[:, None])
+        g -= gent[:, None] * p * (z - lse[:, None] + ent[:, None])
     g = _chain_transform(g, z, logit_scale, softcap, inv_temp, HAS_SOFTCAP)
     return tl.where(live[:, None], g, 0.0)
 
@@ -116,7 +112,7 @@ def _persistent_grad_kernel(
             z = _transform(yh, logit_scale, softcap, inv_temp, HAS_SOFTCAP)
             p = tl.exp(z - lse[:, None])
             g = _grad_from_p(p, z, offs_v[None, :] == tgt[:, None], lse, ent, glogp, gent, live,
-                             logit_scale, softcap, inv_temp, HAS_GLOGP, HAS_GENT, HAS_SOFTCAP, False)
+                             logit_scale, softcap, inv_temp, HAS_GLOGP, HAS_GENT, HAS_SOFTCAP)
             # the TMA store clips rows and columns outside [N, V_blk]
             g_desc.store([n0, vh], _round_to(g, g_desc.dtype, INTERP_BF16))
 
@@ -180,6 +176,7 @@ def _scaled_exp_grad_kernel(
     e_ptr,  # [R, C] scaled exps (input dtype); G is written over them
     k_ptr,  # [R, cdiv(C, BLOCK_V)] float32 power-of-two offsets
     t_ptr,  # [R] int64 global ids (the bias is inside e already)
+    zt_ptr,  # [R] float32 exact target logits (from the forward's statistics)
     lse_ptr, ent_ptr, glogp_ptr, gent_ptr,  # [R] float32 each
     C, v_offset,
     stride_er, stride_k,
@@ -193,6 +190,7 @@ def _scaled_exp_grad_kernel(
     lse, ent, glogp, gent, live = _row_grads(glogp_ptr, gent_ptr, ent_ptr, lse_ptr, rows, rows >= 0,
                                              HAS_GLOGP, HAS_GENT)
     local = tl.load(t_ptr + rows) - v_offset
+    zt = tl.load(zt_ptr + rows)
     e_row = e_ptr + row.to(tl.int64) * stride_er
     k_row = k_ptr + row.to(tl.int64) * stride_k
     for c0 in range(0, C, BLOCK_C):
@@ -202,9 +200,13 @@ def _scaled_exp_grad_kernel(
         k = tl.load(k_row + cols // BLOCK_V, mask=ok, other=0.0)[None, :]
         # p = e 2^(k - lse log2 e): one exact power of two per block, one float32 rounding in exp2
         p = e * tl.exp2(k - lse[:, None] * LOG2E)
-        z = (tl.log2(e) + k) * LN2
-        g = _grad_from_p(p, z, cols[None, :] == local[:, None], lse, ent, glogp, gent, live,
-                         logit_scale, softcap, inv_temp, HAS_GLOGP, HAS_GENT, HAS_SOFTCAP, True)
+        # z from e where e > 0; where e underflowed to 0 (p = 0, no gradient) any finite stand-in keeps the chain
+        # rule's products at 0 (never 0 * inf); the target's own logit is the forward's exact float32 value
+        is_t = cols[None, :] == local[:, None]
+        z = tl.where(e > 0.0, (tl.log2(tl.maximum(e, 1e-38)) + k) * LN2, k * LN2)
+        z = tl.where(is_t, zt[:, None], z)
+        g = _grad_from_p(p, z, is_t, lse, ent, glogp, gent, live,
+                         logit_scale, softcap, inv_temp, HAS_GLOGP, HAS_GENT, HAS_SOFTCAP)
         # every element is read before it is written, by the same thread (same offsets, same layout)
         tl.store(e_row + cols[None, :], _round_to(g, e_ptr.dtype.element_ty, EMULATE_RNE), mask=ok[None, :])
 
@@ -215,6 +217,7 @@ def scaled_exp_grad(
     block_v: int,  # the vocabulary block of the forward that wrote e and k
     targets: torch.Tensor,  # [R] int64 global ids
     v_offset: int,  # global id of e's first column
+    target_logit: torch.Tensor,  # [R] float32, the forward's exact transformed target logit
     lse: torch.Tensor,  # [R] float32
     entropy: torch.Tensor | None,  # [R] float32 (with grad_entropy)
     grad_logp: torch.Tensor | None,  # [R] float32, zero on rows without gradient
@@ -230,7 +233,7 @@ def scaled_exp_grad(
     assert e.stride(1) == 1 and k.dtype == torch.float32 and k.shape == (R, triton.cdiv(C, block_v))
     dummy = lse
     _scaled_exp_grad_kernel[(R,)](
-        e, k, targets, lse, entropy if entropy is not None else dummy,
+        e, k, targets, target_logit, lse, entropy if entropy is not None else dummy,
         grad_logp if grad_logp is not None else dummy, grad_entropy if grad_entropy is not None else dummy,
         C, v_offset, e.stride(0), k.stride(0),
         float(logit_scale), float(softcap or 1.0), 1.0 / float(temperature),

@@ -154,9 +154,10 @@ def num_programs(device: torch.device, n_items: int) -> int:
 
 
 def choose_splits(n_blocks: int, v_blocks: int, programs: int) -> int:
-    """Vocabulary splits per token block: at least enough work items for every program, at least 4 (so the
-    programs of one moment share token blocks, see the module docstring), at most 32 (the combine step reads
-    ``3 * splits * N`` floats), then the count in that range whose last wave of the persistent grid is fullest."""
+    """Vocabulary splits per token block: at least 4 (so the programs of one moment share token blocks, see the
+    module docstring) and at least enough work items for every program (few tokens: up to one split per program);
+    beyond that at most 32 (the combine step reads ``3 * splits * N`` floats); in that range, the count whose last
+    wave of the persistent grid is fullest."""
     lo = max(1, min(v_blocks, max(4, triton.cdiv(programs, n_blocks))))
     hi = max(lo, min(v_blocks, 32))
 

@@ -127,8 +127,10 @@ def _one_pass(
     dev = hidden.device
     cdt = TB.acc_dtype(hidden.dtype)
     triton = is_triton(backend)
+    sm90 = backend == "triton-sm90"  # scaled exps in the input dtype instead of float32 logits (fastrl.ops.sm90)
     if triton:
         from fastrl.kernels import logits_fold as F
+        from fastrl.ops import sm90 as S
     live = targets != _IGNORE
     # live rows only: padding costs nothing and cannot poison grad_W (compact); or every row, with the hidden
     # states of rows outside the mask zeroed so that whatever they hold cannot reach grad_W either
@@ -148,7 +150,8 @@ def _one_pass(
     grad_b = torch.zeros(V, dtype=cdt, device=dev) if need_b else None
 
     chunk = max((c1 - c0 for c0, c1 in chunks), default=0)
-    zbuf = torch.empty(chunk * V, dtype=cdt, device=dev)
+    zbuf = torch.empty(0 if sm90 else chunk * V, dtype=cdt, device=dev)
+    exp_tile = S.ExpTile(chunk, hidden, weight, bias, tf) if sm90 else None
     stats = torch.empty((4, chunk), dtype=torch.float32, device=dev) if triton else None
     w_mm = weight if weight.dtype == cdt or triton else None
     tkw = dict(logit_scale=tf.logit_scale, softcap=tf.softcap, temperature=tf.temperature)
@@ -160,8 +163,10 @@ def _one_pass(
         if not compact:
             h_c = torch.where(live[c0:c1, None], h_c, torch.zeros((), dtype=h_c.dtype, device=dev))
         t_c = targets[c0:c1] if rows is None else targets.index_select(0, rows)
-        z = zbuf[: n * V].view(n, V)
-        if triton:
+        z = None if sm90 else zbuf[: n * V].view(n, V)
+        if sm90:
+            lse, zt, ent = S.chunk_stats(exp_tile, h_c, weight, bias, t_c, tf)
+        elif triton:
             # raw logits from cuBLAS in float32; the fold and G kernels apply bias and transform on the fly
             mm_f32(h_c, weight.T, out=z)
             st = stats[:, :n]
@@ -195,7 +200,10 @@ def _one_pass(
         if g_lp is None and g_en is None:
             continue
 
-        if triton:
+        if sm90:
+            G = S.chunk_grad(exp_tile, t_c, zt, lse, ent, g_lp, g_en, tf)
+            h_mm = h_c
+        elif triton:
             G = F.grad_tile(z, bias, t_c, 0, lse, ent, g_lp, g_en, out_dtype=hidden.dtype, **tkw)
             h_mm = h_c
         else:
@@ -223,7 +231,7 @@ def _one_pass(
             grad_b += G.sum(0, dtype=cdt)
 
     # the float32 logits tile (1 GiB at W1) is dead: free it before grad_W's cast allocates its copy
-    del zbuf, stats
+    del zbuf, stats, exp_tile
     z = G = None
     grad_kl = None
     if full_inputs.per_token_kl is None:

@@ -138,6 +138,7 @@ def chunk_stats(
 def chunk_grad(
     tile: ExpTile,
     t_c: torch.Tensor,  # [n] int64
+    zt: torch.Tensor,  # [n] float32 target logit (from chunk_stats)
     lse: torch.Tensor,  # [n] float32
     entropy: torch.Tensor,  # [n] float32
     grad_logp: torch.Tensor | None,  # [n] float32
@@ -145,5 +146,5 @@ def chunk_grad(
     tf: LogitTransform,
 ) -> torch.Tensor:  # [n, V] G = dL/dy in the input dtype, written over the tile's exps
     n = t_c.shape[0]
-    return PG.scaled_exp_grad(tile.e[:n, : tile.V], tile.k[:n], tile.config.block_v, t_c, 0, lse, entropy,
+    return PG.scaled_exp_grad(tile.e[:n, : tile.V], tile.k[:n], tile.config.block_v, t_c, 0, zt, lse, entropy,
                               grad_logp, grad_entropy, **_tf_kw(tf))
