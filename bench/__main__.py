@@ -26,6 +26,8 @@
                                          follow) from the committed session results
     python -m bench sass                 compile every kernel for sm_90 (no GPU needed): registers, spills,
                                          shared memory, tensor-core and TMA instructions; fails on a spill
+    python -m bench roofline             bytes and FLOPs of every implementation per workload, the time they imply
+                                         at 700 TFLOP/s and 4.3 TB/s, and the measured time where results have one
     python -m bench COMMAND --help       that command's options
 
 The workloads (W1-W5, C1) are defined in docs/design.md. Every measurement runs in a fresh process
@@ -535,6 +537,16 @@ def _sass_command(args, device: str, con) -> int:
                      + (["--checked-only"] if args.checked_only else []))
 
 
+def _roofline_options(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--results", help="folder whose */session.json hold measured times (default bench/results)")
+
+
+def _roofline_command(args, device: str, con) -> int:
+    from bench import roofline  # arithmetic only: needs no GPU and no provider
+
+    return roofline.main(["--results", args.results] if args.results else [])
+
+
 def _measure(args, device: str, con) -> int:
     """run, c1, gpu, w4: measure, print the summary last, write the files."""
     if args.command == "gpu" and device != "cuda" and not args.smoke:
@@ -724,6 +736,12 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             "prints registers, stack, spill loads/stores, shared memory, tensor-core (HGMMA) and TMA instruction\n"
             "counts. Exits 1 when a checked kernel spills or a bf16/fp16 matmul kernel has no HGMMA (sm_90).",
             (_sass_options,), _sass_command),
+    Command("roofline", "bytes moved and FLOPs of every implementation per workload, and the time they imply",
+            "A model, no GPU: per workload (W1, W1-lp, W2, W2-lp, W3, divergence) and implementation (cuBLAS floor, TRL,\n"
+            "fastrl's hybrid, fused and triton-sm90 kernels, a fully fused atomics backward) the FLOPs and the HBM bytes\n"
+            "beyond one read of the inputs, the time they imply at 700 TFLOP/s and 4.3 TB/s, and the measured time where\n"
+            "a committed bench/results/*/session.json has one (else 'not measured'). See bench/roofline.py.",
+            (_roofline_options,), _roofline_command),
 )}
 
 

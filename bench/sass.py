@@ -5,7 +5,8 @@ Triton compiles for any NVIDIA target on any machine (``triton.compile`` with a 
 decides its speed before it ever runs: registers per thread, stack bytes and spill loads/stores (``LDL`` /
 ``STL``: registers that did not fit, each a round trip to local memory), shared memory (one tile per pipeline
 stage when the H loop is software-pipelined), tensor-core instructions (``HGMMA``, Hopper's warpgroup MMA)
-and TMA loads (``UTMALDG``); ``HMMA`` (``mma.sync``) before Hopper.
+and TMA loads and stores (``UTMALDG`` / ``UTMASTG``); ``HMMA`` (``mma.sync``) before Hopper. A kernel whose
+shared memory exceeds the 227 KB a block may have on sm_90 fails too (it would not launch).
 
 It exits non-zero when a *checked* variant (the ones real models use) spills, or when a matmul kernel has no
 HGMMA at bf16/fp16. The test-suite runs it for sm_90 (compile only, nothing is timed).
@@ -167,7 +168,7 @@ def compile_spec(spec: Spec, arch: int):
         from fastrl.kernels import persistent_grad as PG
 
         fn = PG._scaled_exp_grad_kernel
-        types = dict(e_ptr=f"*{ty}", k_ptr="*fp32", t_ptr="*i64",
+        types = dict(e_ptr=f"*{ty}", k_ptr="*fp32", t_ptr="*i64", zt_ptr="*fp32",
                      **{p: "*fp32" for p in ("lse_ptr", "ent_ptr", "glogp_ptr", "gent_ptr")})
         consts = dict(HAS_SOFTCAP=spec.softcap, HAS_GLOGP=True, HAS_GENT=spec.entropy, BLOCK_V=256,
                       BLOCK_C=PG.BLOCK_C, EMULATE_RNE=False)
@@ -262,7 +263,18 @@ def inspect(compiled) -> dict:
         shared=int(compiled.metadata.shared),
         tensor_core=len(re.findall(r"\bHGMMA\b", sass)) or len(re.findall(r"\bHMMA\b", sass)),
         tma_loads=len(re.findall(r"\bUTMALDG\b", sass)),
+        tma_stores=len(re.findall(r"\bUTMASTG\b", sass)),
+        ctas_per_sm=ctas_per_sm(int(m.group(1)), int(compiled.metadata.shared), int(compiled.metadata.num_warps)),
     )
+
+
+def ctas_per_sm(registers: int, shared: int, num_warps: int) -> int:
+    """Blocks one Hopper SM holds at once: 64K registers (allocated per warp in units of 256), 228 KB of shared
+    memory (1 KB of it reserved per block), 2048 threads, 32 blocks."""
+    per_warp = -(-registers * 32 // 256) * 256
+    by_regs = 65536 // (per_warp * num_warps)
+    by_smem = 233472 // (shared + 1024)
+    return min(by_regs, by_smem, 2048 // (32 * num_warps), 32)
 
 
 def verdict(spec: Spec, r: dict, arch: int) -> str:
@@ -274,6 +286,8 @@ def verdict(spec: Spec, r: dict, arch: int) -> str:
         why.append(f"spills ({r['stack']} B stack, {r['spill_loads']} LDL / {r['spill_stores']} STL)")
     if r["shared"] > SMEM_LIMIT:
         why.append(f"{r['shared']} B of shared memory, over the {SMEM_LIMIT} B a block may have on sm_90 (no launch)")
+    if spec.matmul and spec.tma and not r["tma_loads"]:
+        why.append("no TMA loads (UTMALDG) in a kernel fed by tensor descriptors")
     if spec.matmul and spec.dtype in ("bfloat16", "float16") and not r["tensor_core"]:
         why.append("no HGMMA (tensor cores unused)")
     return "; ".join(why)
@@ -322,12 +336,14 @@ def main(argv=None) -> int:
 
 def _print(rows, arch: int) -> None:
     mma = "HGMMA" if arch >= 90 else "HMMA"
-    head = ("kernel", "variant", "config", "regs", "stack", "LDL", "STL", "smem KB", mma, "TMA", "check")
+    head = ("kernel", "variant", "config", "regs", "stack", "LDL", "STL", "smem KB", mma, "TMA ld", "TMA st", "CTA/SM",
+            "check")
     table = [head]
     for spec, cfg, r, bad, _ in rows:
         check = "FAIL" if bad else ("ok" if spec.checked and arch >= 90 else "-")
         table.append((spec.kernel, spec.label, cfg, str(r["registers"]), str(r["stack"]), str(r["spill_loads"]),
-                      str(r["spill_stores"]), f"{r['shared'] / 1024:.0f}", str(r["tensor_core"]), str(r["tma_loads"]), check))
+                      str(r["spill_stores"]), f"{r['shared'] / 1024:.0f}", str(r["tensor_core"]), str(r["tma_loads"]),
+                      str(r["tma_stores"]), str(r["ctas_per_sm"]), check))
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     print(f"Kernels compiled for sm_{arch} at their default launch configurations (no GPU needed):")
     for i, row in enumerate(table):

@@ -200,10 +200,10 @@ def _scaled_exp_grad_kernel(
         k = tl.load(k_row + cols // BLOCK_V, mask=ok, other=0.0)[None, :]
         # p = e 2^(k - lse log2 e): one exact power of two per block, one float32 rounding in exp2
         p = e * tl.exp2(k - lse[:, None] * LOG2E)
-        # z from e where e > 0; where e underflowed to 0 (p = 0, no gradient) any finite stand-in keeps the chain
-        # rule's products at 0 (never 0 * inf); the target's own logit is the forward's exact float32 value
+        # z from e where e > 0; where e underflowed to 0 (p = 0, no gradient) the finite stand-in k ln 2 keeps the
+        # chain rule's products at 0 (never 0 * inf); the target's own logit is the forward's exact float32 value
         is_t = cols[None, :] == local[:, None]
-        z = tl.where(e > 0.0, (tl.log2(tl.maximum(e, 1e-38)) + k) * LN2, k * LN2)
+        z = (tl.log2(tl.where(e > 0.0, e, 1.0)) + k) * LN2
         z = tl.where(is_t, zt[:, None], z)
         g = _grad_from_p(p, z, is_t, lse, ent, glogp, gent, live,
                          logit_scale, softcap, inv_temp, HAS_GLOGP, HAS_GENT, HAS_SOFTCAP)

@@ -194,6 +194,7 @@ def test_sass_check_passes_for_sm90():
     r = subprocess.run([sys.executable, "-m", "bench", "sass"], cwd=REPO, env=env, capture_output=True, text=True,
                        timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    for kernel in ("stats", "grad", "fold", "grad_tile", "div_stats", "div_jsd", "div_grad"):
+    for kernel in ("stats", "grad", "fold", "grad_tile", "div_stats", "div_jsd", "div_grad", "sm90_stats", "sm90_grad",
+                   "sm90_exp_grad"):
         assert f"\n{kernel} " in r.stdout
     assert "FAIL" not in r.stdout and "OK: no spills" in r.stdout

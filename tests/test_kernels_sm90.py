@@ -35,7 +35,8 @@ def _stats64(hidden, weight, bias, targets, **tf):
 def _g64(z64, lse64, ent64, targets, glp, gen, dzdy=1.0):
     p = torch.softmax(z64, 1)
     onehot = torch.nn.functional.one_hot(targets, z64.shape[1]).double()
-    return (glp.double()[:, None] * (onehot - p) - gen.double()[:, None] * p * (z64 - lse64[:, None] + ent64[:, None])) * dzdy
+    gz = glp.double()[:, None] * (onehot - p) - gen.double()[:, None] * p * (z64 - lse64[:, None] + ent64[:, None])
+    return gz * dzdy
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)

@@ -47,8 +47,8 @@ def check_tensors(*tensors: torch.Tensor) -> None:
     for t in tensors:
         if not tma_ok(t):
             raise ValueError(
-                f"backend {NAME!r} loads tiles through TMA, which needs unit column stride and rows of a multiple of 16 "
-                f"bytes on a 16-byte aligned base; got a {tuple(t.shape)} {t.dtype} tensor with strides {t.stride()} "
+                f"backend {NAME!r} loads tiles through TMA, which needs unit column stride and rows of a multiple of "
+                f"16 bytes on a 16-byte aligned base; got a {tuple(t.shape)} {t.dtype} tensor with strides {t.stride()} "
                 f"(for bf16/fp16 the hidden size must be a multiple of 8, for float32 of 4); use backend 'triton'"
             )
 
