@@ -63,9 +63,10 @@ def test_bench_cli_commands(tmp_path):
     assert proc.returncode == 0 and line, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
     res = json.loads(line[len("RESULT "):])
     assert res["commands"] == ["run", "c1", "gpu", "w4", "w5", "keptset", "divergence", "gap", "compile", "list",
-                               "targets", "session", "defaults", "sass"]
+                               "targets", "session", "defaults", "sass", "roofline"]
     assert "--budget" in res["help"]["session"] and "--sections" in res["help"]["session"]
     assert "--check" in res["help"]["defaults"]
+    assert "--results" in res["help"]["roofline"] and "4.3 TB/s" in res["help"]["roofline"]
     assert "--beta" in res["help"]["divergence"] and "LigerFusedLinearJSD" in res["help"]["divergence"]
 
     helps = res["help"]
