@@ -32,8 +32,8 @@ import triton
 import triton.language as tl
 
 from fastrl.kernels.linear_logprob import (
-    INTERPRET, NEG_LARGE, TensorDescriptor, _dot_precision, _dot_tile, _interp_bf16, _round_to, _transform,
-    merge_partial_stats, tma_ok,
+    INTERPRET, NEG_LARGE, TensorDescriptor, _dot_precision, _dot_tile, _interp_bf16, _round_to, _target_logit,
+    _transform, merge_partial_stats, tma_ok,
 )
 from fastrl.kernels.tuning import KernelConfig, config_for
 
@@ -126,22 +126,9 @@ def _persistent_stats_kernel(
         if HAS_ENTROPY:
             tl.store(part_ptr + 2 * n_splits * N + out, u, mask=n_ok)
 
-        # The target logit: one row-wise dot of h_n with W[t_n] per token (split 0 only), after the vocabulary
-        # loop, so the hot loop carries no per-element compare; float32 products, as exact as the tiles'.
-        if sp == 0:
-            tgt = tl.load(t_ptr + offs_n, mask=n_ok, other=-1)
-            t_ok = n_ok & (tgt >= 0) & (tgt < V)
-            t_safe = tl.where(t_ok, tgt, 0)
-            yt = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for h0 in range(0, H, BLOCK_H):
-                offs_h = h0 + tl.arange(0, BLOCK_H)
-                ld = t_ok[:, None] & (offs_h[None, :] < H)
-                hv = tl.load(h_ptr + offs_n.to(tl.int64)[:, None] * stride_hn + offs_h[None, :], mask=ld, other=0.0)
-                wv = tl.load(w_ptr + t_safe.to(tl.int64)[:, None] * stride_wv + offs_h[None, :], mask=ld, other=0.0)
-                yt += tl.sum(hv.to(tl.float32) * wv.to(tl.float32), axis=1)
-            if HAS_BIAS:
-                yt += tl.load(b_ptr + t_safe, mask=t_ok, other=0.0).to(tl.float32)
-            zt = tl.where(t_ok, _transform(yt, logit_scale, softcap, inv_temp, HAS_SOFTCAP), 0.0)
+        if sp == 0:  # the target logit once per token (linear_logprob._target_logit: a row-wise dot)
+            zt = _target_logit(h_ptr, w_ptr, b_ptr, t_ptr, offs_n, n_ok, V, H, stride_hn, stride_wv,
+                               logit_scale, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP, BLOCK_N, BLOCK_H)
             tl.store(zt_ptr + offs_n, zt, mask=n_ok)
 
 

@@ -74,6 +74,11 @@ def test_policy_loss_with_padding_cuda(backend, loss_type):
     """The loss on live rows only against float64 (padding in every row): on triton-hybrid the one-pass path in
     several chunks (cuBLAS float32 tiles + the logits_fold kernels); on triton-fused path A on the fused kernels,
     which never store a logit."""
+    check_policy_loss_with_padding(backend, loss_type)
+
+
+def check_policy_loss_with_padding(backend, loss_type):
+    """policy_loss on ``backend`` (CUDA, bf16, 1000-token chunks) against float64, padding in every row."""
     g = torch.Generator().manual_seed(1)
     B, T, H, V = 6, 700, 896, 32000
     hidden = torch.randn(B, T, H, generator=g).cuda().bfloat16().requires_grad_()

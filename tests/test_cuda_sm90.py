@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import fastrl
-from fastrl.losses.config import PolicyLossConfig
-from fastrl.reference import logprobs_reference, policy_loss_from_logprobs
+from fastrl.reference import logprobs_reference
 
+from test_cuda_kernels import check_policy_loss_with_padding
 from test_logprobs import check_against_float64, make_inputs, max_err
 
 pytestmark = pytest.mark.skipif(
@@ -49,27 +49,4 @@ def test_bf16_logprob_error_cuda():
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
 def test_policy_loss_one_pass_cuda(loss_type):
     """The one-pass loss on the scaled-exp tile, live rows only, several chunks, against float64."""
-    g = torch.Generator().manual_seed(1)
-    B, T, H, V = 6, 700, 896, 32000
-    hidden = torch.randn(B, T, H, generator=g).cuda().bfloat16().requires_grad_()
-    weight = (torch.randn(V, H, generator=g) / H**0.5).cuda().bfloat16().requires_grad_()
-    targets = torch.randint(0, V, (B, T), generator=g).cuda()
-    lengths = torch.randint(T // 3, T + 1, (B,), generator=g)
-    mask = (torch.arange(T)[None, :] < lengths[:, None]).cuda()
-    adv = torch.randn(B, generator=g).cuda()
-    old = (-torch.rand(B, T, generator=g) * 8).cuda()
-    ref = (-torch.rand(B, T, generator=g) * 8).cuda()
-    config = PolicyLossConfig(loss_type=loss_type, beta=0.04, entropy_coef=0.01)
-    loss, _ = fastrl.policy_loss(hidden, weight, targets, adv, mask, config=config, old_logprobs=old,
-                                 ref_logprobs=ref, backend=SM90, chunk_tokens=1000)
-    gh, gw = torch.autograd.grad(loss, [hidden, weight])
-    t = torch.where(mask, targets, -100)
-    h64, w64 = (x.detach().double().requires_grad_() for x in (hidden, weight))
-    lp, en = logprobs_reference(h64, w64, t)
-    loss64, _ = policy_loss_from_logprobs(lp, en, adv.double(), mask, config=config, old_logprobs=old.double(),
-                                          ref_logprobs=ref.double())
-    g64 = torch.autograd.grad(loss64, [h64, w64])
-    assert abs(loss.item() - loss64.item()) <= 1e-4 * (1 + abs(loss64.item()))
-    for got, want in zip((gh, gw), g64):
-        assert ((got.double() - want).abs().max() / want.abs().max()).item() < 2**-7
-    assert torch.equal(gh[~mask], torch.zeros_like(gh[~mask]))
+    check_policy_loss_with_padding(SM90, loss_type)
