@@ -35,7 +35,7 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when 
 __all__ = ["Spec", "specs", "compile_spec", "main"]
 
 _TY = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
-MATMUL_KERNELS = ("stats", "grad", "sm90_stats", "sm90_grad")
+MATMUL_KERNELS = ("stats", "grad", "sm90_stats", "sm90_grad", "sm90_div_stats", "sm90_div_jsd", "sm90_div_grad")
 SMEM_LIMIT = 232448  # bytes of shared memory one block may have on sm_90 (227 KB)
 
 
@@ -93,6 +93,9 @@ def specs() -> list[Spec]:
             Spec("sm90_stats", store_exp=True, note="one-pass loss: also writes the bf16 scaled exps"),
             Spec("sm90_stats", store_exp=True, bias=True, softcap=True),
             Spec("sm90_exp_grad"), Spec("sm90_exp_grad", softcap=True), Spec("sm90_exp_grad", dtype="float32")]
+    # fused_divergence on triton-sm90: both heads' tiles in registers (statistics, the JSD pass, the student's G)
+    for k in ("sm90_div_stats", "sm90_div_jsd", "sm90_div_grad"):
+        out += [Spec(k, note="student + teacher tiles"), Spec(k, bias=True, softcap=True)]
     out += [Spec("fold"), Spec("fold", bias=True, softcap=True), Spec("grad_tile"), Spec("grad_tile", bias=True, softcap=True),
             Spec("grad_tile", dtype="float32")]
     # fused_divergence's hybrid kernels: both heads' float32 tiles in one pass (kernels/divergence_fold.py)
@@ -143,7 +146,8 @@ def compile_spec(spec: Spec, arch: int):
     ty = _TY[spec.dtype]
     dtype = getattr(torch, spec.dtype)
     if spec.matmul:
-        key = "sm90_exp_stats" if spec.store_exp else spec.kernel
+        key = ("sm90_exp_stats" if spec.store_exp else "sm90_div" if spec.kernel.startswith("sm90_div")
+               else spec.kernel)
         cfg = CONFIGS[(key, "sm90" if arch >= 90 else "other", spec.tma, variant_of(dtype, spec.softcap, spec.bias))]
         hsrc = f"tensordesc<{ty}[{cfg.block_n},{cfg.block_h}]>" if spec.tma else f"*{ty}"
         wsrc = f"tensordesc<{ty}[{cfg.block_v},{cfg.block_h}]>" if spec.tma else f"*{ty}"
@@ -229,6 +233,8 @@ def _sm90_matmul(spec: Spec, cfg, ty: str, common: dict):
     hdesc = f"tensordesc<{ty}[{cfg.block_n},{cfg.block_h}]>"
     wdesc = f"tensordesc<{ty}[{cfg.block_v},{cfg.block_h}]>"
     half = f"tensordesc<{ty}[{cfg.block_n},{cfg.block_v // 2}]>"  # the epilogue stores column halves
+    if spec.kernel.startswith("sm90_div"):
+        return _sm90_divergence(spec, cfg, ty, consts, hdesc, wdesc)
     if spec.kernel == "sm90_stats":
         types = dict(h_desc=hdesc, w_desc=wdesc, h_ptr=f"*{ty}", w_ptr=f"*{ty}", b_ptr=f"*{ty}", t_ptr="*i64",
                      part_ptr="*fp32", zt_ptr="*fp32", e_desc=half if spec.store_exp else hdesc, k_ptr="*fp32")
@@ -236,6 +242,23 @@ def _sm90_matmul(spec: Spec, cfg, ty: str, common: dict):
     types = dict(h_desc=hdesc, w_desc=wdesc, b_ptr=f"*{ty}", t_ptr="*i64", lse_ptr="*fp32", ent_ptr="*fp32",
                  glogp_ptr="*fp32", gent_ptr="*fp32", g_desc=half)
     return PG._persistent_grad_kernel, types, dict(consts, HAS_GLOGP=True, HAS_GENT=spec.entropy)
+
+
+def _sm90_divergence(spec: Spec, cfg, ty: str, consts: dict, hdesc: str, wdesc: str):
+    from fastrl.kernels import divergence_fold as D
+    from fastrl.kernels import persistent_divergence as PD
+
+    base = {k: v for k, v in consts.items() if k not in ("HAS_BIAS", "HAS_SOFTCAP")}
+    base.update(HAS_BS=spec.bias, HAS_BT=spec.bias, S_SOFTCAP=spec.softcap, T_SOFTCAP=spec.softcap)
+    types = dict(hs_desc=hdesc, ws_desc=wdesc, ht_desc=hdesc, wt_desc=wdesc, bs_ptr=f"*{ty}", bt_ptr=f"*{ty}")
+    if spec.kernel == "sm90_div_stats":
+        return PD._div_stats_kernel, dict(types, part_ptr="*fp32"), dict(base, MODE=D.FORWARD_KL,
+                                                                          HAS_ENTROPY=spec.entropy)
+    if spec.kernel == "sm90_div_jsd":
+        return PD._div_jsd_kernel, dict(types, lse_s_ptr="*fp32", lse_t_ptr="*fp32", part_ptr="*fp32"), base
+    types.update({p: "*fp32" for p in ("lse_s_ptr", "lse_t_ptr", "aux_ptr", "ent_ptr", "gd_ptr", "ge_ptr")},
+                 g_desc=f"tensordesc<{ty}[{cfg.block_n},{cfg.block_v}]>")
+    return PD._div_grad_kernel, types, dict(base, MODE=D.JSD, HAS_GD=True, HAS_GE=spec.entropy)
 
 
 def _cuobjdump() -> str:

@@ -93,6 +93,14 @@ for _k, _like in (("sm90_stats", "stats"), ("sm90_exp_stats", "stats"), ("sm90_g
     for _fam in ("sm90", "other", "interpreter"):
         for _variant in ("default", "softcap", "bias", "fp32"):
             CONFIGS[(_k, _fam, True, _variant)] = CONFIGS[(_like, _fam, True, _variant)]
+# fused_divergence's persistent kernels hold two float32 accumulators (student and teacher): at 128x128 the JSD and
+# softcap epilogues spilled (python -m bench sass); 128x64 with 8 warps holds every variant (two m64n64 warpgroups)
+for _fam in ("sm90", "other", "interpreter"):
+    for _variant in ("default", "softcap", "bias", "fp32"):
+        CONFIGS[("sm90_div", _fam, True, _variant)] = CONFIGS[("stats", _fam, True, _variant)]
+    if _fam == "sm90":
+        for _variant in ("default", "softcap", "bias"):
+            CONFIGS[("sm90_div", _fam, True, _variant)] = KernelConfig(128, 64, 64, 8, 3)
 # the persistent gradient kernel's epilogue runs in column halves, so a bias row no longer costs the 128x256 tile its
 # registers (no spill under Triton 3.6 or 3.9, where the "grad" kernel spilled 7 under 3.6): it keeps the tile
 CONFIGS[("sm90_grad", "sm90", True, "bias")] = CONFIGS[("grad", "sm90", True, "default")]
@@ -132,6 +140,11 @@ CANDIDATES_BY_KERNEL: dict[str, tuple[KernelConfig, ...]] = {
         KernelConfig(128, 256, 64, 8, 3),
         KernelConfig(128, 128, 64, 8, 4),
         KernelConfig(128, 128, 64, 4, 4),
+    ),
+    "sm90_div": (
+        KernelConfig(128, 64, 64, 8, 3),
+        KernelConfig(128, 64, 64, 8, 4),
+        KernelConfig(64, 128, 64, 8, 3),
     ),
     "sm90_grad": (
         KernelConfig(128, 256, 64, 8, 4),

@@ -233,3 +233,24 @@ def test_launch_table_has_every_case():
                 assert cfg.block_v % 2 == 0  # the epilogues store column halves
         assert tuning.candidates(kernel) and tuning.CONFIGS[(kernel, "sm90", True, "default")] is not None
     assert tuning.candidates("stats") == tuning.CANDIDATES
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("dtype, tf", [(torch.float32, "all"), (torch.bfloat16, "plain")], ids=["fp32-all", "bf16"])
+def test_divergence_against_float64(beta, dtype, tf):
+    """fused_divergence on triton-sm90: both heads' tiles in registers (forward KL, the JSD's two passes, reverse KL),
+    the student's G from recomputed tiles; teacher wider than the student, V off the tile."""
+    from test_divergence import check_against_float64 as check_divergence
+
+    check_divergence(beta, dtype=dtype, tf=tf, backend=SM90, H=16, Ht=24, V=300)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5])
+def test_divergence_masked_batched_several_blocks_per_split(beta):
+    """V = 1000: each of the 4 interpreted programs' splits walks two vocabulary blocks (the in-kernel re-basing of
+    every sum, the cross term with both shifts) before the splits are merged."""
+    g = torch.Generator().manual_seed(3)
+    mask = torch.rand(3, 11, generator=g) > 0.3
+    from test_divergence import check_against_float64 as check_divergence
+
+    check_divergence(beta, lead=(3, 11), mask=mask, H=12, Ht=40, V=1000, tf="all", backend=SM90)

@@ -353,6 +353,11 @@ def _hybrid(opts: DivergenceOptions, support: KeptSet | None) -> bool:
 
 
 def _forward(h, w, b, ht, wt, bt, support, opts: DivergenceOptions):
+    if opts.backend == "triton-sm90" and support is None:
+        from fastrl.ops import divergence_sm90
+
+        return divergence_sm90.forward(_Head(h, w, b, opts.student, None), _Head(ht, wt, bt, opts.teacher, None),
+                                       opts, opts.mode)
     if _hybrid(opts, support):
         from fastrl.ops import divergence_hybrid
 
@@ -508,9 +513,10 @@ def divergence_backward_op(
     h, ht = _zero_rows(active, hidden), _zero_rows(active, teacher_hidden)
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
         if _hybrid(o, support):
-            from fastrl.ops import divergence_hybrid
+            from fastrl.ops import divergence_hybrid, divergence_sm90
 
-            gh, gw, gb = divergence_hybrid.backward(
+            impl = divergence_sm90 if o.backend == "triton-sm90" else divergence_hybrid
+            gh, gw, gb = impl.backward(
                 _Head(h, weight, bias, o.student, None), _Head(ht, teacher_weight, teacher_bias, o.teacher, None),
                 o, o.mode, lse_s, lse_t, aux, entropy, gd, ge, need)
         else:
