@@ -93,7 +93,9 @@ def model(w: Shape, impl: str) -> tuple[float, float, str] | None:
             b = nv * (2 * 8 + 2 * 8 + (8 + 8 + 4 + 4 + 2 + 4)) + math.ceil(N / 4096) * grad_w_rmw \
                 + math.ceil(V / 32768) * grad_h_rmw
             return 3 * both + 4 * nhv, b, "3 passes x both float32 tiles, G float32 -> bf16, fp32 accumulators"
-        if impl in ("hybrid", "fused", "sm90"):  # fused / sm90 run the hybrid divergence kernels today
+        if impl == "sm90":  # both heads' tiles in registers in all three passes; only the student's G is stored
+            return 3 * both + 4 * nhv, nv * S * 3 + _slices(N, V) * grad_h_rmw, "3 passes, both tiles in registers"
+        if impl in ("hybrid", "fused"):  # fused runs the hybrid divergence kernels
             b = nv * (2 * 8 + 2 * 8 + (8 + 8 + 2 + 4)) + _slices(N, V) * grad_h_rmw
             why = "3 passes x both float32 tiles, G bf16 in place"
             return 3 * both + 4 * nhv, b, why if impl == "hybrid" else "runs the hybrid kernels: " + why

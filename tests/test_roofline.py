@@ -35,6 +35,9 @@ def test_arithmetic():
     # the fully fused atomics backward moves an order of magnitude more than G through HBM (why it was not built)
     w1lp = next(w for w in R.WORKLOADS if w.name == "W1-lp")
     assert R.model(w1lp, "atomics")[1] > 10 * R.model(w1lp, "sm90")[1]
+    # the divergence on triton-sm90 stores no tile of either head: only G and the float32 grad_h accumulation
+    div = next(w for w in R.WORKLOADS if w.name == "divergence")
+    assert R.model(div, "sm90")[1] < R.model(div, "hybrid")[1] / 3
 
 
 def test_measured_times_come_from_session_results(tmp_path):

@@ -11,8 +11,8 @@
 * ``triton-sm90``: persistent Triton kernels fed by TMA tensor descriptors (``fastrl.ops.sm90``): no logit stored in
   the forward or the log-prob backward, and a half-size scaled-exp tile in the one-pass loss. Hopper or newer (or
   the interpreter), 16-byte aligned rows; refused with a clear error elsewhere, never chosen by ``auto`` (proven by
-  the interpreter tests and ``python -m bench sass``, not yet measured on a GPU). ``fused_divergence`` runs the
-  hybrid kernels under it, as under ``triton-fused``.
+  the interpreter tests and ``python -m bench sass``, not yet measured on a GPU). ``fused_divergence`` has its own
+  persistent kernels under it (both heads' tiles in registers, ``fastrl.ops.divergence_sm90``).
 * ``torch``: a chunked pure-PyTorch path that also never materialises ``[N, V]``; the default on CPU.
 
 Where a committed GPU session measured the implementations against each other (``python -m bench session``),

@@ -615,7 +615,9 @@ def fused_divergence(
             not finite and the input at fault (eager only: skipped while ``torch.compile`` traces).
         backend: as ``fused_logprobs`` ("torch", the CPU default; "triton" / "triton-hybrid", the CUDA default:
             cuBLAS float32 tiles of both heads and one Triton pass over the pair, ``divergence_hybrid``;
-            "triton-fused" runs the hybrid kernels too). With ``support`` the torch implementation runs.
+            "triton-fused" runs the hybrid kernels too; "triton-sm90", opt-in on Hopper or newer: persistent TMA
+            kernels with both heads' tiles in registers, ``divergence_sm90``). With ``support`` the torch
+            implementation runs.
         support: a ``fastrl.KeptSet`` (one row per token of the leading shape, masked tokens included): both
             distributions renormalised over each token's kept ids (the exact KL under a truncating sampler).
 
