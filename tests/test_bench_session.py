@@ -165,7 +165,11 @@ def test_session_smoke(tmp_path):
             assert {"workload", "provider", "total_ms", "extra_mb"} <= set(r), r
             assert r["total_ms"]["min"] <= r["total_ms"]["median"] <= r["total_ms"]["max"]
     checks = [r for r in rows if r["section"] == "checks"]
-    assert {r["implementation"] for r in checks} == set(S.cuda_implementations()) and all(r["pass"] for r in checks)
+    assert {r["implementation"] for r in checks} == set(S.cuda_implementations())
+    # n/a: a shape the implementation refuses by design (triton-sm90 and H=31 in bf16: rows TMA cannot address)
+    assert all(r["pass"] for r in checks if r["status"] != "n/a")
+    assert {(r["implementation"], r["workload"]) for r in checks if r["status"] == "n/a"} <= {("triton-sm90",
+                                                                                              "awkward-bias")}
     lm = [r for r in rows
           if r["section"] in ("tournament", "configs", "autotune") and r["provider"].startswith("fastrl")]
     assert all(r["status"] in ("ok", "pruned") for r in lm)

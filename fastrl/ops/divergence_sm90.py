@@ -49,7 +49,7 @@ def backward(student, teacher, opts, mode: int, lse_s, lse_t, aux, entropy, grad
     N, V = h.shape[0], student.weight.shape[0]
     cfg = _config(student, teacher)
     rows = min(max(N, 1), hybrid.MAX_ROWS)
-    cols = hybrid._TB.tile_columns(rows, V, None, multiple=256, tile_elems=hybrid.TILE_ELEMS)
+    cols = hybrid.tile_columns(rows, V)  # the log-prob path's slice rule: one G tile alive, not two float32 tiles
     buf = torch.empty((rows, -(-cols // 256) * 256), dtype=h.dtype, device=h.device)
 
     def part(x, n0, n1):

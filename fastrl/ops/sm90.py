@@ -30,7 +30,7 @@ from fastrl.kernels.tuning import KernelConfig, config_for
 from fastrl.ops.config import LogitTransform
 from fastrl.ops.hybrid import MAX_ROWS, sliced_backward, tile_columns
 
-__all__ = ["NAME", "check_tensors", "linear_stats", "linear_backward", "ExpTile", "chunk_stats", "chunk_grad"]
+__all__ = ["NAME", "check_tensors", "supports_width", "linear_stats", "linear_backward", "ExpTile", "chunk_stats", "chunk_grad"]
 
 NAME = "triton-sm90"
 
@@ -51,6 +51,12 @@ def check_tensors(*tensors: torch.Tensor) -> None:
                 f"16 bytes on a 16-byte aligned base; got a {tuple(t.shape)} {t.dtype} tensor with strides {t.stride()} "
                 f"(for bf16/fp16 the hidden size must be a multiple of 8, for float32 of 4); use backend 'triton'"
             )
+
+
+def supports_width(H: int, dtype: torch.dtype) -> bool:
+    """Whether contiguous ``[*, H]`` tensors of ``dtype`` have the 16-byte rows TMA needs (else ``check_tensors``
+    refuses them)."""
+    return H * torch.empty((), dtype=dtype).element_size() % 16 == 0
 
 
 def _tf_kw(tf: LogitTransform) -> dict:
