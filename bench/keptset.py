@@ -79,12 +79,15 @@ def run_point(spec: dict) -> dict:
     weight = (torch.randn(V, H, generator=g, device=dev) * H ** -0.5).to(dt).requires_grad_()
     ks, targets = make_sets(N, V, K, spec["sets"], dev)
     mode = spec["mode"]
-    support = {"kept": ks, "full": None, "rule": fastrl.SamplerRule(top_k=K)}[mode]
     backend = spec.get("backend")
+    if mode in RULE_MODES:
+        step = rule_step(spec, hidden, weight, targets)
+    else:
+        support = {"kept": ks, "full": None}[mode]
 
-    def step():
-        logp, ent = fastrl.fused_logprobs(hidden, weight, targets, support=support, backend=backend)
-        torch.autograd.grad(logp.sum() + 0.01 * ent.sum(), [hidden, weight])
+        def step():
+            logp, ent = fastrl.fused_logprobs(hidden, weight, targets, support=support, backend=backend)
+            torch.autograd.grad(logp.sum() + 0.01 * ent.sum(), [hidden, weight])
 
     res = {}
     if dev.type == "cuda":
@@ -158,8 +161,54 @@ def points(device: str, smoke: bool, quick: bool) -> list[dict]:
         for K in ((20,) if smoke else (KS[:2] if quick else KS)):
             for kind in KINDS:
                 out.append({**base, "mode": "kept", "K": K, "sets": kind})
-        out.append({**base, "mode": "rule", "K": 64 if not smoke else 20, "sets": "zipf"})
+        out.extend(rule_points(base, smoke))
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rule replay rows (issue 26 item 2)
+# ---------------------------------------------------------------------------------------------------------------
+
+# mode -> the rule (SamplerRule kwargs, top_k = the point's K) and whether the point is replay_rule alone
+RULE_MODES = {
+    "rule": ({}, False),  # support=SamplerRule(top_k=K): replay, then the kept path, forward + backward
+    "replay": ({}, True),  # replay_rule alone (no gradient): the selection's own cost
+    "rule-p": ({"top_p": 0.95}, False),  # top_k then top_p: top_p sorts the top-k survivors only
+}
+
+
+def rule_points(base: dict, smoke: bool) -> list[dict]:
+    """The rule rows of one shape: top_k=64 (20 in a smoke run) as a support, replayed alone, and with top_p."""
+    return [{**base, "mode": m, "K": 20 if smoke else 64, "sets": "zipf"} for m in RULE_MODES]
+
+
+def rule_targets(rows: list[dict], con) -> None:
+    """Issue 26's rule-replay targets: support=SamplerRule(top_k=64) <= 0.3x the full path's time, <= 1.1x its
+    memory (a CPU target; printed on any device)."""
+    for r in rows:
+        if r["mode"] == "rule" and r["K"] == 64 and "time_vs_full" in r and r.get("mem_vs_full") is not None:
+            ok = r["time_vs_full"] <= 0.3 and r["mem_vs_full"] <= 1.1
+            con.print(f"target top_k=64 rule fwd+bwd <= 0.3x full time, <= 1.1x its memory ({r['shape']}): "
+                      f"{r['time_vs_full']:.3f}x, {r['mem_vs_full']:.2f}x "
+                      + ("[green]PASS[/green]" if ok else "[red]FAIL[/red]"))
+
+
+def rule_step(spec: dict, hidden, weight, targets):
+    """One measured step of a rule row: ``fused_logprobs(support=rule)`` forward + backward, or ``replay_rule``."""
+    import fastrl
+
+    kw, replay_only = RULE_MODES[spec["mode"]]
+    rule = fastrl.SamplerRule(top_k=spec["K"], **kw)
+    backend = spec.get("backend")
+
+    def step():
+        if replay_only:
+            fastrl.replay_rule(hidden.detach(), weight.detach(), targets, rule, backend=backend)
+            return
+        logp, ent = fastrl.fused_logprobs(hidden, weight, targets, support=rule, backend=backend)
+        torch.autograd.grad(logp.sum() + 0.01 * ent.sum(), [hidden, weight])
+
+    return step
 
 
 def cli(args, device: str, con, env: dict, out_dir: Path, prefix: str) -> int:
@@ -201,6 +250,7 @@ def cli(args, device: str, con, env: dict, out_dir: Path, prefix: str) -> int:
     for r in target:
         verdict = "[green]PASS[/green]" if r["time_vs_full"] <= 0.1 else "[red]FAIL[/red]"
         con.print(f"target K=64 fwd+bwd <= 0.1x full ({r['shape']}, {r['sets']} sets): {r['time_vs_full']:.3f}x {verdict}")
+    rule_targets(rows, con)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{prefix}.json"
     path.write_text(json.dumps({"command": "keptset", "argv": getattr(args, "argv", []), "env": env,

@@ -18,7 +18,6 @@ from fastrl.losses.arithmetic import policy_loss_from_logprobs
 from fastrl.losses.config import LOSS_TYPES, PolicyLossConfig
 from fastrl.ops import budget
 from fastrl.ops import kept as kept_mod
-from fastrl.ops import rules as rules_mod
 from fastrl.ops.rules import apply_rule
 from fastrl.reference import logits_reference, masked_logprobs_reference, rule_mask_reference
 
@@ -49,7 +48,8 @@ def random_keptset(targets, V, k_max, seed=0, ignore_index=-100, empty_ignored=T
 def small_tiles(monkeypatch):
     """Force many token chunks in the kept path and in replay_rule (the chunk seams are where bugs hide)."""
     monkeypatch.setitem(budget.BUDGETS, "kept", {"cpu": budget.TileBudget(elems=64, live=2, cap=12)})
-    monkeypatch.setattr(rules_mod, "_rows_per_tile", lambda V, device: 3)
+    # replay_rule: 3-token chunks, and 48-column vocabulary blocks where the rule is a bounded selection
+    monkeypatch.setitem(budget.BUDGETS, "rule", {"cpu": budget.TileBudget(elems=3 * 48, live=4, rows=3)})
 
 
 # ------------------------------------------------------------------------------------- op vs float64

@@ -4,18 +4,24 @@
 ``fastrl.SamplerRule``; the reference (``fastrl.reference.rule_mask_reference``) and the fast path
 (``replay_rule``) both call it, so there is one definition of every rule.
 
-``replay_rule`` applies a rule to the model's own logits, token chunk by token chunk: each chunk's logits tile
-(``[chunk, V]`` float32, 16 MB on a CPU and 128 MB on CUDA, never ``[N, V]``) is computed once
-(one GEMM, cuBLAS on CUDA with a float32 result, so no logit is rounded to bf16), the rule is applied to it
-(one sort of the tile; top_p needs the order), the target is added where the rule dropped it, and the kept ids
-are appended to a CSR ``KeptSet``. That is **one pass over the vocabulary per token chunk** for every rule,
-top_p without top_k included: the tile holds whole rows, so no histogram pass is needed. Cost: ``2 N H V``
-FLOPs (a forward pass) plus a sort of each row, no gradient.
+``replay_rule`` applies a rule to the model's own logits, token chunk by token chunk, one pass over the vocabulary
+per chunk (one GEMM per tile, cuBLAS on CUDA with a float32 result, so no logit is rounded to bf16), never
+``[N, V]``; the target is added where the rule dropped it, and the kept ids are appended to a CSR ``KeptSet``:
+
+* a top-k rule (no top_p; min_p in vLLM's order), ``_select_top_k``: each chunk of many tokens walks the vocabulary
+  in blocks, ``topk`` of each block merged into a running top-(k+1) per row: no sort of a row, GEMMs as wide as
+  the full path's, one bounded tile. Cost ``2 N H V`` FLOPs plus a ``topk`` of each block;
+* any other rule: whole rows per chunk (``[chunk, V]``: 16 MB on a CPU, 128 MB on CUDA), ``apply_rule`` on the
+  tile. top_p needs the rows in order: with top_k set only its survivors are sorted (``_sort_desc``'s bound),
+  without it the whole row (top_p without top_k needs no histogram pass either: the tile holds whole rows).
+
+Either way the kept set is ``apply_rule``'s on those logits, exactly (ties included; see ``_select_top_k``).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
@@ -23,18 +29,36 @@ from fastrl.ops import torch_backend as TB
 from fastrl.ops._checks import autocast_inputs, check_linear_inputs, check_targets, dense_bias
 from fastrl.ops._gemm import cuda_f32_out, mm_f32
 from fastrl.ops.backend import resolve_backend
-from fastrl.ops.budget import tile_budget
+from fastrl.ops.budget import tile_budget, tile_columns
 from fastrl.ops.config import LogitTransform
 from fastrl.ops.support import KeptSet, SamplerRule
 
 __all__ = ["apply_rule", "replay_rule", "rule_positions"]
 
 
-def _sort_desc(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Values and ids of each row from largest to smallest; equal values in ascending id order (a stable sort of
-    ``-z``), which is the order ``ties="index"`` keeps them in."""
-    vals, order = torch.sort(z, dim=-1, descending=True, stable=True)
-    return vals, order
+def _sort_desc(z: torch.Tensor, bound: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Values ``[n, V]`` and ids ``[n, B]`` of each row from largest to smallest; equal values in ascending id order
+    (a stable sort of ``-z``), which is the order ``ties="index"`` keeps them in.
+
+    ``bound``: no row has more than ``bound`` finite entries (what top_k left). Then only those are sorted: the
+    ``bound`` largest of each row (``topk``, in no particular order among equal values) put in ascending id order,
+    then stably sorted by value, which is the same (value desc, id asc) order; the values past them are ``-inf``,
+    as the full sort's are, so the values returned are the full sort's, element for element, and the ids cover the
+    first ``B = bound`` positions only (past them nothing is finite, so nothing is kept)."""
+    V = z.shape[-1]
+    if bound is None or bound * 8 > V:  # near V, a bounded selection costs what the sort does
+        return torch.sort(z, dim=-1, descending=True, stable=True)
+    cand = torch.topk(z, max(bound, 1), dim=-1)
+    ids, by_id = cand.indices.sort(dim=-1)
+    vals_b, o = torch.sort(cand.values.gather(1, by_id), dim=-1, descending=True, stable=True)
+    vals = z.new_full(z.shape, -math.inf)
+    vals[:, : vals_b.shape[1]] = vals_b
+    return vals, ids.gather(1, o)
+
+
+def _finite_bound(keep: torch.Tensor) -> int:
+    """The most ids any row keeps (one host read): ``_sort_desc``'s ``bound`` after top_k."""
+    return int(keep.sum(dim=-1).max()) if keep.numel() else 0
 
 
 def _tie_group_first(vals: torch.Tensor) -> torch.Tensor:  # [n, V] sorted values -> [n, V] int64
@@ -47,27 +71,37 @@ def _tie_group_first(vals: torch.Tensor) -> torch.Tensor:  # [n, V] sorted value
 
 
 def _unsort(keep_sorted: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    return torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)
+    """[n, V] in sorted positions -> id positions; ``order`` may cover only the first positions (``_sort_desc``'s
+    bound: nothing past them is kept)."""
+    return torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted[:, : order.shape[1]])
 
 
 def _top_k(z: torch.Tensor, k: int, ties: str) -> torch.Tensor:  # bool [n, V]
-    """The k largest of each row (among finite entries); ``keep``: every id tied with the k-th value too."""
+    """The k largest of each row (among finite entries); ``keep``: every id tied with the k-th value too;
+    ``index``: exactly k, the lowest ids among those tied with the k-th value (the first k of a stable sort).
+
+    No sort: ``topk`` gives the k-th value, every id above it is kept, and of the ids equal to it (``topk`` picks
+    among them in no defined order) the lowest ``k - #above`` by a running count in id order."""
     V = z.shape[-1]
     k = min(k, V)
+    kth = torch.topk(z, k, dim=-1).values[:, -1:]
+    finite = z > -math.inf
     if ties == "keep":
-        kth = torch.topk(z, k, dim=-1).values[:, -1:]
-        return (z >= kth) & (z > -math.inf)
-    vals, order = _sort_desc(z)
-    keep = (torch.arange(V, device=z.device) < k).expand_as(vals) & (vals > -math.inf)
-    return _unsort(keep, order)
+        return (z >= kth) & finite
+    above = z > kth
+    tied = z == kth
+    room = k - above.sum(dim=-1, keepdim=True)  # >= 1: the k-th value itself is not above it
+    if bool((tied.sum(dim=-1, keepdim=True) > room).any()):  # more ids equal the k-th value than places are left
+        tied &= tied.cumsum(dim=-1) <= room
+    return (above | tied) & finite
 
 
-def _top_p_vllm(z: torch.Tensor, top_p: float, ties: str) -> torch.Tensor:  # bool [n, V]
+def _top_p_vllm(z: torch.Tensor, top_p: float, ties: str, bound: int | None = None) -> torch.Tensor:  # bool [n, V]
     """Keep an id iff the renormalised mass strictly above it is < top_p (the top id always kept).
 
     ``keep``: "above" means a strictly larger logit, so tied ids share a fate; ``index``: the ids before it in
-    the (value descending, id ascending) order."""
-    vals, order = _sort_desc(z)
+    the (value descending, id ascending) order. ``bound``: see ``_sort_desc``."""
+    vals, order = _sort_desc(z, bound)
     p = torch.softmax(vals, dim=-1)
     above = p.cumsum(dim=-1) - p
     if ties == "keep":
@@ -83,11 +117,14 @@ def _vllm(z: torch.Tensor, rule: SamplerRule) -> torch.Tensor:
         zmax = z.amax(dim=-1, keepdim=True)
         keep &= z >= zmax + math.log(rule.min_p)
         z = z.masked_fill(~keep, -math.inf)
+    bound = None
     if rule.top_k > 0:
         keep &= _top_k(z, rule.top_k, rule.ties)
-        z = z.masked_fill(~keep, -math.inf)
+        if rule.top_p < 1.0:
+            z = z.masked_fill(~keep, -math.inf)
+            bound = _finite_bound(keep)  # top_p then sorts the survivors only
     if rule.top_p < 1.0:
-        keep &= _top_p_vllm(z, rule.top_p, rule.ties)
+        keep &= _top_p_vllm(z, rule.top_p, rule.ties, bound)
     return keep
 
 
@@ -96,12 +133,15 @@ def _transformers(z: torch.Tensor, rule: SamplerRule) -> torch.Tensor:
     arithmetic: top_p sorts ascending, takes the softmax of the sorted logits and its cumulative sum, and drops
     the ids with ``cumsum <= 1 - top_p`` except the last (largest); min_p drops ``softmax < min_p * max``."""
     V = z.shape[-1]
+    bound = None
     if rule.top_k > 0:
-        z = z.masked_fill(~_top_k(z, max(rule.top_k, 1), rule.ties), -math.inf)
+        kept_k = _top_k(z, max(rule.top_k, 1), rule.ties)
+        z = z.masked_fill(~kept_k, -math.inf)
+        bound = _finite_bound(kept_k) if rule.top_p < 1.0 else None  # top_p then sorts the survivors only
     if rule.top_p < 1.0:
         # transformers sorts ascending; here the ascending order is the flip of (value desc, id asc), so among
         # equal logits the lowest id comes last: "index" drops the higher ids first
-        vals_d, order = _sort_desc(z)
+        vals_d, order = _sort_desc(z, bound)
         cum = vals_d.flip(-1).softmax(dim=-1).cumsum(dim=-1)
         remove_a = cum <= (1 - rule.top_p)
         remove_a[:, -1] = False
@@ -119,6 +159,17 @@ def _transformers(z: torch.Tensor, rule: SamplerRule) -> torch.Tensor:
         remove.scatter_(-1, torch.topk(probs, min(1, V), dim=-1).indices, False)
         z = z.masked_fill(remove, -math.inf)
     return z > -math.inf
+
+
+def _stop_ids(rule: SamplerRule, V: int, positions: torch.Tensor | None, device: torch.device):
+    """(stop ids < V [s], early [n] bool: position < min_tokens), or (None, None) when no row's stop ids are masked."""
+    if rule.min_tokens == 0:
+        return None, None
+    stops = torch.tensor([s for s in rule.stop_token_ids if s < V], dtype=torch.int64, device=device)
+    early = positions.to(device) < rule.min_tokens
+    if stops.numel() == 0 or not bool(early.any()):
+        return None, None
+    return stops, early
 
 
 def apply_rule(
@@ -142,9 +193,8 @@ def apply_rule(
             raise ValueError("apply_rule: rule.min_tokens > 0 needs positions (each row's completion position)")
         if positions.shape != (z.shape[0],):
             raise ValueError(f"apply_rule: positions must be [{z.shape[0]}], got {tuple(positions.shape)}")
-        stops = torch.tensor([s for s in rule.stop_token_ids if s < V], dtype=torch.int64, device=z.device)
-        early = positions.to(z.device) < rule.min_tokens
-        if stops.numel() and bool(early.any()):
+        stops, early = _stop_ids(rule, V, positions, z.device)
+        if stops is not None:
             block = torch.zeros_like(z, dtype=torch.bool)
             block[:, stops] = True
             z = z.masked_fill(block & early[:, None], -math.inf)
@@ -178,8 +228,124 @@ def rule_positions(
 
 
 def _rows_per_tile(V: int, device: torch.device) -> int:
-    # replay_rule's [chunk, V] float32 logits tile (the "rule" row of fastrl.ops.budget)
-    return max(1, tile_budget("rule", device).elems // V)
+    # replay_rule's [chunk, V] float32 logits tile (the "rule" row of fastrl.ops.budget; its rows, where set)
+    b = tile_budget("rule", device)
+    return b.rows or max(1, b.elems // V)
+
+
+def _bounded(rule: SamplerRule) -> bool:
+    """Whether the rule's kept set is a bounded selection (``_select_top_k``): top_k set, no top_p, and min_p only in
+    vLLM's order (a threshold below the row maximum; transformers' min_p compares softmax probabilities over the
+    survivors, which the selection does not form)."""
+    return rule.top_k > 0 and rule.top_p >= 1.0 and (rule.min_p == 0.0 or rule.order == "vllm")
+
+
+_SEG = 32  # columns per segment in _above's first pass
+
+
+def _above(
+    z: torch.Tensor,  # [n, C] a block of logits, rows contiguous
+    floor: torch.Tensor,  # [n, 1] each row's buffer minimum
+    v0: int,  # id of the block's first column
+) -> tuple[torch.Tensor, torch.Tensor]:  # values [n, m], ids [n, m]: each row's entries > floor, padded with -inf
+    """The entries of each row strictly above ``floor``, packed left (``m``: the most any row has).
+
+    Once the buffer holds a few blocks' best, a block brings each row a handful of such entries, so the block is
+    read once for the maxima of its 32-column segments (a vectorised reduction, no mask of the block), and only
+    the segments whose maximum passes are looked into. An entry equal to the buffer's smallest value cannot change
+    which values the buffer holds, only which of equal ids: ``_select_top_k``'s tie check sees that case whatever
+    was dropped."""
+    n, C = z.shape
+    whole = C - C % _SEG
+    seg_max = z[:, :whole].reshape(n, whole // _SEG, _SEG).amax(dim=-1)  # [n, C // 32]
+    r, b = (seg_max > floor).nonzero().unbind(1)  # row-major
+    seg = z[:, :whole].reshape(n, whole // _SEG, _SEG)[r, b]  # [s, 32] the segments that pass
+    i, j = (seg > floor.index_select(0, r)).nonzero().unbind(1)
+    row, col = r.index_select(0, i), b.index_select(0, i) * _SEG + j
+    if whole < C:  # the block's last, partial segment: looked into directly
+        r2, c2 = (z[:, whole:] > floor).nonzero().unbind(1)
+        row, col = torch.cat([row, r2]), torch.cat([col, c2 + whole])
+        order = torch.sort(row * C + col).indices  # back to row-major
+        row, col = row.index_select(0, order), col.index_select(0, order)
+    counts = torch.bincount(row, minlength=n)
+    m = int(counts.max()) if row.numel() else 0
+    vals = z.new_full((n, m), -math.inf)
+    ids = torch.zeros((n, m), dtype=torch.int64, device=z.device)
+    if m:
+        slot = torch.arange(row.numel(), device=z.device) - (counts.cumsum(0) - counts).index_select(0, row)
+        vals[row, slot] = z[row, col]
+        ids[row, slot] = col + v0
+    return vals, ids
+
+
+def _select_top_k(
+    block: Callable[[int, int], torch.Tensor],  # (v0, v1) -> [n, v1 - v0] transformed logits (may be overwritten)
+    full_rows: Callable[[torch.Tensor], torch.Tensor],  # row ids [r] -> [r, V] transformed logits of those rows
+    n: int,
+    V: int,
+    cols: int,  # vocabulary columns per block
+    rule: SamplerRule,
+    positions: torch.Tensor | None,  # [n] (min_tokens)
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (row [m], id [m]) kept pairs, rows ascending, ids ascending within a row
+    """``apply_rule``'s kept set for a ``_bounded`` rule, from the logits in vocabulary blocks (GEMMs over every row
+    of the chunk: wide, not a few whole rows) and a running top-``(k + 1)`` of each row, never a sort of a row.
+
+    Exact by construction: the buffer holds the ``k + 1`` largest values of the row (with their multiplicity;
+    ``topk`` of each block, then of the buffer and the block's, keeps every value that fewer than ``k + 1`` others
+    exceed or equal). When its ``(k + 1)``-th value is below the k-th, the first k entries are exactly the ids
+    with a value >= the k-th: top_k's set under either tie rule. Where they are equal, ids equal to the k-th value
+    may have been dropped, and which of them a rule keeps depends on all of them: those rows (rare with real logits)
+    are recomputed whole and handed to ``apply_rule`` itself. vLLM's min_p keeps ``z >= z_max + log(min_p)``, a
+    threshold every top-k survivor of it passes in the same order (``z_max`` is the buffer's first value), and
+    min_tokens sets the stop ids to ``-inf`` block by block, as ``apply_rule`` does on the whole row."""
+    k = min(rule.top_k, V)
+    c = min(k + 1, V)
+    stops, early = _stop_ids(rule, V, positions, device)
+    top_v = top_i = None
+    for v0 in range(0, V, cols):
+        v1 = min(v0 + cols, V)
+        z = block(v0, v1)
+        if stops is not None:
+            s = stops[(stops >= v0) & (stops < v1)] - v0
+            if s.numel():
+                z[:, s] = z[:, s].masked_fill(early[:, None], -math.inf)
+        if top_v is None or top_v.shape[1] < c:  # the buffer is not full yet: the block's own topk
+            bv, bi = torch.topk(z, min(c, v1 - v0), dim=-1)
+            bi += v0
+        else:  # only values above the buffer's smallest can enter it (few, once a few blocks are seen)
+            bv, bi = _above(z, top_v[:, -1:], v0)
+        if top_v is not None:
+            bv, bi = torch.cat([top_v, bv], dim=1), torch.cat([top_i, bi], dim=1)
+            bv, sel = torch.topk(bv, min(c, bv.shape[1]), dim=-1)
+            bi = bi.gather(1, sel)
+        top_v, top_i = bv, bi
+    # top_v [n, c]: each row's c largest values, descending; top_i their ids
+    width = top_v.shape[1]
+    keep = (top_v > -math.inf) & (torch.arange(width, device=device) < k)
+    if rule.min_p > 0.0:
+        keep &= top_v >= top_v[:, :1] + math.log(rule.min_p)
+    tie = (top_v[:, -1] == top_v[:, k - 1]) & (top_v[:, k - 1] > -math.inf) if width > k else None
+    if tie is not None:
+        keep &= ~tie[:, None]
+    ids = torch.where(keep, top_i, V).sort(dim=-1).values  # kept ids ascending, then the sentinel V
+    taken = torch.arange(width, device=device) < keep.sum(dim=-1, keepdim=True)
+    rows = torch.arange(n, device=device)[:, None].expand(n, width)[taken]
+    ids = ids[taken]
+    tie_rows = tie.nonzero().squeeze(1) if tie is not None else rows[:0]
+    if tie_rows.numel() == 0:
+        return rows, ids
+    per = _rows_per_tile(V, device)  # whole rows, a bounded tile at a time
+    t_rows, t_ids = [rows], [ids]
+    for r0 in range(0, tie_rows.numel(), per):
+        r = tie_rows[r0 : r0 + per]
+        m = apply_rule(full_rows(r), rule, None if positions is None else positions.index_select(0, r))
+        i, j = m.nonzero().unbind(1)
+        t_rows.append(r.index_select(0, i))
+        t_ids.append(j)
+    rows, ids = torch.cat(t_rows), torch.cat(t_ids)
+    order = torch.sort(rows * (V + 1) + ids).indices
+    return rows.index_select(0, order), ids.index_select(0, order)
 
 
 def logits_tile(
@@ -196,6 +362,66 @@ def logits_tile(
             out += TB._f32(bias)
         return tf.apply_(out)
     return TB.chunk_logits(h, weight, bias, tf, out=out)
+
+
+def _replay_sorted(h, weight, bias, t, tf, rule, pos, live, cdt, sizes, outside, pieces) -> None:
+    """``replay_rule``'s loop for any rule: token chunks of whole rows ``[chunk, V]``, ``apply_rule`` on each; fills
+    ``sizes`` [N], ``outside`` [N] and ``pieces`` (each chunk's kept ids, row-major) for the live rows ``live``."""
+    V = weight.shape[0]
+    rows = _rows_per_tile(V, h.device)
+    buf = torch.empty(min(rows, max(live.numel(), 1)) * V, dtype=cdt, device=h.device)
+    for c0 in range(0, live.numel(), rows):
+        r = live[c0 : c0 + rows]
+        n = r.numel()
+        z = logits_tile(h.index_select(0, r), weight, bias, tf, out=buf[: n * V].view(n, V))
+        keep = apply_rule(z, rule, None if pos is None else pos.index_select(0, r))
+        tc = t.index_select(0, r)
+        ar = torch.arange(n, device=h.device)
+        outside[r] = ~keep[ar, tc]
+        keep[ar, tc] = True
+        sizes[r] = keep.sum(1)
+        pieces.append(keep.nonzero()[:, 1])  # row-major: ascending ids within each row, rows in order
+
+
+def _replay_bounded(h, weight, bias, t, tf, rule, pos, live, cdt, sizes, outside, pieces) -> None:
+    """``replay_rule``'s loop for a ``_bounded`` rule: token chunks of many rows, each walked in vocabulary blocks
+    by ``_select_top_k``; fills ``sizes``, ``outside`` and ``pieces`` as the sort path does."""
+    V = weight.shape[0]
+    dev = h.device
+    budget = tile_budget("rule", dev)
+    # blocks of at least ~16 buffer widths of columns, so a block's topk outweighs merging it into the buffer; as
+    # many rows as then fit the tile (every row of a C1-sized chunk: GEMMs as wide as the full path's)
+    c = min(rule.top_k + 1, V)
+    per = budget.rows or max(1, budget.elems // min(V, max(1024, 16 * c)))
+    n_max = min(per, max(live.numel(), 1))
+    cols = tile_columns(n_max, V, multiple=1, tile_elems=budget.elems)
+    buf = torch.empty(n_max * cols, dtype=cdt, device=dev)
+    for c0 in range(0, live.numel(), per):
+        r = live[c0 : c0 + per]
+        n = r.numel()
+        h_c = h.index_select(0, r)
+
+        def block(v0, v1, h_c=h_c, n=n):
+            return logits_tile(h_c, weight[v0:v1], None if bias is None else bias[v0:v1], tf,
+                               out=buf[: n * (v1 - v0)].view(n, v1 - v0))
+
+        def full_rows(rr, h_c=h_c):
+            return logits_tile(h_c.index_select(0, rr), weight, bias, tf,
+                               out=torch.empty((rr.numel(), V), dtype=cdt, device=dev))
+
+        kr, ki = _select_top_k(block, full_rows, n, V, cols, rule, None if pos is None else pos.index_select(0, r),
+                               dev)
+        tc = t.index_select(0, r)
+        present = torch.zeros(n, dtype=torch.bool, device=dev)
+        present[kr[ki == tc.index_select(0, kr)]] = True
+        outside[r] = ~present
+        add = (~present).nonzero().squeeze(1)
+        if add.numel():  # the target joins the set of a token whose target the rule dropped
+            kr, ki = torch.cat([kr, add]), torch.cat([ki, tc.index_select(0, add)])
+            order = torch.sort(kr * (V + 1) + ki).indices
+            kr, ki = kr.index_select(0, order), ki.index_select(0, order)
+        sizes[r] = torch.bincount(kr, minlength=n)
+        pieces.append(ki)
 
 
 @torch.no_grad()
@@ -219,7 +445,7 @@ def replay_rule(
     a bounded tile (one pass over the vocabulary per chunk; never ``[N, V]``). A counted token whose target the
     rule dropped gets the target added to its set, and ``outside`` marks it (the trainers log the fraction);
     an ignored token (``targets == ignore_index``) gets an empty set. ``positions``: see ``rule_positions``.
-    The same code serves every backend (the GEMM is cuBLAS on CUDA; the rest is a sort): ``backend`` is
+    The same code serves every backend (the GEMM is cuBLAS on CUDA; the rest a selection or a sort, see the module docstring): ``backend`` is
     validated only.
     """
     if not isinstance(rule, SamplerRule):
@@ -243,20 +469,9 @@ def replay_rule(
     sizes = torch.zeros(N, dtype=torch.int64, device=h.device)
     outside = torch.zeros(N, dtype=torch.bool, device=h.device)
     pieces: list[torch.Tensor] = []
-    rows = _rows_per_tile(V, h.device)
-    buf = torch.empty(min(rows, max(live.numel(), 1)) * V, dtype=cdt, device=h.device)
     with torch.autocast(h.device.type, enabled=False):
-        for c0 in range(0, live.numel(), rows):
-            r = live[c0 : c0 + rows]
-            n = r.numel()
-            z = logits_tile(h.index_select(0, r), weight, bias, tf, out=buf[: n * V].view(n, V))
-            keep = apply_rule(z, rule, None if pos is None else pos.index_select(0, r))
-            tc = t.index_select(0, r)
-            ar = torch.arange(n, device=h.device)
-            outside[r] = ~keep[ar, tc]
-            keep[ar, tc] = True
-            sizes[r] = keep.sum(1)
-            pieces.append(keep.nonzero()[:, 1])  # row-major: ascending ids within each row, rows in order
+        replay = _replay_bounded if _bounded(rule) else _replay_sorted
+        replay(h, weight, bias, t, tf, rule, pos, live, cdt, sizes, outside, pieces)
     offsets = torch.zeros(N + 1, dtype=torch.int64, device=h.device)
     offsets[1:] = sizes.cumsum(0)
     ids = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64, device=h.device)
