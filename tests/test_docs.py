@@ -156,3 +156,30 @@ def test_readme_snippet_runs(line, code, tmp_path, monkeypatch):
     fragment = code.splitlines()[0].startswith(FRAGMENTS)
     namespace = _given() if fragment else {}
     exec(compile(code, f"README.md:{line}", "exec"), namespace)
+
+
+# the README's C1 table: provider label (its start) -> the provider in c1.json, per workload
+_C1_LABELS = {
+    ("C1", "fastrl `fused_logprobs`"): "fastrl", ("C1-loss", "fastrl `fused_logprobs`"): "fastrl",
+    ("C1-loss", "fastrl `policy_loss`"): "fastrl-fused", ("C1", "PyTorch"): "torch", ("C1-loss", "PyTorch"): "torch",
+    ("C1", "TRL"): "trl", ("C1-loss", "TRL"): "trl", ("C1-loss", "Liger"): "liger-fused",
+}
+
+
+def test_readme_c1_figures_are_those_of_the_cited_result_file():
+    """The README's C1 table is the committed `bench c1` result it names, figure for figure (bench/README.md: re-run
+    and commit the file whenever the plain path changes, then copy its figures)."""
+    import json
+
+    text = (REPO / "README.md").read_text()
+    m = re.search(r"`python -m bench c1`\s*\(`(bench/results/[^`]+/c1\.json)`", text)
+    assert m, "README.md names no bench c1 result file next to its C1 table"
+    rows = {(r["workload"], r["provider"]): r for r in json.loads((REPO / m.group(1)).read_text())["rows"]
+            if r.get("status") == "ok"}
+    table = re.findall(r"^\| (C1|C1-loss) \| ([^|]+) \| (\d+) \| (\d+) MB \| ([\d.]+)x \|", text[m.end():], flags=re.M)
+    assert len(table) >= 6, table
+    for wl, label, ms, mb, ratio in table:
+        prov = next(p for (w, start), p in _C1_LABELS.items() if w == wl and label.startswith(start))
+        r = rows[(wl, prov)]
+        assert (int(ms), int(mb), float(ratio)) == (
+            round(r["total_ms"]["median"]), round(r["peak_extra_mb"]), round(r["time_vs_torch"], 2)), (wl, label)
