@@ -8,12 +8,13 @@
 per chunk (one GEMM per tile, cuBLAS on CUDA with a float32 result, so no logit is rounded to bf16), never
 ``[N, V]``; the target is added where the rule dropped it, and the kept ids are appended to a CSR ``KeptSet``:
 
-* a top-k rule (no top_p; min_p in vLLM's order), ``_select_top_k``: each chunk of many tokens walks the vocabulary
-  in blocks, ``topk`` of each block merged into a running top-(k+1) per row: no sort of a row, GEMMs as wide as
-  the full path's, one bounded tile. Cost ``2 N H V`` FLOPs plus a ``topk`` of each block;
-* any other rule: whole rows per chunk (``[chunk, V]``: 16 MB on a CPU, 128 MB on CUDA), ``apply_rule`` on the
-  tile. top_p needs the rows in order: with top_k set only its survivors are sorted (``_sort_desc``'s bound),
-  without it the whole row (top_p without top_k needs no histogram pass either: the tile holds whole rows).
+* a rule with top_k, ``_select_top_k``: each chunk of many tokens walks the vocabulary in blocks, each block merged
+  into a running top-(k+1) per row: no sort of a row, GEMMs as wide as the full path's, one bounded tile. Cost
+  ``2 N H V`` FLOPs plus a pass over each block. What follows top_k (top_p, transformers' min_p) then runs on whole
+  rows holding only top_k's survivors, the same functions ``apply_rule`` runs after its top_k: top_p sorts the
+  survivors only (``_sort_desc``'s bound), never a row;
+* a rule without top_k: whole rows per chunk (``[chunk, V]``: 16 MB on a CPU, 128 MB on CUDA), ``apply_rule`` on the
+  tile (top_p sorts the whole row; no histogram pass: the tile holds whole rows).
 
 Either way the kept set is ``apply_rule``'s on those logits, exactly (ties included; see ``_select_top_k``).
 """
@@ -36,21 +37,34 @@ from fastrl.ops.support import KeptSet, SamplerRule
 __all__ = ["apply_rule", "replay_rule", "rule_positions"]
 
 
+def _pack(row: torch.Tensor, col: torch.Tensor, values: torch.Tensor, n: int, fill: float):
+    """Entries given row-major as (row, col, value) -> values [n, m] and cols [n, m] packed left in that order
+    (``m``: the most any row has; the rest ``fill`` and col 0)."""
+    counts = torch.bincount(row, minlength=n)
+    m = int(counts.max()) if row.numel() else 0
+    vals = values.new_full((n, m), fill)
+    cols = torch.zeros((n, m), dtype=torch.int64, device=row.device)
+    if m:
+        slot = torch.arange(row.numel(), device=row.device) - (counts.cumsum(0) - counts).index_select(0, row)
+        vals[row, slot] = values
+        cols[row, slot] = col
+    return vals, cols
+
+
 def _sort_desc(z: torch.Tensor, bound: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Values ``[n, V]`` and ids ``[n, B]`` of each row from largest to smallest; equal values in ascending id order
     (a stable sort of ``-z``), which is the order ``ties="index"`` keeps them in.
 
-    ``bound``: no row has more than ``bound`` finite entries (what top_k left). Then only those are sorted: the
-    ``bound`` largest of each row (``topk``, in no particular order among equal values) put in ascending id order,
-    then stably sorted by value, which is the same (value desc, id asc) order; the values past them are ``-inf``,
-    as the full sort's are, so the values returned are the full sort's, element for element, and the ids cover the
-    first ``B = bound`` positions only (past them nothing is finite, so nothing is kept)."""
+    ``bound``: no row has more than ``bound`` finite entries (what top_k left). Then only those are sorted: gathered
+    in id order, then stably sorted by value, which is the same (value desc, id asc) order; the values past them are
+    ``-inf``, as the full sort's are, so the values returned are the full sort's, element for element, and the ids
+    cover the first ``B = bound`` positions (past a row's finite entries nothing is kept, whatever the id)."""
     V = z.shape[-1]
-    if bound is None or bound * 8 > V:  # near V, a bounded selection costs what the sort does
+    if bound is None or bound * 8 > V:  # near V, gathering costs what the sort does
         return torch.sort(z, dim=-1, descending=True, stable=True)
-    cand = torch.topk(z, max(bound, 1), dim=-1)
-    ids, by_id = cand.indices.sort(dim=-1)
-    vals_b, o = torch.sort(cand.values.gather(1, by_id), dim=-1, descending=True, stable=True)
+    row, col = (z > -math.inf).nonzero().unbind(1)  # row-major: ids ascending within a row
+    vals_b, ids = _pack(row, col, z[row, col], z.shape[0], -math.inf)
+    vals_b, o = torch.sort(vals_b, dim=-1, descending=True, stable=True)
     vals = z.new_full(z.shape, -math.inf)
     vals[:, : vals_b.shape[1]] = vals_b
     return vals, ids.gather(1, o)
@@ -70,10 +84,10 @@ def _tie_group_first(vals: torch.Tensor) -> torch.Tensor:  # [n, V] sorted value
     return torch.where(start, pos, torch.zeros_like(pos)).cummax(dim=1).values
 
 
-def _unsort(keep_sorted: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """[n, V] in sorted positions -> id positions; ``order`` may cover only the first positions (``_sort_desc``'s
-    bound: nothing past them is kept)."""
-    return torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted[:, : order.shape[1]])
+def _unsort(keep_sorted: torch.Tensor, order: torch.Tensor, V: int) -> torch.Tensor:
+    """[n, B] flags of the first B sorted positions (``order``'s) -> [n, V] by id; nothing past them is set
+    (``_sort_desc``'s bound: nothing past them is finite)."""
+    return keep_sorted.new_zeros((keep_sorted.shape[0], V)).scatter_(1, order, keep_sorted)
 
 
 def _top_k(z: torch.Tensor, k: int, ties: str) -> torch.Tensor:  # bool [n, V]
@@ -102,13 +116,17 @@ def _top_p_vllm(z: torch.Tensor, top_p: float, ties: str, bound: int | None = No
     ``keep``: "above" means a strictly larger logit, so tied ids share a fate; ``index``: the ids before it in
     the (value descending, id ascending) order. ``bound``: see ``_sort_desc``."""
     vals, order = _sort_desc(z, bound)
+    B = order.shape[1]
+    # the softmax and its running sum over the whole sorted row, so their roundings do not depend on the bound;
+    # past the first B positions (all -inf, never kept) nothing more is needed
     p = torch.softmax(vals, dim=-1)
-    above = p.cumsum(dim=-1) - p
+    above = p.cumsum(dim=-1)[:, :B] - p[:, :B]
+    vals = vals[:, :B]
     if ties == "keep":
         above = above.gather(1, _tie_group_first(vals))
     keep = (above < top_p) & (vals > -math.inf)
     keep[:, 0] = vals[:, 0] > -math.inf
-    return _unsort(keep, order)
+    return _unsort(keep, order, z.shape[-1])
 
 
 def _vllm(z: torch.Tensor, rule: SamplerRule) -> torch.Tensor:
@@ -117,14 +135,17 @@ def _vllm(z: torch.Tensor, rule: SamplerRule) -> torch.Tensor:
         zmax = z.amax(dim=-1, keepdim=True)
         keep &= z >= zmax + math.log(rule.min_p)
         z = z.masked_fill(~keep, -math.inf)
-    bound = None
-    if rule.top_k > 0:
-        keep &= _top_k(z, rule.top_k, rule.ties)
-        if rule.top_p < 1.0:
-            z = z.masked_fill(~keep, -math.inf)
-            bound = _finite_bound(keep)  # top_p then sorts the survivors only
-    if rule.top_p < 1.0:
-        keep &= _top_p_vllm(z, rule.top_p, rule.ties, bound)
+    if rule.top_k == 0:
+        return keep & _top_p_vllm(z, rule.top_p, rule.ties) if rule.top_p < 1.0 else keep
+    keep &= _top_k(z, rule.top_k, rule.ties)
+    return _vllm_after_top_k(z.masked_fill(~keep, -math.inf) if rule.top_p < 1.0 else z, keep, rule)
+
+
+def _vllm_after_top_k(z: torch.Tensor, keep: torch.Tensor, rule: SamplerRule) -> torch.Tensor:  # bool [n, V]
+    """vLLM's order past top_k (top_p): ``keep`` the survivors so far, ``z`` -inf outside them (when top_p is on).
+    ``_select_top_k`` enters here too, with the same survivors and values: one definition of what follows."""
+    if rule.top_p < 1.0:  # top_p sorts the survivors only
+        keep = keep & _top_p_vllm(z, rule.top_p, rule.ties, _finite_bound(keep))
     return keep
 
 
@@ -132,26 +153,34 @@ def _transformers(z: torch.Tensor, rule: SamplerRule) -> torch.Tensor:
     """transformers' TopKLogitsWarper -> TopPLogitsWarper -> MinPLogitsWarper (min_tokens_to_keep=1), in their
     arithmetic: top_p sorts ascending, takes the softmax of the sorted logits and its cumulative sum, and drops
     the ids with ``cumsum <= 1 - top_p`` except the last (largest); min_p drops ``softmax < min_p * max``."""
+    if rule.top_k == 0:
+        return _transformers_after_top_k(z, rule, None)
+    kept_k = _top_k(z, max(rule.top_k, 1), rule.ties)
+    return _transformers_after_top_k(z.masked_fill(~kept_k, -math.inf), rule, kept_k)
+
+
+def _transformers_after_top_k(z: torch.Tensor, rule: SamplerRule, kept_k: torch.Tensor | None) -> torch.Tensor:
+    """transformers' order past top_k (top_p, then min_p) on ``z``, -inf outside top_k's survivors ``kept_k`` (None
+    without top_k). ``_select_top_k`` enters here too, with the same ``z``: one definition of what follows."""
     V = z.shape[-1]
-    bound = None
-    if rule.top_k > 0:
-        kept_k = _top_k(z, max(rule.top_k, 1), rule.ties)
-        z = z.masked_fill(~kept_k, -math.inf)
-        bound = _finite_bound(kept_k) if rule.top_p < 1.0 else None  # top_p then sorts the survivors only
+    # top_p then sorts the survivors only
+    bound = _finite_bound(kept_k) if kept_k is not None and rule.top_p < 1.0 else None
     if rule.top_p < 1.0:
         # transformers sorts ascending; here the ascending order is the flip of (value desc, id asc), so among
         # equal logits the lowest id comes last: "index" drops the higher ids first
         vals_d, order = _sort_desc(z, bound)
+        B = order.shape[1]
+        # the softmax and its running sum over the whole ascending row (roundings independent of the bound); then
+        # only the last B ascending positions, the first B descending ones, matter (the rest is -inf)
         cum = vals_d.flip(-1).softmax(dim=-1).cumsum(dim=-1)
         remove_a = cum <= (1 - rule.top_p)
         remove_a[:, -1] = False
-        kept = ~remove_a.flip(-1)  # descending positions
+        kept = ~remove_a[:, V - B :].flip(-1)  # descending positions 0..B-1
         if rule.ties == "keep":  # a run of equal logits is kept whole when any of its ids is kept
-            first = _tie_group_first(vals_d)
+            first = _tie_group_first(vals_d[:, :B])
             grp = torch.zeros_like(kept, dtype=torch.uint8).scatter_reduce(1, first, kept.to(torch.uint8), "amax")
             kept = grp.gather(1, first).bool()
-        remove = ~kept
-        z = z.masked_fill(_unsort(remove, order), -math.inf)
+        z = z.masked_fill(_unsort(~kept, order, V), -math.inf)
     if rule.min_p > 0.0:
         probs = torch.softmax(z, dim=-1)
         top = probs.amax(dim=-1, keepdim=True)
@@ -234,10 +263,14 @@ def _rows_per_tile(V: int, device: torch.device) -> int:
 
 
 def _bounded(rule: SamplerRule) -> bool:
-    """Whether the rule's kept set is a bounded selection (``_select_top_k``): top_k set, no top_p, and min_p only in
-    vLLM's order (a threshold below the row maximum; transformers' min_p compares softmax probabilities over the
-    survivors, which the selection does not form)."""
-    return rule.top_k > 0 and rule.top_p >= 1.0 and (rule.min_p == 0.0 or rule.order == "vllm")
+    """Whether ``replay_rule`` takes the bounded selection (``_select_top_k``): every rule with top_k, whose kept set
+    lies within top_k's survivors (what follows top_k sees nothing else)."""
+    return rule.top_k > 0
+
+
+def _after_top_k(rule: SamplerRule) -> bool:
+    """Whether the rule has stages past top_k and vLLM's min_p: top_p, or transformers' min_p (after top_p)."""
+    return rule.top_p < 1.0 or (rule.min_p > 0.0 and rule.order == "transformers")
 
 
 _SEG = 32  # columns per segment in _above's first pass
@@ -269,15 +302,7 @@ def _above(
         row, col = torch.cat([row, r2]), torch.cat([col, c2 + whole])
         order = torch.sort(row * C + col).indices  # back to row-major
         row, col = row.index_select(0, order), col.index_select(0, order)
-    counts = torch.bincount(row, minlength=n)
-    m = int(counts.max()) if row.numel() else 0
-    vals = z.new_full((n, m), -math.inf)
-    ids = torch.zeros((n, m), dtype=torch.int64, device=z.device)
-    if m:
-        slot = torch.arange(row.numel(), device=z.device) - (counts.cumsum(0) - counts).index_select(0, row)
-        vals[row, slot] = z[row, col]
-        ids[row, slot] = col + v0
-    return vals, ids
+    return _pack(row, col + v0, z[row, col], n, -math.inf)
 
 
 def _select_top_k(
@@ -300,7 +325,9 @@ def _select_top_k(
     may have been dropped, and which of them a rule keeps depends on all of them: those rows (rare with real logits)
     are recomputed whole and handed to ``apply_rule`` itself. vLLM's min_p keeps ``z >= z_max + log(min_p)``, a
     threshold every top-k survivor of it passes in the same order (``z_max`` is the buffer's first value), and
-    min_tokens sets the stop ids to ``-inf`` block by block, as ``apply_rule`` does on the whole row."""
+    min_tokens sets the stop ids to ``-inf`` block by block, as ``apply_rule`` does on the whole row. Stages past
+    top_k (``_after_top_k``) see only its survivors, so ``_finish_after_top_k`` rebuilds exactly the tile they get
+    inside ``apply_rule``."""
     k = min(rule.top_k, V)
     c = min(k + 1, V)
     stops, early = _stop_ids(rule, V, positions, device)
@@ -325,19 +352,22 @@ def _select_top_k(
     # top_v [n, c]: each row's c largest values, descending; top_i their ids
     width = top_v.shape[1]
     keep = (top_v > -math.inf) & (torch.arange(width, device=device) < k)
-    if rule.min_p > 0.0:
+    if rule.min_p > 0.0 and rule.order == "vllm":
         keep &= top_v >= top_v[:, :1] + math.log(rule.min_p)
     tie = (top_v[:, -1] == top_v[:, k - 1]) & (top_v[:, k - 1] > -math.inf) if width > k else None
     if tie is not None:
         keep &= ~tie[:, None]
-    ids = torch.where(keep, top_i, V).sort(dim=-1).values  # kept ids ascending, then the sentinel V
-    taken = torch.arange(width, device=device) < keep.sum(dim=-1, keepdim=True)
-    rows = torch.arange(n, device=device)[:, None].expand(n, width)[taken]
-    ids = ids[taken]
+    per = _rows_per_tile(V, device)  # whole rows, a bounded tile at a time
+    if _after_top_k(rule):
+        rows, ids = _finish_after_top_k(top_v, top_i, keep, tie, rule, V, per)
+    else:
+        ids = torch.where(keep, top_i, V).sort(dim=-1).values  # kept ids ascending, then the sentinel V
+        taken = torch.arange(width, device=device) < keep.sum(dim=-1, keepdim=True)
+        rows = torch.arange(n, device=device)[:, None].expand(n, width)[taken]
+        ids = ids[taken]
     tie_rows = tie.nonzero().squeeze(1) if tie is not None else rows[:0]
     if tie_rows.numel() == 0:
         return rows, ids
-    per = _rows_per_tile(V, device)  # whole rows, a bounded tile at a time
     t_rows, t_ids = [rows], [ids]
     for r0 in range(0, tie_rows.numel(), per):
         r = tie_rows[r0 : r0 + per]
@@ -348,6 +378,30 @@ def _select_top_k(
     rows, ids = torch.cat(t_rows), torch.cat(t_ids)
     order = torch.sort(rows * (V + 1) + ids).indices
     return rows.index_select(0, order), ids.index_select(0, order)
+
+
+def _finish_after_top_k(top_v, top_i, keep, tie, rule: SamplerRule, V: int, per: int):
+    """The stages past top_k (``_after_top_k``) for the rows without a tie, ``per`` whole rows at a time: each row's
+    logits with every id but top_k's survivors at ``-inf`` (the survivors' values are the row's own, from the
+    buffer), which is the tile ``apply_rule`` hands to the same functions after its own top_k. (row, id) pairs."""
+    n, width = top_v.shape
+    dev = top_v.device
+    ok = torch.arange(n, device=dev) if tie is None else (~tie).nonzero().squeeze(1)
+    rows, ids = [], []
+    for r0 in range(0, ok.numel(), per):
+        r = ok[r0 : r0 + per]
+        kv, iv = keep.index_select(0, r), top_i.index_select(0, r)
+        z = top_v.new_full((r.numel(), V), -math.inf).scatter_(1, iv, top_v.index_select(0, r).masked_fill(~kv, -math.inf))
+        survivors = z > -math.inf
+        m = (_vllm_after_top_k(z, survivors, rule) if rule.order == "vllm"
+             else _transformers_after_top_k(z, rule, survivors))
+        kv &= m.gather(1, iv)  # what is kept lies among the survivors: read it at their ids, not over the row
+        iv = torch.where(kv, iv, V).sort(dim=-1).values  # kept ids ascending, then the sentinel V
+        taken = torch.arange(width, device=dev) < kv.sum(dim=-1, keepdim=True)
+        rows.append(r[:, None].expand(r.numel(), width)[taken])
+        ids.append(iv[taken])
+    empty = torch.zeros(0, dtype=torch.int64, device=dev)
+    return (torch.cat(rows), torch.cat(ids)) if rows else (empty, empty)
 
 
 def logits_tile(
