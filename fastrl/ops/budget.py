@@ -37,12 +37,13 @@ path                      device  tile    live  why
 ``kept``                  cpu     16 MB   2     kept-set union GEMMs (``kept``): the ``[chunk, |U|]`` tile
                           cuda    256 MB        and its filled copy; ``cap`` bounds a chunk's union (the
                                                 work per token is at most ``max(cap, K)`` ids).
-``rule``                  cpu     16 MB   4     ``replay_rule``: a rule with top_p (or transformers'
-                          cuda    128 MB        min_p) takes whole rows, ``[chunk, V]``: the logits tile,
-                                                then a sort's values (one more) and int64 ids (two more).
-                                                A top-k rule walks vocabulary blocks of many rows with a
-                                                running top-(k+1) per row: one tile (its GEMMs as wide as
-                                                path A's). ``rows``, when set: tokens per chunk.
+``rule``                  cpu     16 MB   4     ``replay_rule``: a rule without top_k takes whole rows,
+                          cuda    128 MB        ``[chunk, V]``: the logits tile, then a sort's values (one
+                                                more) and int64 ids (two more). A rule with top_k walks
+                                                vocabulary blocks of many rows with a running top-(k+1) per
+                                                row: one tile (its GEMMs as wide as path A's), then whole
+                                                rows of top_k's survivors for top_p. ``rows``, when set:
+                                                tokens per chunk.
 ``one-pass``              cpu     32 MB   1     one-pass loss with a trained head: the ``[chunk, V]`` tile;
                           cuda    1 GiB         the float32 [V, H] accumulator is read and written once per
                                                 chunk, so GPU chunks are long (1766 tokens at V=151936:
