@@ -298,8 +298,8 @@ def _fastest_paths(rows: list[dict], con) -> dict[str, list[tuple[str, float]]]:
 def _c1_targets(rows: list[dict], con) -> dict:
     """The CPU targets, per workload (C1_TARGETS): time and extra peak memory as ratios of torch's.
 
-    C1: fastrl (path A) extra peak <= 10% of torch's, time <= 1.1x (issue 26; 1.2x before). C1-loss: fastrl.policy_loss (one pass) extra
-    peak <= 10% of torch's, time <= 1.0x.
+    C1: fastrl (path A) extra peak <= 10% of torch's, time <= 1.1x (issue 26; 1.2x before). C1-loss:
+    fastrl.policy_loss (one pass) extra peak <= 10% of torch's, time <= 1.0x.
     """
     out = {}
     for wl_name in dict.fromkeys(r["workload"] for r in rows):

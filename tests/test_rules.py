@@ -68,8 +68,8 @@ def test_bounded_sort_is_the_full_sort():
 
 
 RULES = [SR(top_k=k, top_p=p, min_p=mp, ties=ties, order=order, min_tokens=mt, stop_token_ids=(0, 3) if mt else ())
-         for k, p, mp, ties, order, mt in itertools.product((0, 1, 3, 8), (1.0, 0.9, 0.3), (0.0, 0.2), ("keep", "index"),
-                                                           ("vllm", "transformers"), (0, 2))]
+         for k, p, mp, ties, order, mt in itertools.product((0, 1, 3, 8), (1.0, 0.9, 0.3), (0.0, 0.2),
+                                                           ("keep", "index"), ("vllm", "transformers"), (0, 2))]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)

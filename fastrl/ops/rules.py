@@ -391,7 +391,8 @@ def _finish_after_top_k(top_v, top_i, keep, tie, rule: SamplerRule, V: int, per:
     for r0 in range(0, ok.numel(), per):
         r = ok[r0 : r0 + per]
         kv, iv = keep.index_select(0, r), top_i.index_select(0, r)
-        z = top_v.new_full((r.numel(), V), -math.inf).scatter_(1, iv, top_v.index_select(0, r).masked_fill(~kv, -math.inf))
+        vals = top_v.index_select(0, r).masked_fill(~kv, -math.inf)
+        z = top_v.new_full((r.numel(), V), -math.inf).scatter_(1, iv, vals)
         survivors = z > -math.inf
         m = (_vllm_after_top_k(z, survivors, rule) if rule.order == "vllm"
              else _transformers_after_top_k(z, rule, survivors))
@@ -501,8 +502,8 @@ def replay_rule(
     a bounded tile (one pass over the vocabulary per chunk; never ``[N, V]``). A counted token whose target the
     rule dropped gets the target added to its set, and ``outside`` marks it (the trainers log the fraction);
     an ignored token (``targets == ignore_index``) gets an empty set. ``positions``: see ``rule_positions``.
-    The same code serves every backend (the GEMM is cuBLAS on CUDA; the rest a selection or a sort, see the module docstring): ``backend`` is
-    validated only.
+    The same code serves every backend (the GEMM is cuBLAS on CUDA; the rest a selection or a sort, see the module
+    docstring): ``backend`` is validated only.
     """
     if not isinstance(rule, SamplerRule):
         raise TypeError(f"rule must be a fastrl.SamplerRule, got {type(rule).__name__}")
