@@ -87,10 +87,13 @@ def test_keptset_points_and_one_point_in_process():
     pts = keptset.points("cpu", smoke=False, quick=False)
     kept = {(p["K"], p["sets"]) for p in pts if p["mode"] == "kept"}
     assert kept == {(k, s) for k in (20, 64, 512) for s in ("zipf", "uniform")}
-    assert {p["mode"] for p in pts} == {"full", "kept", "rule"} and all(p["V"] == 151936 for p in pts)
+    assert {p["mode"] for p in pts} == {"full", "kept", "rule", "replay", "rule-p"}
+    assert all(p["V"] == 151936 for p in pts)
     assert {p["shape"] for p in keptset.points("cuda", False, False)} == {"W1-kept", "W2-kept"}
     ks, targets = keptset.make_sets(50, 300, 7, "zipf", torch.device("cpu"))
     assert ks.sizes().eq(7).all() and ks.contains(targets).all()
     spec = {**keptset.points("cpu", smoke=True, quick=False)[1], "reps": 1, "warmup": 0}
     res = keptset.run_point(spec)
     assert res["ms"] > 0 and res["chunks"] >= 1 and 0 < res["union_work_vs_full"] <= 1
+    replay = next(p for p in keptset.points("cpu", smoke=True, quick=False) if p["mode"] == "replay")
+    assert keptset.run_point({**replay, "reps": 1, "warmup": 0})["ms"] > 0
