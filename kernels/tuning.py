@@ -165,7 +165,15 @@ def candidates(kernel: str) -> tuple[KernelConfig, ...]:
 _BIG_SMEM_CAPS = {(9, 0), (10, 0), (10, 3)}
 
 
-@torch.compiler.assume_constant_result
+def _constant_to_compile(fn):
+    """``torch.compiler.assume_constant_result(fn)`` without its import of ``torch._dynamo`` (~170 MB of modules and
+    1-2 s, which ``import fastrl`` would pay in every process, compiling or not): the decorator only sets this mark
+    on ``fn``, which dynamo reads when it traces a call (tests/test_budget.py checks that torch sets just that)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_constant_to_compile
 def device_family(device: torch.device) -> str:
     """The key of the measured defaults: ``sm<major><minor>`` of a CUDA device (``sm90`` for H100 and H200),
     ``cpu`` otherwise. A constant to torch.compile: backend dispatch reads it inside compiled functions."""

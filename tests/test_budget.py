@@ -133,3 +133,17 @@ def test_first_eager_call_of_every_op_imports_no_dynamo():
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_import_marks_device_family_constant_as_torch_would():
+    """kernels.tuning marks device_family constant to torch.compile without torch.compiler.assume_constant_result,
+    which imports torch._dynamo when fastrl is imported: the mark must be the one torch's decorator sets."""
+    from fastrl.kernels import tuning
+
+    def f():
+        return 0
+
+    before = set(vars(f))
+    torch.compiler.assume_constant_result(f)
+    marks = {k: v for k, v in vars(f).items() if k not in before}
+    assert marks and all(getattr(tuning.device_family, k, None) == v for k, v in marks.items()), marks
