@@ -227,16 +227,21 @@ def test_opcheck(name):
 
 def test_every_fastrl_op_is_opchecked():
     import fastrl.ops.divergence  # noqa: F401  (registers fastrl::divergence*, opchecked in its own file)
+    import fastrl.ops.kept_rules  # noqa: F401  (registers fastrl::kept_logprob*, replay_rule: test_compile_supports.py)
     from test_compile_divergence import OPCHECKED
+    from test_compile_supports import OPCHECKED as SUPPORT_OPS
 
     ops = {n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("fastrl::")}
-    checked = {n.replace("_no_entropy", "").replace("_exact_kl", "") for n in _opcheck_cases()} | set(OPCHECKED)
+    checked = ({n.replace("_no_entropy", "").replace("_exact_kl", "") for n in _opcheck_cases()} | set(OPCHECKED)
+               | set(SUPPORT_OPS))
     assert ops == checked, f"fastrl ops without an opcheck case: {ops - checked}"
 
 
 # ------------------------------------------------------------------------------------------------- no host sync
 
-SYNC_OPS = ("aten._local_scalar_dense", "aten.nonzero", "aten.item", "aten.is_nonzero")
+# reads of device values on the host, and ops whose output shape depends on the data (a host sync on CUDA)
+SYNC_OPS = ("aten._local_scalar_dense", "aten.nonzero", "aten.item", "aten.is_nonzero", "aten._unique2", "aten._unique",
+            "aten.unique_dim", "aten.unique_consecutive", "aten.masked_select")
 
 
 class RecordOps(TorchDispatchMode):
@@ -323,32 +328,3 @@ def test_double_backward_names_itself():
     v = x["old"].clone().requires_grad_()
     with pytest.raises(custom_ops.DoubleBackwardError, match="fastrl.value_loss"):
         torch.autograd.grad(fastrl.value_loss(v, x["old"], x["ref"], x["mask"], 0.2)[0], v, create_graph=True)
-
-
-def test_support_under_compile_breaks_the_graph_but_equals_eager():
-    """support= (the kept-set path sizes its chunks on the host) is documented as a graph break under compile:
-    it must still give eager's numbers, and host_sync=False refuses it by name."""
-    g = torch.Generator().manual_seed(3)
-    N, Hs, Vs = 12, 16, 40
-    h = torch.randn(N, Hs, generator=g, requires_grad=True)
-    w = torch.randn(Vs, Hs, generator=g, requires_grad=True)
-    t = torch.randint(0, Vs, (N,), generator=g)
-    keep = torch.rand(N, Vs, generator=g) < 0.3
-    keep[torch.arange(N), t] = True
-    ks = fastrl.KeptSet.from_mask(keep)
-
-    def f(h, w):
-        lp, en = fastrl.fused_logprobs(h, w, t, support=ks, temperature=0.7)
-        return (lp + 0.1 * en).sum()
-
-    eager = f(h, w)
-    g_eager = torch.autograd.grad(eager, [h, w])
-    torch._dynamo.reset()
-    compiled = torch.compile(f, backend="aot_eager")(h, w)
-    g_compiled = torch.autograd.grad(compiled, [h, w])
-    assert torch.allclose(compiled, eager, rtol=1e-6, atol=0)
-    for a, b in zip(g_compiled, g_eager):
-        assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)
-    assert torch._dynamo.explain(f)(h, w).graph_break_count > 0  # as documented: not one graph
-    with pytest.raises(ValueError, match="host_sync=False"):
-        fastrl.fused_logprobs(h, w, t, support=ks, host_sync=False)

@@ -6,8 +6,9 @@
   recompile), with a ``KeptSet`` support, and on the Triton hybrid backend (interpreted). Eager drops masked rows before the op (host sync); compiled, the op
   computes every row with the mask inside it: so this also checks the two paths against each other.
 * zero graph breaks (``torch._dynamo.explain``), with and without a support.
-* ``torch.library.opcheck`` on both ops, with and without a support and a mask.
-* the op's masked path without a support reads nothing on the host (every aten op recorded, inside the op too).
+* ``torch.library.opcheck`` on both ops, with and without a support (host plan and fixed plan) and a mask.
+* the op's no-sync path reads nothing on the host, with and without a support (every aten op recorded, inside the
+  op too).
 * double backward raises ``DoubleBackwardError``.
 """
 
@@ -19,6 +20,7 @@ import torch
 import fastrl
 from fastrl import KeptSet
 from fastrl.ops import divergence as D
+from fastrl.ops import kept
 from fastrl.ops.custom_ops import DoubleBackwardError
 
 B, T, H, HT, V = 3, 6, 16, 12, 67
@@ -99,7 +101,8 @@ def test_every_beta_compiled_equals_eager():
 
 
 def test_support_compiled_equals_eager():
-    """A KeptSet crosses the op as (ids, offsets): fullgraph, forward and backward (host reads inside the op)."""
+    """A KeptSet crosses the op as (ids, offsets): fullgraph, forward and backward on the fixed plan (compiled) against
+    the host plan (eager)."""
     torch._dynamo.reset()
     fn = divergence_fn((0.0, 0.5))
     check_outputs_and_grads(torch.compile(fn, fullgraph=True, backend="aot_eager"), fn, inputs(k=9))
@@ -149,7 +152,7 @@ def test_no_graph_breaks(k):
 # ------------------------------------------------------------------------------------------------- the ops
 
 
-def _op_args(k=None, masked=True, beta=0.5):
+def _op_args(k=None, masked=True, beta=0.5, fixed=False):
     x = inputs(2, 4, k=k, empty_masked=masked)
     with torch.no_grad():  # opcheck compares runs: no NaN
         x["h"].nan_to_num_(0.0)
@@ -159,27 +162,28 @@ def _op_args(k=None, masked=True, beta=0.5):
     active = x["mask"].reshape(-1) if masked else None
     s = x.get("support")
     tf = {key: v for key, v in TF.items() if key != "temperature"}
-    opts = D.DivergenceOptions(beta=beta, temperature=TF["temperature"], with_entropy=True,
-                               vocab_size=None if s is None else V, **tf).pack()
+    opts = D.DivergenceOptions(beta=beta, temperature=TF["temperature"], with_entropy=True, tile_elems=64, cap=12,
+                               **tf).pack()
+    plan = [] if s is None or fixed else kept.plan_for(s, True, h.device)
     fwd = (h, x["w"], x["bias"], ht, x["tw"], x["tb"], active, None if s is None else s.ids,
-           None if s is None else s.offsets, *opts)
+           None if s is None else s.offsets, plan, *opts)
     return fwd
 
 
 def _opcheck_cases():
     cases = {}
-    for k in (None, 9):
+    for k, fixed in ((None, False), (9, False), (9, True)):
         for masked in (True, False):
-            fwd = _op_args(k, masked)
-            name = f"support={k is not None},mask={masked}"
+            fwd = _op_args(k, masked, fixed=fixed)
+            name = f"support={k is not None},fixed={fixed},mask={masked}"
             cases[f"divergence[{name}]"] = (torch.ops.fastrl.divergence, fwd)
             with torch.no_grad():
-                _, ent, lse_s, lse_t, aux = torch.ops.fastrl.divergence(*fwd)
+                _, ent, lse_s, lse_t, aux, entries = torch.ops.fastrl.divergence(*fwd)
             N = fwd[0].shape[0]
             h, w, bias = (t.detach() for t in fwd[:3])
             cases[f"divergence_backward[{name}]"] = (
                 torch.ops.fastrl.divergence_backward,
-                (torch.randn(N), torch.randn(N), h, w, bias, *fwd[3:9], lse_s, lse_t, aux, ent, *fwd[9:],
+                (torch.randn(N), torch.randn(N), h, w, bias, *fwd[3:10], lse_s, lse_t, aux, ent, entries, *fwd[10:],
                  True, True, True))
     return cases
 
@@ -190,10 +194,11 @@ def test_opcheck(name):
     torch.library.opcheck(op, args)
 
 
-def test_masked_op_without_support_reads_nothing_on_the_host():
+@pytest.mark.parametrize("k", (None, 9))
+def test_masked_op_reads_nothing_on_the_host(k):
     from test_compile import SYNC_OPS, RecordOps
 
-    fwd = _op_args(masked=True)
+    fwd = _op_args(k=k, masked=True, fixed=True)
     with RecordOps() as rec:
         div, ent, *_ = torch.ops.fastrl.divergence(*fwd)
         (div.sum() + ent.sum()).backward()
@@ -201,16 +206,17 @@ def test_masked_op_without_support_reads_nothing_on_the_host():
     assert not set(SYNC_OPS) & rec.ops, f"host reads on the compiled path: {set(SYNC_OPS) & rec.ops}"
 
 
-def test_empty_support_at_counted_token_raises_inside_the_op():
+def test_empty_support_at_counted_token():
+    """Eager names the token; the no-sync path (no host read, so no exception) gives NaN there, finite elsewhere."""
     x = inputs(2, 4, k=5)
     ids = x["support"].padded()
     ids[0, 1:] = -1
     ids[1] = -1  # token 1 keeps nothing, and counts
-    fwd = list(_op_args(k=5))
     s = KeptSet.from_padded(ids, V)
-    fwd[7], fwd[8] = s.ids, s.offsets
-    with pytest.raises(ValueError, match=r"support is empty at counted token 1"):
-        torch.ops.fastrl.divergence(*fwd)
+    with pytest.raises(ValueError, match=r"support is empty at counted token \(0, 1\)"):
+        fastrl.fused_divergence(x["h"], x["w"], x["th"], x["tw"], mask=x["mask"], support=s, check_finite=False)
+    div = fastrl.fused_divergence(x["h"], x["w"], x["th"], x["tw"], mask=x["mask"], support=s, host_sync=False)
+    assert torch.isnan(div[0, 1]) and torch.isfinite(div[0, 0]) and (div[~x["mask"]] == 0).all()
 
 
 def test_double_backward_raises():

@@ -14,8 +14,8 @@ import torch
 
 import fastrl
 import fastrl.ops.divergence as D
-from fastrl.ops import budget
 from fastrl import KeptSet
+from fastrl.ops import budget
 from fastrl.reference import divergence_reference
 
 BETAS = (0.0, 0.3, 0.5, 1.0)
@@ -34,8 +34,10 @@ TRANSFORMS = {
 
 @pytest.fixture
 def small_tiles(monkeypatch):
-    """Tiles of 64 columns and 16-token chunks: every row walks several vocabulary tiles (the online re-basing)."""
-    monkeypatch.setitem(budget.BUDGETS, "divergence", budget.TileBudget(elems=16 * 128, live=5, rows=16))
+    """Tiles of 64 columns: every row walks several vocabulary tiles (the online re-basing); kept-set units of at most
+    12 ids and 64-element tiles: many units per token chunk, chunks split (the seams of the kept-set engine)."""
+    monkeypatch.setitem(budget.BUDGETS, "divergence", budget.TileBudget(elems=16 * 128, live=5))
+    monkeypatch.setitem(budget.BUDGETS, "kept", {"cpu": budget.TileBudget(elems=64, live=2, cap=12)})
     orig = D.tile_columns
     monkeypatch.setattr(D, "tile_columns", lambda n, v, requested=None, multiple=128, tile_elems=0: orig(
         n, v, 64 if requested is None else requested, multiple, tile_elems))

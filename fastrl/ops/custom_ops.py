@@ -46,7 +46,7 @@ import typing
 
 import torch
 
-__all__ = ["DoubleBackwardError", "IMPLEMENTATIONS", "PackedOptions"]
+__all__ = ["DoubleBackwardError", "IMPLEMENTATIONS", "PackedOptions", "host_sync_enabled"]
 
 
 # op name -> its Python implementation (what the op runs; tests run it under a dispatch mode to see inside)
@@ -134,6 +134,17 @@ def _autograd_inside():
     with torch._C._SetExcludeDispatchKeyGuard(K.AutogradFunctionality, False), \
             torch._C._SetExcludeDispatchKeyGuard(K.ADInplaceOrView, False):
         yield
+
+
+def host_sync_enabled(host_sync: bool | None) -> bool:
+    """Whether an op may read device values on the host (checks, compaction of ignored rows): ``host_sync``
+    when given, else True in eager and False while ``torch.compile`` traces (where a host read would break the
+    graph, and in a CUDA graph could not run at all)."""
+    if host_sync is None:
+        return not torch.compiler.is_compiling()
+    if not isinstance(host_sync, bool):
+        raise TypeError(f"host_sync must be None or a bool, got {type(host_sync).__name__}")
+    return host_sync
 
 
 _NONE_INT = -(1 << 62)  # an Optional[int] field that is None (no option takes this value)

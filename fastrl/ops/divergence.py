@@ -20,24 +20,25 @@ heads and forms the student's ``G = dD/dy`` (docs/design.md, "Divergences"):
 * the student's entropy: ``-p_s (log p_s + H)``.
 
 The teacher receives no gradient. Tokens whose ``mask`` is 0 are dropped before any GEMM (``compact_rows``).
-With ``support=`` (a ``KeptSet``) both distributions are renormalised over each token's kept ids: per chunk of
-tokens the union of their ids is gathered from both heads and the ids a token did not keep are masked, O(N K H).
+With ``support=`` (a ``KeptSet``) both distributions are renormalised over each token's kept ids, on the kept-set
+engine (``fastrl.ops.divergence_kept``): O(N K H), never a pass over the vocabulary.
 
 Autograd and ``torch.compile`` see two custom ops (``fastrl.ops.custom_ops``'s machinery: options packed into
 ``(str, float[], int[])`` from ``DivergenceOptions``, a fake implementation, a registered backward):
 ``torch.ops.fastrl.divergence`` (forward: divergence, entropy and what the backward needs) and
 ``torch.ops.fastrl.divergence_backward`` (the student's gradients). A ``KeptSet`` crosses the op boundary as its
-two CSR tensors (``ids``, ``offsets``) with ``vocab_size`` among the options. In eager, ``fused_divergence`` drops
-masked tokens before the op (one host sync); while ``torch.compile`` traces it hands the op every row and the mask
+two CSR tensors (``ids``, ``offsets``) and the engine's plan (the host plan's chunk boundaries, or ``[]`` for the
+fixed plan). In eager, ``fused_divergence`` drops masked tokens before the op (one host sync) and plans the support
+on the host; while ``torch.compile`` traces (or with ``host_sync=False``) it hands the op every row and the mask
 (``active``): masked rows are computed with both models' hidden states replaced by zeros (whatever they hold,
-NaN included, cannot reach an output or a gradient) and give 0 and no gradient. So ``fullgraph=True`` and
-``dynamic=True`` trace it with no graph break. Without a support the op reads nothing on the host (CUDA-graph
-safe); with one it sizes its token chunks on the host inside the op (opaque to dynamo, so still no graph break,
-but not capturable in a CUDA graph).
+NaN included, cannot reach an output or a gradient) and give 0 and no gradient, and a support runs on the fixed
+plan. So ``fullgraph=True`` and ``dynamic=True`` trace it with no graph break, and the no-sync op reads nothing on
+the host, with or without a support (CUDA-graph safe).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -57,9 +58,10 @@ from fastrl.ops.custom_ops import (
     _layout,
     _op,
     _refuse_double_backward,
+    host_sync_enabled,
 )
 from fastrl.ops.divergence_stats import FORWARD_KL, JSD, REVERSE_KL, finish_stats, finite_max
-from fastrl.ops.linear_logprob import compact_rows, host_sync_enabled, unit_stride
+from fastrl.ops.linear_logprob import compact_rows, unit_stride
 from fastrl.ops.support import KeptSet, _token_name
 from fastrl.ops.torch_backend import acc_dtype, tile_columns
 
@@ -72,8 +74,9 @@ _TINY = torch.finfo(torch.float32).tiny  # log(m) where both probabilities under
 @dataclass(frozen=True)
 class DivergenceOptions(PackedOptions):
     """Scalar options of ``fastrl::divergence`` and its backward (see ``fused_divergence``), packed into the ops'
-    ``(str, float[], int[])`` arguments by ``pack``. ``vocab_size``: the support's V when a ``KeptSet`` travels as
-    the ops' ``support_ids`` / ``support_offsets`` (None without one)."""
+    ``(str, float[], int[])`` arguments by ``pack``. ``tile_elems`` / ``cap``: the kept-set engine's bounds when a
+    ``KeptSet`` travels as the ops' ``support_ids`` / ``support_offsets`` (0: ``fastrl.ops.kept.capacity`` of the
+    device), fixed by the caller so that forward and backward plan alike."""
 
     beta: float = 1.0
     temperature: float = 1.0
@@ -83,7 +86,8 @@ class DivergenceOptions(PackedOptions):
     teacher_softcap: Optional[float] = None
     with_entropy: bool = False
     backend: str = "torch"  # concrete backend name
-    vocab_size: Optional[int] = None
+    tile_elems: int = 0
+    cap: int = 0
 
     @functools.cached_property
     def student(self) -> LogitTransform:
@@ -105,42 +109,24 @@ DivergenceOptions._LAYOUT = _layout(DivergenceOptions)
 @dataclass
 class _Tile:
     rows: slice  # token rows (of the compacted tokens)
-    v0: int = 0  # dense columns [v0, v1) ...
-    v1: int = 0
-    ids: torch.Tensor | None = None  # ... or, on the kept-set path, these vocabulary ids [C]
-    keep: torch.Tensor | None = None  # [R, C] bool: id kept by the row (kept-set path only)
+    v0: int  # vocabulary columns [v0, v1)
+    v1: int
 
     @property
     def shape(self) -> tuple[int, int]:
-        r = self.rows.stop - self.rows.start
-        return r, (self.v1 - self.v0) if self.ids is None else self.ids.numel()
+        return self.rows.stop - self.rows.start, self.v1 - self.v0
 
 
-def _tiles(N: int, V: int, support: KeptSet | None) -> Iterator[_Tile]:
-    """The [rows, cols] tiles that cover every (token, kept id) pair once, each row's tiles in vocabulary order."""
-    if support is None:
-        cols = tile_columns(N, V, tile_elems=tile_budget("divergence").elems)
-        for v0 in range(0, V, cols):
-            yield _Tile(slice(0, N), v0, min(v0 + cols, V))
-        return
-    budget = tile_budget("divergence")  # 5 tiles alive; rows: tokens per kept-set chunk (one gathered union)
-    for n0 in range(0, N, budget.rows):
-        n1 = min(n0 + budget.rows, N)
-        part = support[n0:n1]
-        union = torch.unique(part.ids)  # sorted
-        R, U = n1 - n0, union.numel()
-        keep = torch.zeros((R, U), dtype=torch.bool, device=union.device)
-        row_of = torch.repeat_interleave(torch.arange(R, device=union.device), part.sizes())
-        keep[row_of, torch.searchsorted(union, part.ids)] = True
-        cols = tile_columns(R, U, tile_elems=budget.elems) if U else 1
-        for c0 in range(0, U, cols):
-            yield _Tile(slice(n0, n1), ids=union[c0 : c0 + cols], keep=keep[:, c0 : c0 + cols])
+def _tiles(N: int, V: int) -> Iterator[_Tile]:
+    """The [rows, cols] tiles that cover every (token, id) pair once, each row's tiles in vocabulary order."""
+    cols = tile_columns(N, V, tile_elems=tile_budget("divergence").elems)
+    for v0 in range(0, V, cols):
+        yield _Tile(slice(0, N), v0, min(v0 + cols, V))
 
 
-def _buffers(N: int, V: int, support: KeptSet | None, cdt: torch.dtype, dev: torch.device) -> list[torch.Tensor]:
+def _buffers(N: int, V: int, cdt: torch.dtype, dev: torch.device) -> list[torch.Tensor]:
     """The five flat tile buffers (both heads' logits, three scratch), each as large as the largest tile."""
-    tile = tile_budget("divergence").elems
-    elems = tile if support is not None else max(N, 1) * tile_columns(N, V, tile_elems=tile)
+    elems = max(N, 1) * tile_columns(N, V, tile_elems=tile_budget("divergence").elems)
     return [torch.empty(elems, dtype=cdt, device=dev) for _ in range(5)]
 
 
@@ -155,16 +141,15 @@ class _Head:
         self.weight, self.bias, self.tf, self.cdt = weight, bias, tf, cdt
 
     def weight_block(self, tile: _Tile) -> torch.Tensor:  # [C, H] compute dtype
-        w = self.weight[tile.v0 : tile.v1] if tile.ids is None else self.weight.index_select(0, tile.ids)
-        return w.to(self.cdt)
+        return self.weight[tile.v0 : tile.v1].to(self.cdt)
 
     def logits(self, tile: _Tile, buf: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
-        """Transformed logits of the tile [R, C], written into ``buf`` (the callers mask the ids a row did not keep)."""
+        """Transformed logits of the tile [R, C], written into ``buf``."""
         R, C = tile.shape
         w = self.weight_block(tile) if w is None else w
         z = torch.mm(self.h[tile.rows], w.T, out=buf[: R * C].view(R, C))
         if self.bias is not None:
-            z += self.bias[tile.v0 : tile.v1] if tile.ids is None else self.bias.index_select(0, tile.ids)
+            z += self.bias[tile.v0 : tile.v1]
         return self.tf.apply_(z)
 
 
@@ -182,22 +167,16 @@ def _log_mix_(ps: torch.Tensor, pt: torch.Tensor, beta: float, out: torch.Tensor
     return torch.mul(ps, 1.0 - beta, out=_like(out, ps)).add_(pt, alpha=beta).clamp_min_(_TINY).log_()
 
 
-def _fold(zs, zt, st, keep, mode: int, with_entropy: bool, bufs) -> None:
+def _fold(zs, zt, st, mode: int, with_entropy: bool, bufs) -> None:
     """Fold one tile of both heads into the rows' online statistics ``st`` = (m_s, s_s, u_s, c, m_t, s_t) [6, R].
 
     ``u_s = sum e^(d_s) d_s`` (the entropy), ``c`` the cross term of the KL direction (``mode``); d = z - m.
     """
     m_s, s_s, u_s, c, m_t, s_t = st.unbind(0)
-    if keep is not None:
-        zs.masked_fill_(~keep, float("-inf"))
-        zt.masked_fill_(~keep, float("-inf"))
     ms_new, mt_new = torch.maximum(m_s, zs.amax(1)), torch.maximum(m_t, zt.amax(1))
     ms0, mt0 = finite_max(ms_new), finite_max(mt_new)
     ds, dt = zs.sub_(ms0[:, None]), zt.sub_(mt0[:, None])
     es, et = torch.exp(ds, out=_like(bufs[0], ds)), torch.exp(dt, out=_like(bufs[1], dt))
-    if keep is not None:  # ids a row did not keep: e = 0 already; d = 0 so that e * d = 0, not 0 * inf
-        ds.masked_fill_(~keep, 0.0)
-        dt.masked_fill_(~keep, 0.0)
     a_s, a_t = torch.exp(m_s - ms0), torch.exp(m_t - mt0)
     # how far each reference point moved (0 while nothing is folded: no -inf * 0)
     sh_s = torch.where(s_s > 0, m_s - ms0, torch.zeros_like(s_s))
@@ -214,13 +193,10 @@ def _fold(zs, zt, st, keep, mode: int, with_entropy: bool, bufs) -> None:
     m_t.copy_(mt_new)
 
 
-def _jsd_terms(zs, zt, lse_s, lse_t, beta: float, keep, bufs) -> tuple[torch.Tensor, torch.Tensor]:
+def _jsd_terms(zs, zt, lse_s, lse_t, beta: float, bufs) -> tuple[torch.Tensor, torch.Tensor]:
     """One tile's share of (JSD, KL(p_s || m)) per row [R] each; overwrites zs, zt."""
     ls, lt = zs.sub_(lse_s[:, None]), zt.sub_(lse_t[:, None])
     ps, pt = torch.exp(ls, out=_like(bufs[0], ls)), torch.exp(lt, out=_like(bufs[1], lt))
-    if keep is not None:
-        ls.masked_fill_(~keep, 0.0)
-        lt.masked_fill_(~keep, 0.0)
     lm = _log_mix_(ps, pt, beta, bufs[2])
     ls.sub_(lm)
     lt.sub_(lm)  # lm (in bufs[2]) is dead from here: the row dots may use its buffer
@@ -229,7 +205,7 @@ def _jsd_terms(zs, zt, lse_s, lse_t, beta: float, keep, bufs) -> tuple[torch.Ten
 
 
 def divergence_forward(
-    student: _Head, teacher: _Head, support: KeptSet | None, opts: DivergenceOptions,
+    student: _Head, teacher: _Head, opts: DivergenceOptions,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(divergence [N], entropy [N] | None, lse_s [N], lse_t [N], aux [N]): aux is the KL for the KL modes and
     KL(p_s || m) for the JSD (what the backward needs)."""
@@ -239,33 +215,27 @@ def divergence_forward(
     st = torch.zeros((6, N), dtype=cdt, device=dev)
     st[0].fill_(float("-inf"))
     st[4].fill_(float("-inf"))
-    bufs = _buffers(N, V, support, cdt, dev)
-    for tile in _tiles(N, V, support):
+    bufs = _buffers(N, V, cdt, dev)
+    for tile in _tiles(N, V):
         zs, zt = student.logits(tile, bufs[3]), teacher.logits(tile, bufs[4])
-        _fold(zs, zt, st[:, tile.rows], tile.keep, mode, opts.with_entropy, bufs)
+        _fold(zs, zt, st[:, tile.rows], mode, opts.with_entropy, bufs)
     div, entropy, lse_s, lse_t = finish_stats(st, mode, opts.with_entropy)
     if div is not None:  # a KL: it is also what the backward needs
         aux = div
     else:
         div = torch.zeros(N, dtype=cdt, device=dev)
         aux = torch.zeros(N, dtype=cdt, device=dev)
-        for tile in _tiles(N, V, support):
+        for tile in _tiles(N, V):
             zs, zt = student.logits(tile, bufs[3]), teacher.logits(tile, bufs[4])
-            if tile.keep is not None:
-                zs.masked_fill_(~tile.keep, float("-inf"))
-                zt.masked_fill_(~tile.keep, float("-inf"))
-            j, k = _jsd_terms(zs, zt, lse_s[tile.rows], lse_t[tile.rows], opts.beta, tile.keep, bufs)
+            j, k = _jsd_terms(zs, zt, lse_s[tile.rows], lse_t[tile.rows], opts.beta, bufs)
             div[tile.rows] += j
             aux[tile.rows] += k
     return div, entropy, lse_s, lse_t, aux
 
 
-def _student_grad(zs, zt, lse_s, lse_t, aux, entropy, gd, ge, opts: DivergenceOptions, keep, bufs) -> torch.Tensor:
+def _student_grad(zs, zt, lse_s, lse_t, aux, entropy, gd, ge, opts: DivergenceOptions, bufs) -> torch.Tensor:
     """G = dL/dy_s over one tile [R, C] for ``L = sum gd * D + ge * H``; overwrites zs, zt (G lands in one of them)."""
     dzdy = opts.student.dz_dy(zs)  # a float, or a tile with a softcap (taken before zs is reused)
-    if keep is not None:
-        zs.masked_fill_(~keep, float("-inf"))
-        zt.masked_fill_(~keep, float("-inf"))
     mode, beta = opts.mode, opts.beta
     gd = gd if gd is not None else torch.zeros_like(lse_s)
     ls, lt = zs.sub_(lse_s[:, None]), zt.sub_(lse_t[:, None])
@@ -283,62 +253,43 @@ def _student_grad(zs, zt, lse_s, lse_t, aux, entropy, gd, ge, opts: DivergenceOp
         lm = _log_mix_(ps, pt, beta, bufs[2])
         w = (1.0 - beta) * gd
         g = ls.mul_((a + w)[:, None]).sub_(lm.mul_(w[:, None])).add_((cst - w * aux)[:, None]).mul_(ps)
-    if keep is not None:  # ids not kept: p_s = 0 times -inf above; their gradient is exactly 0
-        g.masked_fill_(~keep, 0.0)
     if not isinstance(dzdy, float) or dzdy != 1.0:
         g.mul_(dzdy)
     return g
 
 
 def divergence_backward(
-    student: _Head, teacher: _Head, support: KeptSet | None, opts: DivergenceOptions,
+    student: _Head, teacher: _Head, opts: DivergenceOptions,
     lse_s: torch.Tensor, lse_t: torch.Tensor, aux: torch.Tensor, entropy: torch.Tensor | None,
     grad_div: torch.Tensor | None, grad_ent: torch.Tensor | None,  # [N] compute dtype
     need: tuple[bool, bool, bool],  # (hidden, weight, bias)
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Student gradients, vocabulary-sliced: each slice's G [N, C] is formed once, ``grad_W[slice] = G^T h`` is one
-    GEMM written once (no float32 [V, H] buffer), ``grad_h += G W[slice]`` accumulates in the compute dtype. On the
-    kept-set path the weight gradient is added into the kept rows only (``index_add_``)."""
+    GEMM written once (no float32 [V, H] buffer), ``grad_h += G W[slice]`` accumulates in the compute dtype."""
     need_h, need_w, need_b = need
     h, weight, bias = student.h, student.weight, student.bias
     N, V = h.shape[0], weight.shape[0]
     cdt, dev = student.cdt, h.device
     grad_h = torch.zeros_like(h) if need_h else None
     grad_b = torch.zeros((V,), dtype=cdt, device=dev) if need_b else None
-    w_acc = None
-    if need_w:
-        grad_w = torch.zeros_like(weight) if support is not None else torch.empty_like(weight)
-        # the kept-set path adds per token chunk: in float32 for a 2-byte weight, over the kept ids' rows only
-        if support is not None and weight.dtype != cdt:
-            kept = torch.unique(support.ids)
-            w_acc = torch.zeros((kept.numel(), h.shape[1]), dtype=cdt, device=dev)
-    bufs = _buffers(N, V, support, cdt, dev)
-    for tile in _tiles(N, V, support):
+    grad_w = torch.empty_like(weight) if need_w else None
+    bufs = _buffers(N, V, cdt, dev)
+    for tile in _tiles(N, V):
         r = tile.rows
         w = student.weight_block(tile)
         zs, zt = student.logits(tile, bufs[3], w), teacher.logits(tile, bufs[4])
         g = _student_grad(zs, zt, lse_s[r], lse_t[r], aux[r], None if entropy is None else entropy[r],
                           None if grad_div is None else grad_div[r], None if grad_ent is None else grad_ent[r],
-                          opts, tile.keep, bufs)
+                          opts, bufs)
         if need_h:
             grad_h[r].addmm_(g, w)
         if need_w:
-            if tile.ids is None:
-                if grad_w.dtype == cdt:
-                    torch.mm(g.T, h, out=grad_w[tile.v0 : tile.v1])  # written once, no temporary
-                else:
-                    grad_w[tile.v0 : tile.v1] = torch.mm(g.T, h)
-            elif w_acc is None:
-                grad_w.index_add_(0, tile.ids, torch.mm(g.T, h[r]))
+            if grad_w.dtype == cdt:
+                torch.mm(g.T, h, out=grad_w[tile.v0 : tile.v1])  # written once, no temporary
             else:
-                w_acc.index_add_(0, torch.searchsorted(kept, tile.ids), torch.mm(g.T, h[r]))
+                grad_w[tile.v0 : tile.v1] = torch.mm(g.T, h)
         if need_b:
-            if tile.ids is None:
-                grad_b[tile.v0 : tile.v1] = g.sum(0)
-            else:
-                grad_b.index_add_(0, tile.ids, g.sum(0))
-    if w_acc is not None:
-        grad_w[kept] = w_acc.to(grad_w.dtype)
+            grad_b[tile.v0 : tile.v1] = g.sum(0)
     return (
         grad_h.to(student.dtype) if need_h else None,
         grad_w if need_w else None,
@@ -346,25 +297,24 @@ def divergence_backward(
     )
 
 
-def _hybrid(opts: DivergenceOptions, support: KeptSet | None) -> bool:
-    """The Triton backends run the hybrid kernels (cuBLAS tiles, one Triton pass over both heads'); the kept-set
-    path gathers ids per token chunk and runs on the torch implementation on every backend."""
-    return is_triton(opts.backend) and support is None
+def _hybrid(opts: DivergenceOptions) -> bool:
+    """The Triton backends run the hybrid kernels (cuBLAS tiles, one Triton pass over both heads')."""
+    return is_triton(opts.backend)
 
 
-def _forward(h, w, b, ht, wt, bt, support, opts: DivergenceOptions):
-    if opts.backend == "triton-sm90" and support is None:
+def _forward(h, w, b, ht, wt, bt, opts: DivergenceOptions):
+    if opts.backend == "triton-sm90":
         from fastrl.ops import divergence_sm90
 
         return divergence_sm90.forward(_Head(h, w, b, opts.student, None), _Head(ht, wt, bt, opts.teacher, None),
                                        opts, opts.mode)
-    if _hybrid(opts, support):
+    if _hybrid(opts):
         from fastrl.ops import divergence_hybrid
 
         return divergence_hybrid.forward(_Head(h, w, b, opts.student, None), _Head(ht, wt, bt, opts.teacher, None),
                                          opts, opts.mode)
     cdt = acc_dtype(h.dtype)
-    return divergence_forward(_Head(h, w, b, opts.student, cdt), _Head(ht, wt, bt, opts.teacher, cdt), support, opts)
+    return divergence_forward(_Head(h, w, b, opts.student, cdt), _Head(ht, wt, bt, opts.teacher, cdt), opts)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -372,11 +322,19 @@ def _forward(h, w, b, ht, wt, bt, support, opts: DivergenceOptions):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _support(ids: torch.Tensor | None, offsets: torch.Tensor | None, opts: DivergenceOptions) -> KeptSet | None:
-    """The KeptSet that crossed the op boundary as its CSR tensors (validated by the public function)."""
-    if ids is None:
-        return None
-    return KeptSet(ids, offsets, opts.vocab_size, validate=False)
+def _kept_plan(ids: torch.Tensor, offsets: torch.Tensor, V: int, plan: list[int], opts: DivergenceOptions):
+    """The kept-set engine's plan of the support that crossed the op boundary as its CSR tensors (validated by the
+    public function): the host plan's boundaries, or the fixed plan for ``plan == []``."""
+    from fastrl.ops import kept
+
+    tile, cap = kept.capacity(ids.device)
+    return kept.KeptPlan(ids, offsets, V, list(plan) if plan else None, opts.tile_elems or tile, opts.cap or cap)
+
+
+def _kept_heads(h, w, b, ht, wt, bt, opts: DivergenceOptions):
+    from fastrl.ops.kept import Head
+
+    return Head(h, w, b, opts.student), Head(ht, wt, bt, opts.teacher)
 
 
 def _zero_rows(active: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
@@ -384,17 +342,6 @@ def _zero_rows(active: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
     if active is None:
         return x
     return torch.where(active.view(-1, *([1] * (x.dim() - 1))), x, torch.zeros((), dtype=x.dtype, device=x.device))
-
-
-def _check_support_rows(support: KeptSet, active: torch.Tensor | None) -> None:
-    # reached under torch.compile (the public function checks this in eager, naming the token by its position);
-    # a host read inside the op, which dynamo does not see
-    empty = support.sizes() == 0
-    if active is not None:
-        empty &= active
-    if bool(empty.any()):
-        raise ValueError(f"support is empty at counted token {int(empty.nonzero()[0, 0])} (flattened): every counted "
-                         "token must keep at least one id")
 
 
 @_op("divergence")
@@ -408,57 +355,70 @@ def divergence_op(
     active: Optional[torch.Tensor],  # [N] bool: counted rows (None: every row counts)
     support_ids: Optional[torch.Tensor],  # a KeptSet's CSR ids [nnz] and offsets [N + 1], or None
     support_offsets: Optional[torch.Tensor],
+    plan: list[int],  # with a support: the host plan's chunk boundaries, or [] for the fixed plan (no host read)
     opt_str: str,  # DivergenceOptions.pack()
     opt_float: list[float],
     opt_int: list[int],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    # divergence [N], entropy [N] (or [0]), lse_s [N], lse_t [N], aux [N] (what the backward reads): the compute
-    # dtype; rows outside ``active`` give 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # divergence [N], entropy [N] (or [0]), lse_s [N], lse_t [N], aux [N], the support's entry logits of both heads
+    # [2, nnz] (or [0]) (what the backward reads): the compute dtype; rows outside ``active`` give 0, a counted row
+    # with an empty support NaN
     o = DivergenceOptions.unpack(opt_str, opt_float, opt_int)
     N = hidden.shape[0]
     if N == 0:  # distinct empty outputs (an op's outputs may not alias one another)
-        return tuple(hidden.new_zeros((0,), dtype=_acc(hidden.dtype)) for _ in range(5))
-    support = _support(support_ids, support_offsets, o)
-    if support is not None:
-        _check_support_rows(support, active)
+        return tuple(hidden.new_zeros((0,), dtype=_acc(hidden.dtype)) for _ in range(6))
     h, ht = _zero_rows(active, hidden), _zero_rows(active, teacher_hidden)
+    entries = None
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
-        div, ent, lse_s, lse_t, aux = _forward(h, weight, bias, ht, teacher_weight, teacher_bias, support, o)
+        if support_ids is None:
+            div, ent, lse_s, lse_t, aux = _forward(h, weight, bias, ht, teacher_weight, teacher_bias, o)
+        else:
+            from fastrl.ops import divergence_kept
+
+            kp = _kept_plan(support_ids, support_offsets, weight.shape[0], plan, o)
+            div, ent, lse_s, lse_t, aux, entries = divergence_kept.forward(
+                kp, *_kept_heads(h, weight, bias, ht, teacher_weight, teacher_bias, o), o.mode, o.beta,
+                o.with_entropy, acc_dtype(hidden.dtype))
+            if active is not None:  # an empty set at a counted token (the eager wrapper raises): NaN, not 0
+                bad = active & (kp.sizes == 0)
+                div = torch.where(bad, torch.full((), float("nan"), dtype=div.dtype, device=div.device), div)
     if active is not None:
         div, aux = _zero_rows(active, div), _zero_rows(active, aux)
         ent = None if ent is None else _zero_rows(active, ent)
     elif aux is div:  # the KLs: the divergence is what the backward reads
         aux = div.clone()
-    return div, (ent if ent is not None else _empty(div)), lse_s, lse_t, aux
+    return (div, (ent if ent is not None else _empty(div)), lse_s, lse_t, aux,
+            entries if entries is not None else _empty(div))
 
 
 @divergence_op.register_fake
-def _(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, active, support_ids, support_offsets,
+def _(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, active, support_ids, support_offsets, plan,
       opt_str, opt_float, opt_int):
     o = DivergenceOptions.unpack_symbolic(opt_str, opt_float, opt_int)
     div = hidden.new_empty((hidden.shape[0],), dtype=_acc(hidden.dtype))
+    entries = _empty(div) if support_ids is None else div.new_empty((2, support_ids.shape[0]))
     return (div, torch.empty_like(div) if o.with_entropy else _empty(div), torch.empty_like(div),
-            torch.empty_like(div), torch.empty_like(div))
+            torch.empty_like(div), torch.empty_like(div), entries)
 
 
-_DIV_INPUTS = 12  # inputs of fastrl::divergence
+_DIV_INPUTS = 13  # inputs of fastrl::divergence
 
 
 def _divergence_setup(ctx, inputs, output):
-    hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, active, ids, offsets, *options = inputs
-    _, ent, lse_s, lse_t, aux = output
+    hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, active, ids, offsets, plan, *options = inputs
+    _, ent, lse_s, lse_t, aux, entries = output
     ctx.save_for_backward(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, active, ids, offsets,
-                          lse_s, lse_t, aux, ent)
-    ctx.options = options
+                          lse_s, lse_t, aux, ent, entries)
+    ctx.plan, ctx.options = plan, options
     ctx.with_entropy = bool(DivergenceOptions.unpack_symbolic(*options).with_entropy)
-    ctx.mark_non_differentiable(lse_s, lse_t, aux)
+    ctx.mark_non_differentiable(lse_s, lse_t, aux, entries)
     ctx.set_materialize_grads(False)  # an output whose gradient is not needed costs no backward work
 
 
-def _divergence_backward(ctx, grad_div, grad_ent, _grad_lse_s, _grad_lse_t, _grad_aux):
+def _divergence_backward(ctx, grad_div, grad_ent, _grad_lse_s, _grad_lse_t, _grad_aux, _grad_entries):
     _refuse_double_backward("fastrl.fused_divergence")
-    hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, active, ids, offsets, lse_s, lse_t, aux, ent = (
-        ctx.saved_tensors)
+    (hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, active, ids, offsets, lse_s, lse_t, aux, ent,
+     entries) = ctx.saved_tensors
     if not ctx.with_entropy:  # no entropy was computed: nothing flows back through its (empty) output
         grad_ent, ent = None, None
     need = tuple(ctx.needs_input_grad[:3])  # the teacher's inputs never need one (read detached)
@@ -466,7 +426,7 @@ def _divergence_backward(ctx, grad_div, grad_ent, _grad_lse_s, _grad_lse_t, _gra
         return (None,) * _DIV_INPUTS
     gh, gw, gb = torch.ops.fastrl.divergence_backward(
         grad_div, grad_ent, hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, active, ids, offsets,
-        lse_s, lse_t, aux, ent, *ctx.options, *need)
+        ctx.plan, lse_s, lse_t, aux, ent, entries, *ctx.options, *need)
     return (gh if need[0] else None, gw if need[1] else None, gb if need[2] else None) + (None,) * (_DIV_INPUTS - 3)
 
 
@@ -486,10 +446,12 @@ def divergence_backward_op(
     active: Optional[torch.Tensor],
     support_ids: Optional[torch.Tensor],
     support_offsets: Optional[torch.Tensor],
+    plan: list[int],
     lse_s: torch.Tensor,  # [N] the forward op's outputs
     lse_t: torch.Tensor,
     aux: torch.Tensor,
     entropy: Optional[torch.Tensor],
+    entries: torch.Tensor,  # [2, nnz] with a support, else [0]
     opt_str: str,
     opt_float: list[float],
     opt_int: list[int],
@@ -509,10 +471,16 @@ def divergence_backward_op(
         return None if g is None else _zero_rows(active, g.to(cdt)).contiguous()
 
     gd, ge = prep(grad_div), prep(grad_entropy)
-    support = _support(support_ids, support_offsets, o)
     h, ht = _zero_rows(active, hidden), _zero_rows(active, teacher_hidden)
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
-        if _hybrid(o, support):
+        if support_ids is not None:
+            from fastrl.ops import divergence_kept
+
+            kp = _kept_plan(support_ids, support_offsets, weight.shape[0], plan, o)
+            student, _ = _kept_heads(h, weight, bias, ht, teacher_weight, teacher_bias, o)
+            gh, gw, gb = divergence_kept.backward(kp, student, entries.to(cdt), lse_s, lse_t, aux, entropy, gd, ge,
+                                                  o.mode, o.beta, need)
+        elif _hybrid(o):
             from fastrl.ops import divergence_hybrid, divergence_sm90
 
             impl = divergence_sm90 if o.backend == "triton-sm90" else divergence_hybrid
@@ -522,14 +490,15 @@ def divergence_backward_op(
         else:
             gh, gw, gb = divergence_backward(
                 _Head(h, weight, bias, o.student, cdt), _Head(ht, teacher_weight, teacher_bias, o.teacher, cdt),
-                support, o, lse_s, lse_t, aux, entropy, gd, ge, need)
+                o, lse_s, lse_t, aux, entropy, gd, ge, need)
     return (gh if gh is not None else _empty(hidden), gw if gw is not None else _empty(weight),
             gb if gb is not None else _empty(hidden))
 
 
 @divergence_backward_op.register_fake
 def _(grad_div, grad_entropy, hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, active, support_ids,
-      support_offsets, lse_s, lse_t, aux, entropy, opt_str, opt_float, opt_int, need_hidden, need_weight, need_bias):
+      support_offsets, plan, lse_s, lse_t, aux, entropy, entries, opt_str, opt_float, opt_int, need_hidden, need_weight,
+      need_bias):
     return (torch.empty_like(hidden) if need_hidden else _empty(hidden),
             torch.empty_like(weight) if need_weight else _empty(weight),
             torch.empty_like(bias) if need_bias and bias is not None else _empty(hidden))
@@ -593,6 +562,7 @@ def fused_divergence(
     check_finite: bool = True,
     backend: str | None = None,
     support: KeptSet | None = None,
+    host_sync: bool | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Per-token divergence between the student's and the teacher's next-token distributions, without logits.
 
@@ -616,27 +586,33 @@ def fused_divergence(
         backend: as ``fused_logprobs`` ("torch", the CPU default; "triton" / "triton-hybrid", the CUDA default:
             cuBLAS float32 tiles of both heads and one Triton pass over the pair, ``divergence_hybrid``;
             "triton-fused" runs the hybrid kernels too; "triton-sm90", opt-in on Hopper or newer: persistent TMA
-            kernels with both heads' tiles in registers, ``divergence_sm90``). With ``support`` the torch
-            implementation runs.
+            kernels with both heads' tiles in registers, ``divergence_sm90``). With ``support`` the kept-set engine
+            runs (dense GEMMs on every backend).
         support: a ``fastrl.KeptSet`` (one row per token of the leading shape, masked tokens included): both
-            distributions renormalised over each token's kept ids (the exact KL under a truncating sampler).
+            distributions renormalised over each token's kept ids (the exact KL under a truncating sampler), on the
+            kept-set engine (``fastrl.ops.kept``): O(N K H) FLOPs, never a pass over the vocabulary.
+        host_sync: whether the op may read device values on the host. None (default): yes in eager, no while
+            ``torch.compile`` traces. False (the no-sync path, for ``torch.compile`` and CUDA graphs): masked tokens
+            are computed with zeroed hidden states instead of being dropped, a support runs on the engine's fixed
+            plan, and the checks that need the host are skipped (the mask's 0/1 check, ``check_finite``; an empty
+            support at a counted token gives a NaN divergence there instead of an exception).
 
     Returns:
         ``divergence`` of ``mask``'s shape (hidden's leading shape without a mask), float32 (float64 for float64
         inputs); ``(divergence, entropy)`` with ``with_entropy=True``.
 
     Under ``torch.compile``: one custom op (``torch.ops.fastrl.divergence``, its backward
-    ``fastrl::divergence_backward``), traced with ``fullgraph=True`` and ``dynamic=True`` with no graph break. While
-    compiling nothing here reads the host: masked tokens are computed with zeroed hidden states (both models) and
-    give 0 and no gradient instead of being dropped, the mask's 0/1 check and ``check_finite`` are skipped (a
-    non-finite value shows as such downstream, with no exception naming it). Without ``support`` the op holds no
-    host read (CUDA-graph capturable); with one it reads the kept sets on the host inside the op (still no graph
-    break, but not CUDA-graph safe) and raises there for an empty set at a counted token. Double backward
-    (``create_graph=True``) raises ``fastrl.ops.custom_ops.DoubleBackwardError``.
+    ``fastrl::divergence_backward``), traced with ``fullgraph=True`` and ``dynamic=True`` with no graph break, with
+    or without a support. While compiling it takes the no-sync path (``host_sync``): nothing reads the host, so the
+    compiled op is CUDA-graph capturable. Double backward (``create_graph=True``) raises
+    ``fastrl.ops.custom_ops.DoubleBackwardError``.
 
     Memory beyond inputs and outputs: O(N) statistics plus bounded tiles of each model (no ``[N, V]``, no float32
     ``[V, H]``). Cost: the KLs 2N(H+H_t)V FLOPs forward, the JSD twice that (a statistics pass first); the backward
-    recomputes both heads' tiles and adds 4NHV for the student's gradients.
+    recomputes both heads' tiles and adds 4NHV for the student's gradients. With a support: 2 |U| (H + H_t) FLOPs
+    per token forward and 4 |U| H backward (nothing recomputed: the kept entries' logits are kept, O(N K) floats),
+    ``|U|`` the ids of the token's engine unit (at most the unit cap, 2048 on a CPU and 8192 on CUDA, near K when
+    neighbouring tokens' sets overlap).
 
     Example::
 
@@ -652,7 +628,7 @@ def fused_divergence(
         div = fastrl.fused_divergence(hidden, head.weight, teacher_hidden, teacher_head.weight, beta=0.5, mask=mask)
         (div.sum() / mask.sum()).backward()  # TRL's DistillationTrainer loss; grads to hidden and head.weight
     """
-    sync = host_sync_enabled(None)  # False while torch.compile traces: no host read here
+    sync = host_sync_enabled(host_sync)  # False while torch.compile traces: no host read here
     hidden, weight, bias = autocast_inputs(hidden, weight, bias)
     teacher_hidden, teacher_weight, teacher_bias = autocast_inputs(teacher_hidden, teacher_weight, teacher_bias)
     check_head(hidden, weight, bias, hidden_name="hidden", weight_name="weight", bias_name="bias")
@@ -699,7 +675,7 @@ def fused_divergence(
             raise ValueError(f"support has {len(support)} tokens, expected one per token of the leading shape {lead} "
                              f"({N})")
         support = support.to(hidden.device)
-        if sync:  # under compile the op checks this itself (a host read inside it)
+        if sync:  # the no-sync op gives NaN there instead
             empty = support.sizes() == 0
             if active is not None:
                 empty &= active
@@ -714,8 +690,13 @@ def fused_divergence(
         beta=beta, temperature=float(tf_s.temperature), logit_scale=float(tf_s.logit_scale),
         softcap=None if tf_s.softcap is None else float(tf_s.softcap), teacher_logit_scale=float(tf_t.logit_scale),
         teacher_softcap=None if tf_t.softcap is None else float(tf_t.softcap), with_entropy=with_entropy,
-        backend=name, vocab_size=None if support is None else support.vocab_size,
+        backend=name,
     )
+    if support is not None:
+        from fastrl.ops import kept
+
+        tile, cap = kept.capacity(hidden.device)
+        opts = dataclasses.replace(opts, tile_elems=tile, cap=cap)
 
     h = unit_stride(hidden.reshape(-1, hidden.shape[-1]))
     ht = unit_stride(teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1]))
@@ -727,10 +708,11 @@ def fused_divergence(
     if idx is not None:
         h, ht = h.index_select(0, idx), ht.index_select(0, idx)
         support = support[idx] if support is not None else None
+    plan = [] if support is None else kept.plan_for(support, sync, hidden.device)
     # autograd (when an input needs grad) is the op's registered backward; under no_grad the forward alone runs
     div, ent, *_ = torch.ops.fastrl.divergence(
         h, w, b, ht, wt, bt, None if sync else active, None if support is None else support.ids,
-        None if support is None else support.offsets, *opts.pack())
+        None if support is None else support.offsets, plan, *opts.pack())
     ent = ent if with_entropy else None
     if idx is not None:
         div = div.new_zeros((N,)).index_copy(0, idx, div)

@@ -19,7 +19,9 @@ from typing import Optional
 import torch
 
 from fastrl.ops import torch_backend
-from fastrl.ops.custom_ops import PackedOptions, _acc, _empty, _layout, _op, _or_none, _refuse_double_backward
+from fastrl.ops.custom_ops import (
+    PackedOptions, _acc, _empty, _layout, _op, _or_none, _refuse_double_backward, host_sync_enabled,
+)
 from fastrl.ops._checks import autocast_inputs, check_finite_outputs, check_linear_inputs, check_targets, dense_bias
 from fastrl.ops._gemm import addmm_f32
 from fastrl.ops.backend import is_triton, resolve_backend
@@ -432,13 +434,8 @@ def fused_logprobs(
     if is_triton(name) and hidden.dtype == torch.float64:
         raise TypeError("the triton backends compute from float32, bfloat16 or float16 inputs; use backend='torch' for float64")
     if support is not None or return_kept_mass:
-        if host_sync is False:
-            raise ValueError(
-                "support= / return_kept_mass=True need host synchronisation (the kept-set path sizes its chunks on the "
-                "host), so they cannot run with host_sync=False; under torch.compile they run as a graph break"
-            )
         return _support_logprobs(hidden, weight, bias, targets, tf, with_entropy, ignore_index, check_finite, name,
-                                 vocab_chunk, support, bool(return_kept_mass), positions)
+                                 vocab_chunk, support, bool(return_kept_mass), positions, host_sync)
 
     lead = tuple(targets.shape)
     h = unit_stride(hidden.reshape(-1, hidden.shape[-1]))
@@ -466,14 +463,16 @@ def fused_logprobs(
 
 
 def _support_logprobs(hidden, weight, bias, targets, tf, with_entropy, ignore_index, check_finite, name, vocab_chunk,
-                      support, return_kept_mass, positions):
-    """``fused_logprobs`` under a support (``fastrl.ops.kept``), inputs already checked."""
-    from fastrl.ops.kept import KeptOptions, kept_logprobs, resolve_support
+                      support, return_kept_mass, positions, host_sync):
+    """``fused_logprobs`` under a support (the kept-set engine, ``fastrl.ops.kept``), inputs already checked."""
+    from fastrl.ops import kept
 
-    ks, _outside = resolve_support(support, hidden, weight, bias, targets, tf, ignore_index, positions, name)
+    sync = host_sync_enabled(host_sync)
+    ks, _outside = kept.resolve_support(support, hidden, weight, bias, targets, tf, ignore_index, positions, name,
+                                        host_sync)
     kw = dict(bias=bias, temperature=tf.temperature, logit_scale=tf.logit_scale, softcap=tf.softcap,
               with_entropy=with_entropy, ignore_index=ignore_index, check_finite=check_finite, backend=name,
-              vocab_chunk=vocab_chunk)
+              vocab_chunk=vocab_chunk, host_sync=host_sync)
     if ks is None:  # the full softmax: the kept mass is 1
         logp, ent = fused_logprobs(hidden, weight, targets, **kw)
         return (logp, ent, torch.zeros_like(logp.detach())) if return_kept_mass else (logp, ent)
@@ -483,36 +482,39 @@ def _support_logprobs(hidden, weight, bias, targets, tf, with_entropy, ignore_in
     t = targets.reshape(-1).to(torch.int64).contiguous()
     N = t.shape[0]
     active = t != ignore_index
-    idx = compact_rows(active)
+    # eager: ignored rows are dropped before the op (one host sync); no-sync: the op computes every row
+    idx = compact_rows(active) if sync else None
     if idx is None:
         h_live, t_live, ks_live = h, t, ks
     else:
         h_live, t_live, ks_live = h.index_select(0, idx), t.index_select(0, idx), ks[idx]
-    needs_grad = torch.is_grad_enabled() and (
-        hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    tile, cap = kept.capacity(h.device)
+    opts = kept.KeptOptions(
+        temperature=float(tf.temperature), logit_scale=float(tf.logit_scale),
+        softcap=None if tf.softcap is None else float(tf.softcap), with_entropy=with_entropy,
+        ignore_index=ignore_index, all_live=sync, tile_elems=tile, cap=cap,
     )
-    logp, ent, lse_s = kept_logprobs(h_live, w, bias, t_live, ks_live, KeptOptions(tf=tf, with_entropy=with_entropy),
-                                     needs_grad)
+    # autograd (when an input needs grad) is the op's registered backward; under no_grad the forward alone runs
+    logp, ent, lse_s, _ = torch.ops.fastrl.kept_logprob(h_live, w, bias, t_live, ks_live.ids, ks_live.offsets,
+                                                        kept.plan_for(ks_live, sync, h.device), *opts.pack())
+    ent = ent if with_entropy else None
     mass = None
-    if return_kept_mass:  # the one full pass: LSE over the whole vocabulary
-        with torch.no_grad(), torch.autocast(h.device.type, enabled=False):
-            lse_full = linear_stats(h_live, w, bias, t_live, tf, name, False, vocab_chunk)[0]
-        mass = _scatter_rows(lse_s - lse_full, idx, N).reshape(lead)
+    if return_kept_mass:  # the one full pass: LSE over the whole vocabulary (path C of the plain op)
+        lin = LinearOptions(temperature=opts.temperature, logit_scale=opts.logit_scale, softcap=opts.softcap,
+                            backend=name, with_entropy=False, vocab_chunk=vocab_chunk, ignore_index=ignore_index,
+                            all_live=sync)
+        with torch.no_grad():
+            _, _, lse_full = torch.ops.fastrl.linear_logprob(h_live, w, bias, t_live, *lin.pack())
+        mass = lse_s - lse_full
+        if not sync:
+            mass = torch.where(active, mass, torch.zeros((), dtype=mass.dtype, device=mass.device))
+        mass = _scatter_rows(mass, idx, N).reshape(lead)
     logp, ent = _scatter_rows(logp, idx, N), _scatter_rows(ent, idx, N)
-    if check_finite:
+    if check_finite and sync:
         check_finite_outputs(logp.detach(), None if ent is None else ent.detach(), active, h, lead)
     logp = logp.reshape(lead)
     ent = ent.reshape(lead) if ent is not None else None
     return (logp, ent, mass) if return_kept_mass else (logp, ent)
-def host_sync_enabled(host_sync: bool | None) -> bool:
-    """Whether an op may read device values on the host (checks, compaction of ignored rows): ``host_sync``
-    when given, else True in eager and False while ``torch.compile`` traces (where a host read would break the
-    graph, and in a CUDA graph could not run at all)."""
-    if host_sync is None:
-        return not torch.compiler.is_compiling()
-    if not isinstance(host_sync, bool):
-        raise TypeError(f"host_sync must be None or a bool, got {type(host_sync).__name__}")
-    return host_sync
 
 
 def unit_stride(x: torch.Tensor) -> torch.Tensor:

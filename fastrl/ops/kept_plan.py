@@ -1,0 +1,190 @@
+"""Plans of the kept-set engine (``fastrl.ops.kept``): which token rows and vocabulary ids each dense GEMM covers.
+
+A kept set holds ``nnz`` (token, id) entries in CSR order (``ids`` ascending within each token, ``offsets``
+``[N + 1]``). The engine never computes a logit per token per vocabulary id; it computes the logits of the
+entries, ``z[e] = h[row(e)] . W[id(e)]`` (then bias and transform), through *units*: a block of token rows, a set
+of ids (the union of those rows' kept ids, or a block of it), one dense GEMM ``[rows, H] x [H, |ids|]`` into a
+float32 tile, and the entries of the unit read out of the tile. A row costs ``2 H`` FLOPs per id of its unit, so
+the plan bounds the ids of a unit (``cap``) and the tile (``tile_elems``).
+
+Two plans, one representation (``Unit``), so the engine has one code path:
+
+* ``host_plan`` (eager, ``host_sync`` allowed): token chunks grown greedily while their union stays within
+  ``cap`` ids and their tile within ``tile_elems`` (``chunk_plan``; one ``unique`` per candidate). Overlapping sets
+  (neighbouring tokens share ids) give long chunks and wide GEMMs; disjoint sets ``cap // K`` rows per chunk.
+  Reads the sets on the host; units are ranges of rows and of CSR entries.
+* ``fixed_plan`` (``host_sync=False``, ``torch.compile``): no host read and no data-dependent shape. Chunks of
+  ``R`` rows (``R`` from the mean set size ``nnz / N``, a shape); the entries sorted by (chunk, id) on the device;
+  a chunk's union is cut into units of at most ``C = cap`` ids and ``E = 2 C`` entries, so a chunk whose union
+  exceeds the capacity is split, never truncated. The number of units is data-dependent, so the plan provisions
+  its bound, ``ceil(N / R) + nnz // C + nnz // E`` (each cut of a chunk adds one unit and happens at most once
+  per C ids or E entries), computed from shapes; units past the real count hold no entry and compute a tile of
+  zeros' worth (their GEMMs still run: the price of a graph without host reads). Cost per token about
+  ``C + 1.5 R K`` ids against the host plan's ``|U| / rows`` (at most ``C``).
+
+Entries that a unit does not hold, padding rows and padding ids point at a scratch slot: the per-entry arrays
+have ``nnz + 1`` elements and the tiles ``rows * ids + 1`` (the last one written and read only as scratch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Unit", "KeptPlan", "chunk_plan", "host_bounds", "fixed_shape"]
+
+
+@dataclass
+class Unit:
+    """One dense GEMM of the engine: the rows of a token chunk against a set of vocabulary ids."""
+
+    rows: slice | torch.Tensor  # token rows: a range (host plan), or [R] ids clamped to N - 1 (fixed plan)
+    cols: torch.Tensor  # [C] vocabulary ids (fixed plan: padded with id 0, whose padding column holds no entry)
+    entries: slice | torch.Tensor  # the unit's CSR entries: a range, or [E] entry ids (nnz: none)
+    flat: torch.Tensor  # [entries] position of each entry in the [n_rows, C] tile (n_rows * C: none)
+    n_rows: int
+
+    @property
+    def n_cols(self) -> int:
+        return self.cols.numel()
+
+    def take_rows(self, x: torch.Tensor) -> torch.Tensor:  # [N, ...] -> [n_rows, ...]
+        return x[self.rows] if isinstance(self.rows, slice) else x.index_select(0, self.rows)
+
+    def add_rows_(self, acc: torch.Tensor, x: torch.Tensor) -> None:  # acc[rows] += x
+        if isinstance(self.rows, slice):
+            acc[self.rows] += x
+        else:  # clamped padding rows carry zeros (no entry lives there)
+            acc.index_add_(0, self.rows, x)
+
+
+def chunk_plan(ids: torch.Tensor, offsets: torch.Tensor, tile_elems: int, cap: int) -> list[tuple[int, int]]:
+    """Token ranges ``[c0, c1)`` grown greedily from each start by doubling while the chunk's union ``U`` stays
+    within ``cap`` ids and the ``[rows, |U|]`` tile within ``tile_elems`` (reads the sets on the host).
+
+    A row costs ``2 |U| H`` FLOPs per GEMM, so ``cap`` bounds the work per token at ``max(cap, K)`` ids whatever
+    the overlap. The start is the largest row count that is safe for any ids (``rows * K_max <= cap``); each
+    doubling costs one ``unique`` over the candidate's ids."""
+    N = offsets.numel() - 1
+    if N == 0:
+        return []
+    sizes = offsets[1:] - offsets[:-1]
+    k = max(1, int(sizes.max()))
+    base = max(1, min(cap // k, tile_elems // max(cap, k)))
+    off = offsets.tolist()
+    plan, c0 = [], 0
+    while c0 < N:
+        r = min(base, N - c0)
+        while c0 + r < N:
+            r2 = min(2 * r, N - c0)
+            u = torch.unique(ids[off[c0] : off[c0 + r2]]).numel()
+            if u > cap or r2 * u > tile_elems:
+                break
+            r = r2
+        plan.append((c0, c0 + r))
+        c0 += r
+    return plan
+
+
+def host_bounds(ids: torch.Tensor, offsets: torch.Tensor, tile_elems: int, cap: int) -> list[int]:
+    """``chunk_plan`` as the op argument: the chunk boundaries ``[0, c1, ..., N]`` ([] for no token)."""
+    plan = chunk_plan(ids, offsets, tile_elems, cap)
+    return [0] + [c1 for _, c1 in plan] if plan else []
+
+
+def fixed_shape(N: int, nnz: int, V: int, tile_elems: int, cap: int) -> tuple[int, int, int, int]:
+    """(rows per chunk R, ids per unit C, entries per unit E, units provisioned S) of the fixed plan, from shapes
+    only: chunks of R rows hold about ``C / 2`` ids when the sets are disjoint (``R = C / (2 K)``, ``K = nnz / N``
+    the mean set size), so most chunks need one unit and the provisioned bound stays near ``1.75 N / R``."""
+    if N == 0 or nnz == 0:
+        return 1, 1, 1, 0
+    C = max(1, min(cap, nnz, V))
+    k = -(-nnz // N)
+    R = max(1, min(N, C // (2 * k), max(1, tile_elems // C)))
+    E = 2 * C
+    S = -(-N // R) + nnz // C + nnz // E
+    return R, C, E, S
+
+
+class KeptPlan:
+    """The units covering every entry of a kept set once, and each entry's row.
+
+    ``bounds``: the host plan's chunk boundaries (``host_bounds``), or None for the fixed plan (no host read).
+    """
+
+    def __init__(self, ids: torch.Tensor, offsets: torch.Tensor, V: int, bounds: list[int] | None,
+                 tile_elems: int, cap: int):
+        self.N = offsets.numel() - 1
+        self.nnz = ids.numel()
+        self.ids, self.offsets = ids, offsets
+        self.sizes = offsets[1:] - offsets[:-1]  # [N]
+        dev = ids.device
+        # the row of each entry, without a host read (output_size is the known nnz)
+        self.row = torch.repeat_interleave(torch.arange(self.N, device=dev), self.sizes, output_size=self.nnz)
+        self.fixed = bounds is None
+        self.units = self._fixed_units(V, tile_elems, cap) if self.fixed else self._host_units(bounds)
+
+    # -------------------------------------------------------------------------------------------- host plan
+
+    def _host_units(self, bounds: list[int]) -> list[Unit]:
+        if not bounds or self.nnz == 0:
+            return []
+        off = self.offsets.tolist()
+        units = []
+        for c0, c1 in zip(bounds[:-1], bounds[1:]):
+            lo, hi = off[c0], off[c1]
+            if hi == lo:
+                continue
+            U, col = torch.unique(self.ids[lo:hi], sorted=True, return_inverse=True)
+            flat = (self.row[lo:hi] - c0) * U.numel() + col
+            units.append(Unit(slice(c0, c1), U, slice(lo, hi), flat, c1 - c0))
+        return units
+
+    # ------------------------------------------------------------------------------------------- fixed plan
+
+    def _fixed_units(self, V: int, tile_elems: int, cap: int) -> list[Unit]:
+        N, nnz = self.N, self.nnz
+        R, C, E, S = fixed_shape(N, nnz, V, tile_elems, cap)
+        if S == 0:
+            return []
+        dev = self.ids.device
+        chunk = self.row // R
+        # entries sorted by (chunk, id): a chunk's entries keep their CSR range, its union comes out sorted
+        key, perm = torch.sort(chunk * V + self.ids, stable=True)
+        chunk_p, row_p, ids_p = chunk[perm], self.row[perm], self.ids[perm]
+        first = torch.ones(nnz, dtype=torch.bool, device=dev)
+        first[1:] = key[1:] != key[:-1]  # the first entry of each distinct (chunk, id)
+        g = torch.cumsum(first, 0) - 1  # the rank of the entry's (chunk, id) among all distinct pairs
+        n_chunks = -(-N // R)
+        # column of each entry within its chunk's union, and its rank among the chunk's entries
+        distinct = torch.zeros(n_chunks, dtype=torch.int64, device=dev).index_add_(0, chunk_p, first.long())
+        col = g - (torch.cumsum(distinct, 0) - distinct)[chunk_p]
+        chunk_start = self.offsets[(torch.arange(n_chunks, device=dev) * R).clamp_(max=N)]
+        rank = torch.arange(nnz, device=dev) - chunk_start[chunk_p]
+        # a new unit at each chunk, every C ids of its union and every E of its entries
+        new = torch.ones(nnz, dtype=torch.bool, device=dev)
+        new[1:] = ((chunk_p[1:] != chunk_p[:-1]) | (col[1:] // C != col[:-1] // C)
+                   | (rank[1:] // E != rank[:-1] // E))
+        unit = torch.cumsum(new, 0) - 1  # non-decreasing, < S (fixed_shape's bound)
+        first_col = torch.zeros(S, dtype=torch.int64, device=dev).scatter_(0, unit[new], col[new])
+        slot = col - first_col[unit]  # < C: a unit never crosses a block of C ids
+        unit_chunk = torch.zeros(S, dtype=torch.int64, device=dev).scatter_(0, unit[new], chunk_p[new])
+        unit_cols = torch.zeros(S * C, dtype=torch.int64, device=dev)
+        unit_cols.scatter_(0, unit * C + slot, ids_p)  # (duplicates write one value)
+        unit_cols = unit_cols.view(S, C)
+        s_ar = torch.arange(S, device=dev)
+        start = torch.searchsorted(unit, s_ar)
+        end = torch.searchsorted(unit, s_ar, right=True)
+        flat_p = (row_p - chunk_p * R) * C + slot
+        rows = (unit_chunk[:, None] * R + torch.arange(R, device=dev)).clamp_(max=N - 1)  # [S, R]
+        e_ar = torch.arange(E, device=dev)
+        units = []
+        for s in range(S):
+            pos = start[s] + e_ar
+            valid = pos < end[s]
+            pos = pos.clamp_(max=nnz - 1)
+            entries = torch.where(valid, perm[pos], nnz)
+            flat = torch.where(valid, flat_p[pos], R * C)
+            units.append(Unit(rows[s], unit_cols[s], entries, flat, R))
+        return units
