@@ -2,8 +2,8 @@
 
 * compiled == eager (outputs and gradients, float32, <= 1e-6 relative), ``fullgraph=True`` under inductor with
   ``dynamic=True`` over three token counts (at most one recompile), for ``fused_logprobs(support=KeptSet)``,
-  ``fused_logprobs(support=SamplerRule)``, ``policy_loss(support=KeptSet)`` (with the exact KL too) and
-  ``fused_divergence(support=KeptSet)``. Eager runs the engine's host plan (ignored rows dropped first), compiled the
+  ``fused_logprobs(support=SamplerRule)``, ``policy_loss(support=KeptSet)`` (k3, and the exact KL over the support,
+  with a sequence-level ratio) and ``fused_divergence(support=KeptSet)``. Eager runs the engine's host plan (ignored rows dropped first), compiled the
   fixed plan (every row, no host read): so this also checks the two plans against each other.
 * zero graph breaks (``torch._dynamo.explain``); a rule's replay is an op whose output size depends on the data, which
   dynamo captures under ``fullgraph=True`` (or ``capture_dynamic_output_shape_ops``).
@@ -82,6 +82,28 @@ def divergence_fn(h, w, bias, th, tw, mask, support):
     return tuple(out)
 
 
+CONFIGS = (
+    PolicyLossConfig(loss_type="dapo", temperature=0.7, beta=0.04, entropy_coef=0.01),
+    PolicyLossConfig(loss_type="grpo", temperature=0.7, beta=0.1, kl_estimator="exact",
+                     importance_sampling_level="sequence"),
+)
+
+
+def policy_fn(h, w, bias, targets, mask, old, adv, th, tw, support):
+    out = []
+    for config in CONFIGS:
+        ref = dict(ref_hidden=th, ref_weight=tw) if config.kl_estimator == "exact" else dict(ref_logprobs=old - 0.1)
+        loss, metrics = fastrl.policy_loss(h, w, targets, adv, mask, config=config, old_logprobs=old, bias=bias,
+                                           softcap=TF["softcap"], support=support, **ref)
+        out += [loss, metrics["kl"], metrics["sampling/kept_size_mean"]]
+    return tuple(out)
+
+
+def policy_args(x, support=None):
+    return (x["h"], x["w"], x["bias"], x["targets"], x["mask"], x["old"], x["adv"], x["th"], x["tw"],
+            x["support"] if support is None else support)
+
+
 def check(compiled, eager, leaves, args):
     got, want = compiled(*args), eager(*args)
     for i, (g, e) in enumerate(zip(got, want)):
@@ -120,6 +142,11 @@ def test_rule_logprobs_inductor_fullgraph_dynamic():
              lambda x: (x["h"], x["w"], x["bias"]))
 
 
+def test_keptset_policy_loss_inductor_fullgraph_dynamic():
+    """The one-pass op on the kept-set engine (k3 and the exact KL over the support) under inductor."""
+    _dynamic(policy_fn, policy_args, lambda x: (x["h"], x["w"], x["bias"]))
+
+
 def test_keptset_divergence_inductor_fullgraph_dynamic():
     _dynamic(divergence_fn, lambda x: (x["h"], x["w"], x["bias"], x["th"], x["tw"], x["mask"], x["support"]),
              lambda x: (x["h"], x["w"], x["bias"]))
@@ -131,6 +158,8 @@ def _graph_cases(x):
         "logprobs/keptset": (logprob_fn, (x["h"], x["w"], x["bias"], x["targets"], x["mask"], x["support"])),
         "logprobs/rule": (logprob_fn, (x["h"], x["w"], x["bias"], x["targets"], x["mask"], rule)),
         "divergence/keptset": (divergence_fn, (x["h"], x["w"], x["bias"], x["th"], x["tw"], x["mask"], x["support"])),
+        "policy_loss/keptset": (policy_fn, policy_args(x)),
+        "policy_loss/rule": (policy_fn, policy_args(x, rule)),
     }
 
 
@@ -160,6 +189,13 @@ def _no_sync_runs(x, host_sync):
                                   host_sync=host_sync, check_finite=False, **TF)
     (gh,) = torch.autograd.grad(div.sum(), x["h"])
     outs += [div, gh]
+    for config in CONFIGS:
+        ref = dict(ref_hidden=x["th"], ref_weight=x["tw"]) if config.kl_estimator == "exact" else {}
+        loss, _ = fastrl.policy_loss(x["h"], x["w"], x["targets"], x["adv"], x["mask"], config=config,
+                                     old_logprobs=x["old"], ref_logprobs=None if ref else x["old"] - 0.1,
+                                     support=x["support"], host_sync=host_sync, check_finite=False, **ref)
+        (gh,) = torch.autograd.grad(loss, x["h"])
+        outs += [loss, gh]
     return outs
 
 
@@ -168,7 +204,8 @@ def test_keptset_no_sync_reads_nothing_and_equals_eager():
     with RecordOps() as rec:
         got = _no_sync_runs(x, host_sync=False)
     finite = all(bool(torch.isfinite(o).all()) for o in got)  # (read after the recording: a host read itself)
-    assert {"fastrl.kept_logprob", "fastrl.kept_logprob_backward", "fastrl.divergence", "aten.mm"} <= rec.ops
+    assert {"fastrl.kept_logprob", "fastrl.kept_logprob_backward", "fastrl.divergence", "fastrl.policy_loss_one_pass",
+            "aten.mm"} <= rec.ops
     assert not set(SYNC_OPS) & rec.ops, f"host reads on the no-sync path: {set(SYNC_OPS) & rec.ops}"
     assert finite
     with RecordOps() as rec:
@@ -217,6 +254,10 @@ def test_double_backward_raises_with_supports():
     div = fastrl.fused_divergence(x["h"], x["w"], x["th"], x["tw"], mask=x["mask"], support=x["support"])
     with pytest.raises(DoubleBackwardError, match=r"fastrl.fused_divergence does not support double backward"):
         torch.autograd.grad(div.sum(), x["h"], create_graph=True)
+    for support in (x["support"], SamplerRule(top_k=9)):
+        for loss in policy_fn(*policy_args(x, support))[::3]:
+            with pytest.raises(DoubleBackwardError, match=r"fastrl.policy_loss does not support double backward"):
+                torch.autograd.grad(loss, x["h"], create_graph=True)
 
 
 # ------------------------------------------------------------------------------------------------- the ops

@@ -186,6 +186,33 @@ def test_policy_loss_exact_kl_triton(monkeypatch, backend, path):
     assert_matches(got, reference(x, config), REL[torch.float32], f"{backend}/{path}")
 
 
+@pytest.mark.parametrize("support", (False, True))
+def test_one_pass_exact_kl_is_computed_in_the_chunks(monkeypatch, support):
+    """On the torch backend's one-pass path (and over a support) the exact KL comes from the loss's own chunks, the
+    reference's tile next to the policy's: no separate fused_divergence pass (which would compute the policy's
+    logits a second time), the same numbers as float64; a non-finite reference is still named."""
+    from fastrl.ops import divergence
+
+    def no_second_pass(*a, **k):
+        raise AssertionError("the exact KL ran as its own fused_divergence pass")
+
+    monkeypatch.setattr(divergence, "fused_divergence", no_second_pass)
+    x = make_inputs(seed=3)
+    config = config_for("dapo")
+    kw = {}
+    if support:
+        keep = torch.ones(B * T, V, dtype=torch.bool)  # every id kept: the support's KL is the whole vocabulary's
+        kw["support"] = fastrl.KeptSet.from_mask(keep.view(B, T, V))
+    calls = force_path(monkeypatch, "one_pass")
+    got = fused(x, config, chunk_tokens=T, **kw)
+    assert bool(calls) != support  # the vocabulary chunks, or the kept-set engine
+    assert_matches(got, reference(x, config), REL[torch.float32], f"support={support}")
+    nan = x["ref_hidden"].clone()
+    nan[0, 1, 2] = float("nan")
+    with pytest.raises(FloatingPointError, match=r"exact KL at token \(0, 1\).*ref_hidden holds inf/nan"):
+        fused(dict(x, ref_hidden=nan), config, chunk_tokens=T, **kw)
+
+
 @pytest.mark.parametrize("bias_correction", (True, False))
 def test_exact_kl_term_is_beta_times_normalised_kl_without_the_ratio(bias_correction):
     """bnpo: loss(beta) - loss(0) = beta * sum_mask(KL) / n_mask, and the same for the gradients, with the ratios far

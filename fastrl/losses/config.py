@@ -4,7 +4,8 @@ Every field mirrors an argument of TRL 1.16's ``GRPOConfig`` that ``GRPOTrainer.
 changes the loss value or its gradient; names and defaults are TRL's, except ``epsilon_low`` (TRL: ``epsilon``),
 ``kl_estimator`` (a fastrl extension, TRL hard-codes k3; ``"exact"`` is the whole-vocabulary KL) and ``max_completion_length`` (TRL defaults it to 512
 as a generation length; here it is only the dr_grpo normaliser and must be given for dr_grpo).
-The arithmetic that uses them is ``fastrl.reference.policy_loss_from_logprobs``.
+The arithmetic that uses them is ``fastrl.losses.arithmetic.policy_loss_from_logprobs`` (re-exported by
+``fastrl.reference``, the spec the tests compare against).
 """
 
 from __future__ import annotations

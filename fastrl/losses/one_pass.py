@@ -25,6 +25,7 @@ import torch
 
 from fastrl.losses.arithmetic import policy_loss_from_logprobs
 from fastrl.losses.config import CLIPPED_LOSS_TYPES, PolicyLossConfig
+from fastrl.losses.exact_kl import tile_grad_kl_, tile_stats_kl
 from fastrl.ops import torch_backend as TB
 from fastrl.ops._gemm import addmm_f32, mm_f32
 from fastrl.ops.backend import is_triton
@@ -106,6 +107,49 @@ def _chunks(
     return out
 
 
+@dataclass
+class _Chunk:
+    """One chunk of rows: its hidden states and targets, and where its rows live among the N rows."""
+
+    c0: int
+    c1: int
+    rows: torch.Tensor | None  # the live rows' ids (compact), or None: rows c0:c1
+    h: torch.Tensor  # [n, H]
+    t: torch.Tensor  # [n]
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:  # [N, ...] -> [n, ...]
+        return x[self.c0 : self.c1] if self.rows is None else x.index_select(0, self.rows)
+
+    def put_(self, dst: torch.Tensor, x: torch.Tensor) -> None:  # dst[rows] = x
+        if self.rows is None:
+            dst[self.c0 : self.c1] = x
+        else:
+            dst.index_copy_(0, self.rows, x.to(dst.dtype))
+
+
+def _chunk(hidden, targets, idx, live, c0: int, c1: int, compact: bool) -> _Chunk:
+    rows = None if idx is None else idx[c0:c1]
+    h = hidden[c0:c1] if rows is None else hidden.index_select(0, rows)
+    if not compact:  # rows outside the mask: zeroed, so that whatever they hold cannot reach grad_W
+        h = torch.where(live[c0:c1, None], h, torch.zeros((), dtype=h.dtype, device=h.device))
+    return _Chunk(c0, c1, rows, h, targets[c0:c1] if rows is None else targets.index_select(0, rows))
+
+
+def _loss_grads(inputs: _LossInputs, config, B: int, T: int, ck: _Chunk, logp_all, ent_all, kl_all):
+    """This chunk's rows' d loss / d (logp, entropy, exact KL), from the one loss definition, with the rows not yet
+    computed holding placeholders (a token- or sequence-separable loss does not read them for these rows)."""
+    lp = logp_all.detach().view(B, T).requires_grad_()
+    en = ent_all.detach().view(B, T).requires_grad_()
+    leaves = [lp, en]
+    if kl_all is not None:  # the KL computed in these chunks: its placeholders are 0
+        leaves.append(kl_all.detach().view(B, T).requires_grad_())
+        inputs = dataclasses.replace(inputs, per_token_kl=leaves[2])
+    with torch.enable_grad():
+        loss, _ = inputs.loss(lp, en, config, metrics=False)
+    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    return tuple(None if g is None else ck.take(g.reshape(-1)).contiguous() for g in grads) + (None,) * (3 - len(grads))
+
+
 def _one_pass(
     hidden: torch.Tensor,  # [N, H]
     weight: torch.Tensor,  # [V, H]
@@ -120,7 +164,10 @@ def _one_pass(
     chunks: list[tuple[int, int]],  # ranges of live rows (compact), else of all rows
     need: tuple[bool, bool, bool],
     compact: bool = True,  # False: no host sync; rows outside the mask are computed (zeroed hidden, no gradient)
-) -> tuple[torch.Tensor, dict, tuple, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    ref: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,  # the exact KL's (hidden, W, b)
+) -> tuple[torch.Tensor, dict, tuple, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    # (loss, metrics, (grad_h, grad_w, grad_b), logp [N], entropy [N], d loss / d per_token_kl | None,
+    #  the exact KL computed here [N] | None)
     need_h, need_w, need_b = need
     N, H = hidden.shape
     V = weight.shape[0]
@@ -128,6 +175,7 @@ def _one_pass(
     cdt = TB.acc_dtype(hidden.dtype)
     triton = is_triton(backend)
     sm90 = backend == "triton-sm90"  # scaled exps in the input dtype instead of float32 logits (fastrl.ops.sm90)
+    assert ref is None or not triton, "the exact KL inside the chunks runs on the torch backend's tiles"
     if triton:
         from fastrl.kernels import logits_fold as F
         from fastrl.ops import sm90 as S
@@ -135,8 +183,9 @@ def _one_pass(
     # live rows only: padding costs nothing and cannot poison grad_W (compact); or every row, with the hidden
     # states of rows outside the mask zeroed so that whatever they hold cannot reach grad_W either
     idx = compact_rows(live) if compact else None
-    # The loss is additive in the exact KL, so the per-token gradients w.r.t. logp / entropy do not depend on it:
-    # the chunks treat it as a constant, and its own gradient is taken on the final loss (below).
+    # A KL given from outside (the Triton backends' fused_divergence pass) enters additively, so the per-token
+    # gradients w.r.t. logp / entropy do not depend on it: the chunks treat it as a constant, and its own gradient
+    # is taken on the final loss (below). A KL computed here (``ref``) fills kl_all chunk by chunk.
     full_inputs, inputs = inputs, inputs.constant_kl()
     # placeholders for rows not yet computed: ratio 1 against old log-probs, zero entropy
     if inputs.old_logprobs is not None:
@@ -144,6 +193,7 @@ def _one_pass(
     else:
         logp_all = torch.zeros(N, dtype=cdt, device=dev)
     ent_all = torch.zeros(N, dtype=cdt, device=dev)
+    kl_all = torch.zeros(N, dtype=cdt, device=dev) if ref is not None else None
 
     grad_h = torch.zeros_like(hidden) if need_h else None
     grad_w = torch.zeros((V, H), dtype=cdt, device=dev) if need_w else None
@@ -151,6 +201,7 @@ def _one_pass(
 
     chunk = max((c1 - c0 for c0, c1 in chunks), default=0)
     zbuf = torch.empty(0 if sm90 else chunk * V, dtype=cdt, device=dev)
+    zrbuf = torch.empty(chunk * V, dtype=cdt, device=dev) if ref is not None else None  # the reference's tile
     exp_tile = S.ExpTile(chunk, hidden, weight, bias, tf) if sm90 else None
     stats = torch.empty((4, chunk), dtype=torch.float32, device=dev) if triton else None
     w_mm = weight if weight.dtype == cdt or triton else None
@@ -158,61 +209,48 @@ def _one_pass(
 
     for c0, c1 in chunks:
         n = c1 - c0
-        rows = None if idx is None else idx[c0:c1]
-        h_c = hidden[c0:c1] if rows is None else hidden.index_select(0, rows)
-        if not compact:
-            h_c = torch.where(live[c0:c1, None], h_c, torch.zeros((), dtype=h_c.dtype, device=dev))
-        t_c = targets[c0:c1] if rows is None else targets.index_select(0, rows)
+        ck = _chunk(hidden, targets, idx, live, c0, c1, compact)
         z = None if sm90 else zbuf[: n * V].view(n, V)
         if sm90:
-            lse, zt, ent = S.chunk_stats(exp_tile, h_c, weight, bias, t_c, tf)
+            lse, zt, ent = S.chunk_stats(exp_tile, ck.h, weight, bias, ck.t, tf)
         elif triton:
             # raw logits from cuBLAS in float32; the fold and G kernels apply bias and transform on the fly
-            mm_f32(h_c, weight.T, out=z)
+            mm_f32(ck.h, weight.T, out=z)
             st = stats[:, :n]
-            F.fold_tile(z, bias, t_c, 0, st, first=True, with_entropy=True, **tkw)
+            F.fold_tile(z, bias, ck.t, 0, st, first=True, with_entropy=True, **tkw)
             lse, zt, ent = F.finish_stats(st, True)
-        else:
-            TB.chunk_logits(h_c, weight, bias, tf, out=z)
-            lse, zt, ent = TB.stats_from_logits(z, t_c)
-        lp_c = zt - lse
-        if rows is None:
-            logp_all[c0:c1] = lp_c
-            ent_all[c0:c1] = ent
-        else:
-            logp_all.index_copy_(0, rows, lp_c)
-            ent_all.index_copy_(0, rows, ent)
+        elif ref is None:
+            TB.chunk_logits(ck.h, weight, bias, tf, out=z)
+            lse, zt, ent = TB.stats_from_logits(z, ck.t)
+        else:  # the reference's tile next to the policy's, and the KL from the pair
+            TB.chunk_logits(ck.h, weight, bias, tf, out=z)
+            zr = zrbuf[: n * V].view(n, V)
+            TB.chunk_logits(_chunk(ref[0], targets, idx, live, c0, c1, compact).h, ref[1], ref[2], tf, out=zr)
+            lse, zt, ent, kl_c, lse_r = tile_stats_kl(z, zr, ck.t)
+            ck.put_(kl_all, kl_c)
+        ck.put_(logp_all, zt - lse)
+        ck.put_(ent_all, ent)
 
-        # per-token loss gradients of this chunk's rows, from the one loss definition
-        lp = logp_all.detach().view(B, T).requires_grad_()
-        en = ent_all.detach().view(B, T).requires_grad_()
-        with torch.enable_grad():
-            loss, _ = inputs.loss(lp, en, config, metrics=False)
-        g_lp, g_en = torch.autograd.grad(loss, [lp, en], allow_unused=True)
-
-        def take(g):
-            if g is None:
-                return None
-            g = g.reshape(-1)
-            return (g[c0:c1] if rows is None else g.index_select(0, rows)).contiguous()
-
-        g_lp, g_en = take(g_lp), take(g_en)
-        if g_lp is None and g_en is None:
+        g_lp, g_en, g_kl = _loss_grads(inputs, config, B, T, ck, logp_all, ent_all, kl_all)
+        if g_lp is None and g_en is None and g_kl is None:
             continue
 
-        if sm90:
-            G = S.chunk_grad(exp_tile, t_c, zt, lse, ent, g_lp, g_en, tf)
-            h_mm = h_c
+        if g_kl is not None:
+            G = tile_grad_kl_(z, zr, ck.t, lse, ent, lse_r, kl_c, g_lp, g_en, g_kl, tf)
+            h_mm = TB._f32(ck.h)
+        elif sm90:
+            G = S.chunk_grad(exp_tile, ck.t, zt, lse, ent, g_lp, g_en, tf)
+            h_mm = ck.h
         elif triton:
-            G = F.grad_tile(z, bias, t_c, 0, lse, ent, g_lp, g_en, out_dtype=hidden.dtype, **tkw)
-            h_mm = h_c
+            G = F.grad_tile(z, bias, ck.t, 0, lse, ent, g_lp, g_en, out_dtype=hidden.dtype, **tkw)
+            h_mm = ck.h
         else:
             has_grad = torch.zeros(n, dtype=torch.bool, device=dev)
             for g in (g_lp, g_en):
                 if g is not None:
                     has_grad |= g != 0
-            G = TB.grad_from_logits_(z, t_c, 0, lse, ent, g_lp, g_en, has_grad, tf)
-            h_mm = TB._f32(h_c)
+            G = TB.grad_from_logits_(z, ck.t, 0, lse, ent, g_lp, g_en, has_grad, tf)
+            h_mm = TB._f32(ck.h)
         if need_h:
             if w_mm is not None:
                 gh_c = torch.mm(G, w_mm)
@@ -221,37 +259,40 @@ def _one_pass(
                 step = TB.tile_columns(n, V)
                 for v0 in range(0, V, step):
                     gh_c.addmm_(G[:, v0 : v0 + step], TB._f32(weight[v0 : v0 + step]))
-            if rows is None:
-                grad_h[c0:c1] = gh_c
-            else:
-                grad_h.index_copy_(0, rows, gh_c.to(grad_h.dtype))
+            ck.put_(grad_h, gh_c)
         if need_w:
             addmm_f32(grad_w, G.T, h_mm)
         if need_b:
             grad_b += G.sum(0, dtype=cdt)
 
-    # the float32 logits tile (1 GiB at W1) is dead: free it before grad_W's cast allocates its copy
-    del zbuf, stats, exp_tile
-    z = G = None
-    grad_kl = None
-    if full_inputs.per_token_kl is None:
-        with torch.no_grad():
-            loss, metrics = full_inputs.loss(logp_all.view(B, T), ent_all.view(B, T), config)
-    else:
-        # log-probs and entropies enter as constants; d loss / d KL (the loss type's normaliser times beta, per
-        # token) is what the caller's backward hands to the KL's own graph
-        with torch.enable_grad():
-            kl = full_inputs.per_token_kl.detach().requires_grad_()
-            loss, metrics = dataclasses.replace(full_inputs, per_token_kl=kl).loss(
-                logp_all.view(B, T), ent_all.view(B, T), config)
-            (grad_kl,) = torch.autograd.grad(loss, kl)
-        loss = loss.detach()
+    # the float32 logits tiles (1 GiB at W1) are dead: free them before grad_W's cast allocates its copy
+    del zbuf, zrbuf, stats, exp_tile
+    z = zr = G = None
+    loss, metrics, grad_kl = _final_loss(full_inputs, config, B, T, logp_all, ent_all, kl_all)
     grads = (
         grad_h,
         grad_w.to(weight.dtype) if need_w else None,
         grad_b.to(bias.dtype) if need_b else None,
     )
-    return loss, metrics, grads, logp_all, ent_all, grad_kl
+    return loss, metrics, grads, logp_all, ent_all, grad_kl, kl_all
+
+
+def _final_loss(inputs: _LossInputs, config, B: int, T: int, logp_all, ent_all, kl_all):
+    """(loss, metrics, d loss / d per_token_kl or None) once every row is computed."""
+    if kl_all is not None:  # the KL computed in the chunks: a constant here, its gradient is in the GEMMs already
+        inputs = dataclasses.replace(inputs, per_token_kl=kl_all.view(B, T))
+    elif inputs.per_token_kl is not None:
+        # log-probs and entropies enter as constants; d loss / d KL (the loss type's normaliser times beta, per
+        # token) is what the caller's backward hands to the KL's own graph
+        with torch.enable_grad():
+            kl = inputs.per_token_kl.detach().requires_grad_()
+            loss, metrics = dataclasses.replace(inputs, per_token_kl=kl).loss(
+                logp_all.view(B, T), ent_all.view(B, T), config)
+            (grad_kl,) = torch.autograd.grad(loss, kl)
+        return loss.detach(), metrics, grad_kl
+    with torch.no_grad():
+        loss, metrics = inputs.loss(logp_all.view(B, T), ent_all.view(B, T), config)
+    return loss, metrics, None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -277,6 +318,8 @@ class PolicyOptions:
     need_bias: bool = False
     compact: bool = True
     chunk_rows: int = 1
+    tile_elems: int = 0  # the kept-set engine's bounds with a support (fastrl.ops.kept.capacity)
+    cap: int = 0
 
     def pack(self, config: PolicyLossConfig) -> tuple[str, list[float], list[int]]:
         """These options and the loss config, as the op's three option arguments."""
@@ -350,14 +393,20 @@ def policy_loss_one_pass(
     num_items_in_batch: Optional[torch.Tensor],  # 0-dim
     sampling_logprobs: Optional[torch.Tensor],
     per_token_kl: Optional[torch.Tensor],  # [B, T] the exact KL (kl_estimator="exact"), differentiable outside
+    ref_hidden: Optional[torch.Tensor],  # [B, T, H_ref] or the exact KL computed in the chunks from the reference
+    ref_weight: Optional[torch.Tensor],  # [V, H_ref]
+    ref_bias: Optional[torch.Tensor],  # [V]
+    support_ids: Optional[torch.Tensor],  # a KeptSet's CSR ids [nnz] and offsets [B*T + 1]: the loss over it
+    support_offsets: Optional[torch.Tensor],
     chunks: list[int],  # flattened (c0, c1) ranges of live rows (compact), or [] (no-sync: fixed chunks)
     opt_str: str,  # PolicyOptions.pack(config)
     opt_float: list[float],
     opt_int: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-           torch.Tensor]:
+           torch.Tensor, torch.Tensor]:
     # (loss [], metrics [M] in metric_keys order, grad hidden [B, T, H], grad weight [V, H], grad bias [V]
-    #  (each [0] when not needed), logprobs [B*T], entropy [B*T], d loss / d per_token_kl [B, T] (or [0]))
+    #  (each [0] when not needed), logprobs [B*T], entropy [B*T], d loss / d per_token_kl [B, T] (or [0]),
+    #  the exact KL computed from ref_hidden [B*T] (or [0]))
     o, config = PolicyOptions.unpack(opt_str, opt_float, opt_int)
     B, T, H = hidden.shape
     h2 = hidden.reshape(B * T, H)
@@ -371,10 +420,20 @@ def policy_loss_one_pass(
     inputs = _LossInputs(advantages, mask, old_logprobs, ref_logprobs, importance_weights, num_items_in_batch,
                          sampling_logprobs, per_token_kl)
     need = (o.need_hidden, o.need_weight, o.need_bias and bias is not None)
+    ref = None if ref_hidden is None else (ref_hidden.reshape(B * T, -1), ref_weight, ref_bias)
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False), _autograd_inside():
-        loss, metrics, grads, logp_all, ent_all, grad_kl = _one_pass(
-            h2, weight, bias, t2, B, T, inputs, config, o.tf(config), o.backend, pairs, need, compact=o.compact,
-        )
+        if support_ids is not None:  # the kept-set engine: every value first, then one loss gradient
+            from fastrl.losses.one_pass_kept import kept_one_pass
+
+            loss, metrics, grads, logp_all, ent_all, kl = kept_one_pass(
+                h2, weight, bias, t2, B, T, inputs, config, o.tf(config), support_ids, support_offsets, need,
+                o.compact, ref, (o.tile_elems, o.cap), _IGNORE)
+            grad_kl = None
+        else:
+            loss, metrics, grads, logp_all, ent_all, grad_kl, kl = _one_pass(
+                h2, weight, bias, t2, B, T, inputs, config, o.tf(config), o.backend, pairs, need, compact=o.compact,
+                ref=ref,
+            )
     keys = metric_keys(config)
     assert tuple(metrics) == keys, f"metric_keys drifted from the loss arithmetic: {tuple(metrics)} vs {keys}"
     gh, gw, gb = grads
@@ -385,12 +444,14 @@ def policy_loss_one_pass(
         gb if gb is not None else _empty(hidden),
         logp_all, ent_all,
         grad_kl if grad_kl is not None else hidden.new_empty((0,), dtype=_acc(hidden.dtype)),
+        kl.reshape(-1) if kl is not None else hidden.new_empty((0,), dtype=_acc(hidden.dtype)),
     )
 
 
 @policy_loss_one_pass.register_fake
 def _(hidden, weight, bias, targets, advantages, mask, old_logprobs, ref_logprobs, importance_weights,
-      num_items_in_batch, sampling_logprobs, per_token_kl, chunks, opt_str, opt_float, opt_int):
+      num_items_in_batch, sampling_logprobs, per_token_kl, ref_hidden, ref_weight, ref_bias, support_ids,
+      support_offsets, chunks, opt_str, opt_float, opt_int):
     o, config = PolicyOptions.unpack_symbolic(opt_str, opt_float, opt_int)
     B, T, _ = hidden.shape
     cdt = _acc(hidden.dtype)
@@ -403,18 +464,20 @@ def _(hidden, weight, bias, targets, advantages, mask, old_logprobs, ref_logprob
         hidden.new_empty((B * T,), dtype=cdt),
         hidden.new_empty((B * T,), dtype=cdt),
         hidden.new_empty((B, T), dtype=cdt) if per_token_kl is not None else hidden.new_empty((0,), dtype=cdt),
+        hidden.new_empty((B * T,), dtype=cdt) if ref_hidden is not None else hidden.new_empty((0,), dtype=cdt),
     )
 
 
-_KL_INPUT = 11  # position of per_token_kl among policy_loss_one_pass's 16 inputs
+_KL_INPUT = 11  # position of per_token_kl among policy_loss_one_pass's inputs
+_N_INPUTS = 21
 
 
 def _policy_setup(ctx, inputs, output):
-    _, metrics, gh, gw, gb, logp, ent, grad_kl = output
+    _, metrics, gh, gw, gb, logp, ent, grad_kl, kl = output
     # the gradients were formed in the forward: backward only scales them (PyTorch's rules for saved tensors
     # hold: a second backward through a retained graph hands them out again, a freed graph raises)
     ctx.save_for_backward(gh, gw, gb, grad_kl)
-    ctx.mark_non_differentiable(metrics, gh, gw, gb, logp, ent, grad_kl)
+    ctx.mark_non_differentiable(metrics, gh, gw, gb, logp, ent, grad_kl, kl)
     ctx.set_materialize_grads(False)
 
 
@@ -423,12 +486,12 @@ def _policy_backward(ctx, grad_loss, *_unused):
     gh, gw, gb, grad_kl = ctx.saved_tensors
     need = ctx.needs_input_grad[:3]
     if grad_loss is None:
-        return (None,) * 16
+        return (None,) * _N_INPUTS
 
     def scale(g, needed):
         return g * grad_loss.to(g.dtype) if needed and g.numel() else None
 
-    grads = [scale(gh, need[0]), scale(gw, need[1]), scale(gb, need[2])] + [None] * 13
+    grads = [scale(gh, need[0]), scale(gw, need[1]), scale(gb, need[2])] + [None] * (_N_INPUTS - 3)
     grads[_KL_INPUT] = scale(grad_kl, ctx.needs_input_grad[_KL_INPUT])  # into the exact KL's own graph
     return tuple(grads)
 

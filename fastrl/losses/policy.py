@@ -1,6 +1,6 @@
 """Fused GRPO-family / PPO policy loss straight from hidden states: ``policy_loss`` and ``FusedPolicyLoss``.
 
-Two execution paths, chosen by the configuration (never by the user), with the same numbers:
+Three execution paths, chosen by the configuration (never by the user), with the same numbers:
 
 * one pass (path B, 6NHV FLOPs): when the loss gradient of a token is known as soon as the token's (or its
   sequence's) log-prob and entropy are (``PolicyLossConfig.one_pass_granularity``), each chunk of tokens has
@@ -8,15 +8,24 @@ Two execution paths, chosen by the configuration (never by the user), with the s
   taken from the loss arithmetic, and ``G = dL/dy`` and the three gradient GEMMs follow at once. The
   gradients are ready when the forward returns; backward only scales them. This path is the custom op
   ``torch.ops.fastrl.policy_loss_one_pass`` (``fastrl.losses.one_pass``), one node under ``torch.compile``.
+  With ``kl_estimator="exact"`` on the torch backend the reference's tile is computed next to the policy's in
+  each chunk (``fastrl.losses.exact_kl``).
+* over a support (``support=``): the same op on the kept-set engine (``fastrl.losses.one_pass_kept``): every
+  value over the kept ids first, then the loss gradient once, for every loss type.
 * two pass (path A, 8NHV): ``fused_logprobs`` + the loss arithmetic under autograd, for everything else
   (e.g. ``top_entropy_quantile`` < 1, which compares every token's entropy with a batch quantile, or a
   sequence-level ratio over sequences longer than a chunk), and always with ``backend="triton-fused"``, whose
   kernels never store a logit. Without gradients it is the forward-only path.
 
-The loss arithmetic is ``fastrl.reference.policy_loss_from_logprobs`` (TRL 1.16's ``_compute_loss``) in both:
-there is one definition of the loss. For the one-pass path it is differentiated with respect to a [B, T]
-buffer of log-probs and entropies in which rows not yet computed hold placeholders; for a token- (or
-sequence-) separable loss the gradient of the rows just computed does not depend on those placeholders.
+The loss arithmetic is ``fastrl.losses.arithmetic.policy_loss_from_logprobs`` (TRL 1.16's ``_compute_loss``;
+``fastrl.reference`` re-exports it as the spec) in every path: there is one definition of the loss. For the
+one-pass path it is differentiated with respect to a [B, T] buffer of log-probs and entropies in which rows not
+yet computed hold placeholders; for a token- (or sequence-) separable loss the gradient of the rows just computed
+does not depend on those placeholders.
+
+``policy_loss`` reads as its steps: ``_checked`` (arguments, before any kernel), ``_value_checks`` (the values,
+or the no-sync path's NaN poison), ``_support`` (a kept set, checked or replayed), then one of ``_kept_loss``,
+``_one_pass_loss``, ``_two_pass_loss``.
 """
 
 from __future__ import annotations
@@ -26,118 +35,19 @@ import dataclasses
 import torch
 from torch import nn
 
+from fastrl.losses import one_pass
 from fastrl.losses._checks import check_loss_inputs, check_loss_values, loss_values_bad
 from fastrl.losses.config import PolicyLossConfig
-from fastrl.losses import one_pass
+from fastrl.losses.exact_kl import check_kl_finite, check_ref_inputs, exact_reference_kl
 from fastrl.losses.one_pass import _IGNORE, PolicyOptions, _chunk_budget, _LossInputs, metric_keys
 from fastrl.ops import torch_backend as TB
 from fastrl.ops._checks import autocast_inputs, check_finite_outputs, check_linear_inputs, check_targets, dense_bias
 from fastrl.ops.backend import is_triton, resolve_backend
 from fastrl.ops.config import LogitTransform
-from fastrl.ops.linear_logprob import fused_logprobs, host_sync_enabled, unit_stride
+from fastrl.ops.custom_ops import host_sync_enabled
+from fastrl.ops.linear_logprob import fused_logprobs, unit_stride
 
-__all__ = ["policy_loss", "FusedPolicyLoss"]
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The exact reference KL (kl_estimator="exact")
-# ----------------------------------------------------------------------------------------------------------
-
-
-def _check_ref_inputs(config, hidden, weight, ref_logprobs, ref_hidden, ref_weight, ref_bias) -> bool:
-    """Validate the reference-model inputs of the exact KL; True when the loss needs the exact KL.
-
-    Runs before any kernel. With ``kl_estimator="exact"`` and ``beta != 0``: ``ref_hidden`` ``[B, T, H_ref]`` and
-    ``ref_weight`` ``[V, H_ref]`` (the policy's vocabulary; the hidden width may differ), ``ref_bias`` None or
-    ``[V]``, floating, on hidden's device, no ``ref_logprobs``. Otherwise none of the three may be given.
-    """
-    given = [n for n, t in (("ref_hidden", ref_hidden), ("ref_weight", ref_weight), ("ref_bias", ref_bias))
-             if t is not None]
-    if config.kl_estimator != "exact":
-        if given:
-            raise ValueError(
-                f"{', '.join(given)} given but config.kl_estimator={config.kl_estimator!r}: the reference model's "
-                "hidden states and head are read only with kl_estimator='exact' (k1/k2/k3 take ref_logprobs)"
-            )
-        return False
-    if ref_logprobs is not None:
-        raise ValueError(
-            "ref_logprobs must be None with config.kl_estimator='exact': the exact KL is computed over the whole "
-            "vocabulary from the reference model's last hidden states and head (ref_hidden, ref_weight, ref_bias)"
-        )
-    if config.beta == 0.0:
-        return False  # no KL term: the reference inputs, if any, are not read
-    for name, t in (("ref_hidden", ref_hidden), ("ref_weight", ref_weight)):
-        if t is None:
-            raise ValueError(
-                f"{name} is None but config.kl_estimator='exact' with beta={config.beta} needs the reference "
-                "model's last hidden states ref_hidden [B, T, H_ref] and LM-head weight ref_weight [V, H_ref]"
-            )
-    for name, t in (("ref_hidden", ref_hidden), ("ref_weight", ref_weight), ("ref_bias", ref_bias)):
-        if t is not None and not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t is not None and not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating tensor, got {t.dtype}")
-        if t is not None and t.device != hidden.device:
-            raise ValueError(f"{name} must be on hidden's device {hidden.device}, got {t.device}")
-    B, T = hidden.shape[:2]
-    if ref_hidden.dim() != 3 or tuple(ref_hidden.shape[:2]) != (B, T):
-        raise ValueError(
-            f"ref_hidden must be [B, T, H_ref] = [{B}, {T}, H_ref] (the reference model's last hidden states at "
-            f"hidden's positions), got shape {tuple(ref_hidden.shape)}"
-        )
-    V = weight.shape[0]
-    if ref_weight.dim() != 2 or ref_weight.shape[1] != ref_hidden.shape[2]:
-        raise ValueError(
-            f"ref_weight must be [V, H_ref] with H_ref = ref_hidden.shape[-1] = {ref_hidden.shape[2]}, got shape "
-            f"{tuple(ref_weight.shape)}"
-        )
-    if ref_weight.shape[0] != V:
-        raise ValueError(
-            f"ref_weight's vocabulary must be the policy's (V = weight.shape[0] = {V}): the KL compares the two "
-            f"distributions token by token, got ref_weight with V = {ref_weight.shape[0]}"
-        )
-    if ref_bias is not None and tuple(ref_bias.shape) != (V,):
-        raise ValueError(f"ref_bias must be None or [V] = [{V}], got shape {tuple(ref_bias.shape)}")
-    return True
-
-
-def exact_reference_kl(
-    hidden: torch.Tensor,  # [B, T, H], the policy; the KL's gradient flows to it, weight and bias
-    weight: torch.Tensor,  # [V, H]
-    bias: torch.Tensor | None,  # [V]
-    ref_hidden: torch.Tensor,  # [B, T, H_ref], a constant
-    ref_weight: torch.Tensor,  # [V, H_ref], a constant
-    ref_bias: torch.Tensor | None,  # [V], a constant
-    mask: torch.Tensor,  # [B, T] bool
-    tf: LogitTransform,
-    backend: str,
-    check_finite: bool,
-    support=None,  # a KeptSet: both distributions renormalised over it (sampling replay)
-    ref_tf: LogitTransform | None = None,  # the reference's logit scale / softcap; None: the policy's
-) -> torch.Tensor:  # [B, T]
-    """Per-token KL(pi_theta || pi_ref) over the whole vocabulary (or the support), 0 outside the mask.
-
-    The one definition of the exact reference KL (``policy_loss`` and ``fastrl.PPOTrainer``'s rollout reward):
-    ``fused_divergence`` with beta=1 (KL(student || teacher)), the policy as the student and the reference as the
-    teacher, under the policy's temperature; the reference's logit scale and softcap are the policy's unless
-    ``ref_tf`` says otherwise (a separate reference model with its own config).
-    """
-    from fastrl.ops.divergence import fused_divergence
-
-    ref_tf = tf if ref_tf is None else ref_tf
-    options = {} if support is None else {"support": support}
-    try:
-        return fused_divergence(
-            hidden, weight, ref_hidden.detach(), ref_weight.detach(), beta=1.0, temperature=tf.temperature, bias=bias,
-            teacher_bias=None if ref_bias is None else ref_bias.detach(), logit_scale=tf.logit_scale,
-            teacher_logit_scale=ref_tf.logit_scale, softcap=tf.softcap, teacher_softcap=ref_tf.softcap, mask=mask,
-            check_finite=check_finite, backend=backend, **options,
-        )
-    except (FloatingPointError, ValueError, TypeError) as e:
-        # name the arguments as the caller knows them (the reference is fused_divergence's teacher)
-        message = str(e).replace("teacher_", "ref_").replace("non-finite divergence", "non-finite exact KL")
-        raise type(e)(message) from None
+__all__ = ["policy_loss", "FusedPolicyLoss", "exact_reference_kl"]
 
 
 def policy_loss(
@@ -205,13 +115,15 @@ def policy_loss(
         ref_hidden, ref_weight, ref_bias: with ``config.kl_estimator="exact"`` and ``beta != 0`` (required then;
             refused with another estimator): the reference model's last hidden states ``[B, T, H_ref]`` at the
             same positions, its LM-head weight ``[V, H_ref]`` (same vocabulary, any hidden width) and bias. The KL
-            term is then the exact ``KL(pi_theta || pi_ref)`` over the whole vocabulary at every token in the mask,
-            ``fastrl.fused_divergence(hidden, weight, ref_hidden, ref_weight, beta=1.0, ...)`` under the same
-            ``logit_scale``, ``softcap`` and ``config.temperature`` for both models, with its exact gradient
+            term is then the exact ``KL(pi_theta || pi_ref)`` over the whole vocabulary at every token in the mask
+            (``fastrl.fused_divergence(hidden, weight, ref_hidden, ref_weight, beta=1.0, ...)``'s number) under the
+            same ``logit_scale``, ``softcap`` and ``config.temperature`` for both models, with its exact gradient
             w.r.t. hidden, weight and bias (none to the reference); placed where the k3 term is, not multiplied by
-            the ratio, and the ``kl`` metric is its exact masked mean. Costs ``fused_divergence``'s passes over
-            both heads (2N(H + H_ref)V FLOPs forward; the backward recomputes both heads' tiles and adds 4NHV),
-            on top of the policy loss's, never an ``[N, V]`` tensor.
+            the ratio, and the ``kl`` metric is its exact masked mean. On the one-pass path (torch backend) and over
+            a support it is computed inside the loss's chunks, next to the policy's logits tile: 2N H_ref V FLOPs
+            more than the loss (``fastrl.losses.exact_kl``); on the two-pass path and the Triton backends' one-pass
+            path it is its own ``fused_divergence`` pass (2N(H + H_ref)V forward, 2N(H + H_ref)V + 4NHV
+            backward). Never an ``[N, V]`` tensor.
         logit_scale, softcap, backend, check_finite: as in :func:`fastrl.fused_logprobs` (the temperature is
             ``config.temperature``). With ``backend="triton-fused"`` the loss always takes the two-pass path,
             on kernels that never store a logit (more FLOPs, less memory than the one-pass tile).
@@ -224,8 +136,9 @@ def policy_loss(
             policy's log-probs and entropies are then those of ``pi^S`` (``fused_logprobs(support=...)``) for
             every loss type and both importance-sampling levels, and ``top_entropy_quantile`` ranks the support
             entropies. ``old_logprobs`` / ``ref_logprobs`` stay inputs: compute them over the same support. With
-            a support the loss takes path A over the kept ids, O(B T K H), never the one-pass vocabulary tile;
-            ``chunk_tokens`` is not read. The metrics gain ``sampling/kept_size_mean`` (mean kept-set size over
+            a support the loss is one op over the kept ids on the kept-set engine (``fastrl.ops.kept``), O(B T K H)
+            and never a vocabulary walk: every value first, then the loss gradient once (exact for every loss type)
+            and the gradient GEMMs; ``chunk_tokens`` is not read. The metrics gain ``sampling/kept_size_mean`` (mean kept-set size over
             the tokens in ``mask``) and, for a rule, ``sampling/label_outside_frac`` (the fraction of those whose
             target the rule dropped). With ``kl_estimator="exact"`` the exact KL is over the support too (both
             models renormalised over each token's kept set; for a rule, the set replayed on the policy's logits).
@@ -233,21 +146,23 @@ def policy_loss(
             column t is position t).
         host_sync: None (default): host reads in eager, none while ``torch.compile`` traces; False forces the
             no-sync path (for CUDA graphs): tokens outside the mask are computed (zeroed hidden states, no
-            gradient) instead of being dropped, one-pass chunks are fixed ranges of whole rows, the value checks
-            below multiply the loss by NaN instead of raising (so a bad input gives a NaN loss and NaN
-            gradients), and the ``check_finite`` checks are skipped (a non-finite value the loss reads makes the
-            loss non-finite by itself).
+            gradient) instead of being dropped, one-pass chunks are fixed ranges of whole rows, a KeptSet runs on
+            the kept-set engine's fixed plan, the value checks below multiply the loss by NaN instead of raising
+            (so a bad input gives a NaN loss and NaN gradients; so does a KeptSet that lacks a counted target),
+            and the ``check_finite`` checks are skipped (a non-finite value the loss reads makes the loss
+            non-finite by itself). A ``SamplerRule`` is refused there (replay it first: ``fastrl.replay_rule``).
 
     Returns:
         ``(loss, metrics)``: a 0-dim loss (float32; float64 for float64 inputs), differentiable w.r.t.
         hidden, weight and bias, and a dict of detached 0-dim metrics computed in the same pass (``kl``,
         ``entropy``, ``clip_ratio/*``, ``cispo_clip_ratio``, ``policy/*``, ``val/ratio``, ``val/ratio_var``;
-        see ``fastrl.reference.policy_loss_from_logprobs`` for each).
+        see ``fastrl.losses.arithmetic.policy_loss_from_logprobs`` for each).
 
     Fully masked rows and fully masked batches give loss 0 and gradient 0. Tokens outside the mask cost no
     work: the one-pass path computes logits for the tokens in the mask only.
 
-    Input checks (``fastrl.losses._checks``), before any kernel runs: every tensor on hidden's device; ``mask``
+    Input checks (``fastrl.losses._checks``), before any kernel runs: a non-empty batch (B, T >= 1); every tensor on
+    hidden's device; ``mask``
     bool or 0/1 only (it selects tokens, it does not weight them: TRL's completion_mask is binary; per-token
     weights go in ``importance_weights``); no target equal to -100 inside the mask; ``num_items_in_batch`` a
     number or one-element tensor, >= 0, and 0 only for an empty mask; a target out of range inside the mask.
@@ -277,6 +192,51 @@ def policy_loss(
         loss.backward()  # fills hidden.grad and weight.grad
         print(loss.item(), metrics["clip_ratio/region_mean"].item(), metrics["entropy"].item())
     """
+    c = _checked(hidden, weight, targets, advantages, mask, config, old_logprobs, ref_logprobs, bias,
+                 importance_weights, num_items_in_batch, sampling_logprobs, ref_hidden, ref_weight, ref_bias,
+                 logit_scale, softcap, backend, chunk_tokens, check_finite, support, positions, host_sync)
+    poison = _value_checks(c, advantages, mask, old_logprobs, ref_logprobs, importance_weights, num_items_in_batch)
+    kept, outside = _support(c, support, positions)
+    loss, metrics = _kept_loss(c, kept) if kept is not None else _full_vocabulary_loss(c, chunk_tokens)
+    if support is not None:
+        metrics.update(_support_metrics(c, kept, outside, support))
+    return (loss if poison is None else loss * poison), metrics
+
+
+@dataclasses.dataclass
+class _Call:
+    """One ``policy_loss`` call, its arguments checked and resolved."""
+
+    hidden: torch.Tensor  # [B, T, H] (autocast applied)
+    weight: torch.Tensor  # [V, H]
+    bias: torch.Tensor | None  # [V] dense
+    targets: torch.Tensor  # [B, T] as given
+    eff_targets: torch.Tensor  # [B, T] int64, _IGNORE outside the mask
+    in_mask: torch.Tensor  # [B, T] bool
+    config: PolicyLossConfig
+    inputs: _LossInputs
+    tf: LogitTransform
+    backend: str  # concrete
+    sync: bool
+    host_sync: bool | None
+    check_finite: bool
+    exact_kl: bool  # the loss needs the exact KL (kl_estimator="exact", beta != 0)
+    ref: tuple  # (ref_hidden, ref_weight, ref_bias)
+
+    @property
+    def need(self) -> tuple[bool, bool, bool]:
+        return (self.hidden.requires_grad, self.weight.requires_grad,
+                self.bias is not None and self.bias.requires_grad)
+
+    @property
+    def grads(self) -> bool:
+        return torch.is_grad_enabled() and any(self.need)
+
+
+def _checked(hidden, weight, targets, advantages, mask, config, old_logprobs, ref_logprobs, bias, importance_weights,
+             num_items_in_batch, sampling_logprobs, ref_hidden, ref_weight, ref_bias, logit_scale, softcap, backend,
+             chunk_tokens, check_finite, support, positions, host_sync) -> _Call:
+    """Every check that needs no tensor value, before any kernel runs; the loss inputs validated by a dry run."""
     if not isinstance(config, PolicyLossConfig):
         raise TypeError(f"config must be a fastrl.PolicyLossConfig, got {type(config).__name__}")
     hidden, weight, bias = autocast_inputs(hidden, weight, bias)
@@ -287,14 +247,16 @@ def policy_loss(
                       num_items_in_batch=num_items_in_batch)
     if hidden.dim() != 3:
         raise ValueError(f"hidden must be [B, T, H] for a policy loss, got shape {tuple(hidden.shape)}")
-    exact_kl = _check_ref_inputs(config, hidden, weight, ref_logprobs, ref_hidden, ref_weight, ref_bias)
+    B, T, H = hidden.shape
+    if B == 0 or T == 0:
+        raise ValueError(f"policy_loss needs at least one completion token: hidden has shape {tuple(hidden.shape)} "
+                         f"and targets {tuple(targets.shape)} (B={B}, T={T}); skip the call for an empty batch")
+    exact_kl = check_ref_inputs(config, hidden, weight, ref_logprobs, ref_hidden, ref_weight, ref_bias)
     if tuple(mask.shape) != tuple(targets.shape):
         raise ValueError(f"mask must have targets' shape {tuple(targets.shape)}, got {tuple(mask.shape)}")
     if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or chunk_tokens <= 0):
         raise ValueError(f"chunk_tokens must be None or a positive int, got {chunk_tokens!r}")
     tf = LogitTransform(temperature=config.temperature, logit_scale=logit_scale, softcap=softcap)
-    B, T, H = hidden.shape
-    V = weight.shape[0]
     if isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch.device != hidden.device:
         # once here rather than in every one-pass chunk's loss: a host-to-device copy waits for all queued work
         num_items_in_batch = num_items_in_batch.to(hidden.device)
@@ -305,119 +267,153 @@ def policy_loss(
     with torch.no_grad():
         z0 = torch.zeros((B, T), dtype=TB.acc_dtype(hidden.dtype), device=hidden.device)
         (dataclasses.replace(inputs, per_token_kl=z0) if exact_kl else inputs).loss(z0, z0, config)
-    if host_sync is False and (support is not None or exact_kl):
-        raise ValueError(
-            "support= and kl_estimator='exact' need host synchronisation in eager (the kept-set path sizes its "
-            "chunks on the host; fused_divergence compacts masked rows), so they cannot run with host_sync=False. "
-            "Under torch.compile the exact KL without a support traces as one op (fastrl::divergence); a support "
-            "runs as a graph break"
-        )
-    sync = host_sync_enabled(host_sync)
-    poison = None
-    if sync:
-        check_loss_values(targets, advantages, mask, config=config, old_logprobs=old_logprobs,
-                          ref_logprobs=ref_logprobs, importance_weights=importance_weights,
-                          num_items_in_batch=num_items_in_batch, ignore_index=_IGNORE, check_finite=check_finite)
-    else:  # no host read: a failed value check multiplies the loss (and so every gradient) by NaN
-        bad = loss_values_bad(targets, advantages, mask, config=config, num_items_in_batch=num_items_in_batch,
-                              ignore_index=_IGNORE, vocab_size=V)
-        poison = torch.where(bad, float("nan"), 1.0).to(TB.acc_dtype(hidden.dtype))
-
+    name = resolve_backend(hidden.device, backend)
+    if is_triton(name) and hidden.dtype == torch.float64:
+        raise TypeError("the triton backends compute from float32, bfloat16 or float16 inputs; use backend='torch' "
+                        "for float64")
     in_mask = mask.bool()
     eff_targets = torch.where(in_mask, targets.to(torch.int64), torch.full_like(targets, _IGNORE, dtype=torch.int64))
-    if sync:
-        check_targets(eff_targets, V, _IGNORE)
-    name = resolve_backend(hidden.device, backend)
-    kept = outside = None
-    if support is not None:
-        from fastrl.ops.kept import resolve_support
-
-        # a KeptSet is checked against the targets; a rule is replayed on the policy's own logits (no grad)
-        kept, outside = resolve_support(support, hidden, weight, bias, eff_targets, tf, _IGNORE, positions, name)
-    if exact_kl:
-        # the exact KL first, under autograd (its gradient reaches hidden / weight / bias through its own graph);
-        # with a support, over it (a rule: the policy's replayed sets, both distributions renormalised there)
-        kl = exact_reference_kl(hidden, weight, bias, ref_hidden, ref_weight, ref_bias, in_mask, tf, name, check_finite,
-                                support=kept)
-        inputs = dataclasses.replace(inputs, per_token_kl=kl)
-
-    need = (
-        hidden.requires_grad,
-        weight.requires_grad,
-        bias is not None and bias.requires_grad,
-    )
-    if support is not None:
-        return _support_loss(hidden, weight, bias, eff_targets, in_mask, inputs, config, tf, name, support, kept,
-                             outside, check_finite)
-    granularity = config.one_pass_granularity
-    chunks = None
-    # The one-pass path keeps each chunk's logits in a float32 tile (cuBLAS writes it on the Triton backends).
-    # "triton-fused" promises that no logit is ever stored, so there the loss takes path A on the fused kernels:
-    # 8NHV instead of 6NHV, but no [chunk, V] tile and no float32 [V, H] weight-gradient accumulator.
-    if torch.is_grad_enabled() and any(need) and granularity is not None and name != "triton-fused":
-        if sync:
-            chunks = one_pass._chunks(in_mask, granularity, V, hidden.device, need[1], chunk_tokens)
-        else:  # fixed chunks over all rows, from shapes alone; a sequence longer than a chunk: two passes
-            budget = _chunk_budget(V, hidden.device, need[1], chunk_tokens)
-            chunks = [] if granularity == "token" or T <= budget else None
-    if chunks is None:
-        # two-pass path (or forward-only under no_grad): the same loss on fused per-token outputs
-        logp, ent = fused_logprobs(
-            hidden, weight, eff_targets, bias=bias, temperature=tf.temperature, logit_scale=tf.logit_scale,
-            softcap=tf.softcap, with_entropy=True, ignore_index=_IGNORE, check_finite=check_finite,
-            backend=name, host_sync=sync,
-        )
-        loss, metrics = inputs.loss(logp, ent, config)
-        return (loss if poison is None else loss * poison), metrics
-
-    if is_triton(name) and hidden.dtype == torch.float64:
-        raise TypeError("the triton backends compute from float32, bfloat16 or float16 inputs; use backend='torch' for float64")
-    opts = PolicyOptions(
-        logit_scale=float(tf.logit_scale),
-        softcap=None if tf.softcap is None else float(tf.softcap), backend=name, need_hidden=need[0],
-        need_weight=need[1], need_bias=need[2], compact=sync,
-        chunk_rows=_chunk_budget(V, hidden.device, need[1], chunk_tokens),
-    )
-    num_items = num_items_in_batch
-    if num_items is not None and not isinstance(num_items, torch.Tensor):
-        num_items = torch.full((), float(num_items), dtype=torch.float64, device=hidden.device)
-    # the exact KL (a [B, T] tensor with its own graph) enters the op as an input: the op returns d loss / d KL
-    # with the loss, and its backward hands grad_out times that to the KL's graph
-    loss, mvec, _, _, _, logp_all, ent_all, _ = torch.ops.fastrl.policy_loss_one_pass(
-        hidden, unit_stride(weight), bias, eff_targets, advantages, mask, old_logprobs, ref_logprobs,
-        importance_weights, num_items, sampling_logprobs, inputs.per_token_kl, [c for pair in chunks for c in pair],
-        *opts.pack(config),
-    )
-    if sync and check_finite:
-        check_finite_outputs(logp_all, ent_all, eff_targets.reshape(-1) != _IGNORE,
-                             hidden.detach().reshape(B * T, H), (B, T))
-    metrics = dict(zip(metric_keys(config), mvec.unbind(0)))
-    return (loss if poison is None else loss * poison), metrics
+    return _Call(hidden, weight, bias, targets, eff_targets, in_mask, config, inputs, tf, name,
+                 host_sync_enabled(host_sync), host_sync, check_finite, exact_kl, (ref_hidden, ref_weight, ref_bias))
 
 
-def _support_loss(hidden, weight, bias, eff_targets, in_mask, inputs: _LossInputs, config, tf, name, support,
-                  ks, outside, check_finite):
-    """Path A over the kept set ``ks`` (``resolve_support``'s; None: a rule that keeps every id): O(B T K H), no
-    vocabulary walk, so the one-pass tile would buy nothing."""
+def _value_checks(c: _Call, advantages, mask, old_logprobs, ref_logprobs, importance_weights,
+                  num_items_in_batch) -> torch.Tensor | None:
+    """The checks that read values: raise (eager), or return the no-sync path's poison (NaN where a check fails,
+    1 elsewhere: the loss is multiplied by it) without a host read."""
+    V = c.weight.shape[0]
+    num_items = c.inputs.num_items_in_batch
+    if not c.sync:
+        bad = loss_values_bad(c.targets, advantages, mask, config=c.config, num_items_in_batch=num_items,
+                              ignore_index=_IGNORE, vocab_size=V)
+        return torch.where(bad, float("nan"), 1.0).to(TB.acc_dtype(c.hidden.dtype))
+    check_loss_values(c.targets, advantages, mask, config=c.config, old_logprobs=old_logprobs,
+                      ref_logprobs=ref_logprobs, importance_weights=importance_weights, num_items_in_batch=num_items,
+                      ignore_index=_IGNORE, check_finite=c.check_finite)
+    check_targets(c.eff_targets, V, _IGNORE)
+    return None
+
+
+def _support(c: _Call, support, positions):
+    """(KeptSet | None, outside | None): a KeptSet checked against the targets, a rule replayed on the policy's own
+    logits (no grad), None for no support or a rule that keeps every id."""
+    if support is None:
+        return None, None
+    from fastrl.ops.kept import resolve_support
+
+    return resolve_support(support, c.hidden, c.weight, c.bias, c.eff_targets, c.tf, _IGNORE, positions, c.backend,
+                           c.host_sync)
+
+
+def _support_metrics(c: _Call, kept, outside, support) -> dict[str, torch.Tensor]:
+    """``sampling/kept_size_mean`` over the tokens in the mask and, for a rule, ``sampling/label_outside_frac``."""
     from fastrl.ops.support import SamplerRule
 
-    logp, ent = fused_logprobs(
-        hidden, weight, eff_targets, bias=bias, temperature=tf.temperature, logit_scale=tf.logit_scale,
-        softcap=tf.softcap, with_entropy=True, ignore_index=_IGNORE, check_finite=check_finite, backend=name,
-        support=ks,
-    )
-    loss, metrics = inputs.loss(logp, ent, config)
-    dt, dev = logp.dtype, logp.device
-    live = in_mask.reshape(-1)
+    dt = TB.acc_dtype(c.hidden.dtype)
+    live = c.in_mask.reshape(-1)
     count = live.sum().clamp(min=1).to(dt)
-    if ks is None:  # a rule that keeps every id
-        sizes = torch.full(live.shape, weight.shape[0], dtype=dt, device=dev)
+    if kept is None:  # a rule that keeps every id
+        sizes = torch.full(live.shape, c.weight.shape[0], dtype=dt, device=live.device)
     else:
-        sizes = ks.sizes().to(dt)
-    metrics["sampling/kept_size_mean"] = torch.where(live, sizes, 0).sum() / count
+        sizes = kept.sizes().to(dt)
+    out = {"sampling/kept_size_mean": torch.where(live, sizes, 0).sum() / count}
     if isinstance(support, SamplerRule):
-        metrics["sampling/label_outside_frac"] = (outside.reshape(-1) & live).sum().to(dt) / count
-    return loss, metrics
+        out["sampling/label_outside_frac"] = (outside.reshape(-1) & live).sum().to(dt) / count
+    return out
+
+
+def _options(c: _Call, **extra) -> PolicyOptions:
+    need = c.need if c.grads else (False, False, False)
+    return PolicyOptions(
+        logit_scale=float(c.tf.logit_scale), softcap=None if c.tf.softcap is None else float(c.tf.softcap),
+        backend=c.backend, need_hidden=need[0], need_weight=need[1], need_bias=need[2], compact=c.sync, **extra,
+    )
+
+
+def _op(c: _Call, opts: PolicyOptions, chunks: list[int], per_token_kl=None, ref=(None, None, None),
+        support=(None, None)):
+    """``fastrl::policy_loss_one_pass`` on the call's tensors: (loss, metrics)."""
+    B, T, H = c.hidden.shape
+    i = c.inputs
+    num_items = i.num_items_in_batch
+    if num_items is not None and not isinstance(num_items, torch.Tensor):
+        num_items = torch.full((), float(num_items), dtype=torch.float64, device=c.hidden.device)
+    detached = tuple(None if t is None else t.detach() for t in ref)  # the reference gets no gradient
+    # the exact KL given as a tensor (with its own graph) enters as an input: the op returns d loss / d KL with the
+    # loss, and its backward hands grad_out times that to the KL's graph
+    loss, mvec, _, _, _, logp_all, ent_all, _, kl = torch.ops.fastrl.policy_loss_one_pass(
+        c.hidden, unit_stride(c.weight), c.bias, c.eff_targets, i.advantages, i.mask, i.old_logprobs, i.ref_logprobs,
+        i.importance_weights, num_items, i.sampling_logprobs, per_token_kl, *detached, *support, chunks,
+        *opts.pack(c.config),
+    )
+    if c.sync and c.check_finite:
+        live = c.eff_targets.reshape(-1) != _IGNORE
+        check_finite_outputs(logp_all, ent_all, live, c.hidden.detach().reshape(B * T, H), (B, T))
+        if kl.numel():
+            check_kl_finite(kl, live, c.hidden.detach(), ref[0], (B, T))
+    return loss, dict(zip(metric_keys(c.config), mvec.unbind(0)))
+
+
+def _kept_loss(c: _Call, kept):
+    """The loss over a support: the one-pass op on the kept-set engine (the exact KL over the support inside it)."""
+    from fastrl.ops.kept import capacity
+
+    tile, cap = capacity(c.hidden.device)
+    opts = _options(c, tile_elems=tile, cap=cap)
+    return _op(c, opts, [], ref=c.ref if c.exact_kl else (None, None, None), support=(kept.ids, kept.offsets))
+
+
+def _full_vocabulary_loss(c: _Call, chunk_tokens: int | None):
+    """Path B when the loss allows it (its gradient is known chunk by chunk; "triton-fused" promises that no logit
+    is ever stored, so there the loss takes path A on the fused kernels: 8NHV instead of 6NHV, but no [chunk, V]
+    tile and no float32 [V, H] weight-gradient accumulator), else path A."""
+    if c.grads and c.config.one_pass_granularity is not None and c.backend != "triton-fused":
+        chunks = _one_pass_chunks(c, chunk_tokens)
+        if chunks is not None:
+            return _one_pass_loss(c, chunks, chunk_tokens)
+    return _two_pass_loss(c)
+
+
+def _one_pass_chunks(c: _Call, chunk_tokens: int | None) -> list[tuple[int, int]] | None:
+    """The one-pass path's chunks: ranges of live rows (eager), [] for fixed chunks (no-sync), None when a
+    sequence does not fit in one chunk (then two passes it is)."""
+    V, T = c.weight.shape[0], c.hidden.shape[1]
+    need_w = c.need[1]
+    if c.sync:
+        return one_pass._chunks(c.in_mask, c.config.one_pass_granularity, V, c.hidden.device, need_w, chunk_tokens)
+    # fixed chunks over all rows, from shapes alone
+    budget = _chunk_budget(V, c.hidden.device, need_w, chunk_tokens)
+    return [] if c.config.one_pass_granularity == "token" or T <= budget else None
+
+
+def _one_pass_loss(c: _Call, chunks: list[tuple[int, int]], chunk_tokens: int | None):
+    """Path B. The exact KL, if any: inside the chunks on the torch backend (the reference's tile next to the
+    policy's), else its own ``fused_divergence`` pass whose [B, T] result enters the op."""
+    opts = _options(c, chunk_rows=_chunk_budget(c.weight.shape[0], c.hidden.device, c.need[1], chunk_tokens))
+    flat = [x for pair in chunks for x in pair]
+    if not c.exact_kl:
+        return _op(c, opts, flat)
+    if not is_triton(c.backend):
+        return _op(c, opts, flat, ref=c.ref)
+    return _op(c, opts, flat, per_token_kl=_outside_kl(c))
+
+
+def _two_pass_loss(c: _Call):
+    """Path A (or forward-only under no_grad): the same loss on fused per-token outputs."""
+    logp, ent = fused_logprobs(
+        c.hidden, c.weight, c.eff_targets, bias=c.bias, temperature=c.tf.temperature, logit_scale=c.tf.logit_scale,
+        softcap=c.tf.softcap, with_entropy=True, ignore_index=_IGNORE, check_finite=c.check_finite,
+        backend=c.backend, host_sync=c.sync,
+    )
+    inputs = c.inputs if not c.exact_kl else dataclasses.replace(c.inputs, per_token_kl=_outside_kl(c))
+    return inputs.loss(logp, ent, c.config)
+
+
+def _outside_kl(c: _Call) -> torch.Tensor:
+    """The exact KL as its own ``fused_divergence`` pass (under autograd: its gradient reaches the policy through
+    its own graph)."""
+    return exact_reference_kl(c.hidden, c.weight, c.bias, *c.ref, c.in_mask, c.tf, c.backend, c.check_finite,
+                              host_sync=c.host_sync)
 
 
 class FusedPolicyLoss(nn.Module):

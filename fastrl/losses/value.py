@@ -88,7 +88,7 @@ def value_loss(
     Metrics: ``loss/value_avg`` (the loss) and ``val/clipfrac_avg`` (fraction of tokens where the clipped
     term is the larger one). A fully masked batch gives loss 0 and zero gradient.
 
-    The arithmetic is ``fastrl.reference.value_loss_reference``, run as the op ``torch.ops.fastrl.value_loss``
+    The arithmetic is ``fastrl.losses.arithmetic.value_loss_reference``, run as the op ``torch.ops.fastrl.value_loss``
     (one node under ``torch.compile``; its backward differentiates the same formula).
     """
     check_value_inputs(values, old_values, returns, mask, cliprange_value)

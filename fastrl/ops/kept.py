@@ -45,8 +45,8 @@ from fastrl.ops import kept_plan
 from fastrl.ops.kept_plan import KeptPlan, Unit, host_bounds
 from fastrl.ops.support import KeptSet
 
-__all__ = ["KeptOptions", "Head", "entry_logits", "entry_backward", "segment_lse", "kept_logprob", "plan_for",
-           "resolve_support", "chunk_plan", "capacity"]
+__all__ = ["KeptOptions", "Head", "entry_logits", "entry_backward", "segment_lse", "segment_sum", "logprob_stats",
+           "logprob_grad", "kept_logprob", "plan_for", "resolve_support", "chunk_plan", "capacity"]
 
 def capacity(device: torch.device) -> tuple[int, int]:
     """(tile_elems, cap) of the engine on ``device``: what the public functions put in the ops' options. The
@@ -218,7 +218,7 @@ def _entries(x: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _logprob_stats(plan: KeptPlan, z: torch.Tensor, targets: torch.Tensor, with_entropy: bool):
+def logprob_stats(plan: KeptPlan, z: torch.Tensor, targets: torch.Tensor, with_entropy: bool):
     """(logp [N], entropy [N] | None, lse [N], found [N] bool: the target is among the token's entries)."""
     lse, m, d, e, s = segment_lse(plan, z)
     zk = z[: plan.nnz]
@@ -234,13 +234,14 @@ def _logprob_stats(plan: KeptPlan, z: torch.Tensor, targets: torch.Tensor, with_
 
 def logprob_grad(plan: KeptPlan, z: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
                  ent: torch.Tensor | None, g_lp: torch.Tensor | None, g_en: torch.Tensor | None,
-                 tf: LogitTransform) -> torch.Tensor:
-    """``dL/dy`` per entry ([nnz + 1], scratch 0) for ``L = sum g_lp logp + g_en H^S`` (per-token weights [N])."""
+                 tf: LogitTransform, extra: torch.Tensor | None = None) -> torch.Tensor:
+    """``dL/dy`` per entry ([nnz + 1], scratch 0) for ``L = sum g_lp logp + g_en H^S`` (per-token weights [N]),
+    plus ``extra`` (``dL/dz`` per entry [nnz] of another term, e.g. the exact KL) before the transform's derivative."""
     zk = z[: plan.nnz]
     row = plan.row
     ls = zk - lse[row]  # log pi^S
     p = torch.exp(ls)
-    G = torch.zeros_like(zk)
+    G = torch.zeros_like(zk) if extra is None else extra.clone()
     if g_en is not None:
         G -= g_en[row] * p * (ls + ent[row])
     if g_lp is not None:
@@ -318,7 +319,7 @@ def kept_logprob(
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
         p = _plan(ids, offsets, weight.shape[0], plan, o)
         (z,) = entry_logits(p, [Head(h, weight, bias, o.tf)], cdt)
-        logp, ent, lse, found = _logprob_stats(p, z, targets, o.with_entropy)
+        logp, ent, lse, found = logprob_stats(p, z, targets, o.with_entropy)
     if active is not None:
         nan = torch.full((), float("nan"), dtype=cdt, device=hidden.device)
         zero = torch.zeros((), dtype=cdt, device=hidden.device)
