@@ -321,6 +321,19 @@ def test_bad_shapes_name_both_shapes():
                            batch["mask"][0], config=PolicyLossConfig())
 
 
+@pytest.mark.parametrize("B_, T_", [(0, 7), (3, 0)])
+def test_empty_batch_names_the_callers_arguments(B_, T_):
+    """An empty batch is refused naming hidden and targets (what the caller passed), not an internal argument."""
+    hidden = torch.randn(B_, T_, H, requires_grad=True)
+    weight = torch.randn(V, H, requires_grad=True)
+    targets = torch.zeros(B_, T_, dtype=torch.long)
+    with pytest.raises(ValueError, match=rf"at least one completion token: hidden has shape \({B_}, {T_}, {H}\) "
+                                         rf"and targets \({B_}, {T_}\)") as e:
+        fastrl.policy_loss(hidden, weight, targets, torch.zeros(B_), torch.ones(B_, T_, dtype=torch.bool),
+                           config=PolicyLossConfig())
+    assert "logprobs" not in str(e.value)
+
+
 def test_out_of_range_target_inside_the_mask_is_an_error():
     batch = make_batch()
     batch["targets"][0, 0] = V
