@@ -13,7 +13,16 @@ divergence over N tokens (gradients to the student's hidden states and head; the
   (``_chunked_divergence_loss``: float32 tiles of 4096 x 32768 per model, a float32 [V, H] gradient buffer);
 * ``liger``: Liger-Kernel's ``LigerFusedLinearJSD`` (Triton: CUDA only);
 * ``torch``: materialised PyTorch at the input dtype (both models' [N, V] logits, log-softmax, the formula):
-  ``fastrl.reference.divergence_reference``, what a plain trainer would write.
+  ``fastrl.reference.divergence_reference``, what a plain trainer would write;
+* ``fastrl-kept64``: ``fastrl.fused_divergence(support=)`` with a disjoint kept set of K=64 ids per token (the
+  vocabulary split among the tokens: the worst case for the kept-set engine's union GEMMs), against ``fastrl``'s
+  full divergence in the same run (issue 26's target: <= 0.15x its time on the CPU). FLOPs: ``2 |U| (H + H_t)``
+  per token forward and ``4 |U| H`` backward, ``|U|`` the ids of the token's engine unit (2048 on a CPU here).
+
+And the exact reference KL of the policy loss (workload ``KL-exact``: ``fastrl.policy_loss``, dapo, beta 0.04,
+B x 256 tokens, the reference as wide as the policy, forward + backward): ``k3`` (the reference's log-probs given:
+the one-pass loss, 6NHV) against ``exact`` (the reference's hidden states and head given: the KL computed in the
+one-pass chunks, 6NHV + 2N H_ref V); issue 26's target: ``exact`` <= 1.5x ``k3``'s time on the CPU.
 
 Each measurement runs in a fresh process (``bench.worker``, spec kind "divergence"); time is the median of the
 repetitions (CPU: wall time; CUDA: ``do_bench``), memory the peak extra RSS (CPU) or peak allocated minus inputs
@@ -33,10 +42,17 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["DivWorkload", "workloads", "PROVIDERS", "run_point", "run", "print_table", "CPU_TARGETS"]
+__all__ = ["DivWorkload", "workloads", "kl_workloads", "PROVIDERS", "run_point", "run", "print_table", "CPU_TARGETS"]
 
 BETAS = (0.0, 0.5, 1.0)
-PROVIDERS = ("fastrl", "trl", "liger", "torch")
+DIVERGENCE_PROVIDERS = ("fastrl", "fastrl-kept64", "trl", "liger", "torch")
+KL_PROVIDERS = ("k3", "exact")  # the policy loss's KL term (workload KL-exact)
+PROVIDERS = DIVERGENCE_PROVIDERS + KL_PROVIDERS
+KEPT_K = 64
+# issue 26's targets, as ratios in the same run: the divergence over a disjoint K=64 support against the full one,
+# and the loss with the exact KL against the loss with k3
+KEPT_TARGET = 0.15
+EXACT_KL_TARGET = 1.5
 # issue 21's targets, as ratios against TRL in the same run: device -> (max time ratio, max extra-memory ratio)
 CPU_TARGETS = (0.7, 0.5)
 GPU_TARGETS = (0.8, None)
@@ -52,9 +68,13 @@ class DivWorkload:
     beta: float
     dtype: str
     note: str = ""
+    kind: str = "divergence"  # or "exact-kl": the policy loss with k3 vs the exact KL (beta is the loss's)
 
     def flops(self) -> dict[str, float]:
-        """FLOPs fastrl's and TRL's chunked paths run (module docstring)."""
+        """FLOPs fastrl's and TRL's chunked paths run (module docstring); for KL-exact, the exact provider's."""
+        if self.kind == "exact-kl":  # one-pass loss 6NHV, the reference's tile 2N H_t V
+            fwd = 2.0 * self.N * (self.H + self.Ht) * self.V
+            return {"fwd": fwd, "bwd": 4.0 * self.N * self.H * self.V, "total": fwd + 4.0 * self.N * self.H * self.V}
         both = 2.0 * self.N * (self.H + self.Ht) * self.V
         fwd = both * (2 if 0.0 < self.beta < 1.0 else 1)
         bwd = both + 4.0 * self.N * self.H * self.V
@@ -74,6 +94,25 @@ def workloads(device: str, quick: bool = False, smoke: bool = False, betas=BETAS
     return [replace(base, name=f"{base.name}-b{b:g}", beta=float(b)) for b in betas]
 
 
+def kl_workloads(device: str, quick: bool = False, smoke: bool = False) -> list[DivWorkload]:
+    """The exact-KL loss workload: examples/exact_kl_cost.py's shape on a CPU (B=8 x 256 tokens, H = H_ref = 512,
+    V=32768; --quick B=4), W2's head on CUDA."""
+    if smoke:
+        return [DivWorkload("KL-exact-smoke", 64, 32, 32, 1000, 0.04, "float32", note="plumbing only",
+                            kind="exact-kl")]
+    if device == "cuda":
+        return [DivWorkload("KL-exact", 16384, 896, 896, 151936, 0.04, "bfloat16", note="W2 head, 64 x 256 tokens",
+                            kind="exact-kl")]
+    n = 1024 if quick else 2048
+    return [DivWorkload("KL-exact", n, 512, 512, 32768, 0.04, "float32", note=f"{n // 256} x 256 tokens",
+                        kind="exact-kl")]
+
+
+def providers_for(wl: DivWorkload, chosen: list[str]) -> list[str]:
+    """The providers that apply to ``wl`` among ``chosen`` (KL-exact: k3 / exact; otherwise the divergences)."""
+    return [p for p in chosen if (p in KL_PROVIDERS) == (wl.kind == "exact-kl")]
+
+
 def provider_unavailable(name: str, device: str) -> str | None:
     need = {"trl": "trl", "liger": "liger_kernel"}.get(name)
     if need and importlib.util.find_spec(need) is None:
@@ -89,20 +128,44 @@ def provider_unavailable(name: str, device: str) -> str | None:
 
 
 def _inputs(wl: DivWorkload, device: torch.device, seed: int) -> dict:
-    """Random heads whose logits have unit scale, the teacher a little sharper than the student."""
+    """Random heads whose logits have unit scale, the teacher a little sharper than the student; a disjoint kept set
+    of K ids per token (a random permutation of the vocabulary cut among the tokens; ids repeat only when N K > V).
+    KL-exact: a [B, 256] batch for the policy loss, the reference a small perturbation of the policy."""
     g = torch.Generator(device=device).manual_seed(seed)
     dt = getattr(torch, wl.dtype)
 
     def randn(*shape, scale=1.0):
         return (torch.randn(*shape, generator=g, device=device) * scale).to(dt)
 
-    return {
+    x = {
         "hidden": randn(wl.N, wl.H).requires_grad_(),
         "weight": randn(wl.V, wl.H, scale=wl.H**-0.5).requires_grad_(),
         "teacher_hidden": randn(wl.N, wl.Ht),
         "teacher_weight": randn(wl.V, wl.Ht, scale=1.5 * wl.Ht**-0.5),
         "mask": torch.ones(wl.N, dtype=torch.long, device=device),
     }
+    if wl.kind == "exact-kl":
+        import fastrl
+
+        T = min(256, wl.N)
+        B = wl.N // T
+        x["hidden"] = x["hidden"].detach()[: B * T].view(B, T, wl.H).requires_grad_()
+        x["teacher_hidden"] = x["teacher_hidden"][: B * T].view(B, T, wl.Ht)
+        x["targets"] = torch.randint(0, wl.V, (B, T), generator=g, device=device)
+        x["mask"] = torch.ones(B, T, dtype=torch.bool, device=device)
+        x["advantages"] = randn(B)
+        with torch.no_grad():
+            x["old"], _ = fastrl.fused_logprobs(x["hidden"], x["weight"], x["targets"], with_entropy=False)
+            x["ref"], _ = fastrl.fused_logprobs(x["teacher_hidden"], x["teacher_weight"], x["targets"],
+                                                with_entropy=False)
+        return x
+    import fastrl
+
+    # consecutive runs of one permutation (cyclic): K distinct ids per token, disjoint between tokens while N K <= V
+    k = min(KEPT_K, wl.V)
+    perm = torch.randperm(wl.V, generator=g, device=device)
+    x["support"] = fastrl.KeptSet.from_padded(perm[torch.arange(wl.N * k, device=device) % wl.V].view(wl.N, k), wl.V)
+    return x
 
 
 def _op(wl: DivWorkload, provider: str, opts: dict):
@@ -110,15 +173,29 @@ def _op(wl: DivWorkload, provider: str, opts: dict):
     from bench.providers import Op
 
     beta = wl.beta
-    if provider == "fastrl":
+    if provider in ("fastrl", "fastrl-kept64"):
         import fastrl
 
         backend = opts.get("fastrl_backend")
+        kept = provider == "fastrl-kept64"
 
         def fwd(st):
             div = fastrl.fused_divergence(st["hidden"], st["weight"], st["teacher_hidden"], st["teacher_weight"],
-                                          beta=beta, mask=st["mask"], backend=backend)
+                                          beta=beta, mask=st["mask"], backend=backend,
+                                          support=st["support"] if kept else None)
             return {"loss": div.sum() / st["mask"].sum(), "div": div}
+    elif provider in KL_PROVIDERS:
+        import fastrl
+
+        config = fastrl.PolicyLossConfig(loss_type="dapo", beta=wl.beta, kl_estimator=provider)
+
+        def fwd(st):
+            extra = (dict(ref_logprobs=st["ref"]) if provider == "k3" else
+                     dict(ref_hidden=st["teacher_hidden"], ref_weight=st["teacher_weight"]))
+            loss, metrics = fastrl.policy_loss(st["hidden"], st["weight"], st["targets"], st["advantages"],
+                                               st["mask"], config=config, old_logprobs=st["old"],
+                                               backend=opts.get("fastrl_backend"), **extra)
+            return {"loss": loss, "div": None}
     elif provider == "trl":
         from trl.trainer.distillation_trainer import _chunked_divergence_loss
 
@@ -155,14 +232,19 @@ def _op(wl: DivWorkload, provider: str, opts: dict):
     return Op(forward, prepare, needs_grad=True, has_entropy=False, path="divergence", notes=[])
 
 
-def _accuracy(wl: DivWorkload, inp: dict, kept: dict, rows: int) -> dict:
-    """Errors against float64 on the first ``rows`` tokens: per-token divergence and d(loss)/d(hidden) there."""
+def _accuracy(wl: DivWorkload, provider: str, inp: dict, kept: dict, rows: int) -> dict:
+    """Errors against float64 on the first ``rows`` tokens: per-token divergence and d(loss)/d(hidden) there (over
+    the support for fastrl-kept64). KL-exact rows: none here (tests/test_exact_kl.py checks the loss against
+    float64)."""
     from fastrl.reference import divergence_reference
 
+    if wl.kind == "exact-kl":
+        return {}
+    support = inp["support"][:rows] if provider == "fastrl-kept64" else None
     h64 = inp["hidden"].detach()[:rows].double().requires_grad_()
     with torch.enable_grad():
         div, _ = divergence_reference(h64, inp["weight"].detach().double(), inp["teacher_hidden"][:rows].double(),
-                                      inp["teacher_weight"].double(), beta=wl.beta)
+                                      inp["teacher_weight"].double(), beta=wl.beta, support=support)
         (gh,) = torch.autograd.grad(div.sum() / wl.N, h64)
     out = {"accuracy_rows": rows, "grad_h_max_abs_err": (kept["grad_h"].double() - gh).abs().max().item(),
            "grad_h_max_abs": gh.abs().max().item()}
@@ -193,7 +275,7 @@ def run_point(spec: dict) -> dict:
     else:
         m, kept = measure.measure_cpu(op, states, spec["reps"], spec["warmup"], rows)
     res = {"status": "ok", "reason": "", **m, "loss_value": kept.get("loss"), "measure_s": time.perf_counter() - t0}
-    res.update(_accuracy(wl, sets[0], kept, rows))
+    res.update(_accuracy(wl, spec["provider"], sets[0], kept, rows))
     return res
 
 
@@ -213,7 +295,7 @@ def run(wls: list[DivWorkload], providers: list[str], device: str, *, reps: int,
 
     rows = []
     for wl in wls:
-        for p in providers:
+        for p in providers_for(wl, providers):
             row = {"workload": wl.name, "provider": p, **asdict(wl), "flops": wl.flops()}
             why = provider_unavailable(p, device)
             if why:
@@ -236,7 +318,7 @@ def run(wls: list[DivWorkload], providers: list[str], device: str, *, reps: int,
 
 
 def _ratios(rows: list[dict]) -> None:
-    for ref in ("trl", "torch"):
+    for ref in ("trl", "torch", "fastrl", "k3"):
         base = {r["workload"]: r for r in rows if r["provider"] == ref and r.get("status") == "ok"}
         for r in rows:
             b = base.get(r["workload"])
@@ -249,18 +331,29 @@ def _ratios(rows: list[dict]) -> None:
 
 def _one_line(r: dict) -> str:
     if r.get("status") != "ok":
-        return f"[dim]{r['workload']:>10} {r['provider']:<8} {r.get('status')}: {r.get('reason', '')}[/dim]"
+        return f"[dim]{r['workload']:>10} {r['provider']:<13} {r.get('status')}: {r.get('reason', '')}[/dim]"
     t = r["total_ms"]
     err = f"  |d div| {r['div_max_abs_err']:.1e}" if "div_max_abs_err" in r else ""
-    return (f"{r['workload']:>10} {r['provider']:<8} {t['median']:10.1f} ms [{t['min']:.1f}-{t['max']:.1f}]  "
-            f"{r['peak_extra_mb']:9.1f} MB  |d grad_h| {r['grad_h_max_abs_err']:.1e}{err}")
+    gerr = f"  |d grad_h| {r['grad_h_max_abs_err']:.1e}" if "grad_h_max_abs_err" in r else ""
+    return (f"{r['workload']:>10} {r['provider']:<13} {t['median']:10.1f} ms [{t['min']:.1f}-{t['max']:.1f}]  "
+            f"{r['peak_extra_mb']:9.1f} MB{gerr}{err}")
 
 
 def targets(rows: list[dict], device: str, console=None) -> dict:
-    """Issue 21's targets for fastrl, per workload: time (and on CPU extra memory) as ratios of TRL's."""
+    """Issue 21's targets for fastrl, per workload: time (and on CPU extra memory) as ratios of TRL's; issue 26's
+    (CPU): the divergence over a disjoint K=64 support <= 0.15x the full one, the exact-KL loss <= 1.5x k3's."""
     t_max, m_max = CPU_TARGETS if device == "cpu" else GPU_TARGETS
     out = {}
     for r in rows:
+        for prov, ref, bound in (("fastrl-kept64", "fastrl", KEPT_TARGET), ("exact", "k3", EXACT_KL_TARGET)):
+            if r["provider"] != prov:
+                continue
+            ratio = r.get(f"time_vs_{ref}")
+            out[f"{r['workload']}/{prov}"] = {f"time_vs_{ref}": ratio, "time_target": bound,
+                                              "time_pass": ratio is not None and ratio <= bound}
+            if console is not None and ratio is not None:
+                verdict = "[green]PASS[/green]" if ratio <= bound else "[red]FAIL[/red]"
+                console.print(f"{r['workload']}: {prov} time {ratio:.3f}x {ref}'s (target <= {bound}x): {verdict}")
         if r["provider"] != "fastrl":
             continue
         t, m = r.get("time_vs_trl"), r.get("mem_vs_trl")
@@ -284,22 +377,26 @@ def print_table(con, rows: list[dict], title: str) -> None:
 
     tab = Table(title=title, title_justify="left")
     for c in ("workload", "beta", "provider", "fwd ms", "bwd ms", "total ms", "extra MB", "vs TRL time", "vs TRL mem",
-              "|d div| f64", "|d grad_h| f64 (rel)", "note"):
+              "vs fastrl / k3 time", "|d div| f64", "|d grad_h| f64 (rel)", "note"):
         tab.add_column(c, justify="left" if c in ("workload", "provider", "note") else "right")
     for r in rows:
         if r.get("status") != "ok":
-            tab.add_row(r["workload"], f"{r['beta']:g}", r["provider"], *[""] * 8, f"{r.get('status')}: "
+            tab.add_row(r["workload"], f"{r['beta']:g}", r["provider"], *[""] * 9, f"{r.get('status')}: "
                         f"{r.get('reason', '')}"[:80])
             continue
 
         def ms(k):
             return f"{r[k]['median']:.0f}" if r.get(k) else ""
 
-        rel = r["grad_h_max_abs_err"] / max(r["grad_h_max_abs"], 1e-30)
+        rel = r["grad_h_max_abs_err"] / max(r["grad_h_max_abs"], 1e-30) if "grad_h_max_abs_err" in r else None
+        own = r.get("time_vs_fastrl") if r["provider"] == "fastrl-kept64" else r.get("time_vs_k3")
         tab.add_row(r["workload"], f"{r['beta']:g}", r["provider"], ms("fwd_ms"), ms("bwd_ms"), ms("total_ms"),
                     f"{r['peak_extra_mb']:.0f}", f"{r['time_vs_trl']:.2f}x" if "time_vs_trl" in r else "",
                     f"{r['mem_vs_trl']:.3f}x" if "mem_vs_trl" in r else "",
-                    f"{r['div_max_abs_err']:.1e}" if "div_max_abs_err" in r else "", f"{rel:.1e}", "")
+                    f"{own:.3f}x" if own is not None and r["provider"] in ("fastrl-kept64", "exact") else "",
+                    f"{r['div_max_abs_err']:.1e}" if "div_max_abs_err" in r else "",
+                    f"{rel:.1e}" if rel is not None else "", r.get("note", "")[:40] if r.get("kind") == "exact-kl"
+                    else "")
     con.print(tab)
 
 
@@ -317,6 +414,8 @@ def cli(args, device: str, con) -> int:
     if bad:
         con.print(f"[red]unknown divergence provider(s) {bad}; choose from {', '.join(PROVIDERS)}[/red]")
         return 2
+    if any(p in KL_PROVIDERS for p in provs):
+        wls = wls + kl_workloads(device, quick=args.quick, smoke=args.smoke)
     cuda = device == "cuda"
     reps = args.reps or (1 if args.smoke else 3 if cuda else 2)
     warmup = args.warmup if args.warmup is not None else (0 if args.smoke else 1)

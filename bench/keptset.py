@@ -3,18 +3,28 @@
 Per point, in a fresh process: ``fastrl.fused_logprobs`` forward + backward (loss ``sum(logp) + 0.01 *
 sum(entropy)``, C1's) with ``support=`` a KeptSet of K ids per token, and the same call without a support
 (the full-vocabulary path A, 8NHV) on the same inputs; and, at K=64, ``support=SamplerRule(top_k=64)`` (the rule
-replayed on the model's own logits: one more full forward pass, then the kept path). Time and extra peak memory
-(CPU: peak RSS over the RSS after the inputs; CUDA: ``max_memory_allocated`` over what the inputs hold), and the
-ratio against the full-vocabulary path in the same process.
+replayed on the model's own logits: one more full forward pass, then the kept path). The kept-set engine's two plans
+and the loss (issue 26), at K=64:
+
+* ``nosync``: ``fused_logprobs(support=, host_sync=False)``, the engine's fixed plan (what ``torch.compile`` and
+  CUDA graphs run: no host read, its units provisioned from shapes), against the eager host plan's ``kept`` row;
+* ``loss`` / ``loss-kept``: ``fastrl.policy_loss`` (dapo, beta 0.04 with k3, entropy 0.01; the sequences are
+  4 x N/4 tokens) without a support (the one-pass vocabulary path, 6NHV) and with the KeptSet (the one-pass op on
+  the kept-set engine: no longer the two-pass path).
+
+Time and extra peak memory (CPU: peak RSS over the RSS after the inputs; CUDA: ``max_memory_allocated`` over what the
+inputs hold), and the ratio against the matching full-vocabulary row (``full``, or ``loss`` for ``loss-kept``)
+measured in the same run.
 
 Kept sets (the ids, the sampled target among them):
 * ``zipf``: K distinct ids per token drawn from a Zipf(1.1) law over the vocabulary (frequent tokens recur from
   position to position, as in real samples: neighbouring tokens' sets overlap);
 * ``uniform``: K ids uniformly at random: disjoint sets, the worst case for the union GEMM.
 
-Shapes: CPU N=1024, H=512, V=151936, float32 (C1-like; 85 s on a quiet 2-core machine with ``--threads 1``, the
-recorded run, and 14 min once on a 2-core machine shared with other jobs); CUDA W1 (N=16384, H=4096) and W2
-(H=896), V=151936, bf16.
+Shapes: CPU N=1024, H=512, V=151936, float32 (C1-like; 85 s on a quiet 2-core machine with ``--threads 1`` before
+the fixed-plan, loss and rule-replay rows, and 14 min once on a 2-core machine shared with other jobs; ``--quick``
+with the fixed-plan and loss rows, before the replay rows, took 114 s on a nearly idle one); CUDA W1 (N=16384,
+H=4096) and W2 (H=896), V=151936, bf16.
 """
 
 from __future__ import annotations
@@ -82,11 +92,14 @@ def run_point(spec: dict) -> dict:
     backend = spec.get("backend")
     if mode in RULE_MODES:
         step = rule_step(spec, hidden, weight, targets)
+    elif mode.startswith("loss"):
+        step = _loss_step(spec, hidden, weight, targets, ks if mode == "loss-kept" else None)
     else:
-        support = {"kept": ks, "full": None}[mode]
+        support = {"kept": ks, "nosync": ks, "full": None}[mode]
 
         def step():
-            logp, ent = fastrl.fused_logprobs(hidden, weight, targets, support=support, backend=backend)
+            logp, ent = fastrl.fused_logprobs(hidden, weight, targets, support=support, backend=backend,
+                                              host_sync=False if mode == "nosync" else None)
             torch.autograd.grad(logp.sum() + 0.01 * ent.sum(), [hidden, weight])
 
     res = {}
@@ -133,6 +146,29 @@ def run_point(spec: dict) -> dict:
     return res
 
 
+def _loss_step(spec: dict, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, support):
+    """One forward + backward of the policy loss over 4 sequences of N/4 tokens (with the support, if any)."""
+    import fastrl
+
+    N = hidden.shape[0]
+    B = 4 if N % 4 == 0 else 1
+    T = N // B
+    g = torch.Generator().manual_seed(2)
+    h, t = hidden.view(B, T, -1), targets.view(B, T)
+    mask = torch.ones(B, T, dtype=torch.bool, device=h.device)
+    adv = torch.randn(B, generator=g).to(h.device)
+    with torch.no_grad():
+        old, _ = fastrl.fused_logprobs(h, weight, t, support=support, with_entropy=False)
+    ref = old - 0.1 * torch.rand(B, T, generator=g).to(h.device)
+    config = fastrl.PolicyLossConfig(loss_type="dapo", beta=0.04, entropy_coef=0.01)
+
+    def step():
+        loss, _ = fastrl.policy_loss(h, weight, t, adv, mask, config=config, old_logprobs=old, ref_logprobs=ref,
+                                     support=support, backend=spec.get("backend"))
+        torch.autograd.grad(loss, [hidden, weight])
+    return step
+
+
 def _worker(spec: dict, timeout: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
         sp, rp = Path(d) / "spec.json", Path(d) / "res.json"
@@ -162,7 +198,16 @@ def points(device: str, smoke: bool, quick: bool) -> list[dict]:
             for kind in KINDS:
                 out.append({**base, "mode": "kept", "K": K, "sets": kind})
         out.extend(rule_points(base, smoke))
+        k = 64 if not smoke else 20
+        for kind in KINDS:
+            out.append({**base, "mode": "nosync", "K": k, "sets": kind})
+        out.append({**base, "mode": "loss", "K": k, "sets": "zipf"})
+        for kind in KINDS:
+            out.append({**base, "mode": "loss-kept", "K": k, "sets": kind})
     return out
+
+
+BASE_MODE = {"loss-kept": "loss", "loss": "loss"}  # each row's ratio is against the full-vocabulary row of its kind
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -218,7 +263,8 @@ def cli(args, device: str, con, env: dict, out_dir: Path, prefix: str) -> int:
     rows = []
     t0 = time.perf_counter()
     for p in points(device, args.smoke, args.quick):
-        spec = {**p, "reps": reps if p["mode"] != "full" or cuda else max(1, min(reps, 2)), "warmup": warmup,
+        slow = p["mode"] in ("full", "loss")  # the full-vocabulary rows: fewer repetitions on a CPU
+        spec = {**p, "reps": reps if not slow or cuda else max(1, min(reps, 2)), "warmup": warmup,
                 "threads": args.threads, "backend": args.fastrl_backend}
         res = _worker(spec, args.timeout or 1200)
         row = {**p, **res, "status": res.get("status", "ok")}
@@ -226,23 +272,30 @@ def cli(args, device: str, con, env: dict, out_dir: Path, prefix: str) -> int:
         what = f"{p['shape']} {p['mode']:<4} K={p['K']:<3} {p['sets']:<7}"
         con.print(f"{what}: " + (f"{res['ms']:.1f} ms, +{res['peak_extra_mb']:.0f} MB" if "ms" in res
                                  else f"[red]{res.get('reason')}[/red]"))
-    for r in rows:  # ratios against the full-vocabulary path of the same shape
-        full = next((x for x in rows if x["shape"] == r["shape"] and x["mode"] == "full" and "ms" in x), None)
+    for r in rows:  # ratios against the full-vocabulary path of the same shape and kind (log-probs, or the loss)
+        base_mode = BASE_MODE.get(r["mode"], "full")
+        full = next((x for x in rows if x["shape"] == r["shape"] and x["mode"] == base_mode and "ms" in x), None)
         if full and "ms" in r:
             r["time_vs_full"] = r["ms"] / full["ms"]
             r["mem_vs_full"] = r["peak_extra_mb"] / full["peak_extra_mb"] if full["peak_extra_mb"] > 0 else None
+        host = next((x for x in rows if x["shape"] == r["shape"] and x["mode"] == "kept" and x["K"] == r["K"]
+                     and x["sets"] == r["sets"] and "ms" in x), None)
+        if r["mode"] == "nosync" and host and "ms" in r:  # the fixed plan against the host plan
+            r["time_vs_host_plan"] = r["ms"] / host["ms"]
     elapsed = time.perf_counter() - t0
     con.print()
     con.print(f"keptset on {env['device']} | torch {env['torch']} | fwd+bwd of fused_logprobs, "
               f"loss sum(logp) + 0.01 sum(H) | ms: median of {reps} (full path: of {min(reps, 2) if not cuda else reps})")
-    con.print(f"{'shape':<11}{'path':<6}{'K':>5} {'sets':<8}{'ms':>10}{'x full':>8}{'extra MB':>10}{'x full':>8}"
+    con.print(f"{'shape':<11}{'path':<10}{'K':>5} {'sets':<8}{'ms':>10}{'x full':>8}{'extra MB':>10}{'x full':>8}"
               f"{'chunks':>8}{'|U| mean':>10}{'union work':>11}")
     for r in rows:
         if "ms" not in r:
             continue
         tv, mv = r.get("time_vs_full"), r.get("mem_vs_full")
-        con.print(f"{r['shape']:<11}{r['mode']:<6}{r['K'] if r['mode'] != 'full' else '-':>5} "
-                  f"{r['sets'] if r['mode'] == 'kept' else '-':<8}{r['ms']:>10.1f}{tv:>8.3f}{r['peak_extra_mb']:>10.0f}"
+        kept_rows = ("kept", "nosync", "loss-kept")
+        con.print(f"{r['shape']:<11}{r['mode']:<10}{r['K'] if r['mode'] not in ('full', 'loss') else '-':>5} "
+                  f"{r['sets'] if r['mode'] in kept_rows else '-':<8}{r['ms']:>10.1f}{tv:>8.3f}"
+                  f"{r['peak_extra_mb']:>10.0f}"
                   f"{(mv if mv is not None else float('nan')):>8.3f}"
                   + (f"{r['chunks']:>8}{r['union_mean']:>10.0f}{r['union_work_vs_full']:>11.4f}" if r["mode"] == "kept"
                      else ""))
@@ -251,6 +304,13 @@ def cli(args, device: str, con, env: dict, out_dir: Path, prefix: str) -> int:
         verdict = "[green]PASS[/green]" if r["time_vs_full"] <= 0.1 else "[red]FAIL[/red]"
         con.print(f"target K=64 fwd+bwd <= 0.1x full ({r['shape']}, {r['sets']} sets): {r['time_vs_full']:.3f}x {verdict}")
     rule_targets(rows, con)
+    for r in rows:
+        if r["mode"] == "nosync" and "time_vs_host_plan" in r:
+            con.print(f"fixed plan (host_sync=False) K={r['K']}, {r['sets']} sets: {r['time_vs_host_plan']:.2f}x the "
+                      f"host plan's time, {r['time_vs_full']:.3f}x the full path's")
+        if r["mode"] == "loss-kept" and "time_vs_full" in r:
+            con.print(f"policy_loss over a K={r['K']} KeptSet ({r['sets']} sets): {r['time_vs_full']:.3f}x the full "
+                      "vocabulary loss's time (one pass each)")
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{prefix}.json"
     path.write_text(json.dumps({"command": "keptset", "argv": getattr(args, "argv", []), "env": env,

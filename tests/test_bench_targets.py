@@ -78,8 +78,9 @@ def test_targets_over_staged_runs(tmp_path):
 
 
 def test_keptset_points_and_one_point_in_process():
-    """`python -m bench keptset`: its points (K 20/64/512 x Zipf/disjoint sets, the full path, the rule) and one
-    tiny point measured in this process (the CLI runs each in a fresh one)."""
+    """`python -m bench keptset`: its points (K 20/64/512 x Zipf/disjoint sets, the full path, the rule, the fixed
+    plan, the policy loss with and without a support) and one tiny point measured in this process (the CLI runs
+    each in a fresh one)."""
     import torch
 
     from bench import keptset
@@ -87,7 +88,7 @@ def test_keptset_points_and_one_point_in_process():
     pts = keptset.points("cpu", smoke=False, quick=False)
     kept = {(p["K"], p["sets"]) for p in pts if p["mode"] == "kept"}
     assert kept == {(k, s) for k in (20, 64, 512) for s in ("zipf", "uniform")}
-    assert {p["mode"] for p in pts} == {"full", "kept", "rule", "replay", "rule-p"}
+    assert {p["mode"] for p in pts} == {"full", "kept", "rule", "replay", "rule-p", "nosync", "loss", "loss-kept"}
     assert all(p["V"] == 151936 for p in pts)
     assert {p["shape"] for p in keptset.points("cuda", False, False)} == {"W1-kept", "W2-kept"}
     ks, targets = keptset.make_sets(50, 300, 7, "zipf", torch.device("cpu"))

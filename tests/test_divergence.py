@@ -73,13 +73,14 @@ def _rel(x, y):
 
 
 def check_against_float64(beta, dtype=torch.float32, lead=(37,), mask=None, support=None, tf="plain", device="cpu",
-                          backend=None, **make_kw):
+                          backend=None, host_sync=None, **make_kw):
     s, t = make(lead=lead, dtype=dtype, device=device, **make_kw)
     kw = dict(beta=beta, mask=mask, **TRANSFORMS[tf])
     g = torch.Generator().manual_seed(5)
     a, c = torch.randn(lead, generator=g, dtype=torch.float64), torch.randn(lead, generator=g, dtype=torch.float64)
     a, c = a.to(device), c.to(device)
-    div, ent = fastrl.fused_divergence(**s, **t, with_entropy=True, support=support, backend=backend, **kw)
+    div, ent = fastrl.fused_divergence(**s, **t, with_entropy=True, support=support, backend=backend,
+                                       host_sync=host_sync, **kw)
     assert div.shape == lead and ent.shape == lead and div.dtype == torch.float32
     g_fast = _grads(div, ent, a, c, _params(s))
     d64, e64 = divergence_reference(**s, **t, support=support, dtype=torch.float64, **kw)
@@ -211,10 +212,13 @@ def _support(lead, V, frac=0.05, seed=4, mask=None):
     return KeptSet.from_mask(keep)
 
 
+@pytest.mark.parametrize("host_sync", (None, False))
 @pytest.mark.parametrize("beta", BETAS)
-def test_support_against_float64(beta, small_tiles):
+def test_support_against_float64(beta, host_sync, small_tiles):
+    """The kept-set engine's host plan (eager) and fixed plan (host_sync=False: masked rows computed, no host read)."""
     mask = torch.rand(3, 11, generator=torch.Generator().manual_seed(2)) > 0.2
-    check_against_float64(beta, lead=(3, 11), mask=mask, support=_support((3, 11), 300, mask=mask), tf="all")
+    check_against_float64(beta, lead=(3, 11), mask=mask, support=_support((3, 11), 300, mask=mask), tf="all",
+                          host_sync=host_sync)
 
 
 def test_support_bf16_weight_gradient_touches_kept_rows_only(small_tiles):

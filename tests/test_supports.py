@@ -56,8 +56,10 @@ def small_tiles(monkeypatch):
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
-@pytest.mark.parametrize("kind", ["keptset", "rule"])
+@pytest.mark.parametrize("kind", ["keptset", "rule", "keptset-nosync"])
 def test_support_logprobs_against_float64(backend, kind, small_tiles):
+    """Both plans of the kept-set engine (eager: the host plan; ``host_sync=False``: the fixed plan, every row
+    computed) against float64, with tiles small enough that chunks split into many units."""
     B, T, H, V = 3, 7, 31, 123
     tf = dict(temperature=0.7, logit_scale=1.3, softcap=6.0)
     hidden, weight, b, targets = make_inputs(B * T, H, V, torch.float32, lead=(B, T))
@@ -65,7 +67,7 @@ def test_support_logprobs_against_float64(backend, kind, small_tiles):
     with torch.no_grad():
         hidden[1, 6] = float("nan")  # an ignored row: must not reach anything
     params = [hidden, weight, b]
-    if kind == "keptset":
+    if kind.startswith("keptset"):
         support = random_keptset(targets, V, 9)
         kept = support.to_mask()
     else:
@@ -73,7 +75,8 @@ def test_support_logprobs_against_float64(backend, kind, small_tiles):
         kept, _ = rule_mask_reference(hidden.detach(), weight.detach(), targets, support, bias=b.detach(), dtype=F64,
                                       **tf)
     a, c = loss_weights(targets.shape)
-    logp, ent = fastrl.fused_logprobs(hidden, weight, targets, bias=b, backend=backend, support=support, **tf)
+    sync = dict(host_sync=False) if kind.endswith("nosync") else {}
+    logp, ent = fastrl.fused_logprobs(hidden, weight, targets, bias=b, backend=backend, support=support, **tf, **sync)
     assert logp.dtype == torch.float32 and logp.shape == targets.shape
     g_fast = grads(logp, ent, a, c, params)
     assert torch.isfinite(torch.cat([g.reshape(-1) for g in g_fast])).all()

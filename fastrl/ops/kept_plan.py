@@ -9,18 +9,19 @@ the plan bounds the ids of a unit (``cap``) and the tile (``tile_elems``).
 
 Two plans, one representation (``Unit``), so the engine has one code path:
 
-* ``host_plan`` (eager, ``host_sync`` allowed): token chunks grown greedily while their union stays within
-  ``cap`` ids and their tile within ``tile_elems`` (``chunk_plan``; one ``unique`` per candidate). Overlapping sets
-  (neighbouring tokens share ids) give long chunks and wide GEMMs; disjoint sets ``cap // K`` rows per chunk.
-  Reads the sets on the host; units are ranges of rows and of CSR entries.
-* ``fixed_plan`` (``host_sync=False``, ``torch.compile``): no host read and no data-dependent shape. Chunks of
+* the host plan (``host_bounds``; eager, ``host_sync`` allowed): token chunks grown greedily while their union stays
+  within ``cap`` ids and their tile within ``tile_elems`` (``chunk_plan``; one ``unique`` per candidate).
+  Overlapping sets (neighbouring tokens share ids) give long chunks and wide GEMMs; disjoint sets ``cap // K`` rows
+  per chunk. Reads the sets on the host; units are ranges of rows and of CSR entries.
+* the fixed plan (``host_sync=False``, ``torch.compile``): no host read and no data-dependent shape. Chunks of
   ``R`` rows (``R`` from the mean set size ``nnz / N``, a shape); the entries sorted by (chunk, id) on the device;
-  a chunk's union is cut into units of at most ``C = cap`` ids and ``E = 2 C`` entries, so a chunk whose union
+  a chunk's union is cut into units of at most ``C = cap`` ids and ``E = 4 C`` entries, so a chunk whose union
   exceeds the capacity is split, never truncated. The number of units is data-dependent, so the plan provisions
   its bound, ``ceil(N / R) + nnz // C + nnz // E`` (each cut of a chunk adds one unit and happens at most once
-  per C ids or E entries), computed from shapes; units past the real count hold no entry and compute a tile of
-  zeros' worth (their GEMMs still run: the price of a graph without host reads). Cost per token about
-  ``C + 1.5 R K`` ids against the host plan's ``|U| / rows`` (at most ``C``).
+  per C ids or E entries), computed from shapes; units past the real count hold no entry and compute a tile that
+  is never read (their gathers and GEMMs still run: the price of a graph without host reads). Cost
+  (``fixed_shape``): about 1.75x the host plan's on disjoint sets, more on overlapping ones, whose chunks the
+  host plan grows.
 
 Entries that a unit does not hold, padding rows and padding ids point at a scratch slot: the per-entry arrays
 have ``nnz + 1`` elements and the tiles ``rows * ids + 1`` (the last one written and read only as scratch).
@@ -95,14 +96,16 @@ def host_bounds(ids: torch.Tensor, offsets: torch.Tensor, tile_elems: int, cap: 
 
 def fixed_shape(N: int, nnz: int, V: int, tile_elems: int, cap: int) -> tuple[int, int, int, int]:
     """(rows per chunk R, ids per unit C, entries per unit E, units provisioned S) of the fixed plan, from shapes
-    only: chunks of R rows hold about ``C / 2`` ids when the sets are disjoint (``R = C / (2 K)``, ``K = nnz / N``
-    the mean set size), so most chunks need one unit and the provisioned bound stays near ``1.75 N / R``."""
+    only. Every provisioned unit gathers C rows of W, so the plan costs ``S C H`` gathered floats per pass:
+    ``(N / R + nnz / C + nnz / E) C H``. With ``R = 2 C / K`` (``K = nnz / N``, the mean set size: disjoint sets then
+    fill two units per chunk) and ``E = 4 C`` that is ``1.75 N K H``, against ``N K H`` for the host plan on disjoint
+    sets (the real units are the same; the rest is the provisioned bound)."""
     if N == 0 or nnz == 0:
         return 1, 1, 1, 0
     C = max(1, min(cap, nnz, V))
     k = -(-nnz // N)
-    R = max(1, min(N, C // (2 * k), max(1, tile_elems // C)))
-    E = 2 * C
+    R = max(1, min(N, 2 * C // k, max(1, tile_elems // C)))
+    E = 4 * C
     S = -(-N // R) + nnz // C + nnz // E
     return R, C, E, S
 

@@ -1,0 +1,49 @@
+"""The benchmark rows of issue 26 (kept-set engine, exact KL), one tiny point each, measured in this process (the
+CLIs run each point in a fresh one): ``bench keptset``'s fixed-plan and policy-loss rows, ``bench divergence``'s
+disjoint K=64 support row and its exact-KL vs k3 rows, and the ratios and targets the CLIs derive from them."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import pytest
+import torch
+
+from bench import divergence, keptset
+
+
+@pytest.mark.parametrize("mode", ["nosync", "loss", "loss-kept"])
+def test_keptset_new_rows_run(mode):
+    spec = next(p for p in keptset.points("cpu", smoke=True, quick=False) if p["mode"] == mode)
+    res = keptset.run_point({**spec, "reps": 1, "warmup": 0})
+    assert res["ms"] > 0 and res["kept_mean"] == spec["K"]
+
+
+def test_divergence_kept_support_is_disjoint_and_measured():
+    wl = divergence.workloads("cpu", smoke=True, betas=(0.5,))[0]
+    x = divergence._inputs(wl, torch.device("cpu"), seed=1)
+    ks = x["support"]
+    assert len(ks) == wl.N and ks.sizes().eq(divergence.KEPT_K).all()
+    if wl.N * divergence.KEPT_K <= wl.V:
+        assert torch.unique(ks.ids).numel() == ks.ids.numel()  # disjoint
+    spec = {"workload": asdict(wl), "provider": "fastrl-kept64", "device": "cpu", "reps": 1, "warmup": 0,
+            "n_sets": 1, "seed": 1, "accuracy_rows": 16}
+    res = divergence.run_point(spec)
+    assert res["status"] == "ok" and res["div_max_abs_err"] < 1e-5  # over the support, against float64
+
+
+def test_exact_kl_rows_and_targets():
+    (wl,) = divergence.kl_workloads("cpu", smoke=True)
+    assert divergence.providers_for(wl, list(divergence.PROVIDERS)) == ["k3", "exact"]
+    rows = []
+    for p in ("k3", "exact"):
+        spec = {"workload": asdict(wl), "provider": p, "device": "cpu", "reps": 1, "warmup": 1, "n_sets": 1,
+                "seed": 1}
+        rows.append({"workload": wl.name, "provider": p, **asdict(wl), **divergence.run_point(spec)})
+    assert all(r["status"] == "ok" for r in rows)
+    divergence._ratios(rows)
+    exact = rows[1]
+    assert exact["time_vs_k3"] == pytest.approx(exact["total_ms"]["median"] / rows[0]["total_ms"]["median"])
+    tg = divergence.targets(rows, "cpu")
+    assert tg[f"{wl.name}/exact"]["time_target"] == divergence.EXACT_KL_TARGET
+    assert tg[f"{wl.name}/exact"]["time_pass"] == (exact["time_vs_k3"] <= divergence.EXACT_KL_TARGET)
