@@ -23,7 +23,6 @@ import fastrl
 from fastrl.losses import one_pass
 from fastrl.ops import budget, divergence, hybrid, kept, rules, torch_backend
 from fastrl.ops.budget import TileBudget, tile_budget
-from fastrl.ops.config import LogitTransform
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -53,14 +52,14 @@ def test_every_path_reads_its_budget(monkeypatch):
     _shrink(monkeypatch, "one-pass", elems=5 * 1000)
     _shrink(monkeypatch, "one-pass-frozen", elems=3 * 1000)
     assert one_pass._chunk_budget(1000, cpu, True, None) == 5 and one_pass._chunk_budget(1000, cpu, False, None) == 3
-    _shrink(monkeypatch, "divergence", elems=8 * 128, rows=4)
-    assert [(t.rows.start, t.v0, t.v1) for t in divergence._tiles(8, 300, None)] == [(0, 0, 128), (0, 128, 256),
-                                                                                      (0, 256, 300)]
+    _shrink(monkeypatch, "divergence", elems=8 * 128)
+    assert [(t.rows.start, t.v0, t.v1) for t in divergence._tiles(8, 300)] == [(0, 0, 128), (0, 128, 256),
+                                                                                (0, 256, 300)]
+    # the kept-set engine (fused_logprobs / policy_loss / fused_divergence over a support): its unit cap and tile
     ks = fastrl.KeptSet.from_lists([[i] for i in range(10)], 100)
-    assert [t.rows.start for t in divergence._tiles(10, 100, ks)] == [0, 4, 8]
     _shrink(monkeypatch, "kept", elems=1 << 20, cap=3)
-    assert kept._plan(ks, 100, kept.KeptOptions(tf=LogitTransform(), with_entropy=True), cpu) == [
-        (0, 3), (3, 6), (6, 9), (9, 10)]
+    assert kept.capacity(cpu) == (1 << 20, 3)
+    assert kept.chunk_plan(ks, 100, *kept.capacity(cpu)) == [(0, 3), (3, 6), (6, 9), (9, 10)]
 
 
 def _peak_allocated(fn) -> tuple[int, int]:

@@ -506,3 +506,34 @@ def test_bad_rule_inputs_named():
         fastrl.replay_rule(hidden, weight, targets, {"top_k": 3})
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
         SR(top_p=0.0)
+
+
+def test_support_paths_import_no_dynamo():
+    """The kept-set ops are torch.library ops like the others: their first eager calls (both plans, a rule, the loss
+    with the exact KL, the divergence) import no torch._dynamo (~170 MB and 1-2 s in a process that never compiles)."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import sys, torch, fastrl
+        B, T, H, V = 2, 8, 16, 64
+        h = torch.randn(B, T, H, requires_grad=True); w = torch.randn(V, H, requires_grad=True)
+        t = torch.randint(0, V, (B, T)); mask = torch.ones(B, T, dtype=torch.bool)
+        keep = torch.rand(B, T, V) < 0.3; keep.view(-1, V)[torch.arange(B * T), t.view(-1)] = True
+        ks = fastrl.KeptSet.from_mask(keep)
+        cfg = fastrl.PolicyLossConfig(loss_type="dapo", beta=0.1, kl_estimator="exact")
+        ref = dict(ref_hidden=torch.randn(B, T, H), ref_weight=torch.randn(V, H))
+        for support, sync in ((ks, None), (ks, False), (fastrl.SamplerRule(top_k=5), None)):
+            lp, ent = fastrl.fused_logprobs(h, w, t, support=support, host_sync=sync)
+            (lp.sum() + ent.sum()).backward()
+        for support in (None, ks):
+            fastrl.policy_loss(h, w, t, torch.randn(B), mask, config=cfg, old_logprobs=lp.detach(), support=support,
+                               **ref)[0].backward()
+        fastrl.fused_divergence(h, w, torch.randn(B, T, 24), torch.randn(V, 24), beta=0.5, support=ks).sum().backward()
+        assert "torch._dynamo" not in sys.modules
+    """)
+    env = {**os.environ, "FASTRL_BACKEND": "torch"}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -33,10 +33,11 @@ path                      device  tile    live  why
 ``divergence-hybrid``     any     128 MB  2     the same budget shared by both heads' tiles.
 ``divergence``            any     4 MB    5     torch backend of ``fused_divergence``: both heads' logits
                                                 and three scratch tiles, 20 MB, in a CPU's L2/L3; >= 128
-                                                columns per GEMM. ``rows``: tokens per kept-set chunk.
-``kept``                  cpu     16 MB   2     kept-set union GEMMs (``kept``): the ``[chunk, |U|]`` tile
-                          cuda    256 MB        and its filled copy; ``cap`` bounds a chunk's union (the
-                                                work per token is at most ``max(cap, K)`` ids).
+                                                columns per GEMM.
+``kept``                  cpu     16 MB   2     the kept-set engine's union GEMMs (``kept``): a unit's
+                          cuda    256 MB        ``[rows, |U|]`` logits tile, its G in the backward; ``cap``
+                                                bounds a unit's ids (the work per token is at most
+                                                ``max(cap, K)`` ids on the host plan).
 ``rule``                  cpu     16 MB   4     ``replay_rule``: a rule without top_k takes whole rows,
                           cuda    128 MB        ``[chunk, V]``: the logits tile, then a sort's values (one
                                                 more) and int64 ids (two more). A rule with top_k walks
@@ -88,7 +89,7 @@ BUDGETS: dict[str, TileBudget | dict[str, TileBudget]] = {
     "logprob": TileBudget(elems=16 * _MB, live=2),
     "hybrid": TileBudget(elems=256 * _MB, live=1),
     "divergence-hybrid": TileBudget(elems=128 * _MB, live=2),
-    "divergence": TileBudget(elems=4 * _MB, live=5, rows=256),
+    "divergence": TileBudget(elems=4 * _MB, live=5),
     "kept": {"cpu": TileBudget(elems=16 * _MB, live=2, cap=2048),
              "cuda": TileBudget(elems=256 * _MB, live=2, cap=8192)},
     "rule": {"cpu": TileBudget(elems=16 * _MB, live=4), "cuda": TileBudget(elems=128 * _MB, live=4)},
