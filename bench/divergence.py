@@ -22,7 +22,9 @@ divergence over N tokens (gradients to the student's hidden states and head; the
 And the exact reference KL of the policy loss (workload ``KL-exact``: ``fastrl.policy_loss``, dapo, beta 0.04,
 B x 256 tokens, the reference as wide as the policy, forward + backward): ``k3`` (the reference's log-probs given:
 the one-pass loss, 6NHV) against ``exact`` (the reference's hidden states and head given: the KL computed in the
-one-pass chunks, 6NHV + 2N H_ref V); issue 26's target: ``exact`` <= 1.5x ``k3``'s time on the CPU.
+one-pass chunks, 6NHV + 2N H_ref V); issue 26's target: ``exact`` <= 1.5x ``k3``'s time on the CPU, judged on the
+``exact`` row's ``interleaved`` medians (k3 and exact steps alternately in one process, after its own measurement:
+two processes run one after the other see different loads on a shared machine).
 
 Each measurement runs in a fresh process (``bench.worker``, spec kind "divergence"); time is the median of the
 repetitions (CPU: wall time; CUDA: ``do_bench``), memory the peak extra RSS (CPU) or peak allocated minus inputs
@@ -276,7 +278,33 @@ def run_point(spec: dict) -> dict:
         m, kept = measure.measure_cpu(op, states, spec["reps"], spec["warmup"], rows)
     res = {"status": "ok", "reason": "", **m, "loss_value": kept.get("loss"), "measure_s": time.perf_counter() - t0}
     res.update(_accuracy(wl, spec["provider"], sets[0], kept, rows))
+    if spec["provider"] == "exact":
+        res["interleaved"] = _interleaved(wl, spec, sets[0], device)
     return res
+
+
+def _interleaved(wl: DivWorkload, spec: dict, inp: dict, device: torch.device) -> dict:
+    """k3 and exact steps alternately in this process, after the measurement (so its memory is not affected): on a
+    shared machine the load moves between two processes run one after the other, so the exact / k3 ratio is taken
+    from these interleaved medians."""
+    import statistics
+
+    ops = {p: _op(wl, p, spec.get("options", {})) for p in KL_PROVIDERS}
+    states = {p: ops[p].prepare(inp) for p in KL_PROVIDERS}
+    times: dict[str, list[float]] = {p: [] for p in KL_PROVIDERS}
+    for _ in range(max(3, spec["reps"])):
+        for p in KL_PROVIDERS:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = ops[p].forward(states[p])
+            torch.autograd.grad(out["loss"], states[p]["wrt"])
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times[p].append((time.perf_counter() - t0) * 1e3)
+    med = {p: statistics.median(t) for p, t in times.items()}
+    return {"k3_ms": med["k3"], "exact_ms": med["exact"], "ratio": med["exact"] / med["k3"], "reps": len(times["k3"]),
+            "k3_all_ms": times["k3"], "exact_all_ms": times["exact"]}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -348,7 +376,8 @@ def targets(rows: list[dict], device: str, console=None) -> dict:
         for prov, ref, bound in (("fastrl-kept64", "fastrl", KEPT_TARGET), ("exact", "k3", EXACT_KL_TARGET)):
             if r["provider"] != prov:
                 continue
-            ratio = r.get(f"time_vs_{ref}")
+            # the exact KL: the ratio of the interleaved steps in one process (robust to a shared machine's load)
+            ratio = r["interleaved"]["ratio"] if "interleaved" in r else r.get(f"time_vs_{ref}")
             out[f"{r['workload']}/{prov}"] = {f"time_vs_{ref}": ratio, "time_target": bound,
                                               "time_pass": ratio is not None and ratio <= bound}
             if console is not None and ratio is not None:
@@ -389,7 +418,8 @@ def print_table(con, rows: list[dict], title: str) -> None:
             return f"{r[k]['median']:.0f}" if r.get(k) else ""
 
         rel = r["grad_h_max_abs_err"] / max(r["grad_h_max_abs"], 1e-30) if "grad_h_max_abs_err" in r else None
-        own = r.get("time_vs_fastrl") if r["provider"] == "fastrl-kept64" else r.get("time_vs_k3")
+        own = r.get("time_vs_fastrl") if r["provider"] == "fastrl-kept64" else (
+            r["interleaved"]["ratio"] if "interleaved" in r else r.get("time_vs_k3"))
         tab.add_row(r["workload"], f"{r['beta']:g}", r["provider"], ms("fwd_ms"), ms("bwd_ms"), ms("total_ms"),
                     f"{r['peak_extra_mb']:.0f}", f"{r['time_vs_trl']:.2f}x" if "time_vs_trl" in r else "",
                     f"{r['mem_vs_trl']:.3f}x" if "mem_vs_trl" in r else "",
