@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from fastrl.ops import torch_backend as TB
+from fastrl.ops.budget import tile_budget
 from fastrl.ops.config import LogitTransform
 
 __all__ = ["check_ref_inputs", "exact_reference_kl", "check_kl_finite", "tile_stats_kl", "tile_grad_kl_"]
@@ -151,7 +152,7 @@ def tile_stats_kl(
     m = z.amax(dim=1)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     s, u, w = torch.zeros_like(m), torch.zeros_like(m), torch.zeros_like(m)
-    step = TB.tile_columns(n, V)
+    step = _block_columns(z)
     for v0 in range(0, V, step):
         zb = z[:, v0 : v0 + step]
         d = zb - m[:, None]
@@ -166,12 +167,19 @@ def tile_stats_kl(
     return lse, zt, log_s - u / s, w / s - lse + lse_r, lse_r
 
 
+def _block_columns(z: torch.Tensor) -> int:
+    """Vocabulary columns per block of an [n, V] tile: the ``exact-kl`` budget (a CPU core's L2: the passes over a
+    block then run from cache)."""
+    n, V = z.shape
+    return TB.tile_columns(n, V, tile_elems=tile_budget("exact-kl", z.device).elems)
+
+
 def _lse(z: torch.Tensor) -> torch.Tensor:  # [n, V] -> [n], blockwise (no tile-sized temporary)
     n, V = z.shape
     m = z.amax(dim=1)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     s = torch.zeros_like(m)
-    step = TB.tile_columns(n, V)
+    step = _block_columns(z)
     for v0 in range(0, V, step):
         s += torch.exp(z[:, v0 : v0 + step] - m[:, None]).sum(1)
     return m + torch.log(s)
@@ -197,7 +205,7 @@ def tile_grad_kl_(
     g_en = zero if g_en is None else g_en
     a, b = (g_kl - g_en)[:, None], (-g_kl)[:, None]
     c = (-g_lp - g_en * ent - g_kl * kl)[:, None]
-    step = TB.tile_columns(n, V)
+    step = _block_columns(z)
     for v0 in range(0, V, step):
         zb, rb = z[:, v0 : v0 + step], zr[:, v0 : v0 + step]
         dzdy = tf.dz_dy(zb)  # a float, or a block with a softcap (taken before zb is reused)
