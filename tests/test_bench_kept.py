@@ -45,7 +45,8 @@ def test_exact_kl_rows_and_targets():
     exact = rows[1]
     assert exact["time_vs_k3"] == pytest.approx(exact["total_ms"]["median"] / rows[0]["total_ms"]["median"])
     inter = exact["interleaved"]  # k3 and exact alternately in the exact row's process: the ratio judged
-    assert inter["reps"] >= 3 and inter["ratio"] == pytest.approx(inter["exact_ms"] / inter["k3_ms"])
+    pairs = sorted(e / k for e, k in zip(inter["exact_all_ms"], inter["k3_all_ms"]))
+    assert inter["reps"] >= 5 and inter["ratio"] == pytest.approx(pairs[len(pairs) // 2])
     tg = divergence.targets(rows, "cpu")
     assert tg[f"{wl.name}/exact"]["time_target"] == divergence.EXACT_KL_TARGET
     assert tg[f"{wl.name}/exact"]["time_vs_k3"] == inter["ratio"]
