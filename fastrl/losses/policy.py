@@ -138,9 +138,9 @@ def policy_loss(
             entropies. ``old_logprobs`` / ``ref_logprobs`` stay inputs: compute them over the same support. With
             a support the loss is one op over the kept ids on the kept-set engine (``fastrl.ops.kept``), O(B T K H)
             and never a vocabulary walk: every value first, then the loss gradient once (exact for every loss type)
-            and the gradient GEMMs; ``chunk_tokens`` is not read. The metrics gain ``sampling/kept_size_mean`` (mean kept-set size over
-            the tokens in ``mask``) and, for a rule, ``sampling/label_outside_frac`` (the fraction of those whose
-            target the rule dropped). With ``kl_estimator="exact"`` the exact KL is over the support too (both
+            and the gradient GEMMs; ``chunk_tokens`` is not read. The metrics gain ``sampling/kept_size_mean``
+            (mean kept-set size over the tokens in ``mask``) and, for a rule, ``sampling/label_outside_frac`` (the
+            fraction of those whose target the rule dropped). With ``kl_estimator="exact"`` the exact KL is over the support too (both
             models renormalised over each token's kept set; for a rule, the set replayed on the policy's logits).
         positions: with a ``SamplerRule`` that has ``min_tokens``: ``[B, T]`` completion positions (default:
             column t is position t).

@@ -241,5 +241,15 @@ def _or_none(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None or t.numel() == 0 and t.dim() == 1 else t
 
 
+def _live_rows(targets: torch.Tensor, hidden: torch.Tensor, o):
+    """(active [N] bool, hidden with ignored rows zeroed) on an op's no-sync path (``o.all_live`` False: rows whose
+    target is ``o.ignore_index`` are computed, so whatever they hold must not reach a result); (None, hidden)
+    otherwise."""
+    if o.all_live:
+        return None, hidden
+    active = targets != o.ignore_index
+    return active, torch.where(active[:, None], hidden, torch.zeros((), dtype=hidden.dtype, device=hidden.device))
+
+
 def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32

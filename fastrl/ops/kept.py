@@ -39,7 +39,7 @@ from fastrl.ops._gemm import addmm_f32, cuda_f32_out, mm_f32
 from fastrl.ops.budget import tile_budget
 from fastrl.ops.config import LogitTransform
 from fastrl.ops.custom_ops import (
-    PackedOptions, _acc, _empty, _layout, _op, _or_none, _refuse_double_backward, host_sync_enabled,
+    PackedOptions, _acc, _empty, _layout, _live_rows, _op, _or_none, _refuse_double_backward, host_sync_enabled,
 )
 from fastrl.ops import kept_plan
 from fastrl.ops.kept_plan import KeptPlan, Unit, host_bounds
@@ -291,14 +291,6 @@ def _plan(ids, offsets, V, plan: list[int], o) -> KeptPlan:
     return KeptPlan(ids, offsets, V, list(plan) if plan else None, o.tile_elems or tile, o.cap or cap)
 
 
-def _live(targets: torch.Tensor, hidden: torch.Tensor, o: KeptOptions):
-    """(active rows [N] bool | None, hidden with inactive rows zeroed)."""
-    if o.all_live:
-        return None, hidden
-    active = targets != o.ignore_index
-    return active, torch.where(active[:, None], hidden, torch.zeros((), dtype=hidden.dtype, device=hidden.device))
-
-
 @_op("kept_logprob")
 def kept_logprob(
     hidden: torch.Tensor,  # [N, H]
@@ -315,7 +307,7 @@ def kept_logprob(
     # logp [N], entropy [N] (or [0]), lse_S [N], the kept entries' logits [nnz] (what the backward reads)
     o = KeptOptions.unpack(opt_str, opt_float, opt_int)
     cdt = _acc(hidden.dtype)
-    active, h = _live(targets, hidden, o)
+    active, h = _live_rows(targets, hidden, o)
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
         p = _plan(ids, offsets, weight.shape[0], plan, o)
         (z,) = entry_logits(p, [Head(h, weight, bias, o.tf)], cdt)
@@ -388,7 +380,7 @@ def kept_logprob_backward(
     need_bias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # grad hidden [N, H], weight [V, H], bias [V] (or [0])
     o = KeptOptions.unpack(opt_str, opt_float, opt_int)
-    active, h = _live(targets, hidden, o)
+    active, h = _live_rows(targets, hidden, o)
     cdt = lse.dtype
 
     def prep(g):  # the compute dtype, zero at rows that do not count (their G is then exactly 0)

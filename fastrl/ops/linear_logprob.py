@@ -20,7 +20,7 @@ import torch
 
 from fastrl.ops import torch_backend
 from fastrl.ops.custom_ops import (
-    PackedOptions, _acc, _empty, _layout, _op, _or_none, _refuse_double_backward, host_sync_enabled,
+    PackedOptions, _acc, _empty, _layout, _live_rows, _op, _or_none, _refuse_double_backward, host_sync_enabled,
 )
 from fastrl.ops._checks import autocast_inputs, check_finite_outputs, check_linear_inputs, check_targets, dense_bias
 from fastrl.ops._gemm import addmm_f32
@@ -185,14 +185,6 @@ def linear_backward(
 # ---------------------------------------------------------------------------------------------------------
 # the custom ops: fastrl::linear_logprob (statistics) and fastrl::linear_logprob_backward (its gradients)
 # ---------------------------------------------------------------------------------------------------------
-
-
-def _live_rows(targets: torch.Tensor, hidden: torch.Tensor, o: LinearOptions):
-    """(active [N] bool, hidden with ignored rows zeroed) on the no-sync path; (None, hidden) otherwise."""
-    if o.all_live:
-        return None, hidden
-    active = targets != o.ignore_index
-    return active, torch.where(active[:, None], hidden, torch.zeros((), dtype=hidden.dtype, device=hidden.device))
 
 
 @_op("linear_logprob")
@@ -372,9 +364,11 @@ def fused_logprobs(
             on these logits by ``fastrl.replay_rule``, each counted token's set extended by its target where
             the rule dropped it). Log-probs and entropies are then those of ``pi^S``, the softmax restricted to
             the kept set and renormalised, with their gradients; a KeptSet costs O(N K H), never a pass over the
-            vocabulary (``fastrl.ops.kept``); a rule adds one forward pass to find the sets. A counted target
-            outside its KeptSet, an empty set at a counted token, or a KeptSet whose length is not the number of
-            tokens raise ``ValueError`` naming the token.
+            vocabulary (the kept-set engine, ``fastrl.ops.kept``: one op, ``fastrl::kept_logprob``); a rule adds one
+            forward pass to find the sets (``fastrl::replay_rule`` while compiling). A counted target outside its
+            KeptSet, an empty set at a counted token, or a KeptSet whose length is not the number of tokens raise
+            ``ValueError`` naming the token (on the no-sync path: a NaN log-prob and entropy there, the length
+            still raises).
         return_kept_mass: True appends a third output, ``log`` of the full-softmax mass of the kept set
             (``LSE_S - LSE``; 0 without a support, 0 at ignored tokens; not differentiable). Costs one full
             forward pass over the vocabulary.
@@ -384,7 +378,9 @@ def fused_logprobs(
             ``torch.compile`` traces. False (the no-sync path, for ``torch.compile`` and CUDA graphs): ignored
             rows are computed with zeroed hidden states instead of being dropped (no data-dependent shape), the
             target-range check becomes a NaN log-prob and entropy at the bad token, and ``check_finite`` is
-            skipped (a non-finite output shows as a non-finite value downstream instead of an exception).
+            skipped (a non-finite output shows as a non-finite value downstream instead of an exception). A
+            KeptSet runs on the kept-set engine's fixed plan (no host read, no data-dependent shape); a
+            SamplerRule is refused (how many ids it keeps needs a host read: replay it first, ``replay_rule``).
 
     Returns:
         ``(logprobs, entropy)``, each of ``targets``' shape, float32 (float64 for float64 inputs);
