@@ -194,7 +194,7 @@ def policy_loss(
     """
     c = _checked(hidden, weight, targets, advantages, mask, config, old_logprobs, ref_logprobs, bias,
                  importance_weights, num_items_in_batch, sampling_logprobs, ref_hidden, ref_weight, ref_bias,
-                 logit_scale, softcap, backend, chunk_tokens, check_finite, support, positions, host_sync)
+                 logit_scale, softcap, backend, chunk_tokens, check_finite, host_sync)
     poison = _value_checks(c, advantages, mask, old_logprobs, ref_logprobs, importance_weights, num_items_in_batch)
     kept, outside = _support(c, support, positions)
     loss, metrics = _kept_loss(c, kept) if kept is not None else _full_vocabulary_loss(c, chunk_tokens)
@@ -235,7 +235,7 @@ class _Call:
 
 def _checked(hidden, weight, targets, advantages, mask, config, old_logprobs, ref_logprobs, bias, importance_weights,
              num_items_in_batch, sampling_logprobs, ref_hidden, ref_weight, ref_bias, logit_scale, softcap, backend,
-             chunk_tokens, check_finite, support, positions, host_sync) -> _Call:
+             chunk_tokens, check_finite, host_sync) -> _Call:
     """Every check that needs no tensor value, before any kernel runs; the loss inputs validated by a dry run."""
     if not isinstance(config, PolicyLossConfig):
         raise TypeError(f"config must be a fastrl.PolicyLossConfig, got {type(config).__name__}")
