@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiny import launch_two_gloo, param_diff_vs_rank0
+from tiny import end_worker, launch_two_gloo, param_diff_vs_rank0
 
 HERE = Path(__file__).resolve().parent
 
@@ -76,6 +76,7 @@ def _worker(out_dir: str) -> None:
     result["train_losses"] = [h["loss"] for h in run.state.log_history if "loss" in h]
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+    end_worker()
 
 
 def _fsdp_worker(out_dir: str) -> None:

@@ -257,8 +257,9 @@ def _worker(stage: str, out: Path, inputs_dir: Path) -> None:
         result["ppo_seconds"] = time.time() - t0
     with open(out / f"rank{rank}.json", "w") as f:
         json.dump(result, f)
-    if stage == "fsdp2":
-        dist.destroy_process_group()
+    from tiny import end_worker
+
+    end_worker()
 
 
 def _launch_check_message(out: Path) -> str:

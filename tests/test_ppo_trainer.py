@@ -405,6 +405,9 @@ def _ddp_worker(out_dir: str) -> None:
     }
     with open(os.path.join(out_dir, f"rank{acc.process_index}.json"), "w") as f:
         json.dump(result, f)
+    from tiny import end_worker
+
+    end_worker()
 
 
 @pytest.mark.distributed

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiny import launch_two_gloo, param_diff_vs_rank0
+from tiny import end_worker, launch_two_gloo, param_diff_vs_rank0
 
 HERE = Path(__file__).resolve().parent
 
@@ -72,6 +72,7 @@ def _worker(out_dir: str) -> None:
         )
     with open(os.path.join(out_dir, f"rank{result['rank']}.json"), "w") as f:
         json.dump(result, f)
+    end_worker()
 
 
 def test_sampling_replay_ddp_two_gloo_processes(tmp_path):

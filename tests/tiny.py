@@ -135,6 +135,17 @@ def launch_two_gloo(script: Path, tmp_path, *worker_args: str, port_base: int) -
     assert proc.returncode == 0, f"workers failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
 
+def end_worker() -> None:
+    """The last call of a two-gloo-process worker: wait for the other rank, then destroy the process group. A rank
+    that exits with the group alive can abort in gloo's teardown ("terminate called without an active exception",
+    SIGABRT) after its work succeeded, which fails the launch."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def param_diff_vs_rank0(model) -> tuple[torch.Tensor, float]:
     """(this rank's flattened parameters, their largest difference from rank 0's): 0.0 when DDP kept ranks in sync."""
     import torch.distributed as dist
