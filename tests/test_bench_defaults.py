@@ -224,3 +224,23 @@ def test_fused_logprobs_tells_the_dispatch_what_work_it_is(monkeypatch):
     fastrl.fused_logprobs(hidden.detach(), weight, targets, backend="torch")
     fp32 = torch.float32
     assert seen == [dict(kind="logprob", H=8, dtype=fp32)] + [dict(kind="forward", H=8, dtype=fp32)] * 2
+
+
+def test_policy_loss_tells_the_dispatch_it_is_a_loss(monkeypatch):
+    """policy_loss asks for the 'loss' kind's measured default (the one-pass kernel), not today's choice."""
+    import fastrl
+    from fastrl.losses import policy
+
+    seen = []
+
+    def spy(device, requested=None, **kw):
+        seen.append(kw)
+        return backend.resolve_backend(device, requested, **kw)
+
+    monkeypatch.setattr(policy, "resolve_backend", spy)
+    B, T, H, V = 2, 3, 8, 11
+    hidden, weight = torch.randn(B, T, H, requires_grad=True), torch.randn(V, H)
+    targets, mask = torch.randint(0, V, (B, T)), torch.ones(B, T)
+    fastrl.policy_loss(hidden, weight, targets, advantages=torch.randn(B), mask=mask, backend="torch",
+                       config=fastrl.PolicyLossConfig())
+    assert seen == [dict(kind="loss", H=H, dtype=torch.float32)]
