@@ -211,3 +211,65 @@ def test_bounded_replay_holds_one_tile():
     tile = budget.tile_budget("rule").elems * 4
     small = 64 * N * 65 * 8  # buffers of N x (k + 1) values and ids, their merges, the CSR output
     assert tile <= peak <= tile + small, (peak / 2**20, tile / 2**20)
+
+
+def _short_rows(V=256, seed=0):
+    """Rows whose rules keep different numbers of ids, id 0 among them: the bounded sort pads the short rows."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(6, V, generator=g, dtype=torch.float64)
+    z[0, 0] = z[0].max() + 4.0  # id 0 dominates: min_p keeps it (nearly) alone
+    z[1, 0] = z[1].max() + 0.1  # id 0 first, the rest of the top 5 close behind
+    z[2] = -math.inf  # two finite entries, id 0 one of them
+    z[2, 0], z[2, 7] = 1.0, 0.5
+    z[3, 10:20] = z[3].max() + 1.0  # ten ids tied first: ties="keep" keeps all ten past top_k=5
+    z[4, 0] = z[4].topk(2).values[1] - 1e-3  # id 0 the third largest
+    return z
+
+
+@pytest.mark.parametrize("order", ["vllm", "transformers"])
+@pytest.mark.parametrize("ties", ["keep", "index"])
+def test_a_rows_set_does_not_depend_on_the_other_rows(order, ties, monkeypatch):
+    """Found by the vLLM end-to-end test: in a batch whose rows kept different numbers of ids after top_k, top_p
+    sorted the survivors packed into a rectangle, and the padding's id (0) was written back over id 0's flag."""
+    z = _short_rows()
+    rule_set = [SR(top_k=5, top_p=0.97, min_p=0.1, order=order, ties=ties),
+                SR(top_k=5, top_p=0.9, order=order, ties=ties), SR(top_k=5, top_p=0.5, order=order, ties=ties)]
+    got = {r: apply_rule(z, r) for r in rule_set}
+    for r, m in got.items():
+        for i in range(z.shape[0]):
+            assert torch.equal(m[i], apply_rule(z[i : i + 1], r)[0]), (r, i)
+        assert bool(m[:3, 0].all()), (r, m[:3, 0])  # id 0 is the top id of rows 0-2: always kept
+    monkeypatch.setattr(rules, "_finite_bound", lambda keep: None)  # the definition: whole rows sorted
+    for r, m in got.items():
+        assert torch.equal(m, apply_rule(z, r)), r
+
+
+def test_select_top_k_rows_with_fewer_finite_logits_than_k(monkeypatch):
+    """A row with fewer than k + 1 finite logits: the running buffer holds padding (-inf at a block's first id)
+    next to a real entry at that id; the stages past top_k must see the real value. Against the definition (whole
+    rows sorted)."""
+    V, cols = 64, 16
+    z = torch.randn(3, V, generator=torch.Generator().manual_seed(1))
+    z[1] = -math.inf
+    z[1, [16, 32, 40]] = torch.tensor([0.3, 0.2, 0.1])  # at two blocks' first ids
+    z[2] = -math.inf
+    z[2, 48] = 1.0
+    rule_set = (SR(top_k=3, top_p=0.9), SR(top_k=3, top_p=0.99, order="transformers"), SR(top_k=5, top_p=0.99),
+                SR(top_k=3))
+    got = [_as_mask(*rules._select_top_k(lambda v0, v1: z[:, v0:v1].clone(), lambda rr: z.index_select(0, rr), 3, V,
+                                         cols, r, None, CPU), 3, V) for r in rule_set]
+    assert bool(got[0][1, [16, 32, 40]].all()) and bool(got[0][2, 48])
+    monkeypatch.setattr(rules, "_finite_bound", lambda keep: None)
+    for r, m in zip(rule_set, got):
+        assert torch.equal(m, apply_rule(z, r)), r
+
+
+@pytest.mark.parametrize("order", ["vllm", "transformers"])
+def test_stages_after_top_k_see_a_real_entry_next_to_padding_with_its_id(order):
+    """The running buffer of a row with few finite logits can hold padding (-inf) with the id of a real entry; the
+    tile the stages past top_k get must hold the real value (a plain scatter let the padding win)."""
+    top_v = torch.tensor([[0.3, 0.1, -math.inf]])
+    top_i = torch.tensor([[16, 5, 16]])
+    keep = torch.tensor([[True, True, False]])
+    rows, ids = rules._finish_after_top_k(top_v, top_i, keep, None, SR(top_k=2, top_p=0.99, order=order), 64, 8)
+    assert rows.tolist() == [0, 0] and ids.tolist() == [5, 16]

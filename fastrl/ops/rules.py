@@ -58,12 +58,16 @@ def _sort_desc(z: torch.Tensor, bound: int | None = None) -> tuple[torch.Tensor,
     ``bound``: no row has more than ``bound`` finite entries (what top_k left). Then only those are sorted: gathered
     in id order, then stably sorted by value, which is the same (value desc, id asc) order; the values past them are
     ``-inf``, as the full sort's are, so the values returned are the full sort's, element for element, and the ids
-    cover the first ``B = bound`` positions (past a row's finite entries nothing is kept, whatever the id)."""
+    cover the first ``B = bound`` positions (past a row's finite entries an id that is ``-inf`` in that row)."""
     V = z.shape[-1]
     if bound is None or bound * 8 > V:  # near V, gathering costs what the sort does
         return torch.sort(z, dim=-1, descending=True, stable=True)
     row, col = (z > -math.inf).nonzero().unbind(1)  # row-major: ids ascending within a row
     vals_b, ids = _pack(row, col, z[row, col], z.shape[0], -math.inf)
+    # a row with fewer finite entries than the widest is padded, and callers write flags back through these ids
+    # (_unsort): the padding gets an id that is -inf in its own row (a padded row has one), never a kept id
+    spare = (z == -math.inf).to(torch.uint8).argmax(dim=-1, keepdim=True)
+    ids = torch.where(vals_b > -math.inf, ids, spare)
     vals_b, o = torch.sort(vals_b, dim=-1, descending=True, stable=True)
     vals = z.new_full(z.shape, -math.inf)
     vals[:, : vals_b.shape[1]] = vals_b
@@ -392,7 +396,8 @@ def _finish_after_top_k(top_v, top_i, keep, tie, rule: SamplerRule, V: int, per:
         r = ok[r0 : r0 + per]
         kv, iv = keep.index_select(0, r), top_i.index_select(0, r)
         vals = top_v.index_select(0, r).masked_fill(~kv, -math.inf)
-        z = top_v.new_full((r.numel(), V), -math.inf).scatter_(1, iv, vals)
+        # amax: padding in the buffer (-inf at a block's first id) may share its id with a real entry
+        z = top_v.new_full((r.numel(), V), -math.inf).scatter_reduce_(1, iv, vals, "amax")
         survivors = z > -math.inf
         m = (_vllm_after_top_k(z, survivors, rule) if rule.order == "vllm"
              else _transformers_after_top_k(z, rule, survivors))
