@@ -273,3 +273,14 @@ def test_stages_after_top_k_see_a_real_entry_next_to_padding_with_its_id(order):
     keep = torch.tensor([[True, True, False]])
     rows, ids = rules._finish_after_top_k(top_v, top_i, keep, None, SR(top_k=2, top_p=0.99, order=order), 64, 8)
     assert rows.tolist() == [0, 0] and ids.tolist() == [5, 16]
+
+
+def test_every_rule_keeps_a_rows_set_whatever_the_batch():
+    """Batch independence over the whole rule grid (min_tokens too), on rows with ties, -inf entries and uneven
+    numbers of survivors."""
+    zs = [(_short_rows(V=200, seed=1).float(), torch.arange(6)), (tied_logits(7, 200, 5), torch.arange(7))]
+    for z, pos in zs:
+        for r in RULES:
+            m = apply_rule(z, r, pos)
+            for i in range(z.shape[0]):
+                assert torch.equal(m[i], apply_rule(z[i : i + 1], r, pos[i : i + 1])[0]), (r, i)
