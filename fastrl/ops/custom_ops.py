@@ -241,6 +241,13 @@ def _or_none(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None or t.numel() == 0 and t.dim() == 1 else t
 
 
+def _zero_rows(active: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """``x`` [N, ...] with the rows outside ``active`` replaced by zeros (nothing they hold reaches a result)."""
+    if active is None:
+        return x
+    return torch.where(active.view(-1, *([1] * (x.dim() - 1))), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
 def _live_rows(targets: torch.Tensor, hidden: torch.Tensor, o):
     """(active [N] bool, hidden with ignored rows zeroed) on an op's no-sync path (``o.all_live`` False: rows whose
     target is ``o.ignore_index`` are computed, so whatever they hold must not reach a result); (None, hidden)
@@ -248,7 +255,32 @@ def _live_rows(targets: torch.Tensor, hidden: torch.Tensor, o):
     if o.all_live:
         return None, hidden
     active = targets != o.ignore_index
-    return active, torch.where(active[:, None], hidden, torch.zeros((), dtype=hidden.dtype, device=hidden.device))
+    return active, _zero_rows(active, hidden)
+
+
+def _grad_rows(g: torch.Tensor | None, active: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """An incoming per-row gradient [N] in the compute dtype, zero at rows outside ``active`` (their G is then
+    exactly 0), contiguous for the kernels; None stays None."""
+    return None if g is None else _zero_rows(active, g.to(dtype)).contiguous()
+
+
+def _head_grads(gh, gw, gb, hidden: torch.Tensor, weight: torch.Tensor):
+    """A head backward op's three outputs: the gradients, an empty tensor where none was computed."""
+    return (gh if gh is not None else _empty(hidden), gw if gw is not None else _empty(weight),
+            gb if gb is not None else _empty(hidden))
+
+
+def _head_grads_like(hidden, weight, bias, need_hidden: bool, need_weight: bool, need_bias: bool):
+    """The fake (meta) outputs of a head backward op: what ``_head_grads`` returns, by shape."""
+    return (torch.empty_like(hidden) if need_hidden else _empty(hidden),
+            torch.empty_like(weight) if need_weight else _empty(weight),
+            torch.empty_like(bias) if need_bias and bias is not None else _empty(hidden))
+
+
+def _input_grads(need: tuple, grads: tuple, n_inputs: int) -> tuple:
+    """An op's registered backward result: the head's three gradients where ``need`` asks for them, None for the
+    other ``n_inputs - 3`` inputs."""
+    return tuple(g if n else None for g, n in zip(grads, need)) + (None,) * (n_inputs - 3)
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:

@@ -55,9 +55,14 @@ from fastrl.ops.custom_ops import (
     DoubleBackwardError,  # noqa: F401  (raised by the backward below, through _refuse_double_backward)
     _acc,
     _empty,
+    _grad_rows,
+    _head_grads,
+    _head_grads_like,
+    _input_grads,
     _layout,
     _op,
     _refuse_double_backward,
+    _zero_rows,
     host_sync_enabled,
 )
 from fastrl.ops.divergence_stats import FORWARD_KL, JSD, REVERSE_KL, finish_stats, finite_max
@@ -337,13 +342,6 @@ def _kept_heads(h, w, b, ht, wt, bt, opts: DivergenceOptions):
     return Head(h, w, b, opts.student), Head(ht, wt, bt, opts.teacher)
 
 
-def _zero_rows(active: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-    """``x`` [N, ...] with the rows outside ``active`` replaced by zeros (nothing they hold reaches a result)."""
-    if active is None:
-        return x
-    return torch.where(active.view(-1, *([1] * (x.dim() - 1))), x, torch.zeros((), dtype=x.dtype, device=x.device))
-
-
 @_op("divergence")
 def divergence_op(
     hidden: torch.Tensor,  # [N, H] the student
@@ -427,7 +425,7 @@ def _divergence_backward(ctx, grad_div, grad_ent, _grad_lse_s, _grad_lse_t, _gra
     gh, gw, gb = torch.ops.fastrl.divergence_backward(
         grad_div, grad_ent, hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, active, ids, offsets,
         ctx.plan, lse_s, lse_t, aux, ent, entries, *ctx.options, *need)
-    return (gh if need[0] else None, gw if need[1] else None, gb if need[2] else None) + (None,) * (_DIV_INPUTS - 3)
+    return _input_grads(need, (gh, gw, gb), _DIV_INPUTS)
 
 
 divergence_op.register_autograd(_divergence_backward, setup_context=_divergence_setup)
@@ -467,10 +465,7 @@ def divergence_backward_op(
                 torch.zeros_like(bias) if need[2] else _empty(hidden))
     cdt = lse_s.dtype
 
-    def prep(g):  # the compute dtype, zero at rows outside active (their G is then exactly 0)
-        return None if g is None else _zero_rows(active, g.to(cdt)).contiguous()
-
-    gd, ge = prep(grad_div), prep(grad_entropy)
+    gd, ge = _grad_rows(grad_div, active, cdt), _grad_rows(grad_entropy, active, cdt)
     h, ht = _zero_rows(active, hidden), _zero_rows(active, teacher_hidden)
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
         if support_ids is not None:
@@ -491,17 +486,14 @@ def divergence_backward_op(
             gh, gw, gb = divergence_backward(
                 _Head(h, weight, bias, o.student, cdt), _Head(ht, teacher_weight, teacher_bias, o.teacher, cdt),
                 o, lse_s, lse_t, aux, entropy, gd, ge, need)
-    return (gh if gh is not None else _empty(hidden), gw if gw is not None else _empty(weight),
-            gb if gb is not None else _empty(hidden))
+    return _head_grads(gh, gw, gb, hidden, weight)
 
 
 @divergence_backward_op.register_fake
 def _(grad_div, grad_entropy, hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, active, support_ids,
       support_offsets, plan, lse_s, lse_t, aux, entropy, entries, opt_str, opt_float, opt_int, need_hidden, need_weight,
       need_bias):
-    return (torch.empty_like(hidden) if need_hidden else _empty(hidden),
-            torch.empty_like(weight) if need_weight else _empty(weight),
-            torch.empty_like(bias) if need_bias and bias is not None else _empty(hidden))
+    return _head_grads_like(hidden, weight, bias, need_hidden, need_weight, need_bias)
 
 
 def _check_number(name: str, v, lo: float | None = None, hi: float | None = None) -> None:

@@ -39,7 +39,8 @@ from fastrl.ops._gemm import addmm_f32, cuda_f32_out, mm_f32
 from fastrl.ops.budget import tile_budget
 from fastrl.ops.config import LogitTransform
 from fastrl.ops.custom_ops import (
-    PackedOptions, _acc, _empty, _layout, _live_rows, _op, _or_none, _refuse_double_backward, host_sync_enabled,
+    PackedOptions, _acc, _empty, _grad_rows, _head_grads, _head_grads_like, _input_grads, _layout, _live_rows, _op,
+    _or_none, _refuse_double_backward, host_sync_enabled,
 )
 from fastrl.ops import kept_plan
 from fastrl.ops.kept_plan import KeptPlan, Unit, host_bounds
@@ -352,7 +353,7 @@ def _kept_backward(ctx, grad_logp, grad_ent, _grad_lse, _grad_z):
         return (None,) * _KEPT_INPUTS
     gh, gw, gb = torch.ops.fastrl.kept_logprob_backward(
         grad_logp, grad_ent, hidden, weight, bias, targets, ids, offsets, z, lse, ent, ctx.plan, *ctx.options, *need)
-    return (gh if need[0] else None, gw if need[1] else None, gb if need[2] else None) + (None,) * (_KEPT_INPUTS - 3)
+    return _input_grads(need, (gh, gw, gb), _KEPT_INPUTS)
 
 
 kept_logprob.register_autograd(_kept_backward, setup_context=_kept_setup)
@@ -383,27 +384,19 @@ def kept_logprob_backward(
     active, h = _live_rows(targets, hidden, o)
     cdt = lse.dtype
 
-    def prep(g):  # the compute dtype, zero at rows that do not count (their G is then exactly 0)
-        if g is None:
-            return None
-        g = g.to(cdt)
-        return g if active is None else torch.where(active, g, torch.zeros((), dtype=cdt, device=g.device))
-
     need = (need_hidden, need_weight, need_bias and bias is not None)
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
         p = _plan(ids, offsets, weight.shape[0], plan, o)
-        G = logprob_grad(p, _entries(z.to(cdt)), targets, lse, entropy, prep(grad_logp), prep(grad_entropy), o.tf)
+        G = logprob_grad(p, _entries(z.to(cdt)), targets, lse, entropy, _grad_rows(grad_logp, active, cdt),
+                           _grad_rows(grad_entropy, active, cdt), o.tf)
         gh, gw, gb = entry_backward(p, Head(h, weight, bias, o.tf), G, need)
-    return (gh if gh is not None else _empty(hidden), gw if gw is not None else _empty(weight),
-            gb if gb is not None else _empty(hidden))
+    return _head_grads(gh, gw, gb, hidden, weight)
 
 
 @kept_logprob_backward.register_fake
 def _(grad_logp, grad_entropy, hidden, weight, bias, targets, ids, offsets, z, lse, entropy, plan, opt_str, opt_float,
       opt_int, need_hidden, need_weight, need_bias):
-    return (torch.empty_like(hidden) if need_hidden else _empty(hidden),
-            torch.empty_like(weight) if need_weight else _empty(weight),
-            torch.empty_like(bias) if need_bias and bias is not None else _empty(hidden))
+    return _head_grads_like(hidden, weight, bias, need_hidden, need_weight, need_bias)
 
 
 # ---------------------------------------------------------------------------------------------------------

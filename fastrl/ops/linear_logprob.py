@@ -20,7 +20,8 @@ import torch
 
 from fastrl.ops import torch_backend
 from fastrl.ops.custom_ops import (
-    PackedOptions, _acc, _empty, _layout, _live_rows, _op, _or_none, _refuse_double_backward, host_sync_enabled,
+    PackedOptions, _acc, _empty, _grad_rows, _head_grads, _head_grads_like, _input_grads, _layout, _live_rows, _op,
+    _or_none, _refuse_double_backward, host_sync_enabled,
 )
 from fastrl.ops._checks import autocast_inputs, check_finite_outputs, check_linear_inputs, check_targets, dense_bias
 from fastrl.ops._gemm import addmm_f32
@@ -246,7 +247,7 @@ def _linear_backward(ctx, grad_logp, grad_ent, _grad_lse):
     gh, gw, gb = torch.ops.fastrl.linear_logprob_backward(
         grad_logp, grad_ent, hidden, weight, bias, targets, lse, ent, *ctx.options, *need
     )
-    return (gh if need[0] else None, gw if need[1] else None, gb if need[2] else None) + (None,) * 4
+    return _input_grads(need, (gh, gw, gb), 7)
 
 
 linear_logprob.register_autograd(_linear_backward, setup_context=_linear_setup)
@@ -273,26 +274,17 @@ def linear_logprob_backward(
     active, h = _live_rows(targets, hidden, o)
     cdt = lse.dtype
 
-    def prep(g):
-        if g is None:
-            return None
-        g = g.to(cdt)
-        return (g if active is None else torch.where(active, g, torch.zeros((), dtype=cdt, device=g.device))).contiguous()
-
     need = (need_hidden, need_weight, need_bias and bias is not None)
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
-        gh, gw, gb = linear_backward(h, weight, bias, targets, lse, entropy, prep(grad_logp), prep(grad_entropy), o,
-                                     need)
-    return (gh if gh is not None else _empty(hidden), gw if gw is not None else _empty(weight),
-            gb if gb is not None else _empty(hidden))
+        gh, gw, gb = linear_backward(h, weight, bias, targets, lse, entropy, _grad_rows(grad_logp, active, cdt),
+                                     _grad_rows(grad_entropy, active, cdt), o, need)
+    return _head_grads(gh, gw, gb, hidden, weight)
 
 
 @linear_logprob_backward.register_fake
 def _(grad_logp, grad_entropy, hidden, weight, bias, targets, lse, entropy, opt_str, opt_float, opt_int,
       need_hidden, need_weight, need_bias):
-    return (torch.empty_like(hidden) if need_hidden else _empty(hidden),
-            torch.empty_like(weight) if need_weight else _empty(weight),
-            torch.empty_like(bias) if need_bias and bias is not None else _empty(hidden))
+    return _head_grads_like(hidden, weight, bias, need_hidden, need_weight, need_bias)
 
 
 def compact_rows(active: torch.Tensor) -> torch.Tensor | None:  # [N] bool -> [A] int64 row ids, or None
