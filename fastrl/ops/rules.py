@@ -65,9 +65,14 @@ def _sort_desc(z: torch.Tensor, bound: int | None = None) -> tuple[torch.Tensor,
     row, col = (z > -math.inf).nonzero().unbind(1)  # row-major: ids ascending within a row
     vals_b, ids = _pack(row, col, z[row, col], z.shape[0], -math.inf)
     # a row with fewer finite entries than the widest is padded, and callers write flags back through these ids
-    # (_unsort): the padding gets an id that is -inf in its own row (a padded row has one), never a kept id
-    spare = (z == -math.inf).to(torch.uint8).argmax(dim=-1, keepdim=True)
-    ids = torch.where(vals_b > -math.inf, ids, spare)
+    # (_unsort): the padding gets an id that is -inf in its own row (a padded row has one), never a kept id. Packed
+    # left, a row is padded iff its last slot is; usually (top_k without ties or min_p) none is, and no pass is made
+    padded = vals_b[:, -1] == -math.inf if vals_b.shape[1] else None
+    if padded is not None and bool(padded.any()):
+        r = padded.nonzero().squeeze(1)
+        spare = torch.zeros_like(ids[:, :1])
+        spare[r] = (z.index_select(0, r) == -math.inf).to(torch.uint8).argmax(dim=-1, keepdim=True)
+        ids = torch.where(vals_b > -math.inf, ids, spare)
     vals_b, o = torch.sort(vals_b, dim=-1, descending=True, stable=True)
     vals = z.new_full(z.shape, -math.inf)
     vals[:, : vals_b.shape[1]] = vals_b
