@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["LogitTransform"]
+__all__ = ["LogitTransform", "Head"]
 
 
 def _finite(v) -> bool:
@@ -57,3 +57,29 @@ class LogitTransform:
         # the out-of-place expression, which held four tiles at once)
         th = z / (float(self.softcap) * self.inv_temp)
         return th.mul_(th).neg_().add_(1.0).mul_(k)
+
+
+@dataclass
+class Head:
+    """One LM head as every computation reads it (the vocabulary tiles of ``fused_divergence`` and its Triton
+    kernels, the kept-set engine): hidden states ``[N, H]`` (rows that do not count already zeroed; upcast to the
+    compute dtype where a path wants that, ``upcast``), weight ``[V, H]``, bias ``[V]`` or None, and the transform.
+    ``dtype``: the input dtype, that of the gradients returned (hidden's own when not given)."""
+
+    hidden: torch.Tensor  # [N, H]
+    weight: torch.Tensor  # [V, H]
+    bias: torch.Tensor | None  # [V]
+    tf: LogitTransform
+    dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype is None:
+            self.dtype = self.hidden.dtype
+
+    @property
+    def h(self) -> torch.Tensor:  # [N, H] (the name the kernels' launchers read)
+        return self.hidden
+
+    def upcast(self, cdt: torch.dtype) -> "Head":
+        """The same head with its hidden states in ``cdt`` (once; a no-op for float32), ``dtype`` kept."""
+        return Head(self.hidden.to(cdt), self.weight, self.bias, self.tf, self.dtype)

@@ -9,27 +9,38 @@ For each token n with kept ids ``S_n`` (a ``KeptSet``) and target ``t_n`` in ``S
     d logp / d z_j = 1[j = t] - pi^S_j,   d H^S / d z_j = -pi^S_j (z_j - LSE_S + H^S)   (j in S; 0 outside)
 
 The work never walks the vocabulary. The engine computes the transformed logits of the kept entries only,
-``z[e]`` for each (token, id) entry of the CSR, through the units of a plan (``fastrl.ops.kept_plan``): per unit the
-rows ``W[U]`` (and ``b[U]``) gathered once, one GEMM ``[rows, H] x [H, |U|]`` with a float32 result (cuBLAS with
-a float32 output on CUDA: no logit is rounded to bf16), and the unit's entries read out of the tile. Statistics are
-segment reductions over each token's entries (``torch.segment_reduce``: deterministic, no atomics). The per-entry
-logits (O(N K) floats) are kept for the backward, which forms ``G = dL/dy`` per entry, scatters it into each unit's
-tile, and runs ``grad_h = G W[U]`` and ``G^T h`` (``[|U|, H]``), added to the rows ``U`` of the weight gradient: of
-the gradient itself for a float32 (float64) head, of a float32 buffer over the kept ids for a bf16/fp16 one (cast
-into the gradient at the end): never a float32 ``[V, H]`` buffer when the sets together hold fewer than V ids.
-So forward 2 |U| H FLOPs per token, backward 4 |U| H (nothing recomputed), ``|U|`` the ids of the token's unit.
+``z[e]`` for each (token, id) entry of the CSR, on one of three plans (``fastrl.ops.kept_plan``; ``build_plan`` is the
+one place a plan is chosen, for ``fused_logprobs``, ``policy_loss`` and ``fused_divergence`` alike, and
+``KeptSet.describe_plan()`` prints the choice):
+
+* the per-row plan (``fastrl.ops.kept_rows``): each token's ids padded to ``K_max``, one batched product of each
+  row's hidden state with its own gathered weight rows: ``K_max`` logits per token, static shapes, no host read;
+  the backward from the same gather, the weight gradient a scatter-add over the kept ids. On a Triton backend it
+  runs ``fastrl.kernels.kept_rows`` where that module is installed. The default for sampled sets (different
+  sequences share few ids), with or without host reads;
+* union tiles (the host plan, or the fixed plan without host reads): per unit the rows ``W[U]`` (and ``b[U]``) of a
+  token chunk's union gathered once, one GEMM ``[rows, H] x [H, |U|]`` with a float32 result (cuBLAS with a float32
+  output on CUDA: no logit is rounded to bf16), the unit's entries read out of the tile. Chosen where neighbouring
+  tokens share most of their ids (measured on the host, or ``KeptSet.overlap=True``).
+
+Statistics are segment reductions over each token's entries (``torch.segment_reduce``: deterministic, no atomics).
+The per-entry logits (O(nnz) floats) are kept for the backward, which forms ``G = dL/dy`` per entry and runs the
+plan's gradient products: ``grad_h = G W[ids]`` and ``G^T h`` added to the kept rows of the weight gradient: of the
+gradient itself for a float32 (float64) head, of a float32 buffer over the kept ids for a bf16/fp16 one on the torch
+path (cast into the gradient at the end). Forward ``2 L H`` FLOPs per token, backward ``4 L H`` (nothing recomputed),
+``L`` the logits the plan computes per token: ``K_max`` on the per-row plan, at most ``max(cap, K_max)`` on the host
+union plan and ``3.5 cap`` plus one chunk on the fixed union plan (docs/kept-set-costs.md; held by
+tests/test_kept_costs.py, which reads ``KeptPlan.computed``, the count ``entry_logits`` keeps).
 
 Autograd and ``torch.compile`` see one op, ``torch.ops.fastrl.kept_logprob`` (its backward the op
 ``kept_logprob_backward``): opaque, with fake implementations, in eager and compiled alike. The plan is an
-argument: the host plan's chunk boundaries (eager: reads the sets on the host) or ``[]`` for the fixed plan (no
-host read, no data-dependent shape: ``host_sync=False`` and ``torch.compile``). Every backend runs this code
-(dense GEMMs on cuBLAS on CUDA, on the CPU's BLAS elsewhere): there is no vocabulary walk for a kernel to fuse.
+argument (``PlanChoice.arg``: the host plan's chunk boundaries, ``[]`` for the fixed union plan, ``[-K_max]`` for the
+per-row plan), its bounds and the backend are options.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -37,24 +48,52 @@ import torch
 from fastrl.ops import torch_backend as TB
 from fastrl.ops._gemm import addmm_f32, cuda_f32_out, mm_f32
 from fastrl.ops.budget import tile_budget
-from fastrl.ops.config import LogitTransform
+from fastrl.ops.config import Head, LogitTransform
 from fastrl.ops.custom_ops import (
-    PackedOptions, _acc, _empty, _grad_rows, _head_grads, _head_grads_like, _input_grads, _layout, _live_rows, _op,
+    PackedOptions, _empty, _grad_rows, _head_grads, _head_grads_like, _input_grads, _layout, _live_rows, _op,
     _or_none, _refuse_double_backward, host_sync_enabled,
 )
-from fastrl.ops import kept_plan
-from fastrl.ops.kept_plan import KeptPlan, Unit, host_bounds
+from fastrl.ops import kept_plan, kept_rows
+from fastrl.ops.kept_plan import KeptPlan, PlanChoice, Unit, host_bounds
 from fastrl.ops.support import KeptSet
 
 __all__ = ["KeptOptions", "Head", "entry_logits", "entry_backward", "segment_lse", "segment_sum", "logprob_stats",
-           "logprob_grad", "kept_logprob", "plan_for", "resolve_support", "chunk_plan", "capacity"]
+           "logprob_grad", "kept_logprob", "plan_for", "build_plan", "op_plan", "dead_rows", "resolve_support",
+           "chunk_plan", "capacity", "entries"]
 
-def capacity(device: torch.device) -> tuple[int, int]:
-    """(tile_elems, cap) of the engine on ``device``: what the public functions put in the ops' options. The
-    ``kept`` tile budget (``fastrl.ops.budget``): the ``[rows, |U|]`` float32 tile of a unit, and the most ids a
-    unit may hold (the work per token is at most ``max(cap, K)`` ids on the host plan; a GPU wants wider GEMMs)."""
+def capacity(device: torch.device, tile_elems: int = 0, cap: int = 0) -> tuple[int, int]:
+    """(tile_elems, cap) of the engine on ``device``, the one capacity rule: the values given (an op's options), 0
+    meaning the ``kept`` tile budget (``fastrl.ops.budget``): the ``[rows, |U|]`` float32 tile of a union unit (the
+    per-row plan's gathered ``[rows, K, H]`` block), and the most ids a union unit may hold."""
     b = tile_budget("kept", device)
-    return b.elems, b.cap
+    return tile_elems or b.elems, cap or b.cap
+
+
+def build_plan(support: KeptSet, V: int, device: torch.device, host_sync: bool) -> PlanChoice:
+    """The one place a kept set's plan is chosen (``fused_logprobs``, ``policy_loss``, ``fused_divergence``): the
+    support's final rows (ignored rows already dropped where the host may be read), V, the device (its capacity)
+    and whether the host may be read. ``print(build_plan(...))`` says which plan, what it computes and why;
+    ``.arg()`` is the ops' plan argument, ``.tile_elems`` / ``.cap`` their options."""
+    tile, cap = capacity(device)
+    return kept_plan.choose(support.ids, support.offsets, V, support.width, support.overlap, host_sync, tile, cap)
+
+
+def dead_rows(active: torch.Tensor | None, found: torch.Tensor | None, *xs: torch.Tensor | None):
+    """The one dead-row rule of the no-sync paths (``active`` None: every row counts, nothing changes): a row that
+    does not count gives 0; a counted row whose set is empty or lacks its target (``found`` False) gives NaN, as
+    the no-sync path cannot raise. ``xs``: per-row results [N] (None stays None)."""
+    if active is None:
+        return xs
+    zero = torch.zeros((), dtype=torch.float32, device=active.device)
+    bad = active & ~found if found is not None else None
+    out = []
+    for x in xs:
+        if x is not None:
+            x = torch.where(active, x, zero.to(x.dtype))
+            if bad is not None:
+                x = torch.where(bad, torch.full((), float("nan"), dtype=x.dtype, device=x.device), x)
+        out.append(x)
+    return tuple(out)
 
 
 def chunk_plan(ks: KeptSet, V: int, tile_elems: int, cap: int) -> list[tuple[int, int]]:
@@ -63,7 +102,8 @@ def chunk_plan(ks: KeptSet, V: int, tile_elems: int, cap: int) -> list[tuple[int
 
 
 def plan_for(ks: KeptSet, sync: bool, device: torch.device) -> list[int]:
-    """The op's plan argument: the host plan's boundaries when the host may be read, else [] (the fixed plan)."""
+    """A union plan's op argument: the host plan's boundaries when the host may be read, else [] (the fixed union
+    plan). The public functions take ``build_plan``'s choice instead."""
     if not sync:
         return []
     tile, cap = capacity(device)
@@ -75,43 +115,79 @@ def plan_for(ks: KeptSet, sync: bool, device: torch.device) -> list[int]:
 # ---------------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class Head:
-    """One LM head as the units read it: hidden states (rows that do not count already zeroed), weight, bias,
-    transform."""
-
-    hidden: torch.Tensor  # [N, H]
-    weight: torch.Tensor  # [V, H]
-    bias: torch.Tensor | None  # [V]
-    tf: LogitTransform
-
-    def tile(self, u: Unit, out: torch.Tensor) -> torch.Tensor:
-        """The unit's transformed logits into ``out`` ([n_rows * |U| + 1] flat, the last element scratch)."""
-        R, C = u.n_rows, u.n_cols
-        t = out[: R * C].view(R, C)
-        h_u, w_u = u.take_rows(self.hidden), self.weight.index_select(0, u.cols)
-        if TB.acc_dtype(h_u.dtype) != t.dtype:  # a head of another precision than the first (a float64 student)
-            h_u, w_u = h_u.to(t.dtype), w_u.to(t.dtype)
-        if cuda_f32_out(t.device) or w_u.dtype == t.dtype:
-            mm_f32(h_u, w_u.T, out=t)
-        else:  # low-precision operands on a CPU: the products in float32 (bf16 x bf16 is exact there)
-            torch.mm(TB._f32(h_u), TB._f32(w_u).T, out=t)
-        if self.bias is not None:
-            t += self.bias.index_select(0, u.cols).to(t.dtype)
-        self.tf.apply_(t)
-        return out
+def unit_logits(head: Head, u: Unit, out: torch.Tensor) -> torch.Tensor:
+    """A union unit's transformed logits into ``out`` ([n_rows * |U| + 1] flat, the last element scratch)."""
+    R, C = u.n_rows, u.n_cols
+    t = out[: R * C].view(R, C)
+    h_u, w_u = u.take_rows(head.hidden), head.weight.index_select(0, u.cols)
+    if TB.acc_dtype(h_u.dtype) != t.dtype:  # a head of another precision than the first (a float64 student)
+        h_u, w_u = h_u.to(t.dtype), w_u.to(t.dtype)
+    if cuda_f32_out(t.device) or w_u.dtype == t.dtype:
+        mm_f32(h_u, w_u.T, out=t)
+    else:  # low-precision operands on a CPU: the products in float32 (bf16 x bf16 is exact there)
+        torch.mm(TB._f32(h_u), TB._f32(w_u).T, out=t)
+    if head.bias is not None:
+        t += head.bias.index_select(0, u.cols).to(t.dtype)
+    head.tf.apply_(t)
+    return out
 
 
 def entry_logits(plan: KeptPlan, heads: Sequence[Head], cdt: torch.dtype) -> list[torch.Tensor]:
-    """Each head's transformed logits at every kept entry: [nnz + 1] each (CSR order; the last element scratch)."""
+    """Each head's transformed logits at every kept entry: [nnz + 1] each (CSR order; the last element scratch).
+    Adds the logits computed to ``plan.computed`` (per head)."""
+    plan.computed += plan.logits * len(heads)
+    if plan.width:
+        return [_rows_entry_logits(plan, head, cdt) for head in heads]
     dev = plan.ids.device
     outs = [torch.empty(plan.nnz + 1, dtype=cdt, device=dev) for _ in heads]
     largest = max((u.n_rows * u.n_cols for u in plan.units), default=0)
     buf = torch.empty(largest + 1, dtype=cdt, device=dev)
     for u in plan.units:
         for head, out in zip(heads, outs):
-            out[u.entries] = head.tile(u, buf)[u.flat]
+            out[u.entries] = unit_logits(head, u, buf)[u.flat]
     return outs
+
+
+def _rows_entry_logits(plan: KeptPlan, head: Head, cdt: torch.dtype) -> torch.Tensor:
+    """The per-row plan's logits of one head ([N, K_max], one batched product), transformed, read out per entry;
+    an entry past the plan's width reads NaN (its token's results are NaN)."""
+    y = kept_rows.rows_logits(head.hidden, head.weight, plan.padded, head.bias, backend=plan.backend,
+                              tile_elems=plan.tile_elems).to(cdt)
+    flat = torch.cat([head.tf.apply_(y).reshape(-1), y.new_full((1,), float("nan"))])
+    return entries(flat[plan.pos])
+
+
+def _rows_backward(plan: KeptPlan, head: Head, G: torch.Tensor, need: tuple[bool, bool, bool]):
+    """``entry_backward`` on the per-row plan: G scattered into ``[N, K_max]``, then ``kept_rows.rows_backward``
+    (the same gather; the weight gradient a scatter-add over the kept ids, deterministic where
+    ``torch.are_deterministic_algorithms_enabled()``)."""
+    need_h, need_w, need_b = need
+    hidden, weight, bias = head.hidden, head.weight, head.bias
+    N, W = plan.N, plan.width
+    cdt, dev = G.dtype, G.device
+    Gt = torch.zeros(N * W + 1, dtype=cdt, device=dev)
+    Gt[plan.pos] = G[: plan.nnz]
+    Gt = Gt[: N * W].view(N, W)
+    kern = kept_rows.kernels_for(plan.backend, hidden.dtype)
+    direct_w = weight.dtype == cdt
+    slots = rows = None
+    if need_w and (direct_w or kern is not None):  # the gradient itself, or a float32 [V, H] for the kernels
+        grad_w = torch.zeros(weight.shape, dtype=cdt, device=dev)
+    elif need_w:  # a bf16/fp16 head on the torch path: a float32 buffer over the kept ids only
+        slots = _WeightSlots(plan, weight.shape[0])
+        grad_w = torch.zeros((slots.count, weight.shape[1]), dtype=cdt, device=dev)
+        rows = slots.of(plan.padded.clamp(min=0))
+    else:
+        grad_w = None
+    grad_b = torch.zeros(weight.shape[0], dtype=cdt, device=dev) if need_b else None
+    gh = kept_rows.rows_backward(Gt, hidden, weight, plan.padded, grad_w, grad_b,
+                                 deterministic=torch.are_deterministic_algorithms_enabled(), backend=plan.backend,
+                                 tile_elems=plan.tile_elems, weight_rows=rows)
+    if slots is not None:
+        grad_w = slots.scatter(grad_w, weight)
+    elif grad_w is not None and grad_w.dtype != weight.dtype:
+        grad_w = grad_w.to(weight.dtype)
+    return ((gh.to(hidden.dtype) if need_h else None), grad_w, (grad_b.to(bias.dtype) if need_b else None))
 
 
 def entry_backward(
@@ -120,7 +196,10 @@ def entry_backward(
     G: torch.Tensor,  # [nnz + 1] dL/dy per entry (compute dtype), 0 in the scratch slot
     need: tuple[bool, bool, bool],  # (hidden, weight, bias)
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """``grad_h = G W``, ``grad_W = G^T h``, ``grad_b = sum G`` over the kept entries, one unit's tile at a time."""
+    """``grad_h = G W``, ``grad_W = G^T h``, ``grad_b = sum G`` over the kept entries, one unit's tile at a time
+    (the per-row plan: one batched product, ``_rows_backward``)."""
+    if plan.width:
+        return _rows_backward(plan, head, G, need)
     need_h, need_w, need_b = need
     hidden, weight, bias = head.hidden, head.weight, head.bias
     N, H = hidden.shape
@@ -171,7 +250,8 @@ class _WeightSlots:
     """Rows of the float32 weight-gradient buffer of a bf16/fp16 head: one per distinct kept id."""
 
     def __init__(self, plan: KeptPlan, V: int):
-        if plan.fixed:  # no host read: min(V, nnz) slots, the distinct ids first, then unused (id 0, zero rows)
+        if plan.fixed or plan.width:  # no host read: min(V, nnz) slots, the distinct ids first, then unused (id 0,
+            # zero rows)
             srt, _ = torch.sort(plan.ids)
             first = torch.ones_like(srt, dtype=torch.bool)
             first[1:] = srt[1:] != srt[:-1]
@@ -209,7 +289,7 @@ def segment_sum(plan: KeptPlan, x: torch.Tensor) -> torch.Tensor:  # [nnz] -> [N
     return torch.segment_reduce(x, "sum", lengths=plan.sizes)
 
 
-def _entries(x: torch.Tensor) -> torch.Tensor:
+def entries(x: torch.Tensor) -> torch.Tensor:
     """A per-entry array of ``nnz + 1`` elements (the scratch slot 0)."""
     return torch.cat([x, x.new_zeros((1,))])
 
@@ -252,7 +332,7 @@ def logprob_grad(plan: KeptPlan, z: torch.Tensor, targets: torch.Tensor, lse: to
     dzdy = tf.dz_dy(zk)
     if not isinstance(dzdy, float) or dzdy != 1.0:
         G *= dzdy
-    return _entries(G)
+    return entries(G)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -268,6 +348,7 @@ class KeptOptions(PackedOptions):
     no-sync path): rows whose target is ``ignore_index`` are computed with zeroed hidden states and give 0 and no
     gradient; a counted row whose set is empty or lacks the target gives NaN (the no-sync path cannot raise).
     ``tile_elems`` / ``cap``: the plan's bounds (``capacity``), fixed by the caller so forward and backward agree.
+    ``backend``: the concrete backend (a Triton one runs the per-row plan on ``fastrl.kernels.kept_rows``).
     """
 
     temperature: float = 1.0
@@ -278,6 +359,7 @@ class KeptOptions(PackedOptions):
     all_live: bool = True
     tile_elems: int = 0  # 0: capacity(device)
     cap: int = 0
+    backend: str = "torch"
 
     @property
     def tf(self) -> LogitTransform:
@@ -287,9 +369,12 @@ class KeptOptions(PackedOptions):
 KeptOptions._LAYOUT = _layout(KeptOptions)
 
 
-def _plan(ids, offsets, V, plan: list[int], o) -> KeptPlan:
-    tile, cap = capacity(ids.device)
-    return KeptPlan(ids, offsets, V, list(plan) if plan else None, o.tile_elems or tile, o.cap or cap)
+def op_plan(ids: torch.Tensor, offsets: torch.Tensor, V: int, plan: list[int], tile_elems: int, cap: int,
+            backend: str) -> KeptPlan:
+    """The plan an op runs, from its arguments: the CSR tensors, the plan argument (``PlanChoice.arg``) and its
+    options' bounds (``capacity``: 0 means the device's) and backend. The three kept-set ops build it here."""
+    tile, cap = capacity(ids.device, tile_elems, cap)
+    return KeptPlan.from_arg(ids, offsets, V, plan, tile, cap, backend)
 
 
 @_op("kept_logprob")
@@ -300,34 +385,29 @@ def kept_logprob(
     targets: torch.Tensor,  # [N] int64
     ids: torch.Tensor,  # [nnz] the KeptSet's CSR ids
     offsets: torch.Tensor,  # [N + 1]
-    plan: list[int],  # the host plan's chunk boundaries, or [] for the fixed plan
+    plan: list[int],  # PlanChoice.arg(): the host plan's chunk boundaries, [] the fixed plan, [-K] the per-row plan
     opt_str: str,  # KeptOptions.pack()
     opt_float: list[float],
     opt_int: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # logp [N], entropy [N] (or [0]), lse_S [N], the kept entries' logits [nnz] (what the backward reads)
     o = KeptOptions.unpack(opt_str, opt_float, opt_int)
-    cdt = _acc(hidden.dtype)
+    cdt = TB.acc_dtype(hidden.dtype)
     active, h = _live_rows(targets, hidden, o)
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
-        p = _plan(ids, offsets, weight.shape[0], plan, o)
+        p = op_plan(ids, offsets, weight.shape[0], plan, o.tile_elems, o.cap, o.backend)
         (z,) = entry_logits(p, [Head(h, weight, bias, o.tf)], cdt)
         logp, ent, lse, found = logprob_stats(p, z, targets, o.with_entropy)
-    if active is not None:
-        nan = torch.full((), float("nan"), dtype=cdt, device=hidden.device)
-        zero = torch.zeros((), dtype=cdt, device=hidden.device)
-        logp = torch.where(active & ~found, nan, torch.where(active, logp, zero))
-        if ent is not None:
-            ent = torch.where(active & ~found, nan, torch.where(active, ent, zero))
+    logp, ent = dead_rows(active, found, logp, ent)
     return logp, (ent if ent is not None else _empty(logp)), lse, z[: p.nnz].clone()
 
 
 @kept_logprob.register_fake
 def _(hidden, weight, bias, targets, ids, offsets, plan, opt_str, opt_float, opt_int):
     o = KeptOptions.unpack_symbolic(opt_str, opt_float, opt_int)
-    logp = hidden.new_empty((hidden.shape[0],), dtype=_acc(hidden.dtype))
+    logp = hidden.new_empty((hidden.shape[0],), dtype=TB.acc_dtype(hidden.dtype))
     return (logp, torch.empty_like(logp) if o.with_entropy else _empty(logp), torch.empty_like(logp),
-            hidden.new_empty((ids.shape[0],), dtype=_acc(hidden.dtype)))
+            hidden.new_empty((ids.shape[0],), dtype=TB.acc_dtype(hidden.dtype)))
 
 
 _KEPT_INPUTS = 10  # inputs of fastrl::kept_logprob
@@ -386,8 +466,8 @@ def kept_logprob_backward(
 
     need = (need_hidden, need_weight, need_bias and bias is not None)
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
-        p = _plan(ids, offsets, weight.shape[0], plan, o)
-        G = logprob_grad(p, _entries(z.to(cdt)), targets, lse, entropy, _grad_rows(grad_logp, active, cdt),
+        p = op_plan(ids, offsets, weight.shape[0], plan, o.tile_elems, o.cap, o.backend)
+        G = logprob_grad(p, entries(z.to(cdt)), targets, lse, entropy, _grad_rows(grad_logp, active, cdt),
                            _grad_rows(grad_entropy, active, cdt), o.tf)
         gh, gw, gb = entry_backward(p, Head(h, weight, bias, o.tf), G, need)
     return _head_grads(gh, gw, gb, hidden, weight)

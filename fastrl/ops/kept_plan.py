@@ -7,21 +7,26 @@ of ids (the union of those rows' kept ids, or a block of it), one dense GEMM ``[
 float32 tile, and the entries of the unit read out of the tile. A row costs ``2 H`` FLOPs per id of its unit, so
 the plan bounds the ids of a unit (``cap``) and the tile (``tile_elems``).
 
-Two plans, one representation (``Unit``), so the engine has one code path:
+Three plans. Two cut the set into *units* (``Unit``: one dense GEMM over a chunk's union):
 
 * the host plan (``host_bounds``; eager, ``host_sync`` allowed): token chunks grown greedily while their union stays
   within ``cap`` ids and their tile within ``tile_elems`` (``chunk_plan``; one ``unique`` per candidate).
   Overlapping sets (neighbouring tokens share ids) give long chunks and wide GEMMs; disjoint sets ``cap // K`` rows
-  per chunk. Reads the sets on the host; units are ranges of rows and of CSR entries.
-* the fixed plan (``host_sync=False``, ``torch.compile``): no host read and no data-dependent shape. Chunks of
-  ``R`` rows (``R`` from the mean set size ``nnz / N``, a shape); the entries sorted by (chunk, id) on the device;
-  a chunk's union is cut into units of at most ``C = cap`` ids and ``E = 4 C`` entries, so a chunk whose union
-  exceeds the capacity is split, never truncated. The number of units is data-dependent, so the plan provisions
-  its bound, ``ceil(N / R) + nnz // C + nnz // E`` (each cut of a chunk adds one unit and happens at most once
-  per C ids or E entries), computed from shapes; units past the real count hold no entry and compute a tile that
-  is never read (their gathers and GEMMs still run: the price of a graph without host reads). Cost
-  (``fixed_shape``): about 1.75x the host plan's on disjoint sets, more on overlapping ones, whose chunks the
-  host plan grows.
+  per chunk, each row paying for the whole union: ``cap`` logits per token whatever K.
+* the fixed union plan (no host read and no data-dependent shape): chunks of ``R`` rows (``R`` from the mean set size
+  ``nnz / N``, a shape); the entries sorted by (chunk, id) on the device; a chunk's union is cut into units of at
+  most ``C = cap`` ids and ``E = 4 C`` entries, so a chunk whose union exceeds the capacity is split, never
+  truncated. The number of units is data-dependent, so the plan provisions its bound, ``ceil(N / R) + nnz // C +
+  nnz // E`` (``fixed_shape``), computed from shapes; units past the real count hold no entry and compute a tile
+  that is never read. At most ``3.5 C + R C / N`` logits per token (``union_bound``).
+
+The third has no units: the per-row plan (``fastrl.ops.kept_rows``), each token's ids padded to the widest set,
+``[N, K_max]``, and one batched product of each row's hidden state with its own gathered weight rows: exactly
+``K_max`` logits per token, no union, static shapes, no host read. ``choose`` picks the plan (the sets' overlap,
+measured on the host or stated by ``KeptSet.overlap``) and says why (``PlanChoice``, printable).
+
+The op argument that names a plan (``PlanChoice.arg``; ``decode``): ``[0, c1, ..., N]`` the host plan's chunk
+boundaries, ``[]`` the fixed union plan, ``[-K_max]`` the per-row plan.
 
 Entries that a unit does not hold, padding rows and padding ids point at a scratch slot: the per-entry arrays
 have ``nnz + 1`` elements and the tiles ``rows * ids + 1`` (the last one written and read only as scratch).
@@ -33,7 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Unit", "KeptPlan", "chunk_plan", "host_bounds", "fixed_shape"]
+__all__ = ["Unit", "KeptPlan", "PlanChoice", "chunk_plan", "host_bounds", "fixed_shape", "union_bound", "choose",
+           "decode", "UNION_ADVANTAGE"]
 
 
 @dataclass
@@ -110,23 +116,161 @@ def fixed_shape(N: int, nnz: int, V: int, tile_elems: int, cap: int) -> tuple[in
     return R, C, E, S
 
 
-class KeptPlan:
-    """The units covering every entry of a kept set once, and each entry's row.
+def union_bound(N: int, nnz: int, V: int, tile_elems: int, cap: int) -> int:
+    """The logits the fixed union plan computes: ``S`` provisioned units of ``R`` rows x ``C`` ids
+    (``fixed_shape``), at most ``3.5 C N + R C`` (``S <= N / R + 1 + 1.25 nnz / C`` and ``R <= 2 C N / nnz``)."""
+    R, C, _, S = fixed_shape(N, nnz, V, tile_elems, cap)
+    return S * R * C
 
-    ``bounds``: the host plan's chunk boundaries (``host_bounds``), or None for the fixed plan (no host read).
+
+def decode(plan: list[int]) -> tuple[list[int] | None, int]:
+    """An op's plan argument as (host plan boundaries, or None for no host plan; per-row width, 0 for none)."""
+    if len(plan) == 1 and plan[0] < 0:
+        return None, -plan[0]
+    return (list(plan) if plan else None), 0
+
+
+# A union tile computes at least each row's own ids (|U| >= K), so it never computes fewer logits than the per-row
+# plan on sets of one size; but its GEMM is dense and each gathered weight row serves every row of the chunk, where
+# the per-row plan gathers K_max rows of W per token and does a batched matrix-vector product. So the union is taken
+# where it computes at most this many times the per-row plan's logits: neighbouring rows sharing most of their ids.
+# (On a CPU, 1024 Zipf sets of 64 ids, whose host plan computes 18.6x the per-row plan's logits, ran both in about
+# the same time, one thread, a loaded machine: 4 leaves the union the cases it clearly wins.)
+UNION_ADVANTAGE = 4.0
+
+
+@dataclass(frozen=True)
+class PlanChoice:
+    """Which plan the engine runs for a kept set, what it computes and why: ``print(choice)`` says it.
+
+    ``kind``: "rows" (the per-row plan), "union-host" or "union-fixed". ``logits``: how many the plan computes in
+    one pass (``rows x ids`` summed over its GEMMs; the per-row plan's ``N x K_max``), ``other``: the other plan's
+    count where it was measured (host plan) or bounded (fixed plan), else None."""
+
+    kind: str
+    N: int
+    nnz: int
+    width: int  # K_max (the per-row plan's), 0 when unknown
+    bounds: tuple[int, ...]  # union-host: the chunk boundaries
+    tile_elems: int
+    cap: int
+    logits: int | None  # None while compiling (symbolic sizes)
+    other: int | None
+    reason: str
+
+    def arg(self) -> list[int]:
+        """The ops' ``plan`` argument (``decode``)."""
+        if self.kind == "rows":
+            return [-self.width] if self.N and self.width else []
+        return list(self.bounds) if self.kind == "union-host" else []
+
+    def per_token(self) -> float:
+        return (self.logits or 0) / max(1, self.N)
+
+    def __str__(self) -> str:
+        k = self.nnz / max(1, self.N)
+        what = {"rows": f"per-row plan, [{self.N}, {self.width}] ids (K_max = {self.width})",
+                "union-host": f"union tiles, host plan ({max(0, len(self.bounds) - 1)} chunks, cap {self.cap})",
+                "union-fixed": f"union tiles, fixed plan (cap {self.cap}, provisioned from shapes)"}[self.kind]
+        s = (f"{what}: {self.logits} logits, {self.per_token():.1f} per token ({self.per_token() / max(k, 1e-9):.2f}"
+             f" x the mean set size {k:.1f})")
+        if self.other is not None:
+            s += f"; the other plan: {self.other} ({self.other / max(1, self.N):.1f} per token)"
+        return s + f". Why: {self.reason}"
+
+
+def choose(ids: torch.Tensor, offsets: torch.Tensor, V: int, width: int | None, overlap: bool | None, sync: bool,
+           tile_elems: int, cap: int) -> PlanChoice:
+    """The plan for a kept set (CSR ``ids`` / ``offsets``) of rows at most ``width`` wide (None: unknown).
+
+    ``overlap`` (the set's ``KeptSet.overlap``): True takes union tiles, False the per-row plan, None decides: with
+    ``sync`` (host reads allowed) by measuring the host plan's unions against ``N x K_max`` (``UNION_ADVANTAGE``);
+    without, the per-row plan (sampled sets of different sequences share few ids), or the fixed union plan where
+    no width is known (a rule replayed while compiling)."""
+    N, nnz = offsets.numel() - 1, ids.numel()
+    if sync and N and width is None:
+        width = int((offsets[1:] - offsets[:-1]).max())
+    # while compiling, sizes may be symbolic (a replayed rule's nnz is data-dependent): nothing is counted then
+    counted = not torch.compiler.is_compiling()
+    rows_logits = N * (width or 0) if counted else None
+    base = dict(N=N, nnz=nnz, width=width or 0, tile_elems=tile_elems, cap=cap)
+
+    def rows(other, why):
+        return PlanChoice("rows", bounds=(), logits=rows_logits, other=other, reason=why, **base)
+
+    if overlap is False and width is not None:
+        return rows(None, "the set says its rows share few ids (KeptSet.overlap=False)")
+    if not sync:
+        fixed = union_bound(N, nnz, V, tile_elems, cap) if counted else None
+        if overlap is None and width is not None:
+            return rows(fixed, "no host read: the per-row plan unless the set says its rows overlap")
+        why = ("the set says its rows overlap (KeptSet.overlap=True)" if overlap else
+               "no host read and no known set width (a rule replayed while compiling)")
+        return PlanChoice("union-fixed", bounds=(), logits=fixed, other=rows_logits or None, reason=why, **base)
+    bounds = host_bounds(ids, offsets, tile_elems, cap)
+    off = offsets.tolist()
+    union = sum((c1 - c0) * torch.unique(ids[off[c0]:off[c1]]).numel() for c0, c1 in zip(bounds[:-1], bounds[1:]))
+    if overlap is None and union > UNION_ADVANTAGE * rows_logits:
+        return rows(union, f"measured: the union tiles would compute {union / max(1, rows_logits):.2f}x its logits")
+    why = ("the set says its rows overlap (KeptSet.overlap=True)" if overlap else
+           f"measured: neighbouring rows share ids, the union tiles compute {union / max(1, rows_logits):.2f}x the "
+           "per-row plan's logits")
+    return PlanChoice("union-host", bounds=tuple(bounds), logits=union, other=rows_logits, reason=why, **base)
+
+
+class KeptPlan:
+    """How the engine computes one kept set's entries: the units of a union plan covering every entry once, or the
+    per-row plan's padded ids; and each entry's row.
+
+    ``bounds``: the host plan's chunk boundaries (``host_bounds``), or None for the fixed plan (no host read);
+    ``width`` > 0: the per-row plan of that width instead (``bounds`` unused). ``computed`` counts the logits the
+    engine computed with this plan (``entry_logits`` adds each GEMM's ``rows x ids``).
     """
 
     def __init__(self, ids: torch.Tensor, offsets: torch.Tensor, V: int, bounds: list[int] | None,
-                 tile_elems: int, cap: int):
+                 tile_elems: int, cap: int, width: int = 0, backend: str = "torch"):
         self.N = offsets.numel() - 1
         self.nnz = ids.numel()
         self.ids, self.offsets = ids, offsets
         self.sizes = offsets[1:] - offsets[:-1]  # [N]
+        self.tile_elems, self.backend, self.width = tile_elems, backend, width
+        self.computed = 0
         dev = ids.device
         # the row of each entry, without a host read (output_size is the known nnz)
         self.row = torch.repeat_interleave(torch.arange(self.N, device=dev), self.sizes, output_size=self.nnz)
         self.fixed = bounds is None
-        self.units = self._fixed_units(V, tile_elems, cap) if self.fixed else self._host_units(bounds)
+        if width:
+            self.units = []
+            self._rows_layout()
+        else:
+            self.units = self._fixed_units(V, tile_elems, cap) if self.fixed else self._host_units(bounds)
+
+    @classmethod
+    def from_arg(cls, ids: torch.Tensor, offsets: torch.Tensor, V: int, plan: list[int], tile_elems: int, cap: int,
+                 backend: str = "torch") -> "KeptPlan":
+        """The plan an op argument names (``decode``)."""
+        bounds, width = decode(plan)
+        return cls(ids, offsets, V, bounds, tile_elems, cap, width=width, backend=backend)
+
+    @property
+    def logits(self) -> int:
+        """The logits one pass of this plan computes (the per-row plan's ``N x K_max``; the units' tiles)."""
+        if self.width:
+            return self.N * self.width
+        return sum(u.n_rows * u.n_cols for u in self.units)
+
+    # ------------------------------------------------------------------------------------------- per-row plan
+
+    def _rows_layout(self) -> None:
+        """``padded`` [N, width] ids (-1 after a row's last) and ``pos`` [nnz]: each entry's place in the flat
+        ``[N * width]`` tile, ``N * width`` (a scratch slot, read as NaN) for an entry past the width (a set wider
+        than its KeptSet said: its token's results are NaN, never silently short)."""
+        N, W = self.N, self.width
+        col = torch.arange(self.nnz, device=self.ids.device) - self.offsets[:-1][self.row]
+        self.pos = torch.where(col < W, self.row * W + col, N * W)
+        flat = torch.full((N * W + 1,), -1, dtype=torch.int64, device=self.ids.device)
+        flat[self.pos] = self.ids
+        self.padded = flat[: N * W].view(N, W)
 
     # -------------------------------------------------------------------------------------------- host plan
 

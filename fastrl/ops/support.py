@@ -43,12 +43,22 @@ class KeptSet:
 
     An ignored token may have an empty set; a counted one may not (checked by the ops, which know which tokens
     count). Constructors validate ids (in ``[0, V)``, no duplicates) and raise ``ValueError`` naming the token.
+
+    What the kept-set engine reads to choose its plan (``describe_plan`` prints the choice):
+
+    * ``width``: the most ids any token keeps, or a bound on it (the per-row plan's ``K_max``: ``[N, width]``
+      padded ids, no host read). Known from construction (``from_padded``: K; ``from_lists`` / ``from_mask`` and a
+      validated CSR: measured), kept by slicing and ``to``; None where unknown (the engine then measures it where the
+      host may be read, and takes the fixed union plan where not).
+    * ``overlap``: whether neighbouring tokens' sets share most of their ids (True: union tiles; False: the per-row
+      plan; None, the default: measured on the host, the per-row plan without host reads).
     """
 
-    __slots__ = ("ids", "offsets", "vocab_size", "lead_shape")
+    __slots__ = ("ids", "offsets", "vocab_size", "lead_shape", "width", "overlap")
 
     def __init__(self, ids: torch.Tensor, offsets: torch.Tensor, vocab_size: int,
-                 lead_shape: tuple[int, ...] | None = None, *, validate: bool = True):
+                 lead_shape: tuple[int, ...] | None = None, *, validate: bool = True, width: int | None = None,
+                 overlap: bool | None = None):
         if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size <= 0:
             raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
         if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
@@ -66,8 +76,17 @@ class KeptSet:
         self.lead_shape = tuple(lead_shape) if lead_shape is not None else (n,)
         if math.prod(self.lead_shape) != n:
             raise ValueError(f"KeptSet lead_shape {self.lead_shape} does not hold its {n} tokens")
+        if width is not None and (isinstance(width, bool) or not isinstance(width, int) or width < 0):
+            raise ValueError(f"KeptSet width must be None or an int >= 0 (the most ids a token keeps), got {width!r}")
+        if overlap is not None and not isinstance(overlap, bool):
+            raise TypeError(f"KeptSet overlap must be None or a bool, got {type(overlap).__name__}")
+        self.width, self.overlap = width, overlap
         if validate:
             self._validate()
+            most = int(self.sizes().max()) if n else 0
+            if width is not None and most > width:
+                raise ValueError(f"KeptSet width={width}, but a token keeps {most} ids")
+            self.width = most if width is None else width
 
     # ------------------------------------------------------------------------------------------ constructors
 
@@ -90,7 +109,7 @@ class KeptSet:
             offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
         ids = torch.tensor(flat, dtype=torch.int64)
         return cls(ids.to(device) if device is not None else ids, offsets.to(ids.device if device is None else device),
-                   vocab_size)
+                   vocab_size, width=max(lengths, default=0))
 
     @classmethod
     def from_padded(cls, ids: torch.Tensor, vocab_size: int, pad_id: int = -1) -> "KeptSet":
@@ -111,7 +130,7 @@ class KeptSet:
         keep = torch.arange(flat.shape[1], device=flat.device)[None, :] < counts[:, None]
         offsets = torch.zeros(flat.shape[0] + 1, dtype=torch.int64, device=flat.device)
         offsets[1:] = counts.cumsum(0)
-        return cls(sorted_ids[keep], offsets, vocab_size, lead)
+        return cls(sorted_ids[keep], offsets, vocab_size, lead, width=flat.shape[1])
 
     @classmethod
     def from_mask(cls, mask: torch.Tensor) -> "KeptSet":
@@ -122,8 +141,10 @@ class KeptSet:
         flat = mask.reshape(-1, mask.shape[-1])
         rows, cols = flat.nonzero(as_tuple=True)  # row-major: ascending ids within each token
         offsets = torch.zeros(flat.shape[0] + 1, dtype=torch.int64, device=mask.device)
-        offsets[1:] = flat.sum(1).cumsum(0)
-        return cls(cols.to(torch.int64), offsets, mask.shape[-1], lead, validate=False)
+        sizes = flat.sum(1)
+        offsets[1:] = sizes.cumsum(0)
+        width = int(sizes.max()) if sizes.numel() else 0  # (nonzero above read the host already)
+        return cls(cols.to(torch.int64), offsets, mask.shape[-1], lead, validate=False, width=width)
 
     # ----------------------------------------------------------------------------------------------- access
 
@@ -149,7 +170,7 @@ class KeptSet:
             return self
         non_blocking = kwargs.get("non_blocking", False)
         return KeptSet(self.ids.to(device, non_blocking=non_blocking), self.offsets.to(device, non_blocking=non_blocking),
-                       self.vocab_size, self.lead_shape, validate=False)
+                       self.vocab_size, self.lead_shape, validate=False, width=self.width, overlap=self.overlap)
 
     def __getitem__(self, index) -> "KeptSet":
         """Rows (tokens) ``index``: an int, a slice with step 1, or a 1-D int64 / bool tensor of token rows."""
@@ -167,7 +188,8 @@ class KeptSet:
                 o = self.offsets[start : stop + 1]
                 base = o[0]
                 lo, hi = int(base), int(o[-1])
-                return KeptSet(self.ids[lo:hi], o - base, self.vocab_size, validate=False)
+                return KeptSet(self.ids[lo:hi], o - base, self.vocab_size, validate=False, width=self.width,
+                               overlap=self.overlap)
         if isinstance(index, torch.Tensor):
             if index.dtype == torch.bool:
                 if index.shape != (n,):
@@ -180,7 +202,8 @@ class KeptSet:
             # gather positions: for each output slot, its row's start plus its rank inside the row
             row_of = torch.repeat_interleave(torch.arange(index.numel(), device=self.device), counts)
             pos = starts[row_of] + (torch.arange(int(offsets[-1]), device=self.device) - offsets[:-1][row_of])
-            return KeptSet(self.ids[pos], offsets, self.vocab_size, validate=False)
+            return KeptSet(self.ids[pos], offsets, self.vocab_size, validate=False, width=self.width,
+                           overlap=self.overlap)
         raise TypeError(f"KeptSet indices are ints, slices or int/bool tensors, got {type(index).__name__}")
 
     def rows_of_sequences(self, start: int, stop: int) -> "KeptSet":
@@ -191,6 +214,20 @@ class KeptSet:
         out = self[start * T : stop * T]
         out.lead_shape = (max(0, min(stop, self.lead_shape[0]) - start), T)
         return out
+
+    def with_overlap(self, overlap: bool | None) -> "KeptSet":
+        """This set (the same tensors) with ``overlap`` stated: True when neighbouring tokens' sets share most of their
+        ids (the engine takes union tiles), False when they share few (the per-row plan), None to let it decide."""
+        return KeptSet(self.ids, self.offsets, self.vocab_size, self.lead_shape, validate=False, width=self.width,
+                       overlap=overlap)
+
+    def describe_plan(self, host_sync: bool = True):
+        """Which plan the kept-set engine runs for this set (``fastrl.ops.kept.build_plan``), what it computes and
+        why: ``print(ks.describe_plan())``. ``host_sync=False``: the choice of the no-sync path and
+        ``torch.compile``. Ignored tokens are planned too here (the ops drop them first where the host may be read)."""
+        from fastrl.ops.kept import build_plan
+
+        return build_plan(self, self.vocab_size, self.device, host_sync)
 
     def padded(self, pad_id: int = -1) -> torch.Tensor:  # [N, K_max] int64
         """Dense ``[N, K_max]`` ids, ``pad_id`` after each token's last id."""
@@ -275,7 +312,7 @@ class KeptSet:
         sizes = self.sizes()
         mean = float(sizes.float().mean()) if len(self) else 0.0
         return (f"KeptSet(tokens={len(self)}, vocab_size={self.vocab_size}, kept={self.ids.numel()}, "
-                f"mean_size={mean:.1f}, device={self.device})")
+                f"mean_size={mean:.1f}, width={self.width}, device={self.device})")
 
 
 def _describe(x) -> str:
