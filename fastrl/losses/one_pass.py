@@ -398,7 +398,8 @@ def policy_loss_one_pass(
     ref_bias: Optional[torch.Tensor],  # [V]
     support_ids: Optional[torch.Tensor],  # a KeptSet's CSR ids [nnz] and offsets [B*T + 1]: the loss over it
     support_offsets: Optional[torch.Tensor],
-    chunks: list[int],  # flattened (c0, c1) ranges of live rows (compact), or [] (no-sync: fixed chunks)
+    chunks: list[int],  # flattened (c0, c1) ranges of live rows (compact), or [] (no-sync: fixed chunks); with a
+    # support: the kept-set engine's plan argument (fastrl.ops.kept.build_plan(...).arg() on the rows it computes)
     opt_str: str,  # PolicyOptions.pack(config)
     opt_float: list[float],
     opt_int: list[int],
@@ -427,7 +428,7 @@ def policy_loss_one_pass(
 
             loss, metrics, grads, logp_all, ent_all, kl = kept_one_pass(
                 h2, weight, bias, t2, B, T, inputs, config, o.tf(config), support_ids, support_offsets, need,
-                o.compact, ref, (o.tile_elems, o.cap), _IGNORE)
+                o.compact, ref, (o.tile_elems, o.cap), _IGNORE, plan_arg=chunks, backend=o.backend)
             grad_kl = None
         else:
             loss, metrics, grads, logp_all, ent_all, grad_kl, kl = _one_pass(

@@ -2,15 +2,16 @@
 ``fastrl::policy_loss_one_pass``.
 
 Over a support every token's log-prob and entropy (and, with ``kl_estimator="exact"``, its KL to the reference over
-the same support) come from the kept entries' logits (``fastrl.ops.kept``: O(N K H), no vocabulary walk), all of
+the same support) come from the kept entries' logits (``fastrl.ops.kept``: no vocabulary walk), all of
 them before any gradient is needed. So, unlike the vocabulary chunks of ``one_pass._one_pass``, the loss gradient is
 taken once, on the whole ``[B, T]`` loss with every value known: exact for every loss type, sequence-coupled ones
 and ``top_entropy_quantile`` included (no placeholders). Then ``G = dL/dy`` per entry
 
     G = g_lp (1[j = t] - p_j) - g_en p_j (log p_j + H) + g_kl p_j (log p_j - log p_ref,j - KL)      (times dz/dy)
 
-and the engine's two gradient GEMMs per unit. Cost: 2 |U| (H + H_ref) FLOPs per token forward, 4 |U| H backward
-(the entry logits are kept, nothing is recomputed), ``|U|`` the ids of the token's engine unit.
+and the engine's gradient products. Cost: ``L`` logits per token and head, 2 L (H + H_ref) FLOPs forward and 4 L H
+backward (the entry logits are kept, nothing is recomputed), ``L`` what the plan computes per token
+(``fastrl.ops.kept.build_plan``: ``K_max`` on the per-row plan; docs/kept-set-costs.md).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from fastrl.losses.config import PolicyLossConfig
 from fastrl.ops import kept as K
 from fastrl.ops import torch_backend as TB
 from fastrl.ops.config import LogitTransform
-from fastrl.ops.kept_plan import KeptPlan, host_bounds
+from fastrl.ops.kept_plan import host_bounds
 from fastrl.ops.linear_logprob import compact_rows
 from fastrl.ops.support import KeptSet
 
@@ -43,19 +44,19 @@ def kept_one_pass(
     ids: torch.Tensor,  # [nnz] the support's CSR
     offsets: torch.Tensor,  # [N + 1]
     need: tuple[bool, bool, bool],
-    compact: bool,  # True: host reads (drop masked rows, host plan); False: every row, fixed plan
+    compact: bool,  # True: host reads (drop masked rows); False: every row
     ref: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None,  # the exact KL's (hidden [N, H_r], W, b)
-    bounds: tuple[int, int],  # the engine's (tile_elems, cap)
+    bounds: tuple[int, int],  # the engine's (tile_elems, cap); 0: the device's (fastrl.ops.kept.capacity)
     ignore: int,
+    plan_arg: list[int] = (),  # fastrl.ops.kept.build_plan(live rows).arg(); empty: union tiles (host plan if compact)
+    backend: str = "torch",
 ) -> tuple[torch.Tensor, dict, tuple, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     # (loss, metrics, (grad_h, grad_w, grad_b), logp [N], entropy [N], the exact KL [N] | None)
     N = hidden.shape[0]
     V = weight.shape[0]
     cdt = TB.acc_dtype(hidden.dtype)
     live = targets != ignore
-    tile, cap = bounds
-    if not tile or not cap:  # the op called directly with the defaults: the device's bounds
-        tile, cap = tile or K.capacity(hidden.device)[0], cap or K.capacity(hidden.device)[1]
+    tile, cap = K.capacity(hidden.device, *bounds)
     idx = compact_rows(live) if compact else None
     if idx is not None:  # live rows only (one host sync): masked tokens cost nothing
         ks = KeptSet(ids, offsets, V, validate=False)[idx]
@@ -64,7 +65,9 @@ def kept_one_pass(
     zero_dead = (lambda x: x) if compact else (
         lambda x: torch.where(live[:, None], x, torch.zeros((), dtype=x.dtype, device=x.device)))
     h, t = zero_dead(rows(hidden)), rows(targets)
-    plan = KeptPlan(ids, offsets, V, host_bounds(ids, offsets, tile, cap) if compact else None, tile, cap)
+    if not plan_arg and compact:  # the op called without a plan: the host union plan, as before
+        plan_arg = host_bounds(ids, offsets, tile, cap)
+    plan = K.op_plan(ids, offsets, V, list(plan_arg), tile, cap, backend)
     heads = [K.Head(h, weight, bias, tf)]
     if ref is not None:
         heads.append(K.Head(zero_dead(rows(ref[0])), ref[1], ref[2], tf))
@@ -76,9 +79,8 @@ def kept_one_pass(
         lkl = ls - (zr[0][: plan.nnz] - K.segment_lse(plan, zr[0])[0][plan.row])  # log p - log p_ref per entry
         kl = K.segment_sum(plan, torch.exp(ls) * lkl)
     if not compact:  # masked rows give 0; a counted row whose set lacks its target gives NaN (no exception here)
-        nan = torch.full((), float("nan"), dtype=cdt, device=h.device)
-        logp, ent = (torch.where(live & ~found, nan, torch.where(live, x, torch.zeros_like(x))) for x in (logp, ent))
-        kl = None if kl is None else torch.where(live, kl, torch.zeros_like(kl))
+        logp, ent = K.dead_rows(live, found, logp, ent)
+        kl, = K.dead_rows(live, None, kl)
 
     def full(x):  # [live rows] -> [B, T]
         return (x if idx is None else x.new_zeros((N,)).index_copy(0, idx, x)).view(B, T)

@@ -45,7 +45,7 @@ from fastrl.ops._checks import autocast_inputs, check_finite_outputs, check_line
 from fastrl.ops.backend import is_triton, resolve_backend
 from fastrl.ops.config import LogitTransform
 from fastrl.ops.custom_ops import host_sync_enabled
-from fastrl.ops.linear_logprob import fused_logprobs, unit_stride
+from fastrl.ops.linear_logprob import compact_rows, fused_logprobs, unit_stride
 
 __all__ = ["policy_loss", "FusedPolicyLoss", "exact_reference_kl"]
 
@@ -136,8 +136,8 @@ def policy_loss(
             policy's log-probs and entropies are then those of ``pi^S`` (``fused_logprobs(support=...)``) for
             every loss type and both importance-sampling levels, and ``top_entropy_quantile`` ranks the support
             entropies. ``old_logprobs`` / ``ref_logprobs`` stay inputs: compute them over the same support. With
-            a support the loss is one op over the kept ids on the kept-set engine (``fastrl.ops.kept``), O(B T K H)
-            and never a vocabulary walk: every value first, then the loss gradient once (exact for every loss type)
+            a support the loss is one op over the kept ids on the kept-set engine (``fastrl.ops.kept``; ``K_max``
+            logits per token on its per-row plan, docs/kept-set-costs.md), never a vocabulary walk: every value first, then the loss gradient once (exact for every loss type)
             and the gradient GEMMs; ``chunk_tokens`` is not read. The metrics gain ``sampling/kept_size_mean``
             (mean kept-set size over the tokens in ``mask``) and, for a rule, ``sampling/label_outside_frac`` (the
             fraction of those whose target the rule dropped). With ``kl_estimator="exact"`` the exact KL is over the support too (both
@@ -147,7 +147,7 @@ def policy_loss(
         host_sync: None (default): host reads in eager, none while ``torch.compile`` traces; False forces the
             no-sync path (for CUDA graphs): tokens outside the mask are computed (zeroed hidden states, no
             gradient) instead of being dropped, one-pass chunks are fixed ranges of whole rows, a KeptSet runs on
-            the kept-set engine's fixed plan, the value checks below multiply the loss by NaN instead of raising
+            a kept-set plan chosen without host reads (the per-row plan unless the set overlaps), the value checks below multiply the loss by NaN instead of raising
             (so a bad input gives a NaN loss and NaN gradients; so does a KeptSet that lacks a counted target),
             and the ``check_finite`` checks are skipped (a non-finite value the loss reads makes the loss
             non-finite by itself). A ``SamplerRule`` is refused there (replay it first: ``fastrl.replay_rule``).
@@ -356,11 +356,14 @@ def _op(c: _Call, opts: PolicyOptions, chunks: list[int], per_token_kl=None, ref
 
 def _kept_loss(c: _Call, kept):
     """The loss over a support: the one-pass op on the kept-set engine (the exact KL over the support inside it)."""
-    from fastrl.ops.kept import capacity
+    from fastrl.ops.kept import build_plan
 
-    tile, cap = capacity(c.hidden.device)
-    opts = _options(c, tile_elems=tile, cap=cap)
-    return _op(c, opts, [], ref=c.ref if c.exact_kl else (None, None, None), support=(kept.ids, kept.offsets))
+    # planned on the rows the op computes: in eager the live ones (it drops the rest first), else every row
+    idx = compact_rows(c.eff_targets.reshape(-1) != _IGNORE) if c.sync else None
+    rows = kept if idx is None else kept[idx]
+    plan = build_plan(rows, c.weight.shape[0], c.hidden.device, c.sync)
+    opts = _options(c, tile_elems=plan.tile_elems, cap=plan.cap)
+    return _op(c, opts, plan.arg(), ref=c.ref if c.exact_kl else (None, None, None), support=(kept.ids, kept.offsets))
 
 
 def _full_vocabulary_loss(c: _Call, chunk_tokens: int | None):

@@ -34,10 +34,12 @@ path                      device  tile    live  why
 ``divergence``            any     4 MB    5     torch backend of ``fused_divergence``: both heads' logits
                                                 and three scratch tiles, 20 MB, in a CPU's L2/L3; >= 128
                                                 columns per GEMM.
-``kept``                  cpu     16 MB   2     the kept-set engine's union GEMMs (``kept``): a unit's
-                          cuda    256 MB        ``[rows, |U|]`` logits tile, its G in the backward; ``cap``
-                                                bounds a unit's ids (the work per token is at most
-                                                ``max(cap, K)`` ids on the host plan).
+``kept``                  cpu     16 MB   2     the kept-set engine (``kept``): a union unit's ``[rows,
+                          cuda    256 MB        |U|]`` logits tile and its G in the backward (``cap``
+                                                bounds a unit's ids: at most ``max(cap, K)`` logits per
+                                                token on the host plan); the per-row plan's gathered
+                                                ``[rows, K, H]`` weight rows (one buffer) and the weight
+                                                gradient's ``[rows, K, H]`` products.
 ``rule``                  cpu     16 MB   4     ``replay_rule``: a rule without top_k takes whole rows,
                           cuda    128 MB        ``[chunk, V]``: the logits tile, then a sort's values (one
                                                 more) and int64 ids (two more). A rule with top_k walks

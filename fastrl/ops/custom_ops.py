@@ -46,6 +46,8 @@ import typing
 
 import torch
 
+from fastrl.ops.torch_backend import acc_dtype
+
 __all__ = ["DoubleBackwardError", "IMPLEMENTATIONS", "PackedOptions", "host_sync_enabled"]
 
 
@@ -283,5 +285,6 @@ def _input_grads(need: tuple, grads: tuple, n_inputs: int) -> tuple:
     return tuple(g if n else None for g, n in zip(grads, need)) + (None,) * (n_inputs - 3)
 
 
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+# the compute dtype of an op's outputs: the one rule, ``torch_backend.acc_dtype`` (float64 for float64 inputs, else
+# float32), under the name the ops import
+_acc = acc_dtype

@@ -21,19 +21,20 @@ heads and forms the student's ``G = dD/dy`` (docs/design.md, "Divergences"):
 
 The teacher receives no gradient. Tokens whose ``mask`` is 0 are dropped before any GEMM (``compact_rows``).
 With ``support=`` (a ``KeptSet``) both distributions are renormalised over each token's kept ids, on the kept-set
-engine (``fastrl.ops.divergence_kept``): O(N K H), never a pass over the vocabulary.
+engine (``fastrl.ops.divergence_kept``), never a pass over the vocabulary: on the per-row plan ``K_max`` logits per
+token and head (docs/kept-set-costs.md, the bounds of every plan).
 
 Autograd and ``torch.compile`` see two custom ops (``fastrl.ops.custom_ops``'s machinery: options packed into
 ``(str, float[], int[])`` from ``DivergenceOptions``, a fake implementation, a registered backward):
 ``torch.ops.fastrl.divergence`` (forward: divergence, entropy and what the backward needs) and
 ``torch.ops.fastrl.divergence_backward`` (the student's gradients). A ``KeptSet`` crosses the op boundary as its
-two CSR tensors (``ids``, ``offsets``) and the engine's plan (the host plan's chunk boundaries, or ``[]`` for the
-fixed plan). In eager, ``fused_divergence`` drops masked tokens before the op (one host sync) and plans the support
-on the host; while ``torch.compile`` traces (or with ``host_sync=False``) it hands the op every row and the mask
-(``active``): masked rows are computed with both models' hidden states replaced by zeros (whatever they hold,
-NaN included, cannot reach an output or a gradient) and give 0 and no gradient, and a support runs on the fixed
-plan. So ``fullgraph=True`` and ``dynamic=True`` trace it with no graph break, and the no-sync op reads nothing on
-the host, with or without a support (CUDA-graph safe).
+two CSR tensors (``ids``, ``offsets``) and the engine's plan (``fastrl.ops.kept.build_plan``'s choice). In eager,
+``fused_divergence`` drops masked tokens before the op (one host sync) and plans the support on the host; while
+``torch.compile`` traces (or with ``host_sync=False``) it hands the op every row and the mask (``active``): masked
+rows are computed with both models' hidden states replaced by zeros (whatever they hold, NaN included, cannot reach
+an output or a gradient) and give 0 and no gradient, and a support runs on a plan chosen without host reads. So
+``fullgraph=True`` and ``dynamic=True`` trace it with no graph break, and the no-sync op reads nothing on the host,
+with or without a support (CUDA-graph safe).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ import torch
 from fastrl.ops._checks import autocast_inputs, check_head, dense_bias
 from fastrl.ops.backend import is_triton, resolve_backend
 from fastrl.ops.budget import tile_budget
-from fastrl.ops.config import LogitTransform, _finite
+from fastrl.ops.config import Head, LogitTransform, _finite
 from fastrl.ops.custom_ops import (
     PackedOptions,
     DoubleBackwardError,  # noqa: F401  (raised by the backward below, through _refuse_double_backward)
@@ -65,16 +66,13 @@ from fastrl.ops.custom_ops import (
     _zero_rows,
     host_sync_enabled,
 )
-from fastrl.ops.divergence_stats import FORWARD_KL, JSD, REVERSE_KL, finish_stats, finite_max
+from fastrl.ops.divergence_stats import FORWARD_KL, JSD, REVERSE_KL, finish_stats, finite_max, log_mix
 from fastrl.ops.linear_logprob import compact_rows, unit_stride
 from fastrl.ops.support import KeptSet, _token_name
 from fastrl.ops.torch_backend import acc_dtype, tile_columns
 
 __all__ = ["fused_divergence", "divergence_forward", "divergence_backward", "DivergenceOptions", "divergence_op",
            "divergence_backward_op"]
-
-_TINY = torch.finfo(torch.float32).tiny  # log(m) where both probabilities underflow: finite, and weighted by 0
-
 
 @dataclass(frozen=True)
 class DivergenceOptions(PackedOptions):
@@ -135,27 +133,18 @@ def _buffers(N: int, V: int, cdt: torch.dtype, dev: torch.device) -> list[torch.
     return [torch.empty(elems, dtype=cdt, device=dev) for _ in range(5)]
 
 
-class _Head:
-    """One model's LM head as the tiles read it: hidden in the compute dtype, the raw weight and bias, the transform."""
+def _weight_block(head: Head, tile: _Tile) -> torch.Tensor:  # [C, H] in the compute dtype (the upcast hidden's)
+    return head.weight[tile.v0 : tile.v1].to(head.hidden.dtype)
 
-    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tf: LogitTransform,
-                 cdt: torch.dtype | None):
-        # [N, H], upcast once (a no-op for float32); kept in the input dtype (cdt None) for cuBLAS on the Triton path
-        self.h = hidden if cdt is None else hidden.to(cdt)
-        self.dtype = hidden.dtype  # the input dtype, that of the gradients returned
-        self.weight, self.bias, self.tf, self.cdt = weight, bias, tf, cdt
 
-    def weight_block(self, tile: _Tile) -> torch.Tensor:  # [C, H] compute dtype
-        return self.weight[tile.v0 : tile.v1].to(self.cdt)
-
-    def logits(self, tile: _Tile, buf: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
-        """Transformed logits of the tile [R, C], written into ``buf``."""
-        R, C = tile.shape
-        w = self.weight_block(tile) if w is None else w
-        z = torch.mm(self.h[tile.rows], w.T, out=buf[: R * C].view(R, C))
-        if self.bias is not None:
-            z += self.bias[tile.v0 : tile.v1]
-        return self.tf.apply_(z)
+def _tile_logits(head: Head, tile: _Tile, buf: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
+    """Transformed logits of the tile [R, C], written into ``buf`` (``head`` upcast to the compute dtype)."""
+    R, C = tile.shape
+    w = _weight_block(head, tile) if w is None else w
+    z = torch.mm(head.hidden[tile.rows], w.T, out=buf[: R * C].view(R, C))
+    if head.bias is not None:
+        z += head.bias[tile.v0 : tile.v1]
+    return head.tf.apply_(z)
 
 
 def _like(buf: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -165,11 +154,6 @@ def _like(buf: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 def _rowdot(a: torch.Tensor, b: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:  # [R, C] x [R, C] -> [R]
     return torch.mul(a, b, out=_like(buf, a)).sum(1)
-
-
-def _log_mix_(ps: torch.Tensor, pt: torch.Tensor, beta: float, out: torch.Tensor) -> torch.Tensor:
-    """``log((1 - beta) p_s + beta p_t)`` into ``out``; clamped where both underflow (their terms carry weight 0)."""
-    return torch.mul(ps, 1.0 - beta, out=_like(out, ps)).add_(pt, alpha=beta).clamp_min_(_TINY).log_()
 
 
 def _fold(zs, zt, st, mode: int, with_entropy: bool, bufs) -> None:
@@ -202,7 +186,7 @@ def _jsd_terms(zs, zt, lse_s, lse_t, beta: float, bufs) -> tuple[torch.Tensor, t
     """One tile's share of (JSD, KL(p_s || m)) per row [R] each; overwrites zs, zt."""
     ls, lt = zs.sub_(lse_s[:, None]), zt.sub_(lse_t[:, None])
     ps, pt = torch.exp(ls, out=_like(bufs[0], ls)), torch.exp(lt, out=_like(bufs[1], lt))
-    lm = _log_mix_(ps, pt, beta, bufs[2])
+    lm = log_mix(ps, pt, beta, out=_like(bufs[2], ps))
     ls.sub_(lm)
     lt.sub_(lm)  # lm (in bufs[2]) is dead from here: the row dots may use its buffer
     kl_sm, kl_tm = _rowdot(ps, ls, bufs[2]), _rowdot(pt, lt, bufs[2])
@@ -210,19 +194,19 @@ def _jsd_terms(zs, zt, lse_s, lse_t, beta: float, bufs) -> tuple[torch.Tensor, t
 
 
 def divergence_forward(
-    student: _Head, teacher: _Head, opts: DivergenceOptions,
+    student: Head, teacher: Head, opts: DivergenceOptions,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(divergence [N], entropy [N] | None, lse_s [N], lse_t [N], aux [N]): aux is the KL for the KL modes and
     KL(p_s || m) for the JSD (what the backward needs)."""
     N, V = student.h.shape[0], student.weight.shape[0]
-    cdt, dev = student.cdt, student.h.device
+    cdt, dev = student.hidden.dtype, student.h.device
     mode = opts.mode
     st = torch.zeros((6, N), dtype=cdt, device=dev)
     st[0].fill_(float("-inf"))
     st[4].fill_(float("-inf"))
     bufs = _buffers(N, V, cdt, dev)
     for tile in _tiles(N, V):
-        zs, zt = student.logits(tile, bufs[3]), teacher.logits(tile, bufs[4])
+        zs, zt = _tile_logits(student, tile, bufs[3]), _tile_logits(teacher, tile, bufs[4])
         _fold(zs, zt, st[:, tile.rows], mode, opts.with_entropy, bufs)
     div, entropy, lse_s, lse_t = finish_stats(st, mode, opts.with_entropy)
     if div is not None:  # a KL: it is also what the backward needs
@@ -231,7 +215,7 @@ def divergence_forward(
         div = torch.zeros(N, dtype=cdt, device=dev)
         aux = torch.zeros(N, dtype=cdt, device=dev)
         for tile in _tiles(N, V):
-            zs, zt = student.logits(tile, bufs[3]), teacher.logits(tile, bufs[4])
+            zs, zt = _tile_logits(student, tile, bufs[3]), _tile_logits(teacher, tile, bufs[4])
             j, k = _jsd_terms(zs, zt, lse_s[tile.rows], lse_t[tile.rows], opts.beta, bufs)
             div[tile.rows] += j
             aux[tile.rows] += k
@@ -255,7 +239,7 @@ def _student_grad(zs, zt, lse_s, lse_t, aux, entropy, gd, ge, opts: DivergenceOp
         g = ls.mul_((a + gd)[:, None]).sub_(lt.mul_(gd[:, None])).add_((cst - gd * aux)[:, None]).mul_(ps)
     else:  # (1 - beta) gd p_s (log p_s - log m - KL(p_s || m)) - ge p_s (log p_s + H)
         pt = torch.exp(lt, out=_like(bufs[1], lt))
-        lm = _log_mix_(ps, pt, beta, bufs[2])
+        lm = log_mix(ps, pt, beta, out=_like(bufs[2], ps))
         w = (1.0 - beta) * gd
         g = ls.mul_((a + w)[:, None]).sub_(lm.mul_(w[:, None])).add_((cst - w * aux)[:, None]).mul_(ps)
     if not isinstance(dzdy, float) or dzdy != 1.0:
@@ -264,7 +248,7 @@ def _student_grad(zs, zt, lse_s, lse_t, aux, entropy, gd, ge, opts: DivergenceOp
 
 
 def divergence_backward(
-    student: _Head, teacher: _Head, opts: DivergenceOptions,
+    student: Head, teacher: Head, opts: DivergenceOptions,
     lse_s: torch.Tensor, lse_t: torch.Tensor, aux: torch.Tensor, entropy: torch.Tensor | None,
     grad_div: torch.Tensor | None, grad_ent: torch.Tensor | None,  # [N] compute dtype
     need: tuple[bool, bool, bool],  # (hidden, weight, bias)
@@ -274,15 +258,15 @@ def divergence_backward(
     need_h, need_w, need_b = need
     h, weight, bias = student.h, student.weight, student.bias
     N, V = h.shape[0], weight.shape[0]
-    cdt, dev = student.cdt, h.device
+    cdt, dev = h.dtype, h.device
     grad_h = torch.zeros_like(h) if need_h else None
     grad_b = torch.zeros((V,), dtype=cdt, device=dev) if need_b else None
     grad_w = torch.empty_like(weight) if need_w else None
     bufs = _buffers(N, V, cdt, dev)
     for tile in _tiles(N, V):
         r = tile.rows
-        w = student.weight_block(tile)
-        zs, zt = student.logits(tile, bufs[3], w), teacher.logits(tile, bufs[4])
+        w = _weight_block(student, tile)
+        zs, zt = _tile_logits(student, tile, bufs[3], w), _tile_logits(teacher, tile, bufs[4])
         g = _student_grad(zs, zt, lse_s[r], lse_t[r], aux[r], None if entropy is None else entropy[r],
                           None if grad_div is None else grad_div[r], None if grad_ent is None else grad_ent[r],
                           opts, bufs)
@@ -311,15 +295,16 @@ def _forward(h, w, b, ht, wt, bt, opts: DivergenceOptions):
     if opts.backend == "triton-sm90":
         from fastrl.ops import divergence_sm90
 
-        return divergence_sm90.forward(_Head(h, w, b, opts.student, None), _Head(ht, wt, bt, opts.teacher, None),
+        return divergence_sm90.forward(Head(h, w, b, opts.student), Head(ht, wt, bt, opts.teacher),
                                        opts, opts.mode)
     if _hybrid(opts):
         from fastrl.ops import divergence_hybrid
 
-        return divergence_hybrid.forward(_Head(h, w, b, opts.student, None), _Head(ht, wt, bt, opts.teacher, None),
+        return divergence_hybrid.forward(Head(h, w, b, opts.student), Head(ht, wt, bt, opts.teacher),
                                          opts, opts.mode)
     cdt = acc_dtype(h.dtype)
-    return divergence_forward(_Head(h, w, b, opts.student, cdt), _Head(ht, wt, bt, opts.teacher, cdt), opts)
+    return divergence_forward(Head(h, w, b, opts.student).upcast(cdt), Head(ht, wt, bt, opts.teacher).upcast(cdt),
+                              opts)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -329,16 +314,13 @@ def _forward(h, w, b, ht, wt, bt, opts: DivergenceOptions):
 
 def _kept_plan(ids: torch.Tensor, offsets: torch.Tensor, V: int, plan: list[int], opts: DivergenceOptions):
     """The kept-set engine's plan of the support that crossed the op boundary as its CSR tensors (validated by the
-    public function): the host plan's boundaries, or the fixed plan for ``plan == []``."""
+    public function) with the plan argument ``fastrl.ops.kept.build_plan`` chose."""
     from fastrl.ops import kept
 
-    tile, cap = kept.capacity(ids.device)
-    return kept.KeptPlan(ids, offsets, V, list(plan) if plan else None, opts.tile_elems or tile, opts.cap or cap)
+    return kept.op_plan(ids, offsets, V, plan, opts.tile_elems, opts.cap, opts.backend)
 
 
 def _kept_heads(h, w, b, ht, wt, bt, opts: DivergenceOptions):
-    from fastrl.ops.kept import Head
-
     return Head(h, w, b, opts.student), Head(ht, wt, bt, opts.teacher)
 
 
@@ -353,7 +335,7 @@ def divergence_op(
     active: Optional[torch.Tensor],  # [N] bool: counted rows (None: every row counts)
     support_ids: Optional[torch.Tensor],  # a KeptSet's CSR ids [nnz] and offsets [N + 1], or None
     support_offsets: Optional[torch.Tensor],
-    plan: list[int],  # with a support: the host plan's chunk boundaries, or [] for the fixed plan (no host read)
+    plan: list[int],  # with a support: fastrl.ops.kept.build_plan(...).arg() ([] without one)
     opt_str: str,  # DivergenceOptions.pack()
     opt_float: list[float],
     opt_int: list[int],
@@ -371,15 +353,14 @@ def divergence_op(
         if support_ids is None:
             div, ent, lse_s, lse_t, aux = _forward(h, weight, bias, ht, teacher_weight, teacher_bias, o)
         else:
-            from fastrl.ops import divergence_kept
+            from fastrl.ops import divergence_kept, kept
 
             kp = _kept_plan(support_ids, support_offsets, weight.shape[0], plan, o)
             div, ent, lse_s, lse_t, aux, entries = divergence_kept.forward(
                 kp, *_kept_heads(h, weight, bias, ht, teacher_weight, teacher_bias, o), o.mode, o.beta,
                 o.with_entropy, acc_dtype(hidden.dtype))
-            if active is not None:  # an empty set at a counted token (the eager wrapper raises): NaN, not 0
-                bad = active & (kp.sizes == 0)
-                div = torch.where(bad, torch.full((), float("nan"), dtype=div.dtype, device=div.device), div)
+            # an empty set at a counted token (the eager wrapper raises): NaN, not 0
+            div, = kept.dead_rows(active, kp.sizes > 0, div)
     if active is not None:
         div, aux = _zero_rows(active, div), _zero_rows(active, aux)
         ent = None if ent is None else _zero_rows(active, ent)
@@ -480,11 +461,12 @@ def divergence_backward_op(
 
             impl = divergence_sm90 if o.backend == "triton-sm90" else divergence_hybrid
             gh, gw, gb = impl.backward(
-                _Head(h, weight, bias, o.student, None), _Head(ht, teacher_weight, teacher_bias, o.teacher, None),
+                Head(h, weight, bias, o.student), Head(ht, teacher_weight, teacher_bias, o.teacher),
                 o, o.mode, lse_s, lse_t, aux, entropy, gd, ge, need)
         else:
             gh, gw, gb = divergence_backward(
-                _Head(h, weight, bias, o.student, cdt), _Head(ht, teacher_weight, teacher_bias, o.teacher, cdt),
+                Head(h, weight, bias, o.student).upcast(cdt),
+                Head(ht, teacher_weight, teacher_bias, o.teacher).upcast(cdt),
                 o, lse_s, lse_t, aux, entropy, gd, ge, need)
     return _head_grads(gh, gw, gb, hidden, weight)
 
@@ -579,15 +561,16 @@ def fused_divergence(
             cuBLAS float32 tiles of both heads and one Triton pass over the pair, ``divergence_hybrid``;
             "triton-fused" runs the hybrid kernels too; "triton-sm90", opt-in on Hopper or newer: persistent TMA
             kernels with both heads' tiles in registers, ``divergence_sm90``). With ``support`` the kept-set engine
-            runs (dense GEMMs on every backend).
+            runs (its per-row plan on Triton kernels on a Triton backend where they are installed).
         support: a ``fastrl.KeptSet`` (one row per token of the leading shape, masked tokens included): both
             distributions renormalised over each token's kept ids (the exact KL under a truncating sampler), on the
-            kept-set engine (``fastrl.ops.kept``): O(N K H) FLOPs, never a pass over the vocabulary.
+            kept-set engine (``fastrl.ops.kept``), never a pass over the vocabulary (the logits it computes per
+            token: below).
         host_sync: whether the op may read device values on the host. None (default): yes in eager, no while
             ``torch.compile`` traces. False (the no-sync path, for ``torch.compile`` and CUDA graphs): masked tokens
-            are computed with zeroed hidden states instead of being dropped, a support runs on the engine's fixed
-            plan, and the checks that need the host are skipped (the mask's 0/1 check, ``check_finite``; an empty
-            support at a counted token gives a NaN divergence there instead of an exception).
+            are computed with zeroed hidden states instead of being dropped, a support runs on a plan chosen
+            without host reads (the per-row plan unless the set says it overlaps), and the checks that need the host
+            are skipped (the mask's 0/1 check, ``check_finite``; an empty support at a counted token gives a NaN divergence there instead of an exception).
 
     Returns:
         ``divergence`` of ``mask``'s shape (hidden's leading shape without a mask), float32 (float64 for float64
@@ -601,10 +584,11 @@ def fused_divergence(
 
     Memory beyond inputs and outputs: O(N) statistics plus bounded tiles of each model (no ``[N, V]``, no float32
     ``[V, H]``). Cost: the KLs 2N(H+H_t)V FLOPs forward, the JSD twice that (a statistics pass first); the backward
-    recomputes both heads' tiles and adds 4NHV for the student's gradients. With a support: 2 |U| (H + H_t) FLOPs
-    per token forward and 4 |U| H backward (nothing recomputed: the kept entries' logits are kept, O(N K) floats),
-    ``|U|`` the ids of the token's engine unit (at most the unit cap, 2048 on a CPU and 8192 on CUDA, near K when
-    neighbouring tokens' sets overlap).
+    recomputes both heads' tiles and adds 4NHV for the student's gradients. With a support: per token, ``L`` logits of
+    each head forward (2 L (H + H_t) FLOPs) and 4 L H backward (nothing recomputed: the kept entries' logits are kept,
+    O(nnz) floats), where ``L`` is what the engine's plan computes (``support.describe_plan()`` prints it): ``K_max``
+    (the widest set) on the per-row plan, at most ``max(cap, K_max)`` on the host union plan and ``3.5 cap`` plus one
+    chunk on the fixed union plan (docs/kept-set-costs.md; tests/test_kept_costs.py holds these bounds).
 
     Example::
 
@@ -684,11 +668,6 @@ def fused_divergence(
         teacher_softcap=None if tf_t.softcap is None else float(tf_t.softcap), with_entropy=with_entropy,
         backend=name,
     )
-    if support is not None:
-        from fastrl.ops import kept
-
-        tile, cap = kept.capacity(hidden.device)
-        opts = dataclasses.replace(opts, tile_elems=tile, cap=cap)
 
     h = unit_stride(hidden.reshape(-1, hidden.shape[-1]))
     ht = unit_stride(teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1]))
@@ -700,7 +679,13 @@ def fused_divergence(
     if idx is not None:
         h, ht = h.index_select(0, idx), ht.index_select(0, idx)
         support = support[idx] if support is not None else None
-    plan = [] if support is None else kept.plan_for(support, sync, hidden.device)
+    plan = []
+    if support is not None:  # the kept-set engine's plan for the rows the op computes
+        from fastrl.ops import kept
+
+        choice = kept.build_plan(support, weight.shape[0], hidden.device, sync)
+        plan = choice.arg()
+        opts = dataclasses.replace(opts, tile_elems=choice.tile_elems, cap=choice.cap)
     # autograd (when an input needs grad) is the op's registered backward; under no_grad the forward alone runs
     div, ent, *_ = torch.ops.fastrl.divergence(
         h, w, b, ht, wt, bt, None if sync else active, None if support is None else support.ids,

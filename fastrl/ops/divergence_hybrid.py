@@ -48,7 +48,7 @@ def _bias(head, v0, v1):
 def forward(student, teacher, opts, mode: int):
     """(divergence, entropy | None, lse_s, lse_t, aux) [N] float32, as ``divergence.divergence_forward``.
 
-    ``student`` / ``teacher`` are ``divergence._Head``s whose ``h`` keeps the input dtype (cuBLAS reads bf16)."""
+    ``student`` / ``teacher`` are ``fastrl.ops.config.Head``s whose ``h`` keeps the input dtype (cuBLAS reads bf16)."""
     N, V = student.h.shape[0], student.weight.shape[0]
     dev = student.h.device
     rows = min(max(N, 1), hybrid.ROWS)

@@ -1,8 +1,9 @@
-"""``fused_divergence`` over a support: both distributions renormalised over each token's kept ids, O(N K H).
+"""``fused_divergence`` over a support: both distributions renormalised over each token's kept ids.
 
-Both heads' logits at the kept entries come from the kept-set engine (``fastrl.ops.kept``: per unit of the plan,
-the union of its tokens' ids gathered from each head and one GEMM per head); everything after is O(nnz) arithmetic
-on the entries, segment reductions per token (``ls = log p_s``, ``lt = log p_t`` over the support):
+Both heads' logits at the kept entries come from the kept-set engine (``fastrl.ops.kept``, on the plan
+``fastrl.ops.kept.build_plan`` chose: the per-row plan computes ``K_max`` logits per token and head, the union plans
+their units' tiles; the bounds in docs/kept-set-costs.md, held by tests/test_kept_costs.py); everything after is
+O(nnz) arithmetic on the entries, segment reductions per token (``ls = log p_s``, ``lt = log p_t`` over the support):
 
 * forward KL (beta = 0): ``sum p_t (lt - ls)``; reverse KL (beta = 1): ``sum p_s (ls - lt)``;
 * JSD: ``beta sum p_t (lt - lm) + (1 - beta) sum p_s (ls - lm)``, ``lm = log((1 - beta) p_s + beta p_t)``: the
@@ -10,7 +11,7 @@ on the entries, segment reductions per token (``ls = log p_s``, ``lt = log p_t``
 * the student's entropy ``-sum p_s ls``.
 
 The backward forms the student's ``G = dL/dy`` per entry from the saved entry logits (nothing recomputed) and runs
-the engine's two gradient GEMMs per unit:
+the engine's gradient products (per unit of a union plan, one batched product on the per-row plan):
 
 * forward KL: ``gd (p_s - p_t)``; reverse KL: ``gd p_s (ls - lt - KL)``; JSD: ``(1 - beta) gd p_s (ls - lm -
   KL(p_s || m))``; the entropy: ``-ge p_s (ls + H)``; times the transform's derivative.
@@ -20,22 +21,17 @@ from __future__ import annotations
 
 import torch
 
-from fastrl.ops.divergence_stats import FORWARD_KL, REVERSE_KL
-from fastrl.ops.kept import Head, KeptPlan, _entries, entry_backward, entry_logits, segment_lse, segment_sum
+from fastrl.ops import kept as K
+from fastrl.ops.divergence_stats import FORWARD_KL, REVERSE_KL, log_mix
+from fastrl.ops.kept import Head, KeptPlan, entry_backward, entry_logits, segment_lse, segment_sum
 
 __all__ = ["forward", "backward"]
-
-_TINY = torch.finfo(torch.float32).tiny  # log(m) where both probabilities underflow: finite, and weighted by 0
 
 
 def _logs(plan: KeptPlan, z: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(log p [nnz], p [nnz]) over the support from entry logits [nnz (+ 1)] and the per-token lse [N]."""
     ls = z[: plan.nnz] - lse[plan.row]
     return ls, torch.exp(ls)
-
-
-def _log_mix(ps: torch.Tensor, pt: torch.Tensor, beta: float) -> torch.Tensor:
-    return ((1.0 - beta) * ps + beta * pt).clamp_min_(_TINY).log_()
 
 
 def forward(
@@ -52,7 +48,7 @@ def forward(
     elif mode == REVERSE_KL:
         div = aux = segment_sum(plan, ps * (ls - lt))
     else:
-        lm = _log_mix(ps, pt, beta)
+        lm = log_mix(ps, pt, beta)
         aux = segment_sum(plan, ps * (ls - lm))
         div = beta * segment_sum(plan, pt * (lt - lm)) + (1.0 - beta) * aux
     ent = -segment_sum(plan, ps * ls) if with_entropy else None
@@ -77,11 +73,11 @@ def backward(
         elif mode == REVERSE_KL:
             G += gd * ps * (ls - (zt - lse_t[row]) - aux[row])
         else:
-            lm = _log_mix(ps, torch.exp(zt - lse_t[row]), beta)
+            lm = log_mix(ps, torch.exp(zt - lse_t[row]), beta)
             G += (1.0 - beta) * gd * ps * (ls - lm - aux[row])
     if grad_ent is not None:
         G -= grad_ent[row] * ps * (ls + entropy[row])
     dzdy = student.tf.dz_dy(zs)
     if not isinstance(dzdy, float) or dzdy != 1.0:
         G *= dzdy
-    return entry_backward(plan, student, _entries(G), need)
+    return entry_backward(plan, student, K.entries(G), need)

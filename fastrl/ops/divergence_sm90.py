@@ -1,7 +1,7 @@
 """``fused_divergence`` on ``triton-sm90``: both heads' tiles in registers (``kernels/persistent_divergence``).
 
-The same interface as ``fastrl.ops.divergence_hybrid`` (``forward`` / ``backward`` over ``divergence._Head``s whose
-``h`` keeps the input dtype), without its two float32 logits tiles: the statistics and the JSD pass compute both
+The same interface as ``fastrl.ops.divergence_hybrid`` (``forward`` / ``backward`` over ``fastrl.ops.config.Head``s
+whose ``h`` keeps the input dtype), without its two float32 logits tiles: the statistics and the JSD pass compute both
 heads' logits with ``tl.dot`` and fold them in registers; the backward recomputes them per vocabulary slice, stores
 only the student's ``G`` (input dtype) and hands it to ``fastrl.ops.hybrid.sliced_backward``'s cuBLAS GEMMs. Tensors
 must be TMA-addressable (``fastrl.ops.sm90.check_tensors``); the kept-set path (``support=``) runs on the torch

@@ -11,9 +11,17 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["FORWARD_KL", "REVERSE_KL", "JSD", "finite_max", "finish_stats"]
+__all__ = ["FORWARD_KL", "REVERSE_KL", "JSD", "TINY", "finite_max", "finish_stats", "log_mix"]
 
 FORWARD_KL, REVERSE_KL, JSD = 0, 1, 2  # beta = 0, beta = 1, 0 < beta < 1
+
+TINY = torch.finfo(torch.float32).tiny  # log(m) where both probabilities underflow: finite, and weighted by 0
+
+
+def log_mix(ps: torch.Tensor, pt: torch.Tensor, beta: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The JSD's ``log m = log((1 - beta) p_s + beta p_t)`` (into ``out``, ``ps``'s shape, when given); clamped at
+    ``TINY`` where both probabilities underflow (their terms carry weight 0)."""
+    return torch.mul(ps, 1.0 - beta, out=out).add_(pt, alpha=beta).clamp_min_(TINY).log_()
 
 
 def finite_max(m: torch.Tensor) -> torch.Tensor:

@@ -355,8 +355,10 @@ def fused_logprobs(
             ignored tokens included; the ids each token was sampled from) or a ``fastrl.SamplerRule`` (replayed
             on these logits by ``fastrl.replay_rule``, each counted token's set extended by its target where
             the rule dropped it). Log-probs and entropies are then those of ``pi^S``, the softmax restricted to
-            the kept set and renormalised, with their gradients; a KeptSet costs O(N K H), never a pass over the
-            vocabulary (the kept-set engine, ``fastrl.ops.kept``: one op, ``fastrl::kept_logprob``); a rule adds one
+            the kept set and renormalised, with their gradients; a KeptSet never costs a pass over the vocabulary
+            (the kept-set engine, ``fastrl.ops.kept``: one op, ``fastrl::kept_logprob``; per token ``K_max`` logits
+            on its per-row plan, the bounds of every plan in docs/kept-set-costs.md, ``support.describe_plan()``
+            prints the one that runs); a rule adds one
             forward pass to find the sets (``fastrl::replay_rule`` while compiling). A counted target outside its
             KeptSet, an empty set at a counted token, or a KeptSet whose length is not the number of tokens raise
             ``ValueError`` naming the token (on the no-sync path: a NaN log-prob and entropy there, the length
@@ -371,7 +373,8 @@ def fused_logprobs(
             rows are computed with zeroed hidden states instead of being dropped (no data-dependent shape), the
             target-range check becomes a NaN log-prob and entropy at the bad token, and ``check_finite`` is
             skipped (a non-finite output shows as a non-finite value downstream instead of an exception). A
-            KeptSet runs on the kept-set engine's fixed plan (no host read, no data-dependent shape); a
+            KeptSet runs on a kept-set plan chosen without host reads (the per-row plan unless the set says its
+            rows overlap; no data-dependent shape); a
             SamplerRule is refused (how many ids it keeps needs a host read: replay it first, ``replay_rule``).
 
     Returns:
@@ -476,15 +479,15 @@ def _support_logprobs(hidden, weight, bias, targets, tf, with_entropy, ignore_in
         h_live, t_live, ks_live = h, t, ks
     else:
         h_live, t_live, ks_live = h.index_select(0, idx), t.index_select(0, idx), ks[idx]
-    tile, cap = kept.capacity(h.device)
+    plan = kept.build_plan(ks_live, w.shape[0], h.device, sync)
     opts = kept.KeptOptions(
         temperature=float(tf.temperature), logit_scale=float(tf.logit_scale),
         softcap=None if tf.softcap is None else float(tf.softcap), with_entropy=with_entropy,
-        ignore_index=ignore_index, all_live=sync, tile_elems=tile, cap=cap,
+        ignore_index=ignore_index, all_live=sync, tile_elems=plan.tile_elems, cap=plan.cap, backend=name,
     )
     # autograd (when an input needs grad) is the op's registered backward; under no_grad the forward alone runs
     logp, ent, lse_s, _ = torch.ops.fastrl.kept_logprob(h_live, w, bias, t_live, ks_live.ids, ks_live.offsets,
-                                                        kept.plan_for(ks_live, sync, h.device), *opts.pack())
+                                                        plan.arg(), *opts.pack())
     ent = ent if with_entropy else None
     mass = None
     if return_kept_mass:  # the one full pass: LSE over the whole vocabulary (path C of the plain op)
