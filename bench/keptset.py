@@ -3,11 +3,14 @@
 Per point, in a fresh process: ``fastrl.fused_logprobs`` forward + backward (loss ``sum(logp) + 0.01 *
 sum(entropy)``, C1's) with ``support=`` a KeptSet of K ids per token, and the same call without a support
 (the full-vocabulary path A, 8NHV) on the same inputs; and, at K=64, ``support=SamplerRule(top_k=64)`` (the rule
-replayed on the model's own logits: one more full forward pass, then the kept path). The kept-set engine's two plans
-and the loss (issue 26), at K=64:
+replayed on the model's own logits: one more full forward pass, then the kept path). The kept-set engine's plans
+(issue 34: ``KeptSet.describe_plan()``; each row records the plan it ran and the logits it computes per token) and the
+loss (issue 26), at K=64:
 
-* ``nosync``: ``fused_logprobs(support=, host_sync=False)``, the engine's fixed plan (what ``torch.compile`` and
-  CUDA graphs run: no host read, its units provisioned from shapes), against the eager host plan's ``kept`` row;
+* ``kept``: eager, the plan the engine chooses (the per-row plan on these sets: they share few ids); with
+  ``plan_kind: union`` union tiles (``KeptSet.with_overlap(True)``: the host plan);
+* ``nosync``: ``fused_logprobs(support=, host_sync=False)``, what ``torch.compile`` and CUDA graphs run (no host
+  read): the per-row plan; with ``plan_kind: union`` the fixed union plan (provisioned from shapes);
 * ``loss`` / ``loss-kept``: ``fastrl.policy_loss`` (dapo, beta 0.04 with k3, entropy 0.01; the sequences are
   4 x N/4 tokens) without a support (the one-pass vocabulary path, 6NHV) and with the KeptSet (the one-pass op on
   the kept-set engine: no longer the two-pass path).
@@ -19,7 +22,8 @@ measured in the same run.
 Kept sets (the ids, the sampled target among them):
 * ``zipf``: K distinct ids per token drawn from a Zipf(1.1) law over the vocabulary (frequent tokens recur from
   position to position, as in real samples: neighbouring tokens' sets overlap);
-* ``uniform``: K ids uniformly at random: disjoint sets, the worst case for the union GEMM.
+* ``uniform``: K ids uniformly at random: disjoint sets, the worst case for the union GEMM (the per-row plan's
+  common case).
 
 Shapes: CPU N=1024, H=512, V=151936, float32 (C1-like; 85 s on a quiet 2-core machine with ``--threads 1`` before
 the fixed-plan, loss and rule-replay rows, and 14 min once on a 2-core machine shared with other jobs; ``--quick``
@@ -90,19 +94,25 @@ def run_point(spec: dict) -> dict:
     ks, targets = make_sets(N, V, K, spec["sets"], dev)
     mode = spec["mode"]
     backend = spec.get("backend")
+    res = {}
     if mode in RULE_MODES:
         step = rule_step(spec, hidden, weight, targets)
     elif mode.startswith("loss"):
         step = _loss_step(spec, hidden, weight, targets, ks if mode == "loss-kept" else None)
     else:
-        support = {"kept": ks, "nosync": ks, "full": None}[mode]
+        # plan_kind "union": union tiles (KeptSet.with_overlap(True)); else the engine's choice
+        support = None if mode == "full" else ks.with_overlap(True if spec.get("plan_kind") == "union" else None)
+        sync = False if mode == "nosync" else None
 
         def step():
             logp, ent = fastrl.fused_logprobs(hidden, weight, targets, support=support, backend=backend,
-                                              host_sync=False if mode == "nosync" else None)
+                                              host_sync=sync)
             torch.autograd.grad(logp.sum() + 0.01 * ent.sum(), [hidden, weight])
 
-    res = {}
+        if support is not None:  # the plan the engine runs, and the logits it computes per token
+            choice = support.describe_plan(host_sync=sync is None)
+            res.update(plan=choice.kind, logits_per_token=choice.per_token(), plan_text=str(choice))
+
     if dev.type == "cuda":
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
@@ -199,15 +209,32 @@ def points(device: str, smoke: bool, quick: bool) -> list[dict]:
                 out.append({**base, "mode": "kept", "K": K, "sets": kind})
         out.extend(rule_points(base, smoke))
         k = 64 if not smoke else 20
-        for kind in KINDS:
+        for kind in KINDS:  # the plans at K=64: union tiles in eager, and both plans without host reads
+            out.append({**base, "mode": "kept", "K": k, "sets": kind, "plan_kind": "union"})
             out.append({**base, "mode": "nosync", "K": k, "sets": kind})
+            out.append({**base, "mode": "nosync", "K": k, "sets": kind, "plan_kind": "union"})
         out.append({**base, "mode": "loss", "K": k, "sets": "zipf"})
         for kind in KINDS:
             out.append({**base, "mode": "loss-kept", "K": k, "sets": kind})
     return out
 
 
+KEPT_MODES = ("kept", "nosync")  # eager and without host reads; a point's "plan_kind": "union" forces union tiles
+KEPT_TARGET = 0.08  # issue 34: K=64, disjoint and Zipf sets, both plans, fwd + bwd time against the full path's
+RULE_TARGET = 0.25  # issue 34: support=SamplerRule(top_k=64), fwd + bwd, at <= 1.1x the full path's memory
 BASE_MODE = {"loss-kept": "loss", "loss": "loss"}  # each row's ratio is against the full-vocabulary row of its kind
+
+
+def session_points(smoke: bool) -> list[tuple[str, dict]]:
+    """The GPU session's keptset section (bench/session.py), K=64: (provider, the point's mode, sets and plan).
+    ``kept`` is the engine's eager choice (the per-row plan on these sets: each row records the plan it ran); a full
+    session adds the per-row plan without host reads (``nosync``, what CUDA graphs run) and the host union plan
+    (issue 34). A smoke run checks the plumbing on the first three."""
+    out = [("full", dict(mode="full", sets="zipf"))] + [(f"kept-{s}", dict(mode="kept", sets=s)) for s in KINDS]
+    if not smoke:
+        out += [(f"rows-nosync-{s}", dict(mode="nosync", sets=s)) for s in KINDS]
+        out += [(f"union-{s}", dict(mode="kept", sets=s, plan_kind="union")) for s in KINDS]
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -228,12 +255,12 @@ def rule_points(base: dict, smoke: bool) -> list[dict]:
 
 
 def rule_targets(rows: list[dict], con) -> None:
-    """Issue 26's rule-replay targets: support=SamplerRule(top_k=64) <= 0.3x the full path's time, <= 1.1x its
-    memory (a CPU target; printed on any device)."""
+    """The rule-replay target (issue 34, was 0.3x in issue 26): support=SamplerRule(top_k=64) <= 0.25x the full
+    path's time, <= 1.1x its memory (a CPU target; printed on any device)."""
     for r in rows:
         if r["mode"] == "rule" and r["K"] == 64 and "time_vs_full" in r and r.get("mem_vs_full") is not None:
-            ok = r["time_vs_full"] <= 0.3 and r["mem_vs_full"] <= 1.1
-            con.print(f"target top_k=64 rule fwd+bwd <= 0.3x full time, <= 1.1x its memory ({r['shape']}): "
+            ok = r["time_vs_full"] <= RULE_TARGET and r["mem_vs_full"] <= 1.1
+            con.print(f"target top_k=64 rule fwd+bwd <= {RULE_TARGET}x full time, <= 1.1x its memory ({r['shape']}): "
                       f"{r['time_vs_full']:.3f}x, {r['mem_vs_full']:.2f}x "
                       + ("[green]PASS[/green]" if ok else "[red]FAIL[/red]"))
 
@@ -256,6 +283,11 @@ def rule_step(spec: dict, hidden, weight, targets):
     return step
 
 
+def _path(p: dict) -> str:
+    """A row's label: its mode, ``/union`` where the point forces union tiles."""
+    return p["mode"] + ("/union" if p.get("plan_kind") == "union" else "")
+
+
 def cli(args, device: str, con, env: dict, out_dir: Path, prefix: str) -> int:
     cuda = device == "cuda"
     reps = args.reps or (1 if args.smoke else (10 if cuda else 3))
@@ -269,7 +301,7 @@ def cli(args, device: str, con, env: dict, out_dir: Path, prefix: str) -> int:
         res = _worker(spec, args.timeout or 1200)
         row = {**p, **res, "status": res.get("status", "ok")}
         rows.append(row)
-        what = f"{p['shape']} {p['mode']:<4} K={p['K']:<3} {p['sets']:<7}"
+        what = f"{p['shape']} {_path(p):<12} K={p['K']:<3} {p['sets']:<7}"
         con.print(f"{what}: " + (f"{res['ms']:.1f} ms, +{res['peak_extra_mb']:.0f} MB" if "ms" in res
                                  else f"[red]{res.get('reason')}[/red]"))
     for r in rows:  # ratios against the full-vocabulary path of the same shape and kind (log-probs, or the loss)
@@ -279,35 +311,35 @@ def cli(args, device: str, con, env: dict, out_dir: Path, prefix: str) -> int:
             r["time_vs_full"] = r["ms"] / full["ms"]
             r["mem_vs_full"] = r["peak_extra_mb"] / full["peak_extra_mb"] if full["peak_extra_mb"] > 0 else None
         host = next((x for x in rows if x["shape"] == r["shape"] and x["mode"] == "kept" and x["K"] == r["K"]
-                     and x["sets"] == r["sets"] and "ms" in x), None)
-        if r["mode"] == "nosync" and host and "ms" in r:  # the fixed plan against the host plan
+                     and x["sets"] == r["sets"] and x.get("plan_kind") == r.get("plan_kind") and "ms" in x), None)
+        if r["mode"] == "nosync" and host and "ms" in r:  # without host reads, against eager (the same kind of plan)
             r["time_vs_host_plan"] = r["ms"] / host["ms"]
     elapsed = time.perf_counter() - t0
     con.print()
     con.print(f"keptset on {env['device']} | torch {env['torch']} | fwd+bwd of fused_logprobs, "
               f"loss sum(logp) + 0.01 sum(H) | ms: median of {reps} (full path: of {min(reps, 2) if not cuda else reps})")
-    con.print(f"{'shape':<11}{'path':<10}{'K':>5} {'sets':<8}{'ms':>10}{'x full':>8}{'extra MB':>10}{'x full':>8}"
-              f"{'chunks':>8}{'|U| mean':>10}{'union work':>11}")
+    con.print(f"{'shape':<11}{'path':<13}{'K':>5} {'sets':<8}{'ms':>10}{'x full':>8}{'extra MB':>10}{'x full':>8}"
+              f"{'plan':>12}{'logits/tok':>11}")
     for r in rows:
         if "ms" not in r:
             continue
         tv, mv = r.get("time_vs_full"), r.get("mem_vs_full")
-        kept_rows = ("kept", "nosync", "loss-kept")
-        con.print(f"{r['shape']:<11}{r['mode']:<10}{r['K'] if r['mode'] not in ('full', 'loss') else '-':>5} "
+        kept_rows = KEPT_MODES + ("loss-kept",)
+        con.print(f"{r['shape']:<11}{_path(r):<13}{r['K'] if r['mode'] not in ('full', 'loss') else '-':>5} "
                   f"{r['sets'] if r['mode'] in kept_rows else '-':<8}{r['ms']:>10.1f}{tv:>8.3f}"
                   f"{r['peak_extra_mb']:>10.0f}"
                   f"{(mv if mv is not None else float('nan')):>8.3f}"
-                  + (f"{r['chunks']:>8}{r['union_mean']:>10.0f}{r['union_work_vs_full']:>11.4f}" if r["mode"] == "kept"
-                     else ""))
-    target = [r for r in rows if r["mode"] == "kept" and r["K"] == 64 and "time_vs_full" in r]
+                  + (f"{r['plan']:>12}{r['logits_per_token']:>11.0f}" if "plan" in r else ""))
+    target = [r for r in rows if r["mode"] in KEPT_MODES and r["K"] == 64 and "time_vs_full" in r]
     for r in target:
-        verdict = "[green]PASS[/green]" if r["time_vs_full"] <= 0.1 else "[red]FAIL[/red]"
-        con.print(f"target K=64 fwd+bwd <= 0.1x full ({r['shape']}, {r['sets']} sets): {r['time_vs_full']:.3f}x {verdict}")
+        verdict = "[green]PASS[/green]" if r["time_vs_full"] <= KEPT_TARGET else "[red]FAIL[/red]"
+        con.print(f"target K=64 fwd+bwd <= {KEPT_TARGET}x full ({r['shape']}, {r['mode']}: {r['plan']}, {r['sets']} "
+                  f"sets): {r['time_vs_full']:.3f}x {verdict}")
     rule_targets(rows, con)
     for r in rows:
         if r["mode"] == "nosync" and "time_vs_host_plan" in r:
-            con.print(f"fixed plan (host_sync=False) K={r['K']}, {r['sets']} sets: {r['time_vs_host_plan']:.2f}x the "
-                      f"host plan's time, {r['time_vs_full']:.3f}x the full path's")
+            con.print(f"{r['plan']} (host_sync=False) K={r['K']}, {r['sets']} sets: {r['time_vs_host_plan']:.2f}x the "
+                      f"eager choice's time, {r['time_vs_full']:.3f}x the full path's")
         if r["mode"] == "loss-kept" and "time_vs_full" in r:
             con.print(f"policy_loss over a K={r['K']} KeptSet ({r['sets']} sets): {r['time_vs_full']:.3f}x the full "
                       "vocabulary loss's time (one pass each)")

@@ -153,9 +153,8 @@ def points(section: str, *, smoke: bool, device: str, impls: list[str], tunable:
         V = 512 if smoke else keptset.V_FULL
         for name, N, H, dtype in shapes:
             spec = dict(shape=name, N=N, H=H, V=V, K=64, dtype=dtype)
-            out += [{**base, "workload": f"keptset-{name}", "provider": prov, "spec": {**spec, "mode": m, "sets": s}}
-                    for prov, m, s in (("full", "full", "zipf"), ("kept-zipf", "kept", "zipf"),
-                                       ("kept-uniform", "kept", "uniform"))]
+            out += [{**base, "workload": f"keptset-{name}", "provider": prov, "spec": {**spec, **point}}
+                    for prov, point in keptset.session_points(smoke)]
     elif section == "divergence":
         from bench import divergence
 

@@ -1,4 +1,4 @@
-"""The benchmark rows of issue 26 (kept-set engine, exact KL), one tiny point each, measured in this process (the
+"""The benchmark rows of issues 26 and 34 (kept-set engine and its plans, exact KL), one tiny point each, measured in this process (the
 CLIs run each point in a fresh one): ``bench keptset``'s fixed-plan and policy-loss rows, ``bench divergence``'s
 disjoint K=64 support row and its exact-KL vs k3 rows, and the ratios and targets the CLIs derive from them."""
 
@@ -17,6 +17,28 @@ def test_keptset_new_rows_run(mode):
     spec = next(p for p in keptset.points("cpu", smoke=True, quick=False) if p["mode"] == mode)
     res = keptset.run_point({**spec, "reps": 1, "warmup": 0})
     assert res["ms"] > 0 and res["kept_mean"] == spec["K"]
+
+
+@pytest.mark.parametrize("sets", keptset.KINDS)
+@pytest.mark.parametrize("mode, kind, plan", [("kept", None, "rows"), ("kept", "union", "union-host"),
+                                              ("nosync", None, "rows"), ("nosync", "union", "union-fixed")])
+def test_keptset_plan_rows(mode, kind, plan, sets):
+    """Issue 34: both plans on both kinds of sets, eager and without host reads, each row naming the plan it ran and
+    its logits per token (the per-row plan: K); the full run has them all at K=64, the GPU session both plans."""
+    smoke = keptset.points("cpu", smoke=True, quick=False)
+    spec = next(p for p in smoke if p["mode"] == mode and p["sets"] == sets and p.get("plan_kind") == kind
+                and p["K"] == 20)
+    res = keptset.run_point({**spec, "reps": 1, "warmup": 0})
+    assert res["ms"] > 0 and res["plan"] == plan, res.get("plan_text")
+    if plan == "rows":
+        assert res["logits_per_token"] == spec["K"]
+    else:
+        assert res["logits_per_token"] > spec["K"]
+    full = {(p["mode"], p["sets"], p.get("plan_kind")) for p in keptset.points("cpu", False, True) if p["K"] == 64}
+    assert full >= {(m, s, k) for m in keptset.KEPT_MODES for s in keptset.KINDS for k in (None, "union")}
+    session = [p for _, p in keptset.session_points(smoke=False)]
+    assert {(p["mode"], p["sets"], p.get("plan_kind")) for p in session} >= {
+        ("kept", s, k) for s in keptset.KINDS for k in (None, "union")}
 
 
 def test_divergence_kept_support_is_disjoint_and_measured():
