@@ -587,8 +587,9 @@ def fused_divergence(
     recomputes both heads' tiles and adds 4NHV for the student's gradients. With a support: per token, ``L`` logits of
     each head forward (2 L (H + H_t) FLOPs) and 4 L H backward (nothing recomputed: the kept entries' logits are kept,
     O(nnz) floats), where ``L`` is what the engine's plan computes (``support.describe_plan()`` prints it): ``K_max``
-    (the widest set) on the per-row plan, at most ``max(cap, K_max)`` on the host union plan and ``3.5 cap`` plus one
-    chunk on the fixed union plan (docs/kept-set-costs.md; tests/test_kept_costs.py holds these bounds).
+    (the widest set) on the per-row plan, at most ``max(cap, K_max)`` on the host union plan and ``3.5 C`` plus one
+    chunk on the fixed union plan (``C = min(cap, 4 K)``, ``K`` the mean set size; docs/kept-set-costs.md,
+    tests/test_kept_costs.py holds these bounds).
 
     Example::
 

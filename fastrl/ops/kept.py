@@ -29,7 +29,8 @@ plan's gradient products: ``grad_h = G W[ids]`` and ``G^T h`` added to the kept 
 gradient itself for a float32 (float64) head, of a float32 buffer over the kept ids for a bf16/fp16 one on the torch
 path (cast into the gradient at the end). Forward ``2 L H`` FLOPs per token, backward ``4 L H`` (nothing recomputed),
 ``L`` the logits the plan computes per token: ``K_max`` on the per-row plan, at most ``max(cap, K_max)`` on the host
-union plan and ``3.5 cap`` plus one chunk on the fixed union plan (docs/kept-set-costs.md; held by
+union plan and ``3.5 C`` plus one chunk on the fixed union plan (``C = min(cap, 4 K)``, ``K`` the mean set size;
+docs/kept-set-costs.md; held by
 tests/test_kept_costs.py, which reads ``KeptPlan.computed``, the count ``entry_logits`` keeps).
 
 Autograd and ``torch.compile`` see one op, ``torch.ops.fastrl.kept_logprob`` (its backward the op

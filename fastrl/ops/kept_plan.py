@@ -15,7 +15,7 @@ Three plans. Two cut the set into *units* (``Unit``: one dense GEMM over a chunk
   per chunk, each row paying for the whole union: ``cap`` logits per token whatever K.
 * the fixed union plan (no host read and no data-dependent shape): chunks of ``R`` rows (``R`` from the mean set size
   ``nnz / N``, a shape); the entries sorted by (chunk, id) on the device; a chunk's union is cut into units of at
-  most ``C = cap`` ids and ``E = 4 C`` entries, so a chunk whose union exceeds the capacity is split, never
+  most ``C = min(cap, 4 K)`` ids and ``E = 4 C`` entries, so a chunk whose union exceeds the capacity is split, never
   truncated. The number of units is data-dependent, so the plan provisions its bound, ``ceil(N / R) + nnz // C +
   nnz // E`` (``fixed_shape``), computed from shapes; units past the real count hold no entry and compute a tile
   that is never read. At most ``3.5 C + R C / N`` logits per token (``union_bound``).
@@ -100,16 +100,21 @@ def host_bounds(ids: torch.Tensor, offsets: torch.Tensor, tile_elems: int, cap: 
     return [0] + [c1 for _, c1 in plan] if plan else []
 
 
+FIXED_WIDTH = 4  # the fixed union plan's unit holds at most this many mean set sizes of ids (fixed_shape)
+
+
 def fixed_shape(N: int, nnz: int, V: int, tile_elems: int, cap: int) -> tuple[int, int, int, int]:
     """(rows per chunk R, ids per unit C, entries per unit E, units provisioned S) of the fixed plan, from shapes
-    only. Every provisioned unit gathers C rows of W, so the plan costs ``S C H`` gathered floats per pass:
-    ``(N / R + nnz / C + nnz / E) C H``. With ``R = 2 C / K`` (``K = nnz / N``, the mean set size: disjoint sets then
-    fill two units per chunk) and ``E = 4 C`` that is ``1.75 N K H``, against ``N K H`` for the host plan on disjoint
-    sets (the real units are the same; the rest is the provisioned bound)."""
+    only: ``C = min(cap, nnz, V, FIXED_WIDTH K)`` (``K = ceil(nnz / N)``, the mean set size), ``R = 2 C / K`` (disjoint
+    sets then fill two units per chunk), ``E = 4 C``. Every provisioned unit computes an ``R x C`` tile, so the plan
+    computes ``S R C <= 3.5 C N + R C`` logits per pass (``union_bound``): at most ``14 K`` per token plus one
+    chunk's tile (896 at K=64, against 7168 with ``C = cap = 2048`` before the ``FIXED_WIDTH`` bound)."""
     if N == 0 or nnz == 0:
         return 1, 1, 1, 0
-    C = max(1, min(cap, nnz, V))
     k = -(-nnz // N)
+    # a unit of at most FIXED_WIDTH mean sets: every chunk costs at least one unit of R x C logits, read or not,
+    # whatever its union, so C beyond a few sets' width only adds logits that are never read
+    C = max(1, min(cap, nnz, V, FIXED_WIDTH * k))
     R = max(1, min(N, 2 * C // k, max(1, tile_elems // C)))
     E = 4 * C
     S = -(-N // R) + nnz // C + nnz // E
