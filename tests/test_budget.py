@@ -146,3 +146,44 @@ def test_import_marks_device_family_constant_as_torch_would():
     torch.compiler.assume_constant_result(f)
     marks = {k: v for k, v in vars(f).items() if k not in before}
     assert marks and all(getattr(tuning.device_family, k, None) == v for k, v in marks.items()), marks
+
+
+GiB = 1 << 30
+W_V = 151936  # W1 / W2 vocabulary (N = 16384; H does not enter the tile: 4096 and 896 chunk alike)
+
+
+@pytest.mark.parametrize("memory_gib, rows, chunks_w1, chunks_64k, cols, slices", [
+    (80, 17664, 1, 4, 20480, 8),  # H100 80 GB (nominal)
+    (78, 17152, 1, 4, 19968, 8),  # what an H100 reports, about
+    (141, 31104, 1, 3, 36096, 5),  # H200
+    (139, 30592, 1, 3, 35584, 5),
+    (None, 1664, 10, 40, 4096, 38),  # memory unknown: the one-pass and hybrid rows (the safe default)
+])
+def test_sm90_tiles_per_device_memory(memory_gib, rows, chunks_w1, chunks_64k, cols, slices):
+    """The sm90 rows of the table: one-pass chunks of scaled exps within 1/16 of the device's memory, path A's G
+    slices within 1/128; the counts the docstring states for W1/W2 (N=16384) and a 65536-token batch."""
+    total = None if memory_gib is None else memory_gib * GiB
+    r = budget.one_pass_rows(W_V, torch.bfloat16, total_memory=total)
+    assert r == rows and -(-16384 // r) == chunks_w1 and -(-65536 // r) == chunks_64k
+    c = budget.grad_columns(16384, W_V, torch.bfloat16, total_memory=total)
+    assert c == cols and -(-W_V // c) == slices
+    if total is not None:  # the largest whole 128-row (256-column) tile within the share, not a smaller one
+        assert r * W_V * 2 <= total // 16 < (r + 128) * W_V * 2
+        assert 16384 * c * 2 <= total // 128 < 16384 * (c + 256) * 2
+        # float32 inputs: twice the bytes per exp, half the rows
+        assert budget.one_pass_rows(W_V, torch.float32, total_memory=total) == total // 16 // (W_V * 4) // 128 * 128
+
+
+def test_one_pass_chunk_budget_reads_device_memory(monkeypatch):
+    """On CUDA the sm90 one-pass loss with a trained head takes budget.one_pass_rows of the device's memory; other
+    backends, a frozen head and an explicit chunk_tokens keep their rows."""
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(budget, "device_memory", lambda device: 80 * GiB)
+    assert one_pass._chunk_budget(W_V, cuda, True, None, "triton-sm90", torch.bfloat16) == 17664
+    assert one_pass._chunk_budget(W_V, cuda, True, None, "triton-hybrid", torch.bfloat16) == 1664
+    assert one_pass._chunk_budget(W_V, cuda, False, None, "triton-sm90", torch.bfloat16) == (1 << 26) // W_V // 128 * 128
+    assert one_pass._chunk_budget(W_V, cuda, True, 512, "triton-sm90", torch.bfloat16) == 512
+    assert one_pass._chunk_budget(W_V, torch.device("cpu"), True, None, "triton-sm90", torch.bfloat16) == (8 << 20) // W_V
+    monkeypatch.setattr(budget, "device_memory", lambda device: None)  # unknown: the safe default
+    assert one_pass._chunk_budget(W_V, cuda, True, None, "triton-sm90", torch.bfloat16) == 1664
+    assert budget.device_memory(torch.device("cpu")) is None

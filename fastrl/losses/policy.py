@@ -380,16 +380,18 @@ def _one_pass_chunks(c: _Call, chunk_tokens: int | None) -> list[tuple[int, int]
     V, T = c.weight.shape[0], c.hidden.shape[1]
     need_w = c.need[1]
     if c.sync:
-        return one_pass._chunks(c.in_mask, c.config.one_pass_granularity, V, c.hidden.device, need_w, chunk_tokens)
+        return one_pass._chunks(c.in_mask, c.config.one_pass_granularity, V, c.hidden.device, need_w, chunk_tokens,
+                                c.backend, c.hidden.dtype)
     # fixed chunks over all rows, from shapes alone
-    budget = _chunk_budget(V, c.hidden.device, need_w, chunk_tokens)
+    budget = _chunk_budget(V, c.hidden.device, need_w, chunk_tokens, c.backend, c.hidden.dtype)
     return [] if c.config.one_pass_granularity == "token" or T <= budget else None
 
 
 def _one_pass_loss(c: _Call, chunks: list[tuple[int, int]], chunk_tokens: int | None):
     """Path B. The exact KL, if any: inside the chunks on the torch backend (the reference's tile next to the
     policy's), else its own ``fused_divergence`` pass whose [B, T] result enters the op."""
-    opts = _options(c, chunk_rows=_chunk_budget(c.weight.shape[0], c.hidden.device, c.need[1], chunk_tokens))
+    opts = _options(c, chunk_rows=_chunk_budget(c.weight.shape[0], c.hidden.device, c.need[1], chunk_tokens, c.backend,
+                                                 c.hidden.dtype))
     flat = [x for pair in chunks for x in pair]
     if not c.exact_kl:
         return _op(c, opts, flat)
