@@ -538,13 +538,17 @@ def _sass_command(args, device: str, con) -> int:
 
 
 def _roofline_options(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--results", help="folder whose */session.json hold measured times (default bench/results)")
+    ap.add_argument("--results", help="folder whose */session.json and */*/session.json hold measured times (default "
+                    "bench/results)")
+    ap.add_argument("--memory-gib", type=float, help="device memory the sm90 tiles are sized for, GiB (default 80; 0: "
+                    "unknown, the budget's safe default)")
 
 
 def _roofline_command(args, device: str, con) -> int:
     from bench import roofline  # arithmetic only: needs no GPU and no provider
 
-    return roofline.main(["--results", args.results] if args.results else [])
+    return roofline.main((["--results", args.results] if args.results else [])
+                         + (["--memory-gib", str(args.memory_gib)] if args.memory_gib is not None else []))
 
 
 def _measure(args, device: str, con) -> int:
@@ -737,10 +741,12 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             "counts. Exits 1 when a checked kernel spills or a bf16/fp16 matmul kernel has no HGMMA (sm_90).",
             (_sass_options,), _sass_command),
     Command("roofline", "bytes moved and FLOPs of every implementation per workload, and the time they imply",
-            "A model, no GPU: per workload (W1, W1-lp, W2, W2-lp, W3, divergence) and implementation (cuBLAS floor, TRL,\n"
-            "fastrl's hybrid, fused and triton-sm90 kernels, a fully fused atomics backward) the FLOPs and the HBM bytes\n"
-            "beyond one read of the inputs, the time they imply at 700 TFLOP/s and 4.3 TB/s, and the measured time where\n"
-            "a committed bench/results/*/session.json has one (else 'not measured'). See bench/roofline.py.",
+            "A model, no GPU: per workload (W1, W1-lp, W2, W2-lp, W3, divergence, kept set K=64) and\n"
+            "implementation (cuBLAS floor, TRL, fastrl's hybrid, fused and triton-sm90 kernels, the kept-set\n"
+            "engine, designs on paper) the FLOPs and the HBM bytes beyond one read of the inputs, the time they\n"
+            "imply at 700 TFLOP/s and 4.3 TB/s, the measured time where a committed bench/results session.json has\n"
+            "one (else 'not measured'), and per target of issue 33 the design that meets it on paper, or none.\n"
+            "See bench/roofline.py and docs/roofline.md.",
             (_roofline_options,), _roofline_command),
 )}
 

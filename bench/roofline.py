@@ -10,13 +10,13 @@ where a committed results file (``bench/results/*/session.json``, written by ``p
 for that workload and implementation; otherwise "not measured".
 
 Conventions: every token is live (W1's completion mask leaves ~75%: the model scales linearly); bf16 inputs (2-byte
-tiles and ``G``); "one pass" chunks as ``fastrl.losses.one_pass`` sizes them: on ``hybrid`` a 1 GiB float32 tile
-(1664 tokens at V = 151936), on ``sm90`` ``fastrl.ops.budget.one_pass_rows`` of the device's memory (``--memory-gib``,
-default 80: an H100's; 1/16 of it for the bf16 scaled exps, so W1 and W2 run in one chunk, whose grad_W is one GEMM
-written once); "two pass" vocabulary slices as ``fastrl.ops.hybrid`` does (4096 columns at 16384 tokens), on
-``sm90`` ``fastrl.ops.budget.grad_columns`` (1/128 of the memory: 8 slices on 80 GiB). ``sm90-nomem`` is the same
-backend where the device's memory is unknown (the budget's safe default, the rows above for hybrid): what sm90 was
-before the rule.
+tiles and ``G``). "One pass" chunks as ``fastrl.losses.one_pass`` sizes them: on ``hybrid`` a 1 GiB float32 tile
+(1664 tokens at V = 151936); on ``sm90`` ``fastrl.ops.budget.one_pass_rows`` of the device's memory
+(``--memory-gib``, default 80, an H100's): every token in one chunk when the bf16 scaled exps fit 1/16 of it, as W1's
+and W2's do, and then grad_W is one GEMM written once. "Two pass" vocabulary slices as ``fastrl.ops.hybrid`` cuts
+them (4096 columns at 16384 tokens); on ``sm90`` ``fastrl.ops.budget.grad_columns`` (1/128 of the memory: 8 slices
+on 80 GiB). ``sm90-nomem`` is the same backend where the device's memory is unknown (the budget's safe default, the
+hybrid rows above): what sm90 was before the rule.
 
 Targets (issue 33; same-run ratios): each target's design is the fastest modelled one; its ratio is its implied time
 over the baseline's implied time (TRL's, or the full head's for the kept set), computed here, never typed.
@@ -100,9 +100,13 @@ def _slices(N: int, V: int) -> int:
     return math.ceil(V / cols)
 
 
-def _sm90_chunks(N: int, V: int, memory: int | None) -> int:
-    """sm90 one-pass chunks: ``fastrl.ops.budget.one_pass_rows`` (bf16 scaled exps within 1/16 of ``memory``)."""
-    return math.ceil(N / one_pass_rows(V, torch.bfloat16, total_memory=memory))
+def _sm90_rows(w: Shape, memory: int | None) -> int:
+    """sm90 one-pass chunk rows: ``fastrl.ops.budget.one_pass_rows`` (bf16 scaled exps within 1/16 of ``memory``)."""
+    return one_pass_rows(w.V, w.H, w.N, torch.bfloat16, total_memory=memory)
+
+
+def _sm90_chunks(w: Shape, memory: int | None) -> int:
+    return math.ceil(w.N / _sm90_rows(w, memory))
 
 
 def _sm90_slices(N: int, V: int, memory: int | None) -> int:
@@ -121,7 +125,8 @@ def _kept(w: Shape, impl: str) -> tuple[float, float, str] | None:
         # backward: zero + scatter the tile, G to bf16, gather again, GEMM reads; [|U|, H] float32 written, read by the
         # index_add into the float32 buffer over the kept ids, which is read and written
         bwd = 3 * u_tile * 4 + u_tile * S + 3 * u_w * S + u_w * 4 * 4
-        return 6.0 * N * cap * H, units * (fwd + bwd), f"{units} units of {rows} rows x {cap} ids, gathers + fp32 dW rows"
+        how = f"{units} units of {rows} rows x {cap} ids, gathers + fp32 dW rows"
+        return 6.0 * N * cap * H, units * (fwd + bwd), how
     if impl == "gather":  # forward and grad_h read each entry's W row; grad_W reads each entry's h row (id order)
         return 6.0 * N * K * H, 3.0 * N * K * H * S, "3 x N K H bf16 rows gathered, no tile, no [V, H] buffer"
     return None
@@ -178,7 +183,7 @@ def model(w: Shape, impl: str, memory: int | None = MEMORY) -> tuple[float, floa
         acc = _chunks(N, V) * grad_w_rmw
         return 6 * nhv, nv * (4 + 4 + 4 + S + 2 * S) + acc, "one pass, float32 tile, fp32 grad_W per chunk"
     if w.kind == "loss" and impl == "sm90":  # one pass on bf16 scaled exps: w, r + G w in place, two GEMM reads
-        c = _sm90_chunks(N, V, memory)
+        c = _sm90_chunks(w, memory)
         # one chunk: grad_W is one GEMM written once (an output, like path A's slices); else the accumulator per chunk
         acc = 0 if c == 1 else c * grad_w_rmw
         return 6 * nhv, nv * S * (1 + 2 + 2) + acc, f"one pass, bf16 scaled exps, {c} chunk(s)" + (
@@ -219,8 +224,8 @@ def _workload(name: str) -> Shape:
 def _sm90_tile_gb(w: Shape, memory: int | None) -> float:
     """Extra memory of the sm90 one-pass loss: its [chunk, V] bf16 tile, plus the float32 [V, H] accumulator when
     there are several chunks (the cast to the gradient's dtype reads it once more at the end)."""
-    rows = min(w.N, one_pass_rows(w.V, torch.bfloat16, total_memory=memory))
-    return (rows * w.V * S + (0 if _sm90_chunks(w.N, w.V, memory) == 1 else w.V * w.H * 4)) / 1e9
+    rows = min(w.N, _sm90_rows(w, memory))
+    return (rows * w.V * S + (0 if _sm90_chunks(w, memory) == 1 else w.V * w.H * 4)) / 1e9
 
 
 def _why(w: Shape, impl: str, memory: int | None) -> str:
@@ -235,8 +240,10 @@ def _why(w: Shape, impl: str, memory: int | None) -> str:
         return (f"path A: every design that stores no logit recomputes them, 4 GEMMs = {four:.1f} ms = "
                 f"{four / implied_ms(w, 'trl', memory):.3f}x TRL with no byte moved; 0.95x is the target" + slices)
     if w.kind == "loss" and impl == "sm90":
-        c, c0 = _sm90_chunks(w.N, w.V, memory), _sm90_chunks(w.N, w.V, None)
-        return (f"{c} chunk(s) at {_gib(memory)} (memory unknown: {c0}, {implied_ms(w, 'sm90-nomem', memory):.1f} ms); "
+        c, c0 = _sm90_chunks(w, memory), _sm90_chunks(w, None)
+        acc = "no accumulator" if c == 1 else f"{c} x {8 * w.V * w.H / 1e9:.1f} GB of float32 accumulator passes"
+        return (f"{c} chunk(s) at {_gib(memory)}, {acc} (memory unknown: {c0}, "
+                f"{implied_ms(w, 'sm90-nomem', memory):.1f} ms); "
                 f"extra memory {_sm90_tile_gb(w, memory):.1f} GB (unknown: {_sm90_tile_gb(w, None):.1f} GB); "
                 f"GEMMs alone {floor:.1f} ms")
     if w.kind == "kept":
@@ -339,7 +346,8 @@ def main(argv=None) -> int:
 def _print_targets(rows: list[dict]) -> None:
     head = ("target", "goal", "design", "built", "TFLOP", "GB moved", "implied ms", "baseline ms", "ratio", "on paper",
             "why")
-    table = [head] + [(r["target"], f"<= {r['goal']:g}x", "=".join([r["design"]] + r["tied"]), "yes" if r["built"] else "no (paper)",
+    table = [head] + [(r["target"], f"<= {r['goal']:g}x", "=".join([r["design"]] + r["tied"]),
+                       "yes" if r["built"] else "no (paper)",
                        f"{r['tflop']:.2f}", f"{r['gb']:.1f}", f"{r['implied_ms']:.1f}",
                        f"{r['baseline_ms']:.1f} ({r['baseline']})", f"{r['ratio']:.3f}x",
                        "met" if r["met"] else "NOT met", r["why"]) for r in rows]

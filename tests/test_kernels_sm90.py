@@ -263,7 +263,8 @@ def test_one_pass_chunks_and_the_weight_gradient(chunk_tokens, monkeypatch):
     runs once per chunk. Both against float64 (bf16, dapo with k3 KL and entropy, a fully masked row)."""
     adds, stats = [], []
     real_add, real_stats = one_pass_mod.addmm_f32, sm90.chunk_stats
-    monkeypatch.setattr(one_pass_mod, "addmm_f32", lambda acc, a, b: adds.append(tuple(acc.shape)) or real_add(acc, a, b))
+    monkeypatch.setattr(one_pass_mod, "addmm_f32",
+                        lambda acc, a, b: adds.append(tuple(acc.shape)) or real_add(acc, a, b))
     monkeypatch.setattr(sm90, "chunk_stats", lambda *a, **k: stats.append(a[1].shape[0]) or real_stats(*a, **k))
     config = PolicyLossConfig(loss_type="dapo", beta=0.04, entropy_coef=0.01)
     batch = make_batch(dtype=torch.bfloat16, seed=11)

@@ -63,7 +63,7 @@ def test_sm90_bytes_follow_the_device_memory_rule(memory_gib, chunks, slices):
     fastrl.ops.budget's, the rule the code runs."""
     mem = None if memory_gib is None else memory_gib * GiB
     N, H, V = 16384, 4096, 151936
-    assert math.ceil(N / budget.one_pass_rows(V, torch.bfloat16, total_memory=mem)) == chunks
+    assert math.ceil(N / budget.one_pass_rows(V, H, N, torch.bfloat16, total_memory=mem)) == chunks
     acc = 0 if chunks == 1 else chunks * 8 * V * H
     assert R.model(_w("W1"), "sm90", mem)[1] == 5 * 2 * N * V + acc
     assert R.model(_w("W1-lp"), "sm90", mem)[1] == 3 * 2 * N * V + slices * 8 * N * H

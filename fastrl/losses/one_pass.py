@@ -70,12 +70,13 @@ class _LossInputs:
 
 
 def _chunk_budget(V: int, device: torch.device, trained_head: bool, requested: int | None, backend: str = "torch",
-                  dtype: torch.dtype = torch.float32) -> int:
-    """Rows per one-pass chunk: the requested number, else what fits the device's [chunk, V] tile budget."""
-    if not requested and trained_head and backend == "triton-sm90" and device.type == "cuda":
+                  dtype: torch.dtype = torch.float32, tokens: int | None = None, H: int = 0) -> int:
+    """Rows per one-pass chunk (of ``tokens`` rows with hidden size ``H``): the requested number, else what fits the
+    device's [chunk, V] tile budget."""
+    if not requested and trained_head and backend == "triton-sm90" and device.type == "cuda" and tokens is not None:
         # the scaled-exp tile in the input dtype, sized by the device's memory (budget's sm90-one-pass row): at W1 on
         # an 80 GB device one chunk, so grad_W is one GEMM and the float32 [V, H] accumulator is never read back
-        return one_pass_rows(V, dtype, device)
+        return one_pass_rows(V, H, tokens, dtype, device)
     # the [chunk, V] logits tile: long chunks with a trained head on a GPU (the float32 [V, H] accumulator is read and
     # written once per chunk; 1664 rows at V=151936, 8 accumulator passes over W1's ~12k live tokens, extra memory
     # about 1.25x TRL's at W1), a 256 MiB tile with a frozen one, 32 MB on a CPU (fastrl.ops.budget)
@@ -93,11 +94,12 @@ def _chunks(
     requested: int | None,
     backend: str = "torch",
     dtype: torch.dtype = torch.float32,
+    H: int = 0,
 ) -> list[tuple[int, int]] | None:
     """One-pass chunks as ranges of *live* rows (row-major order): whole sequences when the loss couples the
     tokens of a sequence; None when a sequence does not fit in one chunk (then two passes it is)."""
-    budget = _chunk_budget(V, device, trained_head, requested, backend, dtype)
     n_live = int(live.sum())  # one host sync: chunk boundaries are host-side ranges
+    budget = _chunk_budget(V, device, trained_head, requested, backend, dtype, n_live, H)
     if granularity == "token":
         return [(c0, min(c0 + budget, n_live)) for c0 in range(0, n_live, budget)]
     per_seq = live.sum(1).tolist()

@@ -377,21 +377,22 @@ def _full_vocabulary_loss(c: _Call, chunk_tokens: int | None):
 def _one_pass_chunks(c: _Call, chunk_tokens: int | None) -> list[tuple[int, int]] | None:
     """The one-pass path's chunks: ranges of live rows (eager), [] for fixed chunks (no-sync), None when a
     sequence does not fit in one chunk (then two passes it is)."""
-    V, T = c.weight.shape[0], c.hidden.shape[1]
+    V, (B, T, H) = c.weight.shape[0], c.hidden.shape
     need_w = c.need[1]
     if c.sync:
         return one_pass._chunks(c.in_mask, c.config.one_pass_granularity, V, c.hidden.device, need_w, chunk_tokens,
-                                c.backend, c.hidden.dtype)
+                                c.backend, c.hidden.dtype, H)
     # fixed chunks over all rows, from shapes alone
-    budget = _chunk_budget(V, c.hidden.device, need_w, chunk_tokens, c.backend, c.hidden.dtype)
+    budget = _chunk_budget(V, c.hidden.device, need_w, chunk_tokens, c.backend, c.hidden.dtype, B * T, H)
     return [] if c.config.one_pass_granularity == "token" or T <= budget else None
 
 
 def _one_pass_loss(c: _Call, chunks: list[tuple[int, int]], chunk_tokens: int | None):
     """Path B. The exact KL, if any: inside the chunks on the torch backend (the reference's tile next to the
     policy's), else its own ``fused_divergence`` pass whose [B, T] result enters the op."""
+    B, T, H = c.hidden.shape
     opts = _options(c, chunk_rows=_chunk_budget(c.weight.shape[0], c.hidden.device, c.need[1], chunk_tokens, c.backend,
-                                                 c.hidden.dtype))
+                                                 c.hidden.dtype, B * T, H))
     flat = [x for pair in chunks for x in pair]
     if not c.exact_kl:
         return _op(c, opts, flat)

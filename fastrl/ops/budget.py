@@ -60,17 +60,24 @@ path                      device  tile    live  why
                                                 ``logprob`` (B=8 x 256, H=512, V=32768, interleaved, a loaded
                                                 2-core machine). On CUDA fewer, larger launches.
 ``sm90-one-pass``         cuda    1/16 of       the one-pass loss on ``triton-sm90`` (``one_pass_rows``): the
-                                  the device's  ``[chunk, V]`` tile of scaled exps is in the input dtype (2
-                                  total memory  bytes at bf16), and the float32 [V, H] weight-gradient
-                                                accumulator (8 V H bytes read and written per chunk: 5 GB at
-                                                V=151936, H=4096) is what the chunk count costs; one chunk
-                                                holding every token needs no accumulator at all (grad_W is one
-                                                GEMM written once). 80 GiB / 16 = 5 GiB = 17664 rows of
-                                                151936 bf16 exps (whole 128-row blocks): W1 and W2 (N=16384)
-                                                in one chunk; N=65536 in 4. 141 GiB / 16: 31104 rows, N=65536
-                                                in 3. The extra memory is then at most 1/16 of the device
-                                                (plus the accumulator, 4 V H bytes, when there are several
-                                                chunks). Memory unknown (not CUDA): the ``one-pass`` row.
+                                  the device's  ``[chunk, V]`` tile of scaled exps in the input dtype (2 bytes
+                                  total memory  at bf16). The float32 [V, H] weight-gradient accumulator is
+                                                read and written once per chunk (8 V H bytes: 5 GB at
+                                                V=151936, H=4096, 10 times at W1 with the ``one-pass`` row's
+                                                1664 rows: 50 GB). So: (1) every token in one chunk when its
+                                                tile fits 1/16 of the device: no accumulator at all, grad_W
+                                                is one GEMM written once, and the memory is the tile's alone
+                                                (80 GiB / 16 = 5 GiB: up to 17667 tokens at V=151936, so W1
+                                                and W2, N=16384, in one chunk of 4.98 GB, against 0.5 GB of
+                                                tile + 2.5 GB of accumulator at W1 before; 141 GiB: up to
+                                                31139 tokens); (2) else a tile as large as the accumulator it
+                                                amortises, 4 V H bytes (2 H rows in bf16: the accumulator's
+                                                passes cost ~1.3 x 163 / (2 H) of the GEMMs' time at 700
+                                                TFLOP/s and 4.3 TB/s: 2.6% at H=4096), within [the
+                                                ``one-pass`` row's rows, the 1/16 share]: N=65536 at H=4096
+                                                in 8 chunks of 8192 (5 GB with the accumulator), W4's 131072
+                                                tokens at H=896 in 74 of 1792 (as before: 0.5 GB + 0.5 GB).
+                                                Memory unknown (not CUDA): the ``one-pass`` row.
 ``sm90-grad``             cuda    1/128 of      path A's backward on ``triton-sm90`` (``grad_columns``): the
                                   the device's  ``[rows, cols]`` G slice in the input dtype; grad_h's float32
                                   total memory  [N, H] accumulator is read and written once per vocabulary
@@ -159,7 +166,8 @@ MEMORY_SHARES = {"sm90-one-pass": 16, "sm90-grad": 128}
 
 
 def device_memory(device: torch.device | str | None) -> int | None:
-    """The total memory of a CUDA ``device`` in bytes, None when unknown (any other device, no CUDA)."""
+    """The total memory of a CUDA ``device`` in bytes, None when unknown (any other device, no CUDA). A constant to
+    torch.compile (the chunk plan reads it inside compiled functions)."""
     if device is None or torch.device(device).type != "cuda" or not torch.cuda.is_available():
         return None
     try:
@@ -168,17 +176,28 @@ def device_memory(device: torch.device | str | None) -> int | None:
         return None
 
 
-def one_pass_rows(V: int, dtype: torch.dtype, device: torch.device | str | None = None,
+# what torch.compiler.assume_constant_result sets, without its import of torch._dynamo (as kernels.tuning does)
+device_memory._dynamo_marked_constant = True
+
+
+def one_pass_rows(V: int, H: int, tokens: int, dtype: torch.dtype, device: torch.device | str | None = None,
                   total_memory: int | None = None) -> int:
-    """Tokens per chunk of the one-pass loss on ``triton-sm90`` with a trained head (the ``sm90-one-pass`` row): as
-    many whole 128-row blocks of ``[*, V]`` scaled exps in ``dtype`` as fit 1/16 of ``total_memory`` (default: the
-    device's); memory unknown, the ``one-pass`` row's rows (today's 1 GiB float32 tile: 1664 rows at V=151936)."""
+    """Tokens per chunk of the one-pass loss on ``triton-sm90`` with a trained head, for ``tokens`` tokens (the
+    ``sm90-one-pass`` row): all of them when their ``[tokens, V]`` scaled exps in ``dtype`` fit 1/16 of
+    ``total_memory`` (default: the device's); else whole 128-row blocks of a tile as large as the float32 ``[V, H]``
+    accumulator, no fewer rows than the ``one-pass`` row's and no more than the share holds. Memory unknown: the
+    ``one-pass`` row's rows (a 1 GiB float32 tile: 1664 rows at V=151936)."""
+    default = max(128, tile_budget("one-pass", "cuda").elems // V // 128 * 128)
     if total_memory is None:
         total_memory = device_memory(device)
     if total_memory is None:
-        return max(128, tile_budget("one-pass", "cuda").elems // V // 128 * 128)
+        return default
     row_bytes = -(-V // 8) * 8 * torch.empty((), dtype=dtype).element_size()  # ExpTile's 16-byte aligned rows
-    return max(128, total_memory // MEMORY_SHARES["sm90-one-pass"] // row_bytes // 128 * 128)
+    share_rows = total_memory // MEMORY_SHARES["sm90-one-pass"] // row_bytes
+    if tokens <= share_rows:
+        return max(tokens, 1)  # one chunk: no accumulator
+    acc_rows = _FLOAT32 * V * H // row_bytes
+    return max(128, min(share_rows, max(default, acc_rows)) // 128 * 128)
 
 
 def grad_columns(rows: int, V: int, dtype: torch.dtype, device: torch.device | str | None = None,
