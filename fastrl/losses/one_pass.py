@@ -272,8 +272,8 @@ def _one_pass(
                     gh_c.addmm_(G[:, v0 : v0 + step], TB._f32(weight[v0 : v0 + step]))
             ck.put_(grad_h, gh_c)
         if need_w:
-            if single:  # G and h in the same dtype: the GEMM accumulates in float32 and rounds once, as the cast did
-                grad_w = torch.mm(G.T, h_mm)
+            if single:  # G and h in one dtype: the GEMM accumulates in float32 and rounds once, as the cast did
+                grad_w = torch.mm(G.T, h_mm)  # (as path A's grad_W slices in hybrid.sliced_backward)
             else:
                 addmm_f32(grad_w, G.T, h_mm)
         if need_b:
