@@ -136,13 +136,15 @@ def kept_rows_logits(
 def _backward_kernel(
     g_ptr,  # [N, K] float32 dL/dy (never read at pads)
     h_ptr, w_ptr, ids_ptr,
+    rows_ptr,  # [N, K] int64: the grad_weight row of each entry (HAS_ROWS; else the id)
     gh_ptr,  # [N, H] float32 out: grad of hidden
-    gw_ptr,  # [V, H] float32, added to with atomics (ATOMIC_GW)
+    gw_ptr,  # [R, H] float32, added to with atomics (ATOMIC_GW)
     gb_ptr,  # [V] float32, added to with atomics (ATOMIC_GB)
-    K, H, V,
-    stride_gn, stride_gk, stride_hn, stride_wv, stride_in, stride_ik, stride_ghn, stride_gwv,
+    K, H, V, R,
+    stride_gn, stride_gk, stride_hn, stride_wv, stride_in, stride_ik, stride_rn, stride_rk, stride_ghn, stride_gwv,
     # Meta-parameters
-    ATOMIC_GW: tl.constexpr, ATOMIC_GB: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
+    ATOMIC_GW: tl.constexpr, ATOMIC_GB: tl.constexpr, HAS_ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
     pid_h = tl.program_id(1)
@@ -162,7 +164,15 @@ def _backward_kernel(
         w = tl.load(w_ptr + safe[:, None] * stride_wv + cols[None, :], mask=tile, other=0.0)
         acc += g[:, None] * w.to(tl.float32)
         if ATOMIC_GW:
-            tl.atomic_add(gw_ptr + safe[:, None] * stride_gwv + cols[None, :], g[:, None] * h[None, :], mask=tile,
+            if HAS_ROWS:
+                dst = tl.load(rows_ptr + n * stride_rn + rk * stride_rk, mask=live, other=-1)
+                dst_ok = (dst >= 0) & (dst < R)  # a row off the buffer is never written (the launcher refuses it)
+                dst = tl.where(dst_ok, dst, 0)
+                dst_tile = dst_ok[:, None] & h_ok[None, :]
+            else:
+                dst = safe
+                dst_tile = tile
+            tl.atomic_add(gw_ptr + dst[:, None] * stride_gwv + cols[None, :], g[:, None] * h[None, :], mask=dst_tile,
                           sem="relaxed")
         if ATOMIC_GB:
             if pid_h == 0:
@@ -258,6 +268,7 @@ def kept_rows_backward(
     grad_bias: torch.Tensor | None = None,  # [V] float32, added to in place
     deterministic: bool = False,
     *,
+    weight_rows: torch.Tensor | None = None,  # [N, K] int64: grad_weight's row of each entry (default: its id)
     check_ids: bool = True,
     config: KernelConfig | None = None,  # the per-row kernel's; None: DEFAULT_CONFIGS["kept_backward"]
     segment_config: KernelConfig | None = None,  # None: DEFAULT_CONFIGS["kept_segment_dw"]
@@ -265,37 +276,47 @@ def kept_rows_backward(
     """Gradients of :func:`kept_rows_logits`: returns ``dh[n] = sum_k grad[n, k] weight[ids[n, k]]`` and adds
     ``grad[n, k] hidden[n]`` into ``grad_weight[ids[n, k]]`` (``grad[n, k]`` into ``grad_bias[ids[n, k]]``) when
     given. ``deterministic=False`` scatter-adds with float32 atomics; ``True`` sorts the entries by id once and
-    sums each id's contributions in a fixed order (bitwise-reproducible)."""
+    sums each id's contributions in a fixed order (bitwise-reproducible).
+
+    ``weight_rows`` redirects the weight gradient: ``grad_weight[weight_rows[n, k]] += grad[n, k] hidden[n]``, with
+    ``grad_weight`` any ``[R, H]`` float32 buffer (e.g. one row per distinct kept id instead of a [V, H] one); the
+    bias gradient stays indexed by the ids."""
     hidden, weight = _check_inputs(hidden, weight, ids, None, check_ids)
-    _check_grads(grad, grad_weight, grad_bias, hidden, weight, ids)
+    _check_grads(grad, grad_weight, grad_bias, hidden, weight, ids, weight_rows, check_ids)
     N, H = hidden.shape
     V, K = weight.shape[0], ids.shape[1]
     grad_hidden = torch.empty((N, H), dtype=torch.float32, device=hidden.device)
     if N == 0 or H == 0:
         return grad_hidden
     atomic = not deterministic
-    gw, gb = grad_weight, grad_bias
+    gw, gb, rows = grad_weight, grad_bias, weight_rows
     cfg = config or DEFAULT_CONFIGS["kept_backward"]
     _backward_kernel[(N, triton.cdiv(H, cfg.block_h))](
-        grad, hidden, weight, ids, grad_hidden,
+        grad, hidden, weight, ids, rows if rows is not None else ids, grad_hidden,
         gw if gw is not None else grad_hidden, gb if gb is not None else grad_hidden,
-        K, H, V,
+        K, H, V, gw.shape[0] if gw is not None else 0,
         grad.stride(0), grad.stride(1), hidden.stride(0), weight.stride(0), ids.stride(0), ids.stride(1),
-        grad_hidden.stride(0), gw.stride(0) if gw is not None else 0,
-        ATOMIC_GW=atomic and gw is not None, ATOMIC_GB=atomic and gb is not None,
+        *(rows.stride() if rows is not None else (0, 0)), grad_hidden.stride(0), gw.stride(0) if gw is not None else 0,
+        ATOMIC_GW=atomic and gw is not None, ATOMIC_GB=atomic and gb is not None, HAS_ROWS=rows is not None,
         BLOCK_K=cfg.block_v, BLOCK_H=cfg.block_h, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if deterministic and (gw is not None or gb is not None) and K > 0:
-        _segment_scatter(grad, hidden, ids, gw, gb, segment_config or DEFAULT_CONFIGS["kept_segment_dw"])
+    if deterministic and K > 0:
+        seg_cfg = segment_config or DEFAULT_CONFIGS["kept_segment_dw"]
+        if rows is not None and gw is not None:  # the weight gradient's segments are its rows, the bias's the ids
+            _segment_scatter(grad, hidden, rows.masked_fill(ids < 0, -1), gw, None, seg_cfg)
+            gw = None
+        if gw is not None or gb is not None:
+            _segment_scatter(grad, hidden, ids, gw, gb, seg_cfg)
     return grad_hidden
 
 
-def _segment_scatter(grad, hidden, ids, gw, gb, cfg: KernelConfig) -> None:
-    """The deterministic dW / db: a stable sort of the flat ids (no host read), then ``_segment_dw_kernel``."""
-    N, K = ids.shape
+def _segment_scatter(grad, hidden, keys, gw, gb, cfg: KernelConfig) -> None:
+    """The deterministic dW / db: a stable sort of the flat keys (the ids, or grad_weight's rows; negative: none)
+    with no host read, then ``_segment_dw_kernel`` writes each key's row once."""
+    N, K = keys.shape
     H = hidden.shape[1]
     E = N * K
-    sid, order = torch.sort(ids.reshape(E), stable=True)
+    sid, order = torch.sort(keys.reshape(E), stable=True)
     end = torch.searchsorted(sid, sid, right=True)
     block_e = cfg.block_n
     h_blocks = triton.cdiv(H, cfg.block_h) if gw is not None else 1
@@ -351,11 +372,23 @@ def _check_inputs(hidden, weight, ids, bias, check_ids: bool):
     return _unit_columns(hidden), _unit_columns(weight)
 
 
-def _check_grads(grad, grad_weight, grad_bias, hidden, weight, ids) -> None:
+def _check_grads(grad, grad_weight, grad_bias, hidden, weight, ids, weight_rows, check_ids: bool) -> None:
     if not isinstance(grad, torch.Tensor) or grad.shape != ids.shape or grad.dtype != torch.float32:
         raise ValueError(f"grad must be a float32 tensor shaped like ids {tuple(ids.shape)}, got {_describe(grad)}")
     V, H = weight.shape
-    for name, x, shape in (("grad_weight", grad_weight, (V, H)), ("grad_bias", grad_bias, (V,))):
+    R = V
+    if weight_rows is not None:
+        if not isinstance(weight_rows, torch.Tensor) or weight_rows.shape != ids.shape or weight_rows.dtype != torch.int64:
+            raise ValueError(f"weight_rows must be an int64 tensor shaped like ids {tuple(ids.shape)}, got "
+                             f"{_describe(weight_rows)}")
+        _same_device(hidden, weight_rows=weight_rows)
+        R = grad_weight.shape[0] if isinstance(grad_weight, torch.Tensor) and grad_weight.dim() == 2 else R
+        if check_ids and weight_rows.numel():
+            kept = weight_rows[ids >= 0]
+            if kept.numel() and (int(kept.min()) < 0 or int(kept.max()) >= R):  # host reads, as for ids
+                raise ValueError(f"weight_rows must lie in [0, {R}) (grad_weight's rows) where ids are kept, got "
+                                 f"[{int(kept.min())}, {int(kept.max())}]")
+    for name, x, shape in (("grad_weight", grad_weight, (R, H)), ("grad_bias", grad_bias, (V,))):
         if x is None:
             continue
         if not isinstance(x, torch.Tensor) or x.shape != shape or x.dtype != torch.float32:

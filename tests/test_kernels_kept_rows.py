@@ -151,6 +151,24 @@ def test_deterministic_is_bitwise_reproducible_and_matches_atomics():
         assert rel_err(det, ref) <= BOUND, name
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_weight_rows_into_a_compact_buffer(deterministic):
+    """weight_rows sends each entry's weight gradient to a row of an [R, H] buffer (one row per distinct kept id):
+    the same sums as the [V, H] one, read at those ids; the bias gradient stays per id; pads' rows are ignored."""
+    hidden, weight, b, ids, grad = make_case(6, 37, 40, 300, torch.bfloat16)
+    kept = torch.unique(ids[ids >= 0])
+    slot = torch.full((300,), 10**9, dtype=torch.int64)  # far off the buffer: must never be used
+    slot[kept] = torch.randperm(len(kept))
+    rows = slot[ids.clamp(min=0)]
+    gw = torch.zeros(len(kept), 40)
+    gb = torch.zeros(300)
+    gh = kept_rows_backward(grad, hidden, weight, ids, gw, gb, deterministic, weight_rows=rows)
+    gh_full, gw_full, gb_full = run_backward(hidden, weight, ids, grad, b, deterministic)
+    assert torch.equal(gh, gh_full)
+    # (not bitwise, even when deterministic: the rows' order moves the 16-entry block boundaries of the sorted sums)
+    assert rel_err(gw[slot[kept]], gw_full[kept]) <= 1e-6 and rel_err(gb, gb_full) <= 1e-6
+
+
 def test_gathers_only_the_kept_rows():
     """Rows of the weight (and bias) no token keeps are NaN: nothing computed may touch them (N K H work)."""
     hidden, weight, b, ids, grad = make_case(9, 37, 40, 300, torch.bfloat16)
@@ -252,6 +270,11 @@ def test_bad_input_names_the_argument(case, error, words):
     (dict(grad_weight=torch.zeros(50, 16, dtype=torch.bfloat16)), "grad_weight must be a float32 tensor of shape (50, 16)"),
     (dict(grad_weight=torch.zeros(16, 50).t()), "grad_weight is added to in place and must have a unit last stride"),
     (dict(grad_bias=torch.zeros(51)), "grad_bias must be a float32 tensor of shape (50,)"),
+    (dict(weight_rows=torch.zeros(4, 8, dtype=torch.int32)), "weight_rows must be an int64 tensor shaped like ids"),
+    (dict(weight_rows=torch.full((4, 8), 7), grad_weight=torch.zeros(7, 16)),
+     "weight_rows must lie in [0, 7) (grad_weight's rows) where ids are kept, got [7, 7]"),
+    (dict(weight_rows=torch.zeros(4, 8, dtype=torch.int64), grad_weight=torch.zeros(7, 15)),
+     "grad_weight must be a float32 tensor of shape (7, 16)"),
 ])
 def test_bad_gradient_buffers(case, words):
     hidden, weight, _, ids, grad = make_case(4, 8, 16, 50, torch.float32)
