@@ -8,7 +8,8 @@ kernels, nothing here knows about autograd (``fastrl/ops`` orchestrates):
   hidden slice and its BLOCK_K gathered weight rows, and keeps a [BLOCK_K, BLOCK_H] float32 accumulator reduced
   once at the end.
 * ``_backward_kernel``: one program per (row, H slice): ``dh_n = sum_k g[n, k] W[ids[n, k]]`` from the same gather,
-  and, when asked, the scatter-add ``dW[ids[n, k]] += g[n, k] h_n`` (``db`` likewise) with float32 atomics.
+  and, when asked, the scatter-add ``dW[ids[n, k]] += g[n, k] h_n`` (``db`` likewise) with float32 atomics; with
+  ``weight_rows`` the weight gradient goes to row ``weight_rows[n, k]`` of a compact [R, H] buffer instead.
 * ``_segment_dw_kernel``: the deterministic scatter-add. The launcher sorts the flat (id, n, k) entries once
   (stable, so equal ids keep their (n, k) order); each program owns the id segments that *start* in its block of
   sorted positions and sums each one in a fixed order (within the block, then the tail of the
@@ -19,10 +20,10 @@ kernels, nothing here knows about autograd (``fastrl/ops`` orchestrates):
 Why no ``tl.dot``. Per token the forward is a [K, H] x [H] matrix-vector product: every weight element loaded is
 used for exactly one multiply-add (2 FLOPs per 2 bytes in bf16). Tokens share no weight rows in general (sets
 drawn for different sequences share few ids), so batching rows into an M >= 16 tile for the tensor cores would
-multiply by zeros, not reuse data. At N=16384, K=64, H=4096 the forward moves N K H 2 = 8.6 GB of gathered rows
-(about 2.6 ms at 3.35 TB/s) for 8.6 GFLOP, 1 FLOP per byte: the H100's float32 FMA units (~67 TFLOP/s) need only
-~3.4 TFLOP/s to keep up with memory, so a float32 multiply-reduce is at the memory roofline and a tensor-core
-path could not be faster. It is also exact where it matters: bf16 x bf16 and fp16 x fp16 products are exact in
+multiply by zeros, not reuse data. On paper, at N=16384, K=64, H=4096 the forward moves N K H 2 = 8.6 GB of
+gathered rows for 8.6 GFLOP, 1 FLOP per byte: at an H100's 3.35 TB/s that asks ~3.4 TFLOP/s of float32 FMA units
+rated ~67, so a float32 multiply-reduce is bound by memory, not arithmetic, and tensor cores could not make it
+faster (not yet measured on a GPU). It is also exact where it matters: bf16 x bf16 and fp16 x fp16 products are exact in
 float32, so upcasting and accumulating in float32 is the tensor cores' arithmetic (float32 inputs: IEEE products,
 never TF32). The backward's dH is the same gather (K H per token); the atomic dW adds N K H float32
 read-modify-writes in L2.
@@ -204,12 +205,12 @@ def _segment_tail(
 
 @triton.jit
 def _segment_dw_kernel(
-    order_ptr,  # [E] int64: flat entry n * K + k of each sorted position (stable sort by id)
-    sid_ptr,  # [E] int64: the sorted ids (pads, negative, first)
-    end_ptr,  # [E] int64: one past the last sorted position holding the same id
+    order_ptr,  # [E] int64: flat entry n * K + k of each sorted position (stable sort by key)
+    sid_ptr,  # [E] int64: the sorted keys, ids or grad_weight rows (pads, negative, first)
+    end_ptr,  # [E] int64: one past the last sorted position holding the same key
     g_ptr, h_ptr,
-    gw_ptr,  # [V, H] float32, each touched row read and written once (HAS_GW)
-    gb_ptr,  # [V] float32 (HAS_GB)
+    gw_ptr,  # [R, H] float32, row = key, each touched row read and written once (HAS_GW)
+    gb_ptr,  # [V] float32, row = key (HAS_GB: the keys are the ids)
     E, K, H,
     stride_gn, stride_gk, stride_hn, stride_gwv,
     # Meta-parameters
