@@ -379,7 +379,8 @@ def _check_grads(grad, grad_weight, grad_bias, hidden, weight, ids, weight_rows,
     V, H = weight.shape
     R = V
     if weight_rows is not None:
-        if not isinstance(weight_rows, torch.Tensor) or weight_rows.shape != ids.shape or weight_rows.dtype != torch.int64:
+        rows = weight_rows
+        if not isinstance(rows, torch.Tensor) or rows.shape != ids.shape or rows.dtype != torch.int64:
             raise ValueError(f"weight_rows must be an int64 tensor shaped like ids {tuple(ids.shape)}, got "
                              f"{_describe(weight_rows)}")
         _same_device(hidden, weight_rows=weight_rows)

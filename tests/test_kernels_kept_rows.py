@@ -290,7 +290,8 @@ def test_bad_input_names_the_argument(case, error, words):
 @pytest.mark.parametrize("case, words", [
     (dict(grad=torch.zeros(4, 8, dtype=torch.bfloat16)), "grad must be a float32 tensor shaped like ids (4, 8)"),
     (dict(grad=torch.zeros(4, 7)), "grad must be a float32 tensor shaped like ids"),
-    (dict(grad_weight=torch.zeros(50, 16, dtype=torch.bfloat16)), "grad_weight must be a float32 tensor of shape (50, 16)"),
+    (dict(grad_weight=torch.zeros(50, 16, dtype=torch.bfloat16)),
+     "grad_weight must be a float32 tensor of shape (50, 16)"),
     (dict(grad_weight=torch.zeros(16, 50).t()), "grad_weight is added to in place and must have a unit last stride"),
     (dict(grad_bias=torch.zeros(51)), "grad_bias must be a float32 tensor of shape (50,)"),
     (dict(weight_rows=torch.zeros(4, 8, dtype=torch.int32)), "weight_rows must be an int64 tensor shaped like ids"),
