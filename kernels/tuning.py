@@ -152,6 +152,27 @@ CANDIDATES_BY_KERNEL: dict[str, tuple[KernelConfig, ...]] = {
         KernelConfig(128, 128, 64, 8, 4),
         KernelConfig(128, 128, 64, 4, 4),
     ),
+    # per-row kept sets (kernels/kept_rows.py, defaults in its DEFAULT_CONFIGS, first here): read as (1, BLOCK_K ids,
+    # BLOCK_H, warps, stages); the segment scatter as (BLOCK_E sorted entries, 1, BLOCK_H, ...). python -m bench sass
+    # checks the defaults for spills; the others compiled for sm_90 without spills when added (Triton 3.9, by hand).
+    # Memory-bound gathers: the tiles trade bytes in flight against blocks per SM.
+    "kept_logits": (
+        KernelConfig(1, 32, 128, 4, 2),
+        KernelConfig(1, 16, 256, 4, 2),
+        KernelConfig(1, 64, 128, 8, 2),
+        KernelConfig(1, 32, 256, 8, 3),
+    ),
+    "kept_backward": (
+        KernelConfig(1, 16, 128, 4, 2),
+        KernelConfig(1, 8, 256, 4, 2),
+        KernelConfig(1, 32, 128, 8, 2),
+        KernelConfig(1, 16, 256, 8, 2),
+    ),
+    "kept_segment_dw": (
+        KernelConfig(16, 1, 128, 4, 2),
+        KernelConfig(32, 1, 128, 4, 2),
+        KernelConfig(16, 1, 256, 8, 2),
+    ),
 }
 
 
