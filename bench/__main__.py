@@ -32,7 +32,8 @@
 
 The workloads (W1-W5, C1) are defined in docs/design.md. Every measurement runs in a fresh process
 (``bench.worker``); the summary table is printed last and the rows are written as JSON and CSV, with PNG plots,
-under ``--out`` (default ``bench/results/<device>/``; with ``--smoke``, a new temporary folder).
+under ``--out`` (default: a new folder outside the repository, ``$FASTRL_BENCH_OUT`` or the system's temporary folder;
+committing results is a deliberate ``--out bench/results/<device>/``). The console summary fits 120 columns.
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -94,8 +94,8 @@ def _run_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes, one repetition: checks the plumbing only (results go to a temporary folder "
                          "unless --out is given)")
-    ap.add_argument("--out", help="results folder (default bench/results/<device-slug>/; --smoke: a new temporary "
-                                  "folder)")
+    ap.add_argument("--out", help="results folder (default: a new folder under $FASTRL_BENCH_OUT or the system's "
+                                  "temporary folder, never the committed bench/results/)")
     _device_option(ap)
     ap.add_argument("--reps", type=int, help="timed repetitions per measurement on CPU (default 3; smoke 1)")
     ap.add_argument("--warmup", type=int, help="untimed steps before timing (default 1; smoke 0)")
@@ -357,12 +357,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _out_dir(args, device_slug: str) -> Path:
-    """--out; else a new temporary folder for --smoke (never the committed results); else bench/results/<device>/."""
+    """--out; else a new folder outside the repository (``report.new_out_dir``): committed results are written
+    only by a deliberate ``--out bench/results/<device>/``."""
     if args.out:
         return Path(args.out)
-    if args.smoke:
-        return Path(tempfile.mkdtemp(prefix="fastrl-bench-smoke-"))
-    return report.REPO_ROOT / "bench" / "results" / device_slug
+    return report.new_out_dir(device_slug, f"{args.command}-smoke" if args.smoke else args.command)
 
 
 def _compile_options(ap: argparse.ArgumentParser) -> None:
