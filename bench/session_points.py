@@ -177,11 +177,12 @@ def _lmhead_point(p: dict, lm: LMHead, times: dict) -> dict:
                                            total_only=True)
         else:
             m, kept = measure.measure_cpu(op, states, reps=1, warmup=0, keep_rows=lm.rows)
-    from fastrl.ops.backend import resolve_backend
+    from fastrl.ops.backend import builtin_choice, resolve_backend
 
-    # what backend="triton" / "auto" picks for this work in this process: the row that stands for today's default
+    # what backend="triton" / "auto" picks for this work in this process (the row that stands for today's default),
+    # and the built-in choice a measured winner must beat (bench/defaults.py)
     auto = resolve_backend(lm.device, "triton", kind=wl.kind, H=wl.H, dtype=getattr(torch, wl.dtype))
-    row = {"status": "ok", "auto": auto, "path": op.path, "notes": "; ".join(op.notes), "total_ms": m["total_ms"],
+    row = {"status": "ok", "auto": auto, "builtin": builtin_choice(lm.device), "path": op.path, "notes": "; ".join(op.notes), "total_ms": m["total_ms"],
            "extra_mb": m["peak_extra_mb"], "configs_served": served_configs(),
            "flops": W.flops(wl, "total"), "error": {} if sets[0] is None else _error(op, wl, sets[0], kept, lm)}
     times[(impl, config, p["workload"], p["provider"])] = m["total_ms"]["median"]
