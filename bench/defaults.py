@@ -15,8 +15,9 @@ clean tree) and writes ``kernels/_defaults.py`` (installed as ``fastrl.kernels._
   built-in one, or one ``CONFIGS`` enters; autotune's rows never), entered only where it beat the built-in choice
   (``fastrl.ops.backend.builtin_choice``, recorded in each row) by at least ``MARGIN`` in the same process;
 
-each entry naming the session file and the evidence. Only implementations that passed every float64 check of the
-same session can be chosen. Every clean session of a family counts: an entry comes from the newest session that
+each entry naming the session file and the evidence. Only implementations that passed every float64 check of their
+commit on that family can be chosen (the full set in some session, a window's second call adding a quick one).
+Every clean session of a family counts: an entry comes from the newest session that
 measured its key (family, kind or kernel, implementation, dtype, H), so a later partial session (a second call's
 compile and W4 rows) never erases an earlier choice. A family, kind, dtype or H with no entry keeps the built-in
 choice. H ranges: each measured H covers up to the geometric middle between it and the next measured H of the family
@@ -99,10 +100,7 @@ def _margin_text(win: dict, base: dict) -> str:
     return f"{_ms(win):.2f} ms against {_label(base)} {_ms(base):.2f} ms ({_ms(win) / _ms(base):.3f}x)"
 
 
-def _lm_rows(rows: list[dict]) -> list[dict]:
-    from bench.session_report import checks_passed
-
-    passed = checks_passed(rows)
+def _lm_rows(rows: list[dict], passed: dict[str, bool]) -> list[dict]:
     return [r for r in rows if r.get("section") in LMHEAD and r.get("status") == "ok" and r.get("total_ms")
             and r.get("implementation") and passed.get(r["implementation"]) is True]
 
@@ -168,10 +166,29 @@ def _choice_wins(lm: list[dict], wins: dict) -> dict[tuple, dict]:
     return out
 
 
-def _decisions(rows: list[dict]) -> tuple[dict, dict]:
-    lm = _lm_rows(rows)
+def _decisions(rows: list[dict], passed: dict[str, bool]) -> tuple[dict, dict]:
+    lm = _lm_rows(rows, passed)
     wins = _config_wins(lm)
     return _choice_wins(lm, wins), wins
+
+
+def _checks_by_commit(runs: list[tuple]) -> dict[tuple, dict[str, bool]]:
+    """(family, commit) -> implementation -> passed: every float64 check row of that commit on that family (the
+    second call of a window checks one case per implementation, the first all of them) passed, and some session ran
+    the full set (``"checks": "full"``; files older than that field count as full)."""
+    from bench.session_report import checks_passed
+
+    merged: dict[tuple, dict[str, bool]] = {}
+    full: dict[tuple, set] = {}
+    for run, data in runs:
+        key = (run["family"], run["commit"])
+        mine = checks_passed(data["rows"])
+        group = merged.setdefault(key, {})
+        for impl, ok in mine.items():
+            group[impl] = group.get(impl, True) and ok
+        if data.get("checks", "full") == "full":
+            full.setdefault(key, set()).update(mine)
+    return {key: {i: ok and i in full.get(key, set()) for i, ok in group.items()} for key, group in merged.items()}
 
 
 def build(paths: list[Path], allow_dirty: bool = False) -> dict:
@@ -185,12 +202,16 @@ def build(paths: list[Path], allow_dirty: bool = False) -> dict:
                "commit": env.get("fastrl_commit"), "tree_clean": env.get("tree_clean"), "created": env.get("created")}
         runs.append((run, data, _usable(data, allow_dirty)))
     choices, configs, measured_h = {}, {}, {}
+    passed = _checks_by_commit([(run, data) for run, data, why in runs if why is None])
+    runs = [(run, data, why if why is not None or any(passed[(run["family"], run["commit"])].values()) else
+             "no implementation passed the full float64 checks at this commit on this family")
+            for run, data, why in runs]
     for run, data, why in sorted(runs, key=lambda x: str(x[0]["created"])):
         if why is not None:
             continue
-        fam = run["family"]
-        measured_h.setdefault(fam, set()).update(r["H"] for r in _lm_rows(data["rows"]))
-        for found, decided in zip((choices, configs), _decisions(data["rows"])):
+        fam, ok = run["family"], passed[(run["family"], run["commit"])]
+        measured_h.setdefault(fam, set()).update(r["H"] for r in _lm_rows(data["rows"], ok))
+        for found, decided in zip((choices, configs), _decisions(data["rows"], ok)):
             for k, v in decided.items():  # a newer session's verdict on a key replaces an older one's, win or not
                 found[(fam, *k)] = v if v is None else {**v, "run": run["run"]}
     return _table(runs, {k: v for k, v in choices.items() if v is not None},

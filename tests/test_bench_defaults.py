@@ -105,14 +105,16 @@ def _fused(cfg):
             for k in ("stats", "grad")}
 
 
-def _session(path, rows, *, family="sm90", clean=True, smoke=False, created="2026-12-01T10:00:00+00:00"):
+def _session(path, rows, *, family="sm90", clean=True, smoke=False, created="2026-12-01T10:00:00+00:00",
+             commit="abc1234", checks="full"):
+    checks_kind = checks
     checks = [dict(section="checks", workload="awkward", provider="fastrl", implementation=i, status="ok", pass_=True)
               for i in ("triton-hybrid", "triton-fused")]
     for c in checks:
         c["pass"] = c.pop("pass_")
-    data = {"command": "session", "smoke": smoke, "rows": checks + rows,
+    data = {"command": "session", "smoke": smoke, "rows": checks + rows, "checks": checks_kind,
             "env": {"device": "NVIDIA H200", "device_type": "cpu" if smoke else "cuda", "family": family,
-                    "fastrl_commit": "abc1234", "tree_clean": clean, "created": created}}
+                    "fastrl_commit": commit, "tree_clean": clean, "created": created}}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(__import__("json").dumps(data))
     return path
@@ -188,7 +190,7 @@ def test_only_checked_clean_gpu_runs_decide(tmp_path):
     _session(tmp_path / "a" / "session.json", failed, created="2026-12-02T00:00:00+00:00")
     table = defaults.build([tmp_path])
     assert not table["CHOICES"] and not table["CONFIGS"]  # the fused rows cannot count: it failed a float64 check
-    _session(tmp_path / "b" / "session.json", rows, clean=False, created="2026-12-03T00:00:00+00:00")
+    _session(tmp_path / "b" / "session.json", rows, clean=False, created="2026-12-03T00:00:00+00:00", commit="def5678")
     _session(tmp_path / "c" / "session.json", rows, smoke=True, created="2026-12-04T00:00:00+00:00")
     runs = {r["run"].split("/")[-2]: r for r in defaults.build([tmp_path])["RUNS"]}
     assert not runs["a"]["used"] and "beat" in runs["a"]["why"]
@@ -196,6 +198,13 @@ def test_only_checked_clean_gpu_runs_decide(tmp_path):
     table = defaults.build([tmp_path], allow_dirty=True)
     runs = {r["run"].split("/")[-2]: r for r in table["RUNS"]}
     assert runs["b"]["used"] and "triton-fused" in {e["implementation"] for e in table["CHOICES"]}
+    # a second call's quick check (one case) cannot clear what the first call's full checks failed at that commit,
+    # and alone it clears nothing
+    _session(tmp_path / "a" / "session-rest.json", rows, created="2026-12-02T00:09:00+00:00", checks="quick")
+    table = defaults.build([tmp_path / "a"])
+    assert not table["CHOICES"] and not table["CONFIGS"]
+    _session(tmp_path / "d" / "session-rest.json", rows, commit="0123abc", checks="quick")
+    assert "full float64 checks" in defaults.build([tmp_path / "d"])["RUNS"][0]["why"]
 
 
 def test_a_later_partial_session_never_erases_an_earlier_choice(tmp_path):

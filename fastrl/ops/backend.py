@@ -37,7 +37,8 @@ from fastrl.ops._gemm import cuda_f32_out
 BACKENDS = ("triton", "triton-hybrid", "triton-fused", "triton-sm90", "torch")
 CONCRETE = ("triton-hybrid", "triton-fused", "triton-sm90", "torch")
 
-__all__ = ["BACKENDS", "CONCRETE", "resolve_backend", "choose_triton", "measured_choice", "builtin_choice", "runs_here", "is_triton"]
+__all__ = ["BACKENDS", "CONCRETE", "resolve_backend", "choose_triton", "measured_choice", "builtin_choice", "runs_here",
+           "is_triton"]
 
 
 # looked up once (find_spec does not import triton): a module constant also lets torch.compile trace the dispatch
