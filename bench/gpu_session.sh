@@ -115,7 +115,7 @@ tests() {  # tests() LIMIT WHAT FILES...: pytest -v (no xdist), each verdict in 
         return 0
     fi
     echo "tests ($what): python -m pytest -v, at most ${limit} s"
-    timeout "$limit" python3 -m pytest -v -p no:cacheprovider -rfE "$@" 2>&1 | tee -a "$TMP/tests.out"
+    timeout --foreground "$limit" python3 -m pytest -v -p no:cacheprovider -rfE "$@" 2>&1 | tee -a "$TMP/tests.out"
     local rc=${PIPESTATUS[0]}
     [ "$rc" = 124 ] && echo "tests ($what): stopped at its limit (${limit} s)"
     grep -E "(FAILED|ERROR)( |$)" "$TMP/tests.out" | grep -v "^=" | sort -u >"$OUT/tests-failures.txt"
@@ -131,9 +131,11 @@ session() {  # session NAME [ARGS...]: python -m bench session in what is left o
         return 0
     fi
     echo "session: python -m bench session --budget $budget $*"
-    timeout $((budget + 5)) python3 -m bench session --budget "$budget" --out "$OUT" --name "$name" "$@" || rc=1
+    timeout --foreground $((budget + 5)) python3 -m bench session --budget "$budget" --out "$OUT" --name "$name" "$@" || rc=1
 }
 
+# every `timeout` below runs in the foreground: in this script's process group, so a cut of the call (the group
+# killed) reaches the session, which takes its measuring processes with it
 rc=0
 case "$STAGE" in
     window)
@@ -153,7 +155,7 @@ case "$STAGE" in
             tests/test_cuda.py tests ;;
     w5)
         install
-        timeout $(($(left) - 20)) python3 -m bench w5 --no-plots --out "$OUT" --workload 0.5B --budget-mb 24576 \
+        timeout --foreground $(($(left) - 20)) python3 -m bench w5 --no-plots --out "$OUT" --workload 0.5B --budget-mb 24576 \
             --providers trl,fastrl,fastrl+both || rc=1 ;;
     smoke) session session --smoke ;;
     *) echo "unknown stage $STAGE (window, rest SECONDS [SECTIONS], suite, w5, smoke)"; exit 2 ;;

@@ -366,6 +366,26 @@ def _watch(proc, tail: _Tail, bounds: dict, deadline: float, grace: float) -> tu
         time.sleep(0.2)
 
 
+def _load_prctl():
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6").prctl
+    except (OSError, AttributeError):  # not Linux: the watchdog and the deadline still bound the processes
+        return None
+
+
+_PRCTL = _load_prctl()  # looked up here, not in the forked child (no import between fork and exec)
+
+
+def _die_with_parent() -> None:
+    """In the measuring process before it starts (Linux): SIGKILL when the session's thread that started it dies, so a
+    session killed at a call's limit leaves no measuring process behind (it runs in its own process group, which the
+    watchdog kills whole, so a kill of the caller's group would not reach it)."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def _process(name: str, todo: list[dict], deadline: float, run: SessionRun, tail: _Tail, bounds: dict):
     """One measuring process over ``todo``: (how it ended, why, its last stderr line)."""
     spec_path = run.work / f"{name}.spec.json"
@@ -374,7 +394,8 @@ def _process(name: str, todo: list[dict], deadline: float, run: SessionRun, tail
     err_path = run.work / f"{name}.stderr"
     with open(err_path, "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "bench.session_points", str(spec_path)], cwd=REPO_ROOT,
-                                env=_child_env(run.device), stderr=err, start_new_session=True)
+                                env=_child_env(run.device), stderr=err, start_new_session=True,
+                                preexec_fn=_die_with_parent)
         how, why = _watch(proc, tail, bounds, deadline, run.costs.grace)
     lines = [ln for ln in err_path.read_text(errors="replace").splitlines() if ln.strip()]
     return how, why, proc.returncode, (lines or ["no output"])[-1][:300]

@@ -39,13 +39,37 @@ def _rows(folder: Path) -> tuple[list[dict], int]:
     return lines, sum(1 for r in lines if "id" in r and "status" in r)
 
 
+def _descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (Linux /proc), whatever its process group or session."""
+    parent = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parent[int(stat.parent.name)] = int(fields[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    out, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, pp in parent.items() if pp in frontier} - out
+        out |= frontier
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.mark.slow
 def test_a_cut_call_returns_every_finished_row(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.Popen(["bash", str(SCRIPT), "smoke"], cwd=REPO, env=_env(out), stdout=subprocess.DEVNULL,
                             stderr=subprocess.STDOUT, start_new_session=True)
     copies, t0 = [], time.time()
     try:
-        while time.time() - t0 < 240:  # a loaded 2-core machine: the first point finishes after 15-40 s
+        while time.time() - t0 < 150:  # a loaded 2-core machine: the first point finishes after 15-40 s
             time.sleep(2)
             snap = tmp_path / f"cut-{len(copies)}"
             shutil.copytree(out, snap)  # what a cut at this instant would return
@@ -53,8 +77,13 @@ def test_a_cut_call_returns_every_finished_row(tmp_path):
             if _rows(snap)[1] >= 2:
                 break
     finally:
+        below = _descendants(proc.pid) if Path("/proc").is_dir() else set()
         os.killpg(proc.pid, signal.SIGKILL)  # the limit: the whole call, at once
         proc.wait()
+    # the measuring processes run in process groups of their own (the watchdog kills them whole): they die with the
+    # session, not minutes later
+    time.sleep(2)
+    assert not [p for p in below if _alive(p)], "a measuring process outlived the cut"
     assert len(copies) >= 3, "the run never started"
     counts = []
     for snap in copies + [out]:
