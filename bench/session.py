@@ -638,8 +638,8 @@ def _plan(run: SessionRun) -> None:
 
 
 def command(args, device: str, con) -> int:
-    from bench.provenance import provenance
     from bench import report
+    from bench.provenance import provenance
     from bench.session_report import print_summary
 
     if device != "cuda" and not args.smoke:

@@ -5,7 +5,6 @@ import dataclasses
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
