@@ -111,7 +111,7 @@ tests() {  # tests() LIMIT WHAT FILES...: pytest -v (no xdist), each verdict in 
     shift 2
     [ "$limit" -gt "$(($(left) - PACK_S))" ] && limit=$(($(left) - PACK_S))
     if [ "$limit" -lt 20 ]; then
-        echo "tests ($what): not run (${limit} s left of the call)"
+        echo "tests ($what): not run (${limit} s for it: its bound, or what is left of the call less the packing)"
         return 0
     fi
     echo "tests ($what): python -m pytest -v, at most ${limit} s"
