@@ -128,6 +128,40 @@ def test_the_watchdog_bounds_follow_the_estimates():
     assert b["start"] == c.watchdog_factor * (c.process + c.trl_import) + c.watchdog_floor
 
 
+def test_a_section_that_runs_long_drops_later_sections_from_the_end_not_its_own_points(tmp_path, monkeypatch):
+    """Each section may run to the end of the budget (its deadline reserves nothing for later sections: the rows the
+    targets need come first); the sections after it are dropped whole, from the end, before they start, and the
+    first of them that fits in part runs in part."""
+    import io
+
+    from rich.console import Console
+
+    class Args:
+        smoke, budget, jobs, out, name, sections = False, 1000, 1, str(tmp_path), "session", None
+
+    run = S.SessionRun(Args, "cpu", Console(file=io.StringIO()), {"device_slug": "cpu"})
+    run.costs = S.GPU_COSTS
+    seen = {}
+    monkeypatch.setattr(S, "run_points", lambda name, pts, deadline, r: seen.setdefault(name, deadline) and [])
+    monkeypatch.setattr(S, "run_w4", lambda pts, deadline, r: seen.setdefault("w4", deadline) and [])
+    run.est = {"tournament": 50, "divergence": 50, "keptset": 20, "w4": 70, "configs": 160}
+    run.pending = ["tournament", "divergence", "keptset", "w4", "configs"]
+    run.end = time.time() + 500
+    assert run.next_section() == "tournament" and not run.dropped  # 350 s of estimates, ~480 s left
+    run.run_section("tournament")
+    assert seen["tournament"] == pytest.approx(run.end - run.costs.grace)  # nothing reserved for later sections
+    run.end = time.time() + 120  # the tournament ran long: 100 s left
+    assert run.next_section() == "divergence"
+    assert [s for s, _ in run.dropped] == ["configs", "w4"] and run.pending == ["keptset"]
+    assert "would not fit" in run.dropped[0][1]
+    run.end = time.time() + 40  # 20 s left: keptset (20 s) is the last one, it runs what fits
+    assert run.next_section() == "keptset" and run.next_section() is None
+    run.pending, run.end = ["w4"], time.time() + 10  # no time at all: dropped
+    assert run.next_section() is None and run.dropped[-1][0] == "w4"
+    saved = json.loads((tmp_path / "session.json").read_text())  # rewritten after the tournament
+    assert saved["partial"] and saved["sections_run"] == ["tournament"]
+
+
 def test_check_tolerances_are_the_test_suites():
     from test_divergence import TOLERANCES as DIV
     from test_logprobs import TOLERANCES
