@@ -352,7 +352,7 @@ def main(argv: list[str]) -> int:
                 row["reason"] = row.get("reason", "") + " (the CUDA context is broken: this process stops here)"
                 _append(rows_path, {**row, "point_s": time.perf_counter() - t0, "pid": os.getpid(), "crashed": True})
                 _echo(row)
-                # bench.session.RESTART: a sticky CUDA error fails every later launch; the parent starts a fresh process
+                # bench.session_run.RESTART: a sticky CUDA error fails every later launch; the parent starts a fresh process
                 os._exit(3)
         row["point_s"] = time.perf_counter() - t0
         row["pid"] = os.getpid()

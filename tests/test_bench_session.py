@@ -142,7 +142,7 @@ def test_a_section_that_runs_long_drops_later_sections_from_the_end_not_its_own_
     run = S.SessionRun(Args, "cpu", Console(file=io.StringIO()), {"device_slug": "cpu"})
     run.costs = S.GPU_COSTS
     seen = {}
-    monkeypatch.setattr(S, "run_points", lambda name, pts, deadline, r: seen.setdefault(name, deadline) and [])
+    monkeypatch.setattr(S, "run_points", lambda name, pts, deadline, r, bounds: seen.setdefault(name, deadline) and [])
     monkeypatch.setattr(S, "run_w4", lambda pts, deadline, r: seen.setdefault("w4", deadline) and [])
     run.est = {"tournament": 50, "divergence": 50, "keptset": 20, "w4": 70, "configs": 160}
     run.pending = ["tournament", "divergence", "keptset", "w4", "configs"]
@@ -196,7 +196,9 @@ def _run(tmp_path, pts, section, costs, deadline_s=120):
 
     run = S.SessionRun(Args, "cpu", Console(file=io.StringIO()), {"device_slug": "cpu"})
     run.costs = costs
-    return S.run_points(section, pts, time.time() + deadline_s, run), run
+    from bench.session_run import run_points
+
+    return run_points(section, pts, time.time() + deadline_s, run, S.point_bounds(section, costs, pts)), run
 
 
 def test_a_hang_and_a_crash_cost_one_point_each_and_break_only_their_implementation(tmp_path, monkeypatch):
