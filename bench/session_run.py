@@ -24,7 +24,6 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 RESTART = 3  # a measuring process exits with this after a CUDA fault: the parent starts a fresh one
 
 
-
 def _child_env(device: str) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
