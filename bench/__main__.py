@@ -19,9 +19,10 @@
                                          fastrl + vLLM's float32 LM head; replay off and on (needs the vLLM env)
     python -m bench compile              a training step with fastrl inside torch.compile, vs eager and vs the
                                          compiled materialised reference (CUDA: reduce-overhead too)
-    python -m bench session              everything a GPU window measures in one command sized to --budget S (default
-                                         480): float64 checks, W1-W3 for every implementation and configuration,
-                                         keptset, divergence, compile, W4; PASS/FAIL per target (--smoke: on a CPU)
+    python -m bench session              a GPU window's measurements in sections of decreasing value, whole sections
+                                         dropped from the end to fit --budget S (default 480): float64 checks, W1-W3,
+                                         divergence, keptset, W4, configurations, autotune, compile; PASS/FAIL per
+                                         target (--smoke: on a CPU; docs/gpu-window.md)
     python -m bench defaults             kernels/_defaults.py (what backend="auto" and the launch configurations
                                          follow) from the committed session results
     python -m bench sass                 compile every kernel for sm_90 (no GPU needed): registers, spills,

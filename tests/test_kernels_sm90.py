@@ -1,5 +1,7 @@
 """The ``triton-sm90`` backend's persistent TMA kernels (kernels/persistent_stats.py, kernels/persistent_grad.py)
-against float64, on CPU tensors under Triton's interpreter (tests/conftest.py), at their real block sizes.
+against float64, on CPU tensors under Triton's interpreter (tests/conftest.py), at the interpreter's block size (the
+64x128x64 tile of ``fastrl.kernels.tuning``'s "interpreter" rows, not the sm90 defaults, which ``python -m bench sass``
+compiles for sm_90).
 
 The interpreter runs the persistent grid with 4 programs (``persistent_stats.num_programs``), so every program loops
 over several work items; the shapes leave the vocabulary off the tile (V = 700, 150, 262144) and the tokens off the

@@ -267,7 +267,8 @@ def _checked(hidden, weight, targets, advantages, mask, config, old_logprobs, re
     with torch.no_grad():
         z0 = torch.zeros((B, T), dtype=TB.acc_dtype(hidden.dtype), device=hidden.device)
         (dataclasses.replace(inputs, per_token_kl=z0) if exact_kl else inputs).loss(z0, z0, config)
-    name = resolve_backend(hidden.device, backend, kind="loss", H=hidden.shape[-1], dtype=hidden.dtype)
+    name = resolve_backend(hidden.device, backend, kind="loss", H=hidden.shape[-1], dtype=hidden.dtype,
+                           tensors=(hidden, weight))
     if is_triton(name) and hidden.dtype == torch.float64:
         raise TypeError("the triton backends compute from float32, bfloat16 or float16 inputs; use backend='torch' "
                         "for float64")
