@@ -62,12 +62,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from bench.report import new_out_dir
 from bench.session_run import append_rows, run_points, run_w4, stub
 
 __all__ = ["ALWAYS", "DROP_ORDER", "GPU_COSTS", "SECTIONS", "SMOKE_COSTS", "Costs", "SessionRun", "add_options",
            "candidates_for", "command", "estimate", "plan_budget", "point_bounds", "points"]
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 # the rows the targets need first (W1-W3, divergence, kept sets, W4), then what only the defaults need, then compile
 SECTIONS = ("checks", "tournament", "divergence", "keptset", "w4", "configs", "autotune", "compile")
 ALWAYS = ("checks", "tournament")  # never dropped: a short budget cuts their points instead (the deadline)
@@ -290,7 +290,7 @@ def add_options(ap) -> None:
                                        "whenever tournament, configs or autotune are named)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on a CPU (kernels interpreted): the plumbing")
     ap.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
-    ap.add_argument("--out", help="results folder (default bench/results/<device-slug>/; --smoke: a temporary one)")
+    ap.add_argument("--out", help="results folder (default: a new folder outside the repository)")
     ap.add_argument("--name", default="session", help="file name stem (default session: <out>/session.json)")
     ap.add_argument("--jobs", type=int, help="processes at once after the checks (default 1; --smoke 2): above 1 "
                                              "they share the machine, so times are not comparable")
@@ -329,9 +329,8 @@ class SessionRun:
         self.costs = SMOKE_COSTS if self.smoke else GPU_COSTS
         self.budget = args.budget or DEFAULT_BUDGET["smoke" if self.smoke else "cuda"]
         self.jobs = args.jobs or (2 if self.smoke else 1)
-        self.out = Path(args.out) if args.out else (
-            Path(tempfile.mkdtemp(prefix="fastrl-session-smoke-")) if self.smoke
-            else REPO_ROOT / "bench" / "results" / env["device_slug"])
+        what = "session-smoke" if self.smoke else "session"
+        self.out = Path(args.out) if args.out else new_out_dir(env["device_slug"], what)
         self.out.mkdir(parents=True, exist_ok=True)
         self.rows_path = self.out / f"{args.name}.rows.jsonl"  # next to the JSON: what a cut call still returns
         self.rows_path.write_text("")
