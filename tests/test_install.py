@@ -98,7 +98,9 @@ def test_the_installed_distribution_has_the_documented_name():
 
     from fastrl._extras import DISTRIBUTION
 
-    assert metadata.packages_distributions().get("fastrl") == [DISTRIBUTION]
+    # a set: an editable install from a checkout is found twice (its dist-info, and the egg-info that the build
+    # leaves in the checkout, on sys.path when Python runs from there)
+    assert set(metadata.packages_distributions().get("fastrl", [])) == {DISTRIBUTION}
     assert metadata.version(DISTRIBUTION) == fastrl.__version__
     tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
     assert tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["name"] == DISTRIBUTION
