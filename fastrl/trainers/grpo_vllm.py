@@ -270,24 +270,34 @@ def _runner_v1_refusal(why: str) -> RuntimeError:
 
 @contextlib.contextmanager
 def _v1_reason_from_vllm_log():
-    """Collects vLLM's own 'Model Runner V2 ...; using the V1 model runner instead' warning while the engine's
-    config is built (the unsupported features it names)."""
+    """Collects vLLM's own 'Model Runner V2 ...; using the V1 model runner instead' warning while the engine's config
+    is built (the unsupported features it names). vLLM's ``warning_once`` on its config module's logger is wrapped,
+    not a handler added: vLLM re-applies its logging config (``dictConfig``) while the engine arguments are turned
+    into a config, which drops handlers added before."""
     seen: list[str] = []
+    logger = logging.getLogger("vllm.config.vllm")
+    original = getattr(logger, "warning_once", None)
+    if original is None:  # not vLLM's logger: nothing to read (the refusal then says less)
+        yield seen
+        return
 
-    class Grab(logging.Handler):
-        def emit(self, record):
-            m = _RUNNER_V1_LOG.search(record.getMessage())
-            if m:
-                seen.append(f"vLLM reports that Model Runner V2 does not yet support {m['features']}; turn that off "
-                            "in the engine's arguments" if m["features"] else
-                            "vLLM reports that Model Runner V2 requires Triton, and it found none")
+    def warning_once(msg, *args, **kwargs):
+        m = _RUNNER_V1_LOG.search(str(msg) % args if args else str(msg))
+        if m:
+            seen.append(f"vLLM reports that Model Runner V2 does not yet support {m['features']}; turn that off "
+                        "in the engine's arguments" if m["features"] else
+                        "vLLM reports that Model Runner V2 requires Triton, and it found none")
+        return original(msg, *args, **kwargs)
 
-    handler, logger = Grab(), logging.getLogger("vllm.config.vllm")
-    logger.addHandler(handler)
+    had = "warning_once" in vars(logger)
+    logger.warning_once = warning_once
     try:
         yield seen
     finally:
-        logger.removeHandler(handler)
+        if had:
+            logger.warning_once = original
+        else:
+            del logger.warning_once
 
 
 def _build_engine(llm_cls, args, kwargs, replay: str):
