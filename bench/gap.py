@@ -22,7 +22,7 @@ The table gives their mean (max for the max) over steps. Rows, for a float32 and
 * fastrl + vLLM float32 head: also ``vllm_fp32_lm_head=True`` (vLLM's ``hf_overrides={"head_dtype": "float32"}``);
   for a float32 policy the head is already float32, so the row is left out.
 
-* fastrl, IS corr. off, gap on / off (float32): TRL's ``vllm_importance_sampling_correction=False``, so TRL computes
+* fastrl, no IS corr., gap on / off (float32): TRL's ``vllm_importance_sampling_correction=False``, so TRL computes
   no old log-probs and logs no gap; fastrl's ``log_sampling_gap`` on (the gap from the loss pass's log-probs) and
   off: the ``step s`` column (training time / steps, generation included) is the metrics' cost.
 
@@ -73,7 +73,7 @@ def configurations(dtypes=("float32", "bfloat16")) -> list[dict]:
 
 def label(c: dict) -> str:
     if c.get("is_correction") is False:
-        return f"fastrl, IS corr. off, gap {'on' if c['gap_metrics'] else 'off'}"
+        return f"fastrl, no IS corr., gap {'on' if c['gap_metrics'] else 'off'}"
     if c["trainer"] == "trl":
         return "TRL (its LLM(...) and head)"
     if c.get("engine_dtype") == "auto":
