@@ -177,8 +177,7 @@ def command(args, device: str, con) -> int:
     quick = bool(args.quick or args.smoke)
     steps = args.steps or (QUICK_STEPS if quick else STEPS)
     shape = QUICK_MODEL if quick else MODEL
-    out_dir = Path(args.out) if args.out else (Path(tempfile.mkdtemp(prefix="fastrl-bench-smoke-")) if args.smoke
-                                               else report.REPO_ROOT / "bench" / "results" / env["device_slug"])
+    out_dir = Path(args.out) if args.out else report.new_out_dir(env["device_slug"], "gap")
     prefix = "gap" + ("-smoke" if args.smoke else "-quick" if args.quick else "")
     rows = []
     t0 = time.perf_counter()
