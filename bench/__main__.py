@@ -19,9 +19,10 @@
                                          fastrl + vLLM's float32 LM head; replay off and on (needs the vLLM env)
     python -m bench compile              a training step with fastrl inside torch.compile, vs eager and vs the
                                          compiled materialised reference (CUDA: reduce-overhead too)
-    python -m bench session              everything a GPU window measures in one command sized to --budget S (default
-                                         480): float64 checks, W1-W3 for every implementation and configuration,
-                                         keptset, divergence, compile, W4; PASS/FAIL per target (--smoke: on a CPU)
+    python -m bench session              a GPU window's measurements in sections of decreasing value, whole sections
+                                         dropped from the end to fit --budget S (default 480): float64 checks, W1-W3,
+                                         divergence, keptset, W4, configurations, autotune, compile; PASS/FAIL per
+                                         target (--smoke: on a CPU; docs/gpu-window.md)
     python -m bench defaults             kernels/_defaults.py (what backend="auto" and the launch configurations
                                          follow) from the committed session results
     python -m bench sass                 compile every kernel for sm_90 (no GPU needed): registers, spills,
@@ -32,7 +33,8 @@
 
 The workloads (W1-W5, C1) are defined in docs/design.md. Every measurement runs in a fresh process
 (``bench.worker``); the summary table is printed last and the rows are written as JSON and CSV, with PNG plots,
-under ``--out`` (default ``bench/results/<device>/``; with ``--smoke``, a new temporary folder).
+under ``--out`` (default: a new folder outside the repository, ``$FASTRL_BENCH_OUT`` or the system's temporary folder;
+committing results is a deliberate ``--out bench/results/<device>/``). The console summary fits 120 columns.
 """
 
 from __future__ import annotations
@@ -40,7 +42,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -94,8 +95,8 @@ def _run_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes, one repetition: checks the plumbing only (results go to a temporary folder "
                          "unless --out is given)")
-    ap.add_argument("--out", help="results folder (default bench/results/<device-slug>/; --smoke: a new temporary "
-                                  "folder)")
+    ap.add_argument("--out", help="results folder (default: a new folder under $FASTRL_BENCH_OUT or the system's "
+                                  "temporary folder, never the committed bench/results/)")
     _device_option(ap)
     ap.add_argument("--reps", type=int, help="timed repetitions per measurement on CPU (default 3; smoke 1)")
     ap.add_argument("--warmup", type=int, help="untimed steps before timing (default 1; smoke 0)")
@@ -357,12 +358,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _out_dir(args, device_slug: str) -> Path:
-    """--out; else a new temporary folder for --smoke (never the committed results); else bench/results/<device>/."""
+    """--out; else a new folder outside the repository (``report.new_out_dir``): committed results are written
+    only by a deliberate ``--out bench/results/<device>/``."""
     if args.out:
         return Path(args.out)
-    if args.smoke:
-        return Path(tempfile.mkdtemp(prefix="fastrl-bench-smoke-"))
-    return report.REPO_ROOT / "bench" / "results" / device_slug
+    return report.new_out_dir(device_slug, f"{args.command}-smoke" if args.smoke else args.command)
 
 
 def _compile_options(ap: argparse.ArgumentParser) -> None:
@@ -538,13 +538,17 @@ def _sass_command(args, device: str, con) -> int:
 
 
 def _roofline_options(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--results", help="folder whose */session.json hold measured times (default bench/results)")
+    ap.add_argument("--results", help="folder whose */session.json and */*/session.json hold measured times (default "
+                    "bench/results)")
+    ap.add_argument("--memory-gib", type=float, help="device memory the sm90 tiles are sized for, GiB (default 80; 0: "
+                    "unknown, the budget's safe default)")
 
 
 def _roofline_command(args, device: str, con) -> int:
     from bench import roofline  # arithmetic only: needs no GPU and no provider
 
-    return roofline.main(["--results", args.results] if args.results else [])
+    return roofline.main((["--results", args.results] if args.results else [])
+                         + (["--memory-gib", str(args.memory_gib)] if args.memory_gib is not None else []))
 
 
 def _measure(args, device: str, con) -> int:
@@ -737,10 +741,12 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             "counts. Exits 1 when a checked kernel spills or a bf16/fp16 matmul kernel has no HGMMA (sm_90).",
             (_sass_options,), _sass_command),
     Command("roofline", "bytes moved and FLOPs of every implementation per workload, and the time they imply",
-            "A model, no GPU: per workload (W1, W1-lp, W2, W2-lp, W3, divergence) and implementation (cuBLAS floor, TRL,\n"
-            "fastrl's hybrid, fused and triton-sm90 kernels, a fully fused atomics backward) the FLOPs and the HBM bytes\n"
-            "beyond one read of the inputs, the time they imply at 700 TFLOP/s and 4.3 TB/s, and the measured time where\n"
-            "a committed bench/results/*/session.json has one (else 'not measured'). See bench/roofline.py.",
+            "A model, no GPU: per workload (W1, W1-lp, W2, W2-lp, W3, divergence, kept set K=64) and\n"
+            "implementation (cuBLAS floor, TRL, fastrl's hybrid, fused and triton-sm90 kernels, the kept-set\n"
+            "engine, designs on paper) the FLOPs and the HBM bytes beyond one read of the inputs, the time they\n"
+            "imply at 700 TFLOP/s and 4.3 TB/s, the measured time where a committed bench/results session.json has\n"
+            "one (else 'not measured'), and per target of issue 33 the design that meets it on paper, or none.\n"
+            "See bench/roofline.py and docs/roofline.md.",
             (_roofline_options,), _roofline_command),
 )}
 

@@ -175,7 +175,7 @@ def add_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--reps", type=int, default=5, help="timed steps (default 5)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first, compilation included (default 2)")
     ap.add_argument("--shape", help="B,T,H,V (default: CPU 4,512,512,32768 float32; CUDA W1 8,2048,4096,151936 bf16)")
-    ap.add_argument("--out", help="results folder (default bench/results/<device-slug>/)")
+    ap.add_argument("--out", help="results folder (default: a new folder outside the repository)")
 
 
 def command(args, device: str, con=None) -> int:
@@ -191,7 +191,7 @@ def command(args, device: str, con=None) -> int:
         shape = (B, T, H, V, SHAPES[device][4])
     env = report.environment(device)
     rows = run(device, variants, args.reps, args.warmup, shape)
-    out = Path(args.out) if args.out else report.REPO_ROOT / "bench" / "results" / env["device_slug"]
+    out = Path(args.out) if args.out else report.new_out_dir(env["device_slug"], "compile")
     eager = next((r["ms"] for r in rows if r.get("variant") == "fastrl-eager" and "ms" in r), None)
     print(f"\ncompiled training step on {env['device']} | torch {env['torch']} | median of {args.reps} steps after "
           f"{args.warmup} untimed")

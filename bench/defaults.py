@@ -2,18 +2,26 @@
 
 Reads every ``session*.json`` under the given folders (``python -m bench session``: a GPU run, not a smoke run, of a
 clean tree) and writes ``kernels/_defaults.py`` (installed as ``fastrl.kernels._defaults``), which
-``fastrl.ops.backend.choose_triton`` and ``fastrl.kernels.tuning.config_for`` read:
+``fastrl.ops.backend.choose_triton`` and ``fastrl.kernels.tuning.config_for`` read. Only a win changes a default:
 
+* ``CONFIGS``: per family, implementation, dtype and H range, each kernel's launch configuration: the candidate
+  whose row was fastest at the workload that decides that kernel (log-prob rows for ``stats`` / ``grad`` /
+  ``sm90_stats`` / ``sm90_grad``, forward rows where there are none, the one-pass loss for ``sm90_exp_stats``),
+  entered only where it beat the same implementation at its built-in configuration by at least ``MARGIN`` (3%) in
+  the same process;
 * ``CHOICES``: per GPU family (``sm90``: H100 and H200), kind of work, dtype and H range, the implementation whose
-  row was fastest in the family's newest session: ``loss`` from ``policy_loss`` (W1, W2), ``logprob`` from
-  ``fused_logprobs`` with gradients (W1-lp, W2-lp), ``forward`` from it without (W3); in any launch configuration;
-* ``CONFIGS``: per family, implementation, dtype and H range, the launch configuration of each kernel in that
-  implementation's fastest log-prob row (forward rows where it has none): the kernels run there in full;
+  row was fastest (``loss`` from ``policy_loss`` at W1 / W2, ``logprob`` from ``fused_logprobs`` with gradients at
+  W1-lp / W2-lp, ``forward`` without at W3), counting only rows at the configuration its kernels will get (the
+  built-in one, or one ``CONFIGS`` enters; autotune's rows never), entered only where it beat the built-in choice
+  (``fastrl.ops.backend.builtin_choice``, recorded in each row) by at least ``MARGIN`` in the same process;
 
-each entry naming the session file and the evidence. Only implementations that passed every float64 check of
-the same session can be chosen; a family, kind, dtype or H with no entry keeps the built-in choice. H ranges:
-each measured H covers up to the geometric middle between it and the next measured H (896 and 4096: below and
-from 1916). ``--check`` exits 1 when the committed file differs from what the results give (CI can run it).
+each entry naming the session file and the evidence. Only implementations that passed every float64 check of their
+commit on that family can be chosen (the full set in some session, a window's second call adding a quick one).
+Every clean session of a family counts: an entry comes from the newest session that
+measured its key (family, kind or kernel, implementation, dtype, H), so a later partial session (a second call's
+compile and W4 rows) never erases an earlier choice. A family, kind, dtype or H with no entry keeps the built-in
+choice. H ranges: each measured H covers up to the geometric middle between it and the next measured H of the family
+(896 and 4096: below and from 1916). ``--check`` exits 1 when the committed file differs from what the results give.
 """
 
 from __future__ import annotations
@@ -24,12 +32,16 @@ import pprint
 import sys
 from pathlib import Path
 
-__all__ = ["find_sessions", "build", "render", "main", "TABLE_PATH"]
+__all__ = ["find_sessions", "build", "render", "main", "TABLE_PATH", "MARGIN"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TABLE_PATH = REPO_ROOT / "kernels" / "_defaults.py"
-LMHEAD = ("tournament", "configs", "autotune")
+LMHEAD = ("tournament", "configs")  # autotune's rows ran whatever the autotuner picked: no configuration to install
 KINDS = (("loss", "fastrl-fused"), ("logprob", "fastrl"), ("forward", "fastrl"))  # kind, the provider that decides it
+MARGIN = 0.03  # a winner's median must be at most (1 - MARGIN) x the built-in's, same process: 6 timed steps are noisy
+BUILTIN = "triton-hybrid"  # rows written before sessions recorded `builtin`: CUDA with float32-out cuBLAS
+# the rows that decide a kernel's configuration: the first (kind, provider) in which it ran
+KERNEL_DECIDERS = (("logprob", "fastrl"), ("forward", "fastrl"), ("loss", "fastrl-fused"), ("loss", "fastrl"))
 
 
 def find_sessions(paths: list[Path]) -> list[Path]:
@@ -60,7 +72,7 @@ def _usable(data: dict, allow_dirty: bool) -> str | None:
     return None
 
 
-def _h_ranges(hs: list[int]) -> dict[int, tuple]:
+def _h_ranges(hs) -> dict[int, tuple]:
     """Each measured H -> [h_min, h_max): bounds at the geometric middle between neighbours, the ends open."""
     hs = sorted(set(hs))
     cuts = [math.ceil(math.sqrt(a * b)) for a, b in zip(hs, hs[1:])]
@@ -72,75 +84,161 @@ def _label(r: dict) -> str:
     return f"{r['implementation']}" + ("" if cfg == "default" else f" [{cfg}]")
 
 
-def _entries(rows: list[dict], family: str, run: str) -> tuple[list[dict], list[dict]]:
-    from bench.session_report import checks_passed
+def _ms(r: dict) -> float:
+    return r["total_ms"]["median"]
 
-    passed = checks_passed(rows)
-    lm = [r for r in rows if r.get("section") in LMHEAD and r.get("status") == "ok" and r.get("total_ms")
-          and r.get("implementation") and passed.get(r["implementation"]) is True]
-    trl = {r["workload"]: r["total_ms"]["median"] for r in rows
-           if r.get("section") == "tournament" and r.get("provider") == "trl" and r.get("status") == "ok"}
-    ranges = _h_ranges([r["H"] for r in lm])
-    choices, configs = [], []
+
+def _same_process(a: dict, b: dict) -> bool:
+    return a.get("pid") is None or b.get("pid") is None or a["pid"] == b["pid"]
+
+
+def _beats(win: dict, base: dict | None) -> bool:
+    return base is not None and _same_process(win, base) and _ms(win) <= (1 - MARGIN) * _ms(base)
+
+
+def _margin_text(win: dict, base: dict) -> str:
+    return f"{_ms(win):.2f} ms against {_label(base)} {_ms(base):.2f} ms ({_ms(win) / _ms(base):.3f}x)"
+
+
+def _lm_rows(rows: list[dict], passed: dict[str, bool]) -> list[dict]:
+    return [r for r in rows if r.get("section") in LMHEAD and r.get("status") == "ok" and r.get("total_ms")
+            and r.get("implementation") and passed.get(r["implementation"]) is True]
+
+
+def _config_wins(lm: list[dict]) -> dict[tuple, dict]:
+    """(implementation, H, dtype, kernel) -> {config, use_tma, evidence} where a candidate beat the built-in
+    configuration, None where this session measured both and none did."""
+    out = {}
+    for impl, H, dtype in sorted({(r["implementation"], r["H"], r["dtype"]) for r in lm}):
+        mine = [r for r in lm if (r["implementation"], r["H"], r["dtype"]) == (impl, H, dtype)]
+        for kernel in sorted({k for r in mine for k in r.get("configs_served") or {}}):
+            for kind, provider in KERNEL_DECIDERS:
+                rows = [r for r in mine if (r["kind"], r["provider"]) == (kind, provider)
+                        and kernel in (r.get("configs_served") or {})]
+                if rows:
+                    break
+            base = next((r for r in rows if (r.get("config") or "default") == "default"), None)
+            forced = sorted((r for r in rows if (r.get("config") or "default") != "default"), key=_ms)
+            win = forced[0] if forced else None
+            if base is None or win is None:
+                continue  # no built-in row to beat, or no candidate: this session did not decide the kernel
+            served = win["configs_served"][kernel]
+            if not _beats(win, base) or served["config"] == base["configs_served"][kernel]["config"]:
+                out[(impl, H, dtype, kernel)] = None  # measured, and the built-in configuration stays
+                continue
+            out[(impl, H, dtype, kernel)] = {
+                "config": served["config"], "use_tma": served["use_tma"],
+                "evidence": f"{kernel} at {win['workload']}: {_label(win)} {_margin_text(win, base)}"}
+    return out
+
+
+def _installed(r: dict, wins: dict) -> bool:
+    """Whether the row ran each of its kernels at the configuration the table will give it: a candidate's row where
+    that candidate won for every kernel it served, a default row where none of its kernels changes."""
+    default_row = (r.get("config") or "default") == "default"
+    for kernel, s in (r.get("configs_served") or {}).items():
+        won = wins.get((r["implementation"], r["H"], r["dtype"], kernel))
+        if not (s["config"] == won["config"] if won is not None else default_row):
+            return False
+    return True
+
+
+def _choice_wins(lm: list[dict], wins: dict) -> dict[tuple, dict]:
+    """(kind, H, dtype) -> {implementation, evidence} where the fastest installable row beat the built-in choice,
+    None where this session measured the built-in choice and nothing beat it."""
+    out = {}
     for kind, provider in KINDS:
-        for (H, dtype) in sorted({(r["H"], r["dtype"]) for r in lm if r["kind"] == kind}):
-            key = (kind, provider, H, dtype)
-            mine = sorted((r for r in lm if (r["kind"], r["provider"], r["H"], r["dtype"]) == key),
-                          key=lambda r: r["total_ms"]["median"])
+        for H, dtype in sorted({(r["H"], r["dtype"]) for r in lm if r["kind"] == kind}):
+            mine = sorted((r for r in lm if (r["kind"], r["provider"], r["H"], r["dtype"]) == (kind, provider, H, dtype)
+                           and _installed(r, wins)), key=_ms)
             if not mine:
                 continue
             win = mine[0]
-            other = next((r for r in mine if r["implementation"] != win["implementation"]), None)
-            ms = win["total_ms"]["median"]
-            vs = f" = {ms / trl[win['workload']]:.2f}x TRL" if win["workload"] in trl else ""
-            evidence = f"{win['workload']}: {_label(win)} {ms:.2f} ms{vs}" + (
-                f"; best other implementation {_label(other)} {other['total_ms']['median']:.2f} ms" if other else "")
-            lo, hi = ranges[H]
-            choices.append({"family": family, "kind": kind, "dtype": dtype, "h_min": lo, "h_max": hi,
-                            "implementation": win["implementation"], "run": run, "evidence": evidence})
-    for impl in sorted({r["implementation"] for r in lm}):
-        for (H, dtype) in sorted({(r["H"], r["dtype"]) for r in lm if r["implementation"] == impl}):
-            for kind in ("logprob", "forward"):
-                mine = sorted((r for r in lm if (r["implementation"], r["kind"], r["provider"], r["H"], r["dtype"])
-                               == (impl, kind, "fastrl", H, dtype) and r.get("configs_served")),
-                              key=lambda r: r["total_ms"]["median"])
-                if mine:
-                    break
-            if not mine:
-                continue  # its kernels take no launch configuration (the hybrid's cuBLAS + folds)
-            win = mine[0]
-            lo, hi = ranges[H]
-            for tma in sorted({s["use_tma"] for s in win["configs_served"].values()}):
-                configs.append({
-                    "family": family, "implementation": impl, "dtype": dtype, "h_min": lo, "h_max": hi, "use_tma": tma,
-                    "configs": {k: s["config"] for k, s in win["configs_served"].items() if s["use_tma"] == tma},
-                    "run": run, "evidence": f"{win['workload']}: {_label(win)} {win['total_ms']['median']:.2f} ms, "
-                                            f"fastest of its {len(mine)} {win['workload']} rows"})
-    return choices, configs
+            builtin = win.get("builtin", BUILTIN)
+            base = next((r for r in mine if r["implementation"] == builtin), None)
+            if base is None:
+                continue  # no built-in row to beat: this session did not decide the key
+            if win["implementation"] == builtin or not _beats(win, base):
+                out[(kind, H, dtype)] = None  # measured, and the built-in choice stays
+                continue
+            out[(kind, H, dtype)] = {"implementation": win["implementation"],
+                                     "evidence": f"{win['workload']}: {_label(win)} {_margin_text(win, base)}"}
+    return out
+
+
+def _decisions(rows: list[dict], passed: dict[str, bool]) -> tuple[dict, dict]:
+    lm = _lm_rows(rows, passed)
+    wins = _config_wins(lm)
+    return _choice_wins(lm, wins), wins
+
+
+def _checks_by_commit(runs: list[tuple]) -> dict[tuple, dict[str, bool]]:
+    """(family, commit) -> implementation -> passed: every float64 check row of that commit on that family (the
+    second call of a window checks one case per implementation, the first all of them) passed, and some session ran
+    the full set (``"checks": "full"``; files older than that field count as full)."""
+    from bench.session_report import checks_passed
+
+    merged: dict[tuple, dict[str, bool]] = {}
+    full: dict[tuple, set] = {}
+    for run, data in runs:
+        key = (run["family"], run["commit"])
+        mine = checks_passed(data["rows"])
+        group = merged.setdefault(key, {})
+        for impl, ok in mine.items():
+            group[impl] = group.get(impl, True) and ok
+        if data.get("checks", "full") == "full":
+            full.setdefault(key, set()).update(mine)
+    return {key: {i: ok and i in full.get(key, set()) for i, ok in group.items()} for key, group in merged.items()}
 
 
 def build(paths: list[Path], allow_dirty: bool = False) -> dict:
-    """The table from the session files under ``paths``: per family, the newest usable session decides."""
-    runs, newest = [], {}
+    """The table from the session files under ``paths``: every usable session of a family, oldest first, each
+    entry from the newest session that decided its key."""
+    runs = []
     for f in find_sessions(paths):
         data = json.loads(f.read_text())
-        why = _usable(data, allow_dirty)
         env = data.get("env", {})
         run = {"run": _rel(f), "device": env.get("device"), "family": env.get("family"),
                "commit": env.get("fastrl_commit"), "tree_clean": env.get("tree_clean"), "created": env.get("created")}
-        runs.append((run, data, why))
-        if why is None and (env["family"] not in newest or env["created"] > newest[env["family"]][0]["created"]):
-            newest[env["family"]] = (run, data)
+        runs.append((run, data, _usable(data, allow_dirty)))
+    choices, configs, measured_h = {}, {}, {}
+    passed = _checks_by_commit([(run, data) for run, data, why in runs if why is None])
+    runs = [(run, data, why if why is not None or any(passed[(run["family"], run["commit"])].values()) else
+             "no implementation passed the full float64 checks at this commit on this family")
+            for run, data, why in runs]
+    for run, data, why in sorted(runs, key=lambda x: str(x[0]["created"])):
+        if why is not None:
+            continue
+        fam, ok = run["family"], passed[(run["family"], run["commit"])]
+        measured_h.setdefault(fam, set()).update(r["H"] for r in _lm_rows(data["rows"], ok))
+        for found, decided in zip((choices, configs), _decisions(data["rows"], ok)):
+            for k, v in decided.items():  # a newer session's verdict on a key replaces an older one's, win or not
+                found[(fam, *k)] = v if v is None else {**v, "run": run["run"]}
+    return _table(runs, {k: v for k, v in choices.items() if v is not None},
+                  {k: v for k, v in configs.items() if v is not None}, measured_h)
+
+
+def _table(runs, choices: dict, configs: dict, measured_h: dict) -> dict:
     table = {"RUNS": [], "CHOICES": [], "CONFIGS": []}
-    for run, data, why in runs:
-        chosen = why is None and newest[run["family"]][0] is run
-        if why is None and not chosen:
-            why = f"superseded by the newer {newest[run['family']][0]['run']}"
-        table["RUNS"].append({**run, "used": chosen, "why": why or ""})
-        if chosen:
-            c, k = _entries(data["rows"], run["family"], run["run"])
-            table["CHOICES"] += c
-            table["CONFIGS"] += k
+    used = {v["run"] for v in list(choices.values()) + list(configs.values())}
+    for run, _, why in runs:
+        if why is None and run["run"] not in used:
+            why = "no implementation or configuration beat the built-in one here (or a newer run decided it)"
+        table["RUNS"].append({**run, "used": why is None, "why": why or ""})
+    ranges = {fam: _h_ranges(hs) for fam, hs in measured_h.items()}
+    for (fam, kind, H, dtype), v in sorted(choices.items(), key=str):
+        lo, hi = ranges[fam][H]
+        table["CHOICES"].append({"family": fam, "kind": kind, "dtype": dtype, "h_min": lo, "h_max": hi,
+                                 "implementation": v["implementation"], "run": v["run"], "evidence": v["evidence"]})
+    groups: dict[tuple, dict] = {}
+    for (fam, impl, H, dtype, kernel), v in sorted(configs.items(), key=str):
+        lo, hi = ranges[fam][H]
+        g = groups.setdefault((fam, impl, dtype, H, v["use_tma"], v["run"]), {
+            "family": fam, "implementation": impl, "dtype": dtype, "h_min": lo, "h_max": hi, "use_tma": v["use_tma"],
+            "configs": {}, "run": v["run"], "evidence": []})
+        g["configs"][kernel] = v["config"]
+        g["evidence"].append(v["evidence"])
+    table["CONFIGS"] = [{**g, "evidence": "; ".join(g["evidence"])} for g in groups.values()]
     return table
 
 
@@ -152,7 +250,7 @@ or dtype without an entry keeps the built-in choice. Each entry names the sessio
 """
 '''
 _COMMENTS = {
-    "RUNS": "# the committed session files read; a family's newest run decides its entries",
+    "RUNS": "# the committed session files read; each entry comes from the newest run that decided its key",
     "CHOICES": "# implementation per (family, kind, dtype, H range): h_min <= H < h_max, None = unbounded",
     "CONFIGS": '# launch configuration per (family, implementation, dtype, H range, TMA): kernel -> "BNxBVxBH wW sS"',
 }

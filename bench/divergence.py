@@ -452,9 +452,8 @@ def cli(args, device: str, con) -> int:
     reps = args.reps or (1 if args.smoke else 3 if cuda else 2)
     warmup = args.warmup if args.warmup is not None else (0 if args.smoke else 1)
     env = report.environment(device)
-    out_dir = Path(args.out) if args.out else (
-        Path(__import__("tempfile").mkdtemp(prefix="fastrl-bench-smoke-")) if args.smoke
-        else report.REPO_ROOT / "bench" / "results" / env["device_slug"])
+    out_dir = Path(args.out) if args.out else report.new_out_dir(env["device_slug"],
+                                                                 "divergence-smoke" if args.smoke else "divergence")
     out_dir.mkdir(parents=True, exist_ok=True)
     prefix = "divergence" + ("-smoke" if args.smoke else "-quick" if args.quick else "") + (f"-n{tokens}" if tokens else "")
     log = out_dir / f"{prefix}.rows.jsonl"

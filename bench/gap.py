@@ -22,6 +22,10 @@ The table gives their mean (max for the max) over steps. Rows, for a float32 and
 * fastrl + vLLM float32 head: also ``vllm_fp32_lm_head=True`` (vLLM's ``hf_overrides={"head_dtype": "float32"}``);
   for a float32 policy the head is already float32, so the row is left out.
 
+* fastrl, no IS corr., gap on / off (float32): TRL's ``vllm_importance_sampling_correction=False``, so TRL computes
+  no old log-probs and logs no gap; fastrl's ``log_sampling_gap`` on (the gap from the loss pass's log-probs) and
+  off: the ``step s`` column (training time / steps, generation included) is the metrics' cost.
+
 Replay off: the trainer scores the full softmax while vLLM sampled from the top-k/top-p truncated one, so the
 "gap" is mostly the truncation (nats); replay on (``sampling_replay="kept_set"``, vLLM's sampling masks): both
 score the same support and what is left is arithmetic. A CPU runs float32 and bf16 (no float16 on the trainer's
@@ -60,10 +64,16 @@ def configurations(dtypes=("float32", "bfloat16")) -> list[dict]:
         for fp32_head in (False, True) if dtype != "float32" else (False,):
             for replay in ("off", "kept_set"):
                 out.append({"dtype": dtype, "trainer": "fastrl", "replay": replay, "fp32_head": fp32_head})
+        if dtype == "float32":  # the metrics' own cost: TRL's IS correction off, fastrl's gap metrics on and off
+            for gap in (True, False):
+                out.append({"dtype": dtype, "trainer": "fastrl", "replay": "off", "fp32_head": False,
+                            "is_correction": False, "gap_metrics": gap})
     return out
 
 
 def label(c: dict) -> str:
+    if c.get("is_correction") is False:
+        return f"fastrl, no IS corr., gap {'on' if c['gap_metrics'] else 'off'}"
     if c["trainer"] == "trl":
         return "TRL (its LLM(...) and head)"
     if c.get("engine_dtype") == "auto":
@@ -105,14 +115,15 @@ def run_config(spec: dict) -> dict:
               num_generations=4, max_completion_length=16, max_steps=spec["steps"], learning_rate=0.0,
               report_to="none", use_cpu=True, bf16=False, logging_steps=1, save_strategy="no", seed=0,
               vllm_gpu_memory_utilization=0.1, vllm_max_model_length=256, top_k=20, top_p=0.9, temperature=1.0,
-              beta=0.0, disable_tqdm=True)
+              beta=0.0, disable_tqdm=True, vllm_importance_sampling_correction=spec.get("is_correction", True))
     ds = Dataset.from_dict({"prompt": PROMPTS})
     if spec["trainer"] == "trl":
         with plain_cpu_gemm():  # TRL's own LLM(...) arguments; only the CPU GEMM choice, so its sync can run
             trainer = trl.GRPOTrainer(model=model, reward_funcs=reward_len, args=trl.GRPOConfig(**kw),
                                       processing_class=tok, train_dataset=ds)
     else:
-        args = fastrl.GRPOConfig(**kw, sampling_replay=spec["replay"], vllm_fp32_lm_head=spec["fp32_head"])
+        args = fastrl.GRPOConfig(**kw, sampling_replay=spec["replay"], vllm_fp32_lm_head=spec["fp32_head"],
+                                 log_sampling_gap=spec.get("gap_metrics", True))
         trainer = fastrl.GRPOTrainer(model=model, reward_funcs=reward_len, args=args, processing_class=tok,
                                      train_dataset=ds)
     mc = trainer.vllm_generation.llm.llm_engine.model_config
@@ -120,7 +131,8 @@ def run_config(spec: dict) -> dict:
     t0 = time.perf_counter()
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
-    res = {"steps": len(logs), "train_s": time.perf_counter() - t0, **engine}
+    train_s = time.perf_counter() - t0
+    res = {"steps": len(logs), "train_s": train_s, "step_s": train_s / max(len(logs), 1), **engine}
     for m in METRICS:
         vals = [h[m] for h in logs if m in h]
         if vals:
@@ -165,8 +177,7 @@ def command(args, device: str, con) -> int:
     quick = bool(args.quick or args.smoke)
     steps = args.steps or (QUICK_STEPS if quick else STEPS)
     shape = QUICK_MODEL if quick else MODEL
-    out_dir = Path(args.out) if args.out else (Path(tempfile.mkdtemp(prefix="fastrl-bench-smoke-")) if args.smoke
-                                               else report.REPO_ROOT / "bench" / "results" / env["device_slug"])
+    out_dir = Path(args.out) if args.out else report.new_out_dir(env["device_slug"], "gap")
     prefix = "gap" + ("-smoke" if args.smoke else "-quick" if args.quick else "")
     rows = []
     t0 = time.perf_counter()
@@ -180,7 +191,9 @@ def command(args, device: str, con) -> int:
             rows.append(row)
             gap = row.get(METRICS[0])
             con.print(f"{c['dtype']:<9} {label(c):<28} replay {c['replay']:<8} "
-                      + (f"gap {gap:.3g} nats" if gap is not None else f"[red]{row.get('reason')}[/red]"))
+                      + (f"[red]{row.get('reason')}[/red]" if row["status"] != "ok" else
+                         f"gap {gap:.3g} nats, {row['step_s']:.2f} s/step" if gap is not None else
+                         f"no gap metrics, {row['step_s']:.2f} s/step"))
     elapsed = time.perf_counter() - t0
     print_table(con, rows, env, steps, shape)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -197,18 +210,18 @@ def print_table(con, rows: list[dict], env: dict, steps: int, shape: dict) -> No
               f"torch {env['torch']} | tiny Qwen2 V={shape['vocab_size']} H={shape['hidden_size']}, top_k=20 "
               f"top_p=0.9, {steps} step(s) of 8 completions x 16 tokens, learning rate 0")
     head = (f"{'policy':<9}{'trainer':<29}{'vLLM dtype / head':<21}{'replay':<10}{'gap mean':>11}{'gap max':>11}"
-            f"{'IS ratio mean [min, max]':>28}{'kept ids':>9}")
+            f"{'IS ratio mean [min, max]':>28}{'kept ids':>9}{'step s':>8}")
     con.print(head)
     for r in rows:
         if r["status"] != "ok":
             con.print(f"{r['dtype']:<9}{r['label']:<29}{'':<21}{r['replay']:<10}[red]{r.get('reason')}[/red]")
             continue
-        g = r.get(METRICS[0])
+        gap = (f"{r[METRICS[0]]:>11.3g}{r[METRICS[1]]:>11.3g}" if METRICS[0] in r else f"{'-':>11}{'-':>11}")
         ratio = (f"{r[METRICS[2]]:.4f} [{r[METRICS[3]]:.4f}, {r[METRICS[4]]:.4f}]"
                  if METRICS[2] in r else "-")
         kept = f"{r[METRICS[5]]:.1f}" if METRICS[5] in r else "-"
         con.print(f"{r['dtype']:<9}{r['label']:<29}{r['vllm_dtype'] + ' / ' + r['vllm_head_dtype']:<21}"
-                  f"{r['replay']:<10}{g:>11.3g}{r[METRICS[1]]:>11.3g}{ratio:>28}{kept:>9}")
+                  f"{r['replay']:<10}{gap}{ratio:>28}{kept:>9}{r['step_s']:>8.2f}")
 
 
 def main(argv: list[str]) -> int:

@@ -1,51 +1,96 @@
 #!/usr/bin/env bash
 # The GPU window in one or two calls of a lent machine (10 minutes a command; about 15 minutes of device time in all,
-# machine start included; no network there). bench/README.md ("A GPU window, step by step") says when to call what.
+# machine start included; no network there). docs/gpu-window.md says how a window runs; bench/README.md when to call
+# what.
 #
-#   bash bench/device_wheels.sh               # here, right before: wheels into .whl/ and the commit stamp
-#   bash bench/gpu_session.sh                 # call 1 (timeout 600 s, carry .whl): the window
-#   bash bench/gpu_session.sh rest compile,w4 # call 2, only if call 1 dropped sections and time is left
+#   bash bench/device_wheels.sh                  # here, right before: wheels into .whl/ and the commit stamp
+#   bash bench/gpu_session.sh                    # call 1 (timeout 600 s, carry .whl): the window
+#   bash bench/gpu_session.sh rest SECONDS [SECTIONS]  # call 2: SECONDS = device seconds left in the window
 #
 # Stages:
-#   window (default)  python -m bench session (budget $BUDGET, default 480 s: 8 minutes), then the test suite in
-#                     whatever is left of $CALL_LIMIT (default 570 s from this script's start, so the command ends
-#                     inside the 10-minute limit with its files)
-#   rest SECTIONS     python -m bench session --sections SECTIONS (what call 1 dropped; it printed them), results as
-#                     session-rest.json, in what is left of $CALL_LIMIT less 60 s ($BUDGET overrides); then the suite
-#   suite             only the test suite
+#   window (default)  prints its plan, installs (~30 s), runs the GPU kernels' CUDA tests first (tests/test_cuda_sm90.py,
+#                     tests/test_cuda_kernels.py: at most $TESTS_KERNELS_S, default 120 s), then tests/test_cuda.py and
+#                     the rest of the suite (at most $TESTS_REST_S, default 45 s), then python -m bench session in
+#                     what is left of $CALL_LIMIT (default 570 s: the command's 600 less 30 for the files to come back)
+#                     less 15 s to pack
+#   rest SECONDS [SECTIONS]  SECONDS (required): the device seconds left in the window (the device tool's status:
+#                     budget_left_s, less the machine's start when none is warm). The call plans inside
+#                     min(570, SECONDS - 20): install, python -m bench session --sections SECTIONS (default
+#                     configs,autotune,compile: what call 1 leaves; it printed what it dropped) as session-rest, then
+#                     the suite if a minute is left
+#   suite             the CUDA tests first, then the suite, in what is left of the call
 #   w5                python -m bench w5: the 0.5B architecture at 24 GiB, stock TRL vs fastrl with both memory options
-#   smoke             python -m bench session --smoke (runs on a CPU too: the plumbing)
+#   smoke             python -m bench session --smoke (runs on a CPU too: the plumbing; tests/test_gpu_window.py cuts it)
 #
-# The suite is the README's test command without xdist (one process: eight workers sharing one GPU made failures
-# that may be contention), the CUDA test files first, `-v` so that every test's verdict is in the log as it
-# finishes (a run cut by its limit still names its failures); suite-failures.txt lists them.
-# Files under $OUT (the device tool returns at most 8, 16 MiB each): <stage>.log, <stage>.tgz (the session's JSON
-# and rows, the suite's log) and suite-failures.txt. Unpack here with
+# Nothing is lost to a cut: every file is written straight into $OUT (the device tool returns only $OUT: at most 8
+# files, 16 MiB each): <stage>.log (everything, every test verdict as it finishes), session.json (rewritten after each
+# section), session.rows.jsonl (each row as it finishes), tests-failures.txt, and <stage>.tgz (all of them, refreshed
+# every 20 s in the background and at the end). Unpack here with
 #   d=bench/results/<gpu-slug>/<date>-<commit>; mkdir -p $d && tar xzf <stage>.tgz -C $d
 set -uo pipefail
 cd "$(dirname "$0")/.."
 T0=$SECONDS
 STAGE="${1:-window}"
 OUT="${OUT:-$(mktemp -d)}"
-CALL_LIMIT="${CALL_LIMIT:-570}"
-RES="$(mktemp -d)/$STAGE"
-mkdir -p "$OUT" "$RES"
+mkdir -p "$OUT"
 LOG="$OUT/$STAGE.log"
+TMP="$(mktemp -d)"
 export PYTHONUNBUFFERED=1
+INSTALL_S=30
+PACK_S=15
+TESTS_KERNELS_S="${TESTS_KERNELS_S:-120}"
+TESTS_REST_S="${TESTS_REST_S:-45}"
+case "$STAGE" in
+    rest)
+        if ! [[ "${2:-}" =~ ^[0-9]+$ ]]; then
+            echo "usage: bash bench/gpu_session.sh rest SECONDS [SECTIONS]: SECONDS, the device seconds left in the" \
+                "window, is required (got '${2:-}')"
+            exit 2
+        fi
+        CALL_LIMIT=$(($2 - 20))
+        [ "$CALL_LIMIT" -gt 570 ] && CALL_LIMIT=570 ;;
+    *) CALL_LIMIT="${CALL_LIMIT:-570}" ;;
+esac
 left() { echo $((CALL_LIMIT - (SECONDS - T0))); }
 exec > >(tee -a "$LOG") 2>&1  # everything to the log and to the caller
 
-# the wheels are for the GPU image's Python 3.12; elsewhere (a CPU smoke run) the installed packages serve
-if compgen -G ".whl/*.whl" >/dev/null && python3 -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))'; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site
-fi
-# fastrl.kernels is the kernels/ folder: an editable install maps it (no build isolation: no network)
-python3 -c "import fastrl.kernels" 2>/dev/null ||
-    python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader || true
-python3 - <<'PY' || exit 1
+
+plan() {  # the plan of this call, before anything runs
+    local session=$((CALL_LIMIT - INSTALL_S - PACK_S))
+    case "$STAGE" in
+        window) session=$((session - TESTS_KERNELS_S - TESTS_REST_S))
+            echo "plan ($CALL_LIMIT s): install ~${INSTALL_S} s; GPU kernel tests (tests/test_cuda_sm90.py," \
+                "tests/test_cuda_kernels.py) <= ${TESTS_KERNELS_S} s; tests/test_cuda.py and the rest of the suite" \
+                "<= ${TESTS_REST_S} s; python -m bench session ~${session} s (what is left); pack ${PACK_S} s" ;;
+        rest) echo "plan ($CALL_LIMIT s of the $2 s left): install ~${INSTALL_S} s; python -m bench session" \
+                "--sections ${3:-configs,autotune,compile} ~${session} s; the suite in what is left over a minute;" \
+                "pack ${PACK_S} s" ;;
+        *) echo "plan ($CALL_LIMIT s): $STAGE" ;;
+    esac
+}
+plan "$@"
+[ -n "${PLAN_ONLY:-}" ] && exit 0  # tests/test_gpu_window.py checks the plan's arithmetic
+
+pack() {  # every file of this call into <stage>.tgz, replaced whole (a cut leaves the last complete archive)
+    (cd "$OUT" && tar czf ".$STAGE.tgz.part" --exclude "*.tgz" --exclude ".*" -- * 2>/dev/null &&
+        mv -f ".$STAGE.tgz.part" "$STAGE.tgz")
+}
+( while sleep 20; do pack; done ) &
+PACKER=$!
+trap 'kill $PACKER 2>/dev/null' EXIT
+
+install() {
+    # the wheels are for the GPU image's Python 3.12; elsewhere (a CPU smoke run) the installed packages serve
+    if compgen -G ".whl/*.whl" >/dev/null && python3 -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))'; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            .whl/*.whl || exit 1
+        export PYTHONPATH=/tmp/site
+    fi
+    # fastrl.kernels is the kernels/ folder: an editable install maps it (no build isolation: no network)
+    python3 -c "import fastrl.kernels" 2>/dev/null ||
+        python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>/dev/null || true
+    python3 - <<'PY' || exit 1
 from importlib.metadata import PackageNotFoundError, version
 import torch
 from bench.provenance import provenance
@@ -58,40 +103,63 @@ for name in ("triton", "transformers", "trl", "accelerate", "liger-kernel", "dat
         print(name, "missing")
 print("fastrl", provenance())
 PY
-
-suite() {  # the test suite in what is left of the call, CUDA files first; every verdict in the log as it comes
-    local limit=$(($(left) - 15))
-    if [ "$limit" -lt 30 ]; then
-        echo "suite: not run (${limit} s left of the call)"
-        return 0
-    fi
-    echo "suite: python -m pytest -v (no xdist), ${limit} s"
-    timeout "$limit" python3 -m pytest -v -p no:cacheprovider -rfE --durations=15 \
-        tests/test_cuda_kernels.py tests/test_cuda.py tests >"$RES/suite.log" 2>&1
-    local rc=$?
-    [ "$rc" = 124 ] && echo "suite: stopped at its limit (${limit} s)" >>"$RES/suite.log"
-    grep -E "(FAILED|ERROR)( |$)" "$RES/suite.log" | grep -v "^=" | sort -u >"$OUT/suite-failures.txt"
-    tail -n 25 "$RES/suite.log"
-    echo "suite: exit $rc, $(grep -c PASSED "$RES/suite.log") passed, $(wc -l <"$OUT/suite-failures.txt") failed" \
-        "(names in suite-failures.txt)"
+    echo "install: done at $((SECONDS - T0)) s"
 }
 
+tests() {  # tests() LIMIT WHAT FILES...: pytest -v (no xdist), each verdict in the log as it finishes
+    local limit=$1 what=$2
+    shift 2
+    [ "$limit" -gt "$(($(left) - PACK_S))" ] && limit=$(($(left) - PACK_S))
+    if [ "$limit" -lt 20 ]; then
+        echo "tests ($what): not run (${limit} s for it: its bound, or what is left of the call less the packing)"
+        return 0
+    fi
+    echo "tests ($what): python -m pytest -v, at most ${limit} s"
+    timeout --foreground "$limit" python3 -m pytest -v -p no:cacheprovider -rfE "$@" 2>&1 | tee -a "$TMP/tests.out"
+    local rc=${PIPESTATUS[0]}
+    [ "$rc" = 124 ] && echo "tests ($what): stopped at its limit (${limit} s)"
+    grep -E "(FAILED|ERROR)( |$)" "$TMP/tests.out" | grep -v "^=" | sort -u >"$OUT/tests-failures.txt"
+    echo "tests ($what): exit $rc; so far $(grep -c " PASSED" "$TMP/tests.out") passed," \
+        "$(wc -l <"$OUT/tests-failures.txt") failed (tests-failures.txt)"
+}
+
+session() {  # session NAME [ARGS...]: python -m bench session in what is left of the call less the packing
+    local name=$1 budget=$(($(left) - PACK_S - 10))
+    shift
+    if [ "$budget" -lt 30 ]; then
+        echo "session: not run (${budget} s left of the call)"
+        return 0
+    fi
+    echo "session: python -m bench session --budget $budget $*"
+    timeout --foreground $((budget + 5)) python3 -m bench session --budget "$budget" --out "$OUT" --name "$name" "$@" || rc=1
+}
+
+# every `timeout` below runs in the foreground: in this script's process group, so a cut of the call (the group
+# killed) reaches the session, which takes its measuring processes with it
 rc=0
 case "$STAGE" in
     window)
-        timeout $(($(left) - 30)) python3 -m bench session --budget "${BUDGET:-480}" --out "$RES" || rc=1
-        suite ;;
+        install
+        tests "$TESTS_KERNELS_S" "GPU kernels" tests/test_cuda_sm90.py tests/test_cuda_kernels.py
+        tests "$TESTS_REST_S" "the rest" tests/test_cuda.py tests --deselect tests/test_cuda_sm90.py \
+            --deselect tests/test_cuda_kernels.py
+        session session ;;
     rest)
-        if [ -n "${2:-}" ]; then
-            timeout $(($(left) - 30)) python3 -m bench session --sections "$2" --name session-rest \
-                --budget "${BUDGET:-$(($(left) - 60))}" --out "$RES" || rc=1
-        fi
-        suite ;;
-    suite) suite ;;
-    w5) timeout $(($(left) - 20)) python3 -m bench w5 --no-plots --out "$RES" --workload 0.5B --budget-mb 24576 \
+        install
+        session session-rest --sections "${3:-configs,autotune,compile}"
+        [ "$(left)" -gt 60 ] && tests $(($(left) - PACK_S)) "CUDA first, then the suite" tests/test_cuda_sm90.py \
+            tests/test_cuda_kernels.py tests/test_cuda.py tests ;;
+    suite)
+        install
+        tests $(($(left) - PACK_S)) "CUDA first, then the suite" tests/test_cuda_sm90.py tests/test_cuda_kernels.py \
+            tests/test_cuda.py tests ;;
+    w5)
+        install
+        timeout --foreground $(($(left) - 20)) python3 -m bench w5 --no-plots --out "$OUT" --workload 0.5B --budget-mb 24576 \
             --providers trl,fastrl,fastrl+both || rc=1 ;;
-    smoke) python3 -m bench session --smoke --out "$RES" || rc=1 ;;
-    *) echo "unknown stage $STAGE (window, rest, suite, w5, smoke)"; exit 2 ;;
+    smoke) session session --smoke ;;
+    *) echo "unknown stage $STAGE (window, rest SECONDS [SECTIONS], suite, w5, smoke)"; exit 2 ;;
 esac
-tar czf "$OUT/$STAGE.tgz" -C "$RES" . && echo "results: $OUT/$STAGE.tgz ($(ls "$RES" | tr '\n' ' '))"
+kill $PACKER 2>/dev/null
+pack && echo "results: $OUT/$STAGE.tgz ($(cd "$OUT" && ls | tr '\n' ' '))"
 exit $rc

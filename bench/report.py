@@ -11,6 +11,8 @@ import platform
 import re
 import shutil
 import subprocess
+import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -18,17 +20,29 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-__all__ = ["environment", "device_slug", "write_json", "write_csv", "plot", "print_table", "console"]
+__all__ = ["environment", "device_slug", "new_out_dir", "write_json", "write_csv", "plot", "print_table", "console",
+           "SUMMARY_WIDTH"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# the console summary fits this many columns (a terminal narrower than it gets its own width); every figure the
+# summary leaves out is in the JSON / CSV files
+SUMMARY_WIDTH = 120
 
 
 def console() -> Console:
-    """A rich console; wide when not a terminal, so piped tables are not squeezed into 80 columns."""
+    """A rich console at most ``SUMMARY_WIDTH`` columns wide (also when piped: not rich's 80-column default)."""
     c = Console()
-    if not c.is_terminal:
-        c = Console(width=220)
-    return c
+    return Console(width=min(c.width, SUMMARY_WIDTH) if c.is_terminal else SUMMARY_WIDTH)
+
+
+def new_out_dir(device_slug: str, what: str = "bench") -> Path:
+    """Where results go without ``--out``: a new folder outside the repository, never the committed
+    ``bench/results/`` (committing results is a deliberate ``--out bench/results/<device>/...``):
+    ``$FASTRL_BENCH_OUT/<what>-<device>-<UTC time>-XXXX`` (default root: the system's temporary folder)."""
+    root = Path(os.environ.get("FASTRL_BENCH_OUT") or Path(tempfile.gettempdir()) / "fastrl-bench")
+    root.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    return Path(tempfile.mkdtemp(prefix=f"{what}-{device_slug}-{stamp}-", dir=root))
 
 
 def _slug(s: str) -> str:
@@ -256,47 +270,78 @@ def _f(x, fmt: str) -> str:
     return "" if x is None else format(x, fmt)
 
 
+# the summary's columns: (header, justification); the files hold the rest (forward and backward apart, the spread,
+# the entropy and gradient errors, every memory figure)
+SUMMARY_COLUMNS = (("workload", "left"), ("provider", "left"), ("ms", "right"), ("MB", "right"),
+                   ("t/torch", "right"), ("m/torch", "right"), ("t/trl", "right"), ("m/trl", "right"),
+                   ("TFLOP/s", "right"), ("floor%", "right"), ("|dlogp|", "right"))
+SUMMARY_LEGEND = ("ms: forward + backward, median (fwd: forward only); MB: extra peak memory; t/, m/: time and memory "
+                  "against torch and TRL in this run; floor%: of the plain GEMM's FLOP rate; |dlogp|: max abs log-prob "
+                  "error against float64")
+
+
+def _summary_cells(r: dict) -> list[str]:
+    """One measured row's cells of the summary, in ``SUMMARY_COLUMNS`` order."""
+    fwd_only = r["kind"] == "forward"
+    return [
+        r["workload"], r["provider"],
+        ("fwd " if fwd_only else "") + _ms(r.get("total_ms")),
+        _f(r.get("peak_extra_mb"), ".1f"),
+        _f(r.get("time_vs_torch"), ".2f"), _f(r.get("mem_vs_torch"), ".3f"),
+        _f(r.get("time_vs_trl"), ".2f"), _f(r.get("mem_vs_trl"), ".3f"),
+        _f(r.get("tflops"), ".3f" if r.get("tflops", 0) < 10 else ".0f"),
+        _f(100 * r["floor_fraction"] if "floor_fraction" in r else None, ".0f"),
+        _f(r.get("logp_max_abs_err"), ".1e"),
+    ]
+
+
+def _grouped(pairs) -> dict:
+    """{key: [workload, ...]} in first-seen order, for one line per key below the table."""
+    out: dict = {}
+    for key, wl in pairs:
+        out.setdefault(key, [])
+        if wl not in out[key]:
+            out[key].append(wl)
+    return out
+
+
+def _where(wls: list[str]) -> str:
+    return escape("[" + (", ".join(wls) if len(wls) <= 4 else f"{len(wls)} workloads ({wls[0]} ... {wls[-1]})") + "]")
+
+
 def print_table(con: Console, rows: list[dict], title: str, sweeps_compact: bool = True) -> None:
-    """The summary: measured rows, then the rows that could not run (collapsed to one line per reason in sweeps)."""
-    t = Table(title=title, show_lines=False, header_style="bold")
-    for col, just in (("workload", "left"), ("provider", "left"), ("fwd ms", "right"), ("bwd ms", "right"),
-                      ("fwd+bwd ms [min-max]", "right"), ("extra MB", "right"), ("x torch time", "right"),
-                      ("x torch mem", "right"), ("x trl time", "right"), ("x trl mem", "right"),
-                      ("TFLOP/s", "right"), ("% floor", "right"),
-                      ("max|dlogp|", "right"), ("max|dH|", "right"), ("max|dgrad_h|", "right"),
-                      ("notes", "left")):
-        t.add_column(col, justify=just, overflow="fold")
-    collapsed: dict[tuple[str, str, str], list[str]] = {}
+    """The summary, within ``SUMMARY_WIDTH`` columns: one line per measured row (fwd+bwd ms: the median; extra MB:
+    peak memory above the inputs; t/ and m/: time and memory against torch and TRL measured in the same run), then
+    each workload's shape, each provider's notes, and the rows that did not run (one line per reason). The JSON
+    and CSV files hold every figure."""
+    from rich import box
+
+    t = Table(title=title, box=box.SIMPLE_HEAD, header_style="bold", pad_edge=False)
+    for col, just in SUMMARY_COLUMNS:
+        t.add_column(col, justify=just, no_wrap=True)
+    shapes: dict[str, str] = {}
+    notes, not_run = [], []
     last_wl = None
     for r in rows:
         if r["group"] == "floor":
             continue
-        if r["status"] == "n/a" or (sweeps_compact and r["status"] == "skipped" and r["group"].startswith("sweep")):
-            collapsed.setdefault((r["provider"], r["status"], r["reason"]), []).append(r["workload"])
+        shapes.setdefault(r["workload"], f"N={r['N']} H={r['H']} V={r['V']} {r['dtype']}")
+        if r["status"] != "ok":
+            not_run.append(((r["provider"], r["status"], r["reason"]), r["workload"]))
             continue
         if last_wl is not None and r["workload"] != last_wl:
             t.add_section()
         last_wl = r["workload"]
-        wl = f"{r['workload']}\n[dim]N={r['N']} H={r['H']} V={r['V']} {r['dtype']}[/dim]"
-        if r["status"] != "ok":
-            style = "red" if r["status"] == "error" else "yellow"
-            t.add_row(wl, r["provider"], *[""] * 13, f"[{style}]{r['status']}: {escape(r['reason'])}[/{style}]")
-            continue
-        fwd_only = r["kind"] == "forward"
-        t.add_row(
-            wl, r["provider"],
-            _ms(r.get("fwd_ms")), "" if fwd_only else _ms(r.get("bwd_ms")),
-            "(fwd only)" if fwd_only else _ms(r.get("total_ms"), spread=True),
-            _f(r.get("peak_extra_mb"), ".1f"),
-            _f(r.get("time_vs_torch"), ".2f"), _f(r.get("mem_vs_torch"), ".3f"),
-            _f(r.get("time_vs_trl"), ".2f"), _f(r.get("mem_vs_trl"), ".3f"),
-            _f(r.get("tflops"), ".3f" if r.get("tflops", 0) < 10 else ".0f"),
-            _f(100 * r["floor_fraction"] if "floor_fraction" in r else None, ".0f"),
-            _f(r.get("logp_max_abs_err"), ".1e"), _f(r.get("entropy_max_abs_err"), ".1e"),
-            _f(r.get("grad_h_max_abs_err"), ".1e"),
-            escape(r.get("notes", "") + (f"; same measurement as {r['same_as']}" if r.get("same_as") else "")),
-        )
+        t.add_row(*_summary_cells(r))
+        note = r.get("notes", "") + (f"; same measurement as {r['same_as']}" if r.get("same_as") else "")
+        if note:
+            notes.append(((r["provider"], note), r["workload"]))
     con.print(t)
-    for (prov, status, reason), wls in collapsed.items():
-        where = ", ".join(wls) if len(wls) <= 4 else f"{len(wls)} workloads ({wls[0]} ... {wls[-1]})"
-        con.print(f"[dim]{status:>7} {prov}: {escape(reason)}  {escape('[' + where + ']')}[/dim]")
+    con.print(SUMMARY_LEGEND, style="dim")
+    if shapes:
+        con.print("shapes: " + escape("; ".join(f"{wl} {shape}" for wl, shape in shapes.items())), style="dim")
+    for (prov, note), wls in _grouped(notes).items():
+        con.print(f"[dim]{escape(prov)}: {escape(note)} {_where(wls)}[/dim]")
+    for (prov, status, reason), wls in _grouped(not_run).items():
+        style = "red" if status == "error" else "dim"
+        con.print(f"[{style}]{status:>7} {escape(prov)}: {escape(reason)} {_where(wls)}[/{style}]")

@@ -10,8 +10,16 @@ where a committed results file (``bench/results/*/session.json``, written by ``p
 for that workload and implementation; otherwise "not measured".
 
 Conventions: every token is live (W1's completion mask leaves ~75%: the model scales linearly); bf16 inputs (2-byte
-tiles and ``G``); "one pass" chunks as ``fastrl.losses.one_pass`` sizes them (a 1 GiB float32 tile: 1664 tokens at
-V = 151936), "two pass" vocabulary slices as ``fastrl.ops.hybrid`` does (4096 columns at 16384 tokens).
+tiles and ``G``). "One pass" chunks as ``fastrl.losses.one_pass`` sizes them: on ``hybrid`` a 1 GiB float32 tile
+(1664 tokens at V = 151936); on ``sm90`` ``fastrl.ops.budget.one_pass_rows`` of the device's memory
+(``--memory-gib``, default 80, an H100's): every token in one chunk when the bf16 scaled exps fit 1/16 of it, as W1's
+and W2's do, and then grad_W is one GEMM written once. "Two pass" vocabulary slices as ``fastrl.ops.hybrid`` cuts
+them (4096 columns at 16384 tokens); on ``sm90`` ``fastrl.ops.budget.grad_columns`` (1/128 of the memory: 8 slices
+on 80 GiB). ``sm90-nomem`` is the same backend where the device's memory is unknown (the budget's safe default, the
+hybrid rows above): what sm90 was before the rule.
+
+Targets (issue 33; same-run ratios): each target's design is the fastest modelled one; its ratio is its implied time
+over the baseline's implied time (TRL's, or the full head's for the kept set), computed here, never typed.
 """
 
 from __future__ import annotations
@@ -24,11 +32,17 @@ import os
 import sys
 from dataclasses import dataclass
 
-__all__ = ["WORKLOADS", "IMPLEMENTATIONS", "model", "measured", "main"]
+import torch
+
+from fastrl.ops.budget import grad_columns, one_pass_rows, tile_budget
+
+__all__ = ["WORKLOADS", "IMPLEMENTATIONS", "TARGETS", "MEMORY", "model", "targets", "measured", "main"]
 
 TFLOPS = 700e12  # bf16 GEMM rate, FLOP/s
 HBM = 4.3e12  # bytes/s
 S = 2  # bytes per bf16 element
+MEMORY = 80 << 30  # device memory the sm90 tile rule sizes for (an H100's; an H200's 141 GiB gives the same counts
+# at W1 and W2: fastrl.ops.budget's table)
 
 
 @dataclass(frozen=True)
@@ -39,6 +53,7 @@ class Shape:
     H: int
     V: int
     H_teacher: int = 0  # divergence only
+    K: int = 0  # kept set only: ids per token
 
 
 WORKLOADS = (
@@ -48,6 +63,7 @@ WORKLOADS = (
     Shape("W2-lp", "logprob", 16384, 896, 151936),
     Shape("W3", "forward", 16384, 4096, 151936),
     Shape("divergence", "divergence", 16384, 896, 151936, H_teacher=1536),
+    Shape("kept", "kept", 16384, 4096, 151936, K=64),  # fused_logprobs forward + backward over K=64 ids per token
 )
 
 # implementation -> (what it is, names it may carry in a results file)
@@ -59,8 +75,14 @@ IMPLEMENTATIONS = {
                                                                                                   "fastrl")),
     "fused": ("fastrl triton-fused: tl.dot tiles consumed in registers, G through HBM", ("triton-fused",
                                                                                           "fastrl-fused")),
-    "sm90": ("fastrl triton-sm90 (new): persistent TMA kernels; one pass on bf16 scaled exps",
-             ("triton-sm90", "fastrl-sm90")),
+    "sm90": ("fastrl triton-sm90 (new): persistent TMA kernels; one pass on bf16 scaled exps; tiles sized by the "
+             "device's memory (--memory-gib)", ("triton-sm90", "fastrl-sm90")),
+    "sm90-nomem": ("the same where the device's memory is unknown (the budget's safe default: sm90 before the rule)",
+                   ()),
+    "union": ("fastrl's kept-set engine (built): union GEMMs per unit of rows (host plan, cap 8192 ids), disjoint "
+              "sets (the worst case)", ("kept", "fastrl-kept")),
+    "gather": ("a per-row gather (not built): each token reads its K rows of W; grad_W by id-sorted segments",
+               ("kept-gather",)),
     "atomics": ("a fully fused backward (Cut Cross-Entropy's design): both gradient GEMMs in the tile kernel, "
                 "float32 atomics", ("cce",)),
 }
@@ -78,12 +100,52 @@ def _slices(N: int, V: int) -> int:
     return math.ceil(V / cols)
 
 
-def model(w: Shape, impl: str) -> tuple[float, float, str] | None:
-    """(FLOPs, bytes beyond one read of the inputs, how) of ``impl`` on ``w``; None when it has no such path."""
+def _sm90_rows(w: Shape, memory: int | None) -> int:
+    """sm90 one-pass chunk rows: ``fastrl.ops.budget.one_pass_rows`` (bf16 scaled exps within 1/16 of ``memory``)."""
+    return one_pass_rows(w.V, w.H, w.N, torch.bfloat16, total_memory=memory)
+
+
+def _sm90_chunks(w: Shape, memory: int | None) -> int:
+    return math.ceil(w.N / _sm90_rows(w, memory))
+
+
+def _sm90_slices(N: int, V: int, memory: int | None) -> int:
+    """sm90 path A backward slices: ``fastrl.ops.budget.grad_columns`` (bf16 G within 1/128 of ``memory``)."""
+    return math.ceil(V / grad_columns(min(N, 1 << 14), V, torch.bfloat16, total_memory=memory))
+
+
+def _kept(w: Shape, impl: str) -> tuple[float, float, str] | None:
+    """fused_logprobs forward + backward over K ids per token (bf16 head, float32 weight-gradient rows)."""
+    N, H, K = w.N, w.H, w.K
+    if impl == "union":  # disjoint sets: cap // K rows per unit, |U| = cap ids; kept.entry_logits / entry_backward
+        cap = tile_budget("kept", "cuda").cap
+        units, rows = math.ceil(N / (cap // K)), cap // K
+        u_w, u_tile = cap * H, rows * cap
+        fwd = 3 * u_w * S + 4 * u_tile * 4  # gather W[U] (r + w), GEMM reads it; tile w, bias/transform r + w, read
+        # backward: zero + scatter the tile, G to bf16, gather again, GEMM reads; [|U|, H] float32 written, read by the
+        # index_add into the float32 buffer over the kept ids, which is read and written
+        bwd = 3 * u_tile * 4 + u_tile * S + 3 * u_w * S + u_w * 4 * 4
+        how = f"{units} units of {rows} rows x {cap} ids, gathers + fp32 dW rows"
+        return 6.0 * N * cap * H, units * (fwd + bwd), how
+    if impl == "gather":  # forward and grad_h read each entry's W row; grad_W reads each entry's h row (id order)
+        return 6.0 * N * K * H, 3.0 * N * K * H * S, "3 x N K H bf16 rows gathered, no tile, no [V, H] buffer"
+    return None
+
+
+def model(w: Shape, impl: str, memory: int | None = MEMORY) -> tuple[float, float, str] | None:
+    """(FLOPs, bytes beyond one read of the inputs, how) of ``impl`` on ``w``; None when it has no such path.
+    ``memory``: the device memory the sm90 tiles are sized for (None: unknown, the budget's safe default)."""
     N, H, V = w.N, w.H, w.V
     nv, nhv = float(N) * V, float(N) * H * V
     grad_w_rmw = V * H * 4 * 2  # one read + write of a float32 [V, H] accumulator
     grad_h_rmw = N * H * 4 * 2
+    if w.kind == "kept":
+        return _kept(w, impl)
+    if impl in ("union", "gather"):
+        return None
+    if impl == "sm90-nomem":
+        m = model(w, "sm90", None)
+        return None if m is None or w.kind in ("forward", "divergence") else m
     if w.kind == "divergence":
         Ht = w.H_teacher
         both = 2.0 * N * (H + Ht) * V  # one pass over both heads' logits
@@ -117,23 +179,116 @@ def model(w: Shape, impl: str) -> tuple[float, float, str] | None:
     if impl == "atomics":
         tiles = math.ceil(N / 128) * math.ceil(V / 256)
         return 8 * nhv, tiles * (128 + 256) * H * 4 * 2, "fp32 atomics of [128, H] and [256, H] per 128x256 tile"
-    if w.kind == "loss" and impl in ("hybrid", "sm90"):  # one pass (path B)
+    if w.kind == "loss" and impl == "hybrid":  # one pass (path B): fp32 tile w, fold r, grad r + G w, 2 GEMM reads
         acc = _chunks(N, V) * grad_w_rmw
-        if impl == "hybrid":  # fp32 tile w, fold r, grad r + G w (in place), two GEMM reads
-            return 6 * nhv, nv * (4 + 4 + 4 + S + 2 * S) + acc, "one pass, float32 tile, fp32 grad_W per chunk"
-        return 6 * nhv, nv * S * (1 + 2 + 2) + acc, "one pass, bf16 scaled exps (w, r + G w in place, 2 GEMM r)"
+        return 6 * nhv, nv * (4 + 4 + 4 + S + 2 * S) + acc, "one pass, float32 tile, fp32 grad_W per chunk"
+    if w.kind == "loss" and impl == "sm90":  # one pass on bf16 scaled exps: w, r + G w in place, two GEMM reads
+        c = _sm90_chunks(w, memory)
+        # one chunk: grad_W is one GEMM written once (an output, like path A's slices); else the accumulator per chunk
+        acc = 0 if c == 1 else c * grad_w_rmw
+        return 6 * nhv, nv * S * (1 + 2 + 2) + acc, f"one pass, bf16 scaled exps, {c} chunk(s)" + (
+            ": grad_W written once" if c == 1 else ", fp32 grad_W per chunk")
     if impl == "hybrid":  # path A: fwd fp32 tile w + r; bwd fp32 tile w + r, G w, two GEMM reads
         return 8 * nhv, nv * (8 + 8) + g_bytes + two_pass_acc, "path A, float32 tiles in both passes"
-    if impl in ("fused", "sm90"):
+    if impl == "fused":
         return 8 * nhv, g_bytes + two_pass_acc, "path A, no logits stored; G through HBM"
+    if impl == "sm90":
+        c = _sm90_slices(N, V, memory)
+        return 8 * nhv, g_bytes + c * grad_h_rmw, f"path A, no logits stored; G through HBM in {c} slices"
     return None
+
+
+# (workload, the ratio a design must reach, the baseline it is a ratio of): issue 33's targets
+TARGETS = (
+    ("W1", 0.75, "trl"),
+    ("W1-lp", 0.95, "trl"),
+    ("W2", 0.85, "trl"),
+    ("W2-lp", 0.9, "trl"),
+    ("W3", 0.95, "trl"),
+    ("divergence", 0.8, "trl"),
+    ("kept", 0.15, "full head"),  # the same call over the whole vocabulary: the fastest fastrl design at W1-lp
+)
+_BUILT = ("hybrid", "fused", "sm90", "sm90-nomem", "union")  # fastrl designs that exist as code
+_NOT_DESIGNS = ("floor", "trl")
+
+
+def implied_ms(w: Shape, impl: str, memory: int | None = MEMORY) -> float | None:
+    m = model(w, impl, memory)
+    return None if m is None else (m[0] / TFLOPS + m[1] / HBM) * 1e3
+
+
+def _workload(name: str) -> Shape:
+    return next(w for w in WORKLOADS if w.name == name)
+
+
+def _sm90_tile_gb(w: Shape, memory: int | None) -> float:
+    """Extra memory of the sm90 one-pass loss: its [chunk, V] bf16 tile, plus the float32 [V, H] accumulator when
+    there are several chunks (the cast to the gradient's dtype reads it once more at the end)."""
+    rows = min(w.N, _sm90_rows(w, memory))
+    return (rows * w.V * S + (0 if _sm90_chunks(w, memory) == 1 else w.V * w.H * 4)) / 1e9
+
+
+def _why(w: Shape, impl: str, memory: int | None) -> str:
+    """Why the target's row stands where it does, in the model's own numbers."""
+    floor = implied_ms(w, "floor", memory)
+    slices = ""
+    if w.kind == "logprob" and impl == "sm90":
+        slices = (f"; {_sm90_slices(w.N, w.V, memory)} G slices at {_gib(memory)} (memory unknown: "
+                  f"{_sm90_slices(w.N, w.V, None)}, {implied_ms(w, 'sm90-nomem', memory):.1f} ms)")
+    if w.name == "W1-lp":
+        four = 8.0 * w.N * w.H * w.V / TFLOPS * 1e3  # forward, recomputed logits, two gradient GEMMs
+        return (f"path A: every design that stores no logit recomputes them, 4 GEMMs = {four:.1f} ms = "
+                f"{four / implied_ms(w, 'trl', memory):.3f}x TRL with no byte moved; 0.95x is the target" + slices)
+    if w.kind == "loss" and impl == "sm90":
+        c, c0 = _sm90_chunks(w, memory), _sm90_chunks(w, None)
+        acc = "no accumulator" if c == 1 else f"{c} x {8 * w.V * w.H / 1e9:.1f} GB of float32 accumulator passes"
+        return (f"{c} chunk(s) at {_gib(memory)}, {acc} (memory unknown: {c0}, "
+                f"{implied_ms(w, 'sm90-nomem', memory):.1f} ms); "
+                f"extra memory {_sm90_tile_gb(w, memory):.1f} GB (unknown: {_sm90_tile_gb(w, None):.1f} GB); "
+                f"GEMMs alone {floor:.1f} ms")
+    if w.kind == "kept":
+        best_full = min(implied_ms(_workload("W1-lp"), i, memory) for i in _BUILT if i != "union")
+        u = implied_ms(w, "union", memory)
+        return (f"union (built) {u:.1f} ms = {u / best_full:.2f}x on disjoint sets: its per-unit gathers and "
+                f"float32 [|U|, H] weight-gradient rows; the gather design is not built")
+    if w.kind == "logprob":
+        return f"path A's 4 GEMMs alone {8.0 * w.N * w.H * w.V / TFLOPS * 1e3:.1f} ms" + slices
+    return f"GEMMs alone {floor:.1f} ms" + slices
+
+
+def _gib(memory: int | None) -> str:
+    return "memory unknown" if memory is None else f"{memory / (1 << 30):g} GiB"
+
+
+def targets(memory: int | None = MEMORY) -> list[dict]:
+    """Per target: the fastest modelled fastrl design, its FLOPs, bytes and implied time, the baseline's implied time,
+    the ratio (computed), whether it meets the target on paper, whether the design is built, and why."""
+    out = []
+    for name, goal, base in TARGETS:
+        w = _workload(name)
+        if base == "trl":
+            base_ms = implied_ms(w, "trl", memory)
+        else:  # the full head: the fastest built fastrl design of the same call over the whole vocabulary
+            base_ms = min(implied_ms(_workload("W1-lp"), i, memory) for i in _BUILT if model(_workload("W1-lp"), i))
+        designs = [i for i in IMPLEMENTATIONS if i not in _NOT_DESIGNS and model(w, i, memory) is not None]
+        best = min(designs, key=lambda i: implied_ms(w, i, memory))
+        fl, by, _ = model(w, best, memory)
+        ms = implied_ms(w, best, memory)
+        tied = [i for i in designs if i != best and model(w, i, memory)[:2] == (fl, by)]  # the same FLOPs and bytes
+        out.append(dict(target=name, goal=goal, baseline=base, baseline_ms=base_ms, design=best, tied=tied,
+                        built=best in _BUILT,
+                        tflop=fl / 1e12, gb=by / 1e9, implied_ms=ms, ratio=ms / base_ms, met=ms / base_ms <= goal,
+                        why=_why(w, best, memory)))
+    return out
 
 
 def measured(root: str) -> dict[tuple[str, str], float]:
     """(workload, implementation) -> the best median ms over the committed session results under ``root``."""
     out: dict[tuple[str, str], float] = {}
     alias = {a: impl for impl, (_, names) in IMPLEMENTATIONS.items() for a in names}
-    for path in sorted(glob.glob(os.path.join(root, "*", "session.json"))):
+    # bench/README's unpack path <device>/<date>-<commit>/session.json, and <device>/session.json
+    paths = glob.glob(os.path.join(root, "*", "session.json")) + glob.glob(os.path.join(root, "*", "*", "session.json"))
+    for path in sorted(paths):
         try:
             with open(path) as f:
                 data = json.load(f)
@@ -155,15 +310,18 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench roofline", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
-                    help="folder whose */session.json hold measured times (default bench/results)")
+                    help="folder whose */session.json and */*/session.json hold measured times (default bench/results)")
+    ap.add_argument("--memory-gib", type=float, default=MEMORY / (1 << 30),
+                    help="device memory the sm90 tiles are sized for, GiB (default 80; 0: unknown, the safe default)")
     args = ap.parse_args(argv)
+    memory = int(args.memory_gib * (1 << 30)) or None
     got = measured(args.results)
     head = ("workload", "implementation", "TFLOP", "GB moved", "ms @700TF", "ms @4.3TB/s", "implied ms", "measured ms",
             "how")
     table = [head]
     for w in WORKLOADS:
         for impl in IMPLEMENTATIONS:
-            m = model(w, impl)
+            m = model(w, impl, memory)
             if m is None:
                 continue
             fl, by, how = m
@@ -172,7 +330,8 @@ def main(argv=None) -> int:
             table.append((w.name, impl, f"{fl / 1e12:.1f}", f"{by / 1e9:.1f}", f"{t_f:.1f}", f"{t_b:.1f}",
                           f"{t_f + t_b:.1f}", "not measured" if ms is None else f"{ms:.1f}", how))
     widths = [max(len(r[i]) for r in table) for i in range(len(head))]
-    print("Roofline model (no GPU, nothing timed): implied ms = FLOPs / 700 TFLOP/s + bytes / 4.3 TB/s.")
+    print("Roofline model (no GPU, nothing timed): implied ms = FLOPs / 700 TFLOP/s + bytes / 4.3 TB/s; "
+          f"sm90 tiles for {_gib(memory)}.")
     for name, (what, _) in IMPLEMENTATIONS.items():
         print(f"  {name:8s} {what}")
     print()
@@ -180,7 +339,24 @@ def main(argv=None) -> int:
         print("  ".join(c.ljust(wd) for c, wd in zip(row, widths)).rstrip())
         if i == 0:
             print("  ".join("-" * wd for wd in widths))
+    _print_targets(targets(memory))
     return 0
+
+
+def _print_targets(rows: list[dict]) -> None:
+    head = ("target", "goal", "design", "built", "TFLOP", "GB moved", "implied ms", "baseline ms", "ratio", "on paper",
+            "why")
+    table = [head] + [(r["target"], f"<= {r['goal']:g}x", "=".join([r["design"]] + r["tied"]),
+                       "yes" if r["built"] else "no (paper)",
+                       f"{r['tflop']:.2f}", f"{r['gb']:.1f}", f"{r['implied_ms']:.1f}",
+                       f"{r['baseline_ms']:.1f} ({r['baseline']})", f"{r['ratio']:.3f}x",
+                       "met" if r["met"] else "NOT met", r["why"]) for r in rows]
+    widths = [max(len(r[i]) for r in table) for i in range(len(head))]
+    print("\nTargets (issue 33): the fastest modelled fastrl design per target, its ratio computed from the rows above")
+    for i, row in enumerate(table):
+        print("  ".join(c.ljust(wd) for c, wd in zip(row, widths)).rstrip())
+        if i == 0:
+            print("  ".join("-" * wd for wd in widths))
 
 
 if __name__ == "__main__":

@@ -98,6 +98,16 @@ def specs() -> list[Spec]:
         out += [Spec(k, note="student + teacher tiles"), Spec(k, bias=True, softcap=True)]
     out += [Spec("fold"), Spec("fold", bias=True, softcap=True), Spec("grad_tile"), Spec("grad_tile", bias=True, softcap=True),
             Spec("grad_tile", dtype="float32")]
+    # per-row kept sets (kernels/kept_rows.py): gather + multiply-reduce, no tensor cores by design (a matvec per
+    # token); "kept_grad" scatter-adds dW (and db with bias) with atomics ("_rows": into rows weight_rows names),
+    # "kept_grad_dh" is the deterministic
+    # path's dH half, "kept_segment_dw" its sorted fixed-order dW
+    out += [Spec("kept_logits", note="bf16 head, gathered rows"), Spec("kept_logits", bias=True),
+            Spec("kept_logits", dtype="float16"), Spec("kept_logits", dtype="float32"),
+            Spec("kept_grad", note="dH + atomic dW"), Spec("kept_grad", bias=True), Spec("kept_grad", dtype="float32"),
+            Spec("kept_grad_rows", note="atomic dW into a compact [R, H] buffer (weight_rows)"),
+            Spec("kept_grad_dh"), Spec("kept_segment_dw", note="deterministic dW"), Spec("kept_segment_dw", bias=True),
+            Spec("kept_segment_dw", dtype="float32")]
     # fused_divergence's hybrid kernels: both heads' float32 tiles in one pass (kernels/divergence_fold.py)
     out += [Spec("div_stats"), Spec("div_stats", bias=True, softcap=True), Spec("div_jsd"),
             Spec("div_jsd", bias=True, softcap=True), Spec("div_grad"), Spec("div_grad", bias=True, softcap=True),
@@ -178,6 +188,10 @@ def compile_spec(spec: Spec, arch: int):
                       BLOCK_C=PG.BLOCK_C, EMULATE_RNE=False)
         label = f"BLOCK_C={PG.BLOCK_C} w{PG.NUM_WARPS}"
         warps, stages = PG.NUM_WARPS, 3
+    elif spec.kernel.startswith("kept_"):
+        fn, types, consts, cfg = _kept_rows(spec, ty)
+        label = str(cfg)
+        warps, stages = cfg.num_warps, cfg.num_stages
     elif spec.kernel.startswith("div_"):
         from fastrl.kernels import divergence_fold as D
 
@@ -259,6 +273,29 @@ def _sm90_divergence(spec: Spec, cfg, ty: str, consts: dict, hdesc: str, wdesc: 
     types.update({p: "*fp32" for p in ("lse_s_ptr", "lse_t_ptr", "aux_ptr", "ent_ptr", "gd_ptr", "ge_ptr")},
                  g_desc=f"tensordesc<{ty}[{cfg.block_n},{cfg.block_v}]>")
     return PD._div_grad_kernel, types, dict(base, MODE=D.JSD, HAS_GD=True, HAS_GE=spec.entropy)
+
+
+def _kept_rows(spec: Spec, ty: str):
+    """(kernel, argument types, constexprs, config) of a per-row kept-set kernel at its default configuration; the
+    unit strides are constants, as a launch with contiguous ids, logits and grad specialises them."""
+    from fastrl.kernels import kept_rows as KR
+
+    fp32 = {p: "*fp32" for p in ("y_ptr", "g_ptr", "gh_ptr", "gw_ptr", "gb_ptr")}
+    types = dict(fp32, h_ptr=f"*{ty}", w_ptr=f"*{ty}", b_ptr=f"*{ty}", ids_ptr="*i64", rows_ptr="*i64",
+                 order_ptr="*i64", sid_ptr="*i64", end_ptr="*i64")
+    if spec.kernel == "kept_logits":
+        cfg = KR.DEFAULT_CONFIGS["kept_logits"]
+        consts = dict(stride_ik=1, stride_yk=1, HAS_BIAS=spec.bias, BLOCK_K=cfg.block_v, BLOCK_H=cfg.block_h)
+        return KR._logits_kernel, types, consts, cfg
+    if spec.kernel == "kept_segment_dw":
+        cfg = KR.DEFAULT_CONFIGS["kept_segment_dw"]
+        consts = dict(stride_gk=1, HAS_GW=True, HAS_GB=spec.bias, BLOCK_E=cfg.block_n, BLOCK_H=cfg.block_h)
+        return KR._segment_dw_kernel, types, consts, cfg
+    cfg = KR.DEFAULT_CONFIGS["kept_backward"]
+    atomic = spec.kernel in ("kept_grad", "kept_grad_rows")
+    consts = dict(stride_gk=1, stride_ik=1, stride_rk=1, ATOMIC_GW=atomic, ATOMIC_GB=atomic and spec.bias,
+                  HAS_ROWS=spec.kernel == "kept_grad_rows", BLOCK_K=cfg.block_v, BLOCK_H=cfg.block_h)
+    return KR._backward_kernel, types, consts, cfg
 
 
 def _cuobjdump() -> str:

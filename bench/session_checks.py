@@ -4,7 +4,10 @@ The same rule as the test-suite's (``tests/test_logprobs.py``: ``check_against_f
 float64 must be no worse than PyTorch's own at the input dtype (materialised, logits in that dtype) plus a small
 tolerance per dtype, and 2-byte log-probs within 1e-3 nats of float64 (which PyTorch's own bf16 logits miss by
 4e-3 to 8e-2). Cases: awkward and real shapes, fp16, temperature, softcap with a logit scale, a bias, V=262144,
-N*V > 2^31 (int64 offsets), and the one-pass policy loss with padding. Large cases check a subset of rows (the
+N*V > 2^31 (int64 offsets), a bias at H=896, float32 inputs, the one-pass policy loss with padding, and
+``fused_divergence`` (the generalized JSD at beta 0.5: both statistics passes and the mixture) against float64 by
+the same rule, per implementation (``triton-fused`` runs the hybrid's divergence kernels, ``triton-sm90`` its own).
+Large cases check a subset of rows (the
 first and last 128: each token's log-prob, entropy and hidden-state gradient depend on its own row only), so no
 [N, V] float64 tensor is built. An implementation that fails here cannot become a default (``bench/defaults.py``).
 """
@@ -15,11 +18,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["CASES", "SMOKE_CASES", "TOLERANCES", "LOGP_CAP", "LOSS_TOLERANCE", "run_check", "served_configs"]
+__all__ = ["CASES", "SMOKE_CASES", "TOLERANCES", "DIV_TOLERANCES", "LOGP_CAP", "LOSS_TOLERANCE", "run_check",
+           "served_configs"]
 
 # tests/test_logprobs.py's table (tests/test_bench_session.py checks that the two agree)
 TOLERANCES = {
     torch.float32: dict(out=1e-6, grad=1e-6),
+    torch.bfloat16: dict(out=1e-5, grad=2**-8),
+    torch.float16: dict(out=1e-5, grad=2**-10),
+}
+# tests/test_divergence.py's table: a float32 JSD gradient sums more terms than a log-prob's
+# (tests/test_bench_session.py checks that the two agree); the Triton backends feed a 2-byte G to the gradient GEMMs: one more rounding, twice the
+# gradient tolerance at 2-byte dtypes
+DIV_TOLERANCES = {
+    torch.float32: dict(out=2e-6, grad=2e-6),
     torch.bfloat16: dict(out=1e-5, grad=2**-8),
     torch.float16: dict(out=1e-5, grad=2**-10),
 }
@@ -38,6 +50,7 @@ class Case:
     tf: dict = field(default_factory=dict)  # temperature / softcap / logit_scale
     rows: int = 0  # 0: every row and every gradient in float64; else the first and last `rows` rows, grad_h only
     loss: bool = False  # the one-pass policy loss (B = 4) with padding instead of log-probs
+    divergence: int = 0  # the teacher's hidden width: fused_divergence (JSD, beta 0.5) instead of log-probs
 
 
 CASES = (
@@ -49,11 +62,16 @@ CASES = (
     Case("V262144", 1030, 4096, 262144, "bfloat16", rows=128),
     Case("int64-offsets", 14200, 256, 151936, "bfloat16", rows=128),  # 14200 * 151936 > 2^31
     Case("loss-dapo-padding", 2048, 896, 151936, "bfloat16", loss=True),
+    Case("bias-896", 300, 896, 32000, "bfloat16", bias=True),
+    Case("float32", 300, 896, 32000, "float32"),
+    Case("divergence-jsd", 300, 896, 32000, "bfloat16", divergence=1536),
 )
 SMOKE_CASES = (
     Case("awkward-bias", 47, 31, 123, "bfloat16", bias=True),
     Case("temperature-rows", 48, 32, 1000, "bfloat16", tf={"temperature": 0.7}, rows=8),
     Case("loss-dapo-padding", 32, 32, 512, "bfloat16", loss=True),
+    Case("float32-bias", 40, 32, 300, "float32", bias=True),
+    Case("divergence-jsd", 40, 32, 300, "float32", divergence=48),
 )
 
 
@@ -157,6 +175,41 @@ def _check_loss(c: Case, impl: str, device: torch.device) -> tuple[dict, list[st
     return err, fails
 
 
+def _check_divergence(c: Case, impl: str, device: torch.device) -> tuple[dict, list[str]]:
+    """The JSD at beta 0.5 per token and d(sum of it)/d(student hidden), against float64: no worse than PyTorch's
+    own error at the input dtype plus the dtype's tolerance."""
+    import fastrl
+    from fastrl.reference import divergence_reference
+
+    hidden, weight, _, _, _, _ = _inputs(c, device)
+    g = torch.Generator(device=device).manual_seed(1)
+    dt = getattr(torch, c.dtype)
+    th = torch.randn(c.N, c.divergence, generator=g, device=device).to(dt)
+    tw = (torch.randn(c.V, c.divergence, generator=g, device=device) * (3.0 / c.divergence**0.5)).to(dt)
+    div = fastrl.fused_divergence(hidden, weight, th, tw, beta=0.5, backend=impl)
+    (gh,) = torch.autograd.grad(div.sum(), [hidden])
+
+    def reference(dtype):
+        h = hidden.detach().to(dtype or dt).requires_grad_()
+        d, _ = divergence_reference(h, weight.detach().to(dtype or dt), th.to(dtype or dt), tw.to(dtype or dt),
+                                    beta=0.5, dtype=dtype)
+        return d.detach(), torch.autograd.grad(d.sum(), [h])[0]
+
+    (d64, g64), (dpt, gpt) = reference(torch.float64), reference(None)
+    tol = dict(DIV_TOLERANCES[dt])
+    if dt != torch.float32:
+        tol["grad"] *= 2
+    err = {"div": _max_err(div, d64), "div_torch": _max_err(dpt, d64), "grad_hidden": _rel_err(gh, g64),
+           "grad_hidden_torch": _rel_err(gpt, g64)}
+    fails = []
+    if err["div"] > err["div_torch"] + tol["out"]:
+        fails.append(f"divergence {err['div']:.2e} > PyTorch's {err['div_torch']:.2e} + {tol['out']:.0e}")
+    if err["grad_hidden"] > err["grad_hidden_torch"] + tol["grad"]:
+        fails.append(f"grad_hidden {err['grad_hidden']:.2e} (relative) > PyTorch's {err['grad_hidden_torch']:.2e} "
+                     f"+ {tol['grad']:.0e}")
+    return err, fails
+
+
 def served_configs() -> dict:
     """What each kernel launched since ``tuning.reset_served()`` ran at: {kernel: {config, source, use_tma}}."""
     from fastrl.kernels import tuning
@@ -174,9 +227,13 @@ def run_check(p: dict, device: torch.device) -> dict:
 
         if not supports_width(c.H, getattr(torch, c.dtype)):  # refused by design with a ValueError: not a failure
             return {"status": "n/a", "reason": f"triton-sm90 refuses H={c.H} in {c.dtype} (TMA needs 16-byte rows)"}
+        if c.divergence and not supports_width(c.divergence, getattr(torch, c.dtype)):
+            return {"status": "n/a", "reason": f"triton-sm90 refuses the teacher's H={c.divergence} in {c.dtype}"}
     tuning.reset_served()
-    err, fails = (_check_loss if c.loss else _check_logprobs)(c, p["implementation"], device)
+    check = _check_loss if c.loss else _check_divergence if c.divergence else _check_logprobs
+    err, fails = check(c, p["implementation"], device)
     return {"status": "ok", "pass": not fails, "reason": "; ".join(fails), "error": err,
             "configs_served": served_configs(),
-            "kind": "loss" if c.loss else "logprob", "N": c.N, "H": c.H, "V": c.V, "dtype": c.dtype,
+            "kind": "loss" if c.loss else "divergence" if c.divergence else "logprob", "N": c.N, "H": c.H, "V": c.V,
+            "dtype": c.dtype,
             "bias": c.bias, "transform": c.tf, "rows_checked": 2 * c.rows if c.rows else c.N}

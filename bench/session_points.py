@@ -2,11 +2,14 @@
 
     python -m bench.session_points SPEC.json
 
-SPEC (written by ``bench/session.py``): the device, whether this is a smoke run, the points in order, a deadline per
-section (epoch seconds) and the rows file. Before each point this process appends ``{"begin": id}`` to the rows
-file, after it the point's row(s), flushed: a parent that finds a ``begin`` without its row knows which point
-killed the process (a CUDA fault is sticky, so it starts a fresh process for the points left). A point past its
-section's deadline becomes a ``skipped`` row without running. Sections (``point["section"]``):
+SPEC (written by ``bench/session.py``): the device, whether this is a smoke run, the points in order (one section),
+the section's deadline (epoch seconds) and the rows file (the run's one file, shared by its sections). Before each
+point this process appends ``{"begin": id, "t": epoch}`` to the rows file, after it the point's row, each line one
+write: a parent that finds a ``begin`` without its row knows which point is running (its watchdog) or killed the
+process (a CUDA fault is sticky, so it starts a fresh process for the points left). A point past the deadline
+becomes a ``skipped`` row without running. ``FASTRL_SESSION_FAULT`` (tests only: ``hang:TEXT`` or ``crash:TEXT``,
+``;``-separated) makes every point whose id contains TEXT hang or kill this process, as a kernel that never returns
+or a fault would. Sections (``point["section"]``):
 
 * ``checks``: one implementation at one case against float64 (``bench/session_checks.py``);
 * ``tournament`` / ``configs`` / ``autotune``: a provider at one of W1, W1-lp, W2, W2-lp, W3 (``bench/workloads.py``),
@@ -22,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -177,11 +181,13 @@ def _lmhead_point(p: dict, lm: LMHead, times: dict) -> dict:
                                            total_only=True)
         else:
             m, kept = measure.measure_cpu(op, states, reps=1, warmup=0, keep_rows=lm.rows)
-    from fastrl.ops.backend import resolve_backend
+    from fastrl.ops.backend import builtin_choice, resolve_backend
 
-    # what backend="triton" / "auto" picks for this work in this process: the row that stands for today's default
+    # what backend="triton" / "auto" picks for this work in this process (the row that stands for today's default),
+    # and the built-in choice a measured winner must beat (bench/defaults.py)
     auto = resolve_backend(lm.device, "triton", kind=wl.kind, H=wl.H, dtype=getattr(torch, wl.dtype))
-    row = {"status": "ok", "auto": auto, "path": op.path, "notes": "; ".join(op.notes), "total_ms": m["total_ms"],
+    row = {"status": "ok", "auto": auto, "builtin": builtin_choice(lm.device), "path": op.path,
+           "notes": "; ".join(op.notes), "total_ms": m["total_ms"],
            "extra_mb": m["peak_extra_mb"], "configs_served": served_configs(),
            "flops": W.flops(wl, "total"), "error": {} if sets[0] is None else _error(op, wl, sets[0], kept, lm)}
     times[(impl, config, p["workload"], p["provider"])] = m["total_ms"]["median"]
@@ -219,9 +225,11 @@ def _keptset_point(p: dict, device: torch.device) -> dict:
 def _divergence_point(p: dict, device: torch.device) -> dict:
     from bench import divergence
 
+    impl = p.get("implementation")
     spec = {"kind": "divergence", "workload": p["spec"], "provider": p["provider"], "device": device.type,
             "reps": 1 if p["smoke"] else 6, "warmup": 0 if p["smoke"] else 2, "n_sets": 1 if p["smoke"] else 2,
-            "seed": 1234, "threads": 0, "options": {}, "rep_ms": 50 if p["smoke"] else 300, "total_only": True,
+            "seed": 1234, "threads": 0, "options": {"fastrl_backend": impl} if impl else {},
+            "rep_ms": 50 if p["smoke"] else 300, "total_only": True,
             "accuracy_rows": 16 if p["smoke"] else 256}
     res = divergence.run_point(spec)
     if res.get("status") != "ok":
@@ -286,47 +294,69 @@ def _cuda_usable() -> bool:
         return False
 
 
+FAULT_ENV = "FASTRL_SESSION_FAULT"
+
+
+def _inject_fault(point_id: str) -> None:
+    """Tests only: hang in, or die at, the points ``FASTRL_SESSION_FAULT`` names (see the module docstring)."""
+    for item in filter(None, os.environ.get(FAULT_ENV, "").split(";")):
+        kind, _, text = item.partition(":")
+        if text and text in point_id:
+            if kind == "hang":
+                time.sleep(3600)
+            elif kind == "crash":
+                os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _append(path: str, row: dict) -> None:
+    """One line, one write (O_APPEND): processes side by side never interleave inside a line."""
+    with open(path, "a") as f:
+        f.write(json.dumps(row, default=str) + "\n")
+
+
+def _pruning_times(rows_path: str) -> dict:
+    """A restarted process: the configs rows of the last one still decide pruning."""
+    times: dict = {}
+    lines = open(rows_path).read().splitlines() if os.path.exists(rows_path) else []  # noqa: SIM115
+    for line in lines:
+        r = json.loads(line) if line.strip() else {}
+        if r.get("status") == "ok" and "total_ms" in r and r.get("section") == "configs":
+            times[(r.get("implementation"), r.get("config"), r["workload"], r["provider"])] = r["total_ms"]["median"]
+    return times
+
+
 def main(argv: list[str]) -> int:
     with open(argv[0]) as f:
         spec = json.load(f)
     device = torch.device(spec["device"])
     rows_path = spec["rows"]
     lm = LMHead(device, spec["smoke"])
-    times: dict = {}
-    lines = open(rows_path).read().splitlines() if os.path.exists(rows_path) else []  # noqa: SIM115
-    for line in lines:  # a restarted process: the rows of the last one still decide pruning
-        if line.strip():
-            r = json.loads(line)
-            if r.get("status") == "ok" and "total_ms" in r and r.get("section") in ("tournament", "configs"):
-                key = (r.get("implementation"), r.get("config"), r["workload"], r["provider"])
-                times[key] = r["total_ms"]["median"]
+    times = _pruning_times(rows_path)
     for p in spec["points"]:
         base = {k: p[k] for k in ("id", "section", "workload", "provider", "implementation", "config") if k in p}
         wl = lm.wls.get(p.get("workload", ""))
         if wl is not None and p["section"] in ("tournament", "configs", "autotune"):
             base.update(kind=wl.kind, N=wl.N, H=wl.H, V=wl.V, dtype=wl.dtype)
-        left = spec["deadlines"][p["section"]] - time.time()
-        with open(rows_path, "a") as f:
-            f.write(json.dumps({"begin": p["id"]}) + "\n")
+        left = spec["deadline"] - time.time()
+        _append(rows_path, {"begin": p["id"], "t": time.time()})
         t0 = time.perf_counter()
         if left <= 0:
             row = {**base, "status": "skipped", "reason": "the section's time ran out (--budget)"}
         else:
+            _inject_fault(p["id"])
             try:
                 row = {**base, **_run(p, device, lm, times)}
             except Exception as e:  # noqa: BLE001 - a row that says why; the next point still runs
                 row = {**base, "status": "error", "reason": _first_line(e), "traceback": traceback.format_exc(limit=6)}
             if device.type == "cuda" and not _cuda_usable():
                 row["reason"] = row.get("reason", "") + " (the CUDA context is broken: this process stops here)"
-                with open(rows_path, "a") as f:
-                    f.write(json.dumps({**row, "point_s": time.perf_counter() - t0}, default=str) + "\n")
+                _append(rows_path, {**row, "point_s": time.perf_counter() - t0, "pid": os.getpid(), "crashed": True})
                 _echo(row)
-                # bench.session.RESTART: a sticky CUDA error fails every later launch; the parent starts a fresh process
+                # bench.session_run.RESTART: a sticky CUDA error fails every later launch; the parent starts a fresh process
                 os._exit(3)
         row["point_s"] = time.perf_counter() - t0
         row["pid"] = os.getpid()
-        with open(rows_path, "a") as f:
-            f.write(json.dumps(row, default=str) + "\n")
+        _append(rows_path, row)
         _echo(row)
     return 0
 

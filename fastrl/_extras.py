@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import importlib.util
 
-__all__ = ["TRL_EXTRA", "missing_modules", "extra_error", "require_extra"]
+__all__ = ["DISTRIBUTION", "TRL_EXTRA", "missing_modules", "extra_error", "require_extra"]
+
+# the name fastrl is published and installed under (pyproject.toml's [project] name; the import name stays
+# `fastrl`): the package index's `fastrl` is an unrelated project
+DISTRIBUTION = "fastrl-kernels"
 
 # top-level modules the `trl` extra installs (pyproject.toml, [project.optional-dependencies] trl)
 TRL_EXTRA = ("trl", "transformers", "accelerate", "datasets", "tokenizers")
@@ -34,7 +38,7 @@ def extra_error(what: str, missing: str | list[str], extra: str = "trl") -> Modu
     listed = ", ".join(repr(n) for n in names)
     err = ModuleNotFoundError(
         f"{what} needs the package{'s' if len(names) > 1 else ''} {listed}, which {'are' if len(names) > 1 else 'is'} "
-        f"not installed. Install fastrl's '{extra}' extra: pip install \"fastrl[{extra}]\" "
+        f"not installed. Install fastrl's '{extra}' extra: pip install \"{DISTRIBUTION}[{extra}]\" "
         f"(from a checkout of the repository: pip install -e \".[{extra}]\").",
         name=names[0],
     )

@@ -5,7 +5,7 @@
     python -m fastrl.demo --quick          # a short run with a smaller comparison batch
     python -m fastrl.demo --steps 80
 
-Needs the ``trl`` extra (``pip install "fastrl[trl]"``). Nothing is downloaded: the models are randomly
+Needs the ``trl`` extra (``pip install "fastrl-kernels[trl]"``). Nothing is downloaded: the models are randomly
 initialised from a config and the tokenizer is built offline.
 
 Part 1, training. A toy task whose reward really rises within a minute: the prompt is a few random words of a
@@ -151,7 +151,7 @@ def step_line(step: int, steps: int, logs: dict) -> str | None:
     parts = [f"step {step:>{len(str(steps))}}/{steps}", f"reward {logs['reward']:.3f}"]
     if "reward_std" in logs:
         parts[-1] += f" (std {logs['reward_std']:.3f})"
-    for key, label, fmt in (("entropy", "entropy", ".2f"), ("loss", "loss", "+.4f"),
+    for key, label, fmt in (("entropy", "entropy", ".2f"), ("loss", "loss", "+.3g"),
                             ("completions/mean_length", "length", ".1f"), ("step_time", "s/step", ".2f")):
         if key in logs:
             parts.append(f"{label} {logs[key]:{fmt}}" if label != "s/step" else f"{logs[key]:{fmt}} s")
@@ -237,19 +237,20 @@ def _trim_heap() -> None:
 
 def measure_step(which: str, vocab: int, hidden: int, layers: int, batch: int, prompt_len: int,
                  completion_len: int, loss_type: str = "dapo", seed: int = 0, device: str = "cpu",
-                 dtype: str = "float32", reps: int | None = None) -> dict:
+                 dtype: str = "float32", reps: int | None = None, progress=None) -> dict:
     """One training step (compute_loss + backward) with ``which`` in ("trl", "fastrl"); run in a fresh process.
 
     Returns the step's peak memory above what the process held before it (``peak_extra_mb``), its time
     (``seconds``, the median over ``reps`` timed steps), the loss, and how the memory was measured.
+    ``progress(message)``, when given, is called as each phase ends (trainer built, warm-up, each timed step).
     """
     with contextlib.ExitStack() as stack:  # holds the trainer's (unused) output folder until the end
         return _measure_step(stack, which, vocab, hidden, layers, batch, prompt_len, completion_len, loss_type,
-                             seed, device, dtype, reps)
+                             seed, device, dtype, reps, progress or (lambda message: None))
 
 
 def _measure_step(stack, which, vocab, hidden, layers, batch, prompt_len, completion_len, loss_type, seed, device,
-                  dtype, reps) -> dict:
+                  dtype, reps, progress) -> dict:
     import resource
 
     import torch
@@ -296,7 +297,10 @@ def _measure_step(stack, which, vocab, hidden, layers, batch, prompt_len, comple
 
     # untimed warm-up: on a GPU at the measured shape (Triton compiles its kernels at the first call), on a CPU
     # at a short length (lazy initialisation, without doubling the run time)
+    progress("trainer built; warm-up step")
+    t_warm = time.perf_counter()
     step(inputs_for(completion_len if cuda else min(completion_len, 16), seed + 1))
+    progress(f"warm-up done ({time.perf_counter() - t_warm:.1f} s); timing {reps} step{'s' if reps > 1 else ''}")
     model.zero_grad(set_to_none=True)
     inputs = inputs_for(completion_len, seed)
     times, peaks, losses = [], [], []
@@ -319,6 +323,7 @@ def _measure_step(stack, which, vocab, hidden, layers, batch, prompt_len, comple
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+        progress(f"step {len(times)}/{reps}: {times[-1]:.2f} s")
         if cuda:
             peaks.append((torch.cuda.max_memory_allocated() - base) / 2**20)
         elif exact:
@@ -334,17 +339,35 @@ def _measure_step(stack, which, vocab, hidden, layers, batch, prompt_len, comple
 
 
 def run_measurement(which: str, timeout: float = 1800, **kw) -> dict:
-    """``measure_step`` in a fresh Python process (so neither trainer sees the other's allocator state)."""
+    """``measure_step`` in a fresh Python process (so neither trainer sees the other's allocator state), its
+    progress lines printed as they come."""
+    import threading
+
     cmd = [sys.executable, "-m", "fastrl.demo", "--_measure", json.dumps({"which": which, **kw})]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
+    t0 = time.perf_counter()
+    print(f"  {LABELS[which]:>9}: starting a fresh process", flush=True)
+    with tempfile.TemporaryFile(mode="w+") as err:  # a file, not a pipe: a full stderr pipe would stall the child
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+        timer = threading.Timer(timeout, proc.kill)
+        timer.start()
+        result, lines = None, []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("PROGRESS "):
+                print(f"  {LABELS[which]:>9}: {line[len('PROGRESS '):].rstrip()} "
+                      f"[{time.perf_counter() - t0:.0f} s]", flush=True)
+            elif line.startswith("MEASURE "):
+                result = json.loads(line[len("MEASURE "):])
+        killed = proc.wait() != 0 and not timer.is_alive()
+        timer.cancel()
+        err.seek(0)
+        stderr = err.read()
+    if result is not None:
+        return result
+    if killed:
         return dict(which=which, error=f"no result within {timeout:.0f} s")
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("MEASURE "):
-            return json.loads(line[len("MEASURE "):])
-    return dict(which=which, error=(proc.stderr or proc.stdout)[-2000:])
+    return dict(which=which, error=(stderr or "".join(lines))[-2000:])
 
 
 LABELS = {"trl": "stock TRL", "fastrl": "fastrl"}
@@ -368,7 +391,7 @@ def compare(shape: dict) -> list[dict]:
             print(f"  {LABELS[r['which']]:>9}: failed: {lines[-1]}")
         else:
             print(f"  {LABELS[r['which']]:>9}: {r['peak_extra_mb']:8.1f} MB   {r['seconds']:7.3f} s   "
-                  f"loss {r['loss']:+.6f}", flush=True)
+                  f"loss {r['loss']:+.6g}", flush=True)
     return rows
 
 
@@ -440,7 +463,8 @@ def main(argv: list[str] | None = None, *, shape: dict | None = None) -> int:
         print(f"error: {extra_error('python -m fastrl.demo', missing)}", file=sys.stderr)
         return 1
     if a._measure is not None:
-        print("MEASURE " + json.dumps(measure_step(**json.loads(a._measure))), flush=True)
+        row = measure_step(**json.loads(a._measure), progress=lambda m: print("PROGRESS " + m, flush=True))
+        print("MEASURE " + json.dumps(row), flush=True)
         return 0
     if a.steps is not None and a.steps < 1:
         parser.error(f"--steps must be at least 1, got {a.steps}")

@@ -5,7 +5,7 @@ Read by ``fastrl.ops.backend.choose_triton`` (CHOICES: which implementation ``ba
 or dtype without an entry keeps the built-in choice. Each entry names the session file that chose it.
 """
 
-# the committed session files read; a family's newest run decides its entries
+# the committed session files read; each entry comes from the newest run that decided its key
 RUNS = ()
 
 # implementation per (family, kind, dtype, H range): h_min <= H < h_max, None = unbounded

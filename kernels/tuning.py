@@ -16,7 +16,9 @@ forward ran fastest at 128x256x64 with 8 warps and 3 stages (2.2x the 64x128 til
 kernel at 128x256x64, 8 warps, 4 stages. Those timings were taken with the older pointer-load kernels; the
 TMA kernels use the same tiles, and compiled offline for sm_90 (``python -m bench sass``) they hold them in
 registers without spills. Ampere and other families keep the 64x128x64 tile, which fits their shared memory
-and was never measured to lose. The interpreter runs real block sizes too (the CPU tests check these tiles).
+and was never measured to lose. Under the interpreter (the CPU tests) every kernel is served the 64x128x64 w8 s3
+tile of the table's "interpreter" rows, not the sm90 defaults (128x256, 128x128, 128x64): those are checked compiled
+for sm_90 by ``python -m bench sass`` and, on a GPU, by ``python -m bench session``'s float64 checks.
 """
 
 from __future__ import annotations
@@ -87,7 +89,8 @@ CONFIGS[("grad", "sm90", True, "bias")] = _MID
 # The persistent TMA kernels of the "triton-sm90" backend (kernels/persistent_stats.py, persistent_grad.py): TMA only
 # (the backend refuses tensors TMA cannot address), so only the tma=True rows exist. Not yet timed on a GPU: the
 # tiles are the measured best of the fused kernels above, which compile for sm_90 without spills in the persistent
-# loop too (python -m bench sass); the tournament (CANDIDATES_BY_KERNEL) measures the alternatives.
+# loop too (python -m bench sass). ``python -m bench session``'s configs section forces each of these kernels' own
+# candidates (CANDIDATES_BY_KERNEL) and ``python -m bench defaults`` installs one only where it beat this table by 3%.
 # "sm90_exp_stats" is the forward that also writes the scaled exps of the one-pass loss.
 for _k, _like in (("sm90_stats", "stats"), ("sm90_exp_stats", "stats"), ("sm90_grad", "grad")):
     for _fam in ("sm90", "other", "interpreter"):
@@ -125,7 +128,9 @@ CANDIDATES: tuple[KernelConfig, ...] = (
     KernelConfig(64, 128, 64, 8, 3),
 )
 
-# Per-kernel candidate lists where they differ from CANDIDATES (what FASTRL_AUTOTUNE=1 and the GPU tournament try).
+# Per-kernel candidate lists where they differ from CANDIDATES: what FASTRL_AUTOTUNE=1 times and what the GPU session's
+# configs section forces (``bench.session.candidates_for``: the union over an implementation's log-prob and loss
+# kernels; ``sm90_div``'s list only FASTRL_AUTOTUNE=1 tries: no session section forces divergence configurations).
 # The persistent kernels add a 4-stage pipeline at 128x256 (a stage is 48 KB there: 192 KB of 227) and 128x128
 # with 4 warps (one warpgroup, Liger-style M=128 tiles per consumer).
 CANDIDATES_BY_KERNEL: dict[str, tuple[KernelConfig, ...]] = {
@@ -151,6 +156,27 @@ CANDIDATES_BY_KERNEL: dict[str, tuple[KernelConfig, ...]] = {
         KernelConfig(128, 256, 64, 8, 3),
         KernelConfig(128, 128, 64, 8, 4),
         KernelConfig(128, 128, 64, 4, 4),
+    ),
+    # per-row kept sets (kernels/kept_rows.py, defaults in its DEFAULT_CONFIGS, first here): read as (1, BLOCK_K ids,
+    # BLOCK_H, warps, stages); the segment scatter as (BLOCK_E sorted entries, 1, BLOCK_H, ...). python -m bench sass
+    # checks the defaults for spills; the others compiled for sm_90 without spills when added (Triton 3.9, by hand).
+    # Memory-bound gathers: the tiles trade bytes in flight against blocks per SM.
+    "kept_logits": (
+        KernelConfig(1, 32, 128, 4, 2),
+        KernelConfig(1, 16, 256, 4, 2),
+        KernelConfig(1, 64, 128, 8, 2),
+        KernelConfig(1, 32, 256, 8, 3),
+    ),
+    "kept_backward": (
+        KernelConfig(1, 16, 128, 4, 2),
+        KernelConfig(1, 8, 256, 4, 2),
+        KernelConfig(1, 32, 128, 8, 2),
+        KernelConfig(1, 16, 256, 8, 2),
+    ),
+    "kept_segment_dw": (
+        KernelConfig(16, 1, 128, 4, 2),
+        KernelConfig(32, 1, 128, 4, 2),
+        KernelConfig(16, 1, 256, 8, 2),
     ),
 }
 

@@ -55,7 +55,7 @@ print("RESULT " + json.dumps(res))
 
 
 def test_bench_cli_commands(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FASTRL_BENCH_OUT")}
     script = SCRIPT.replace("TMP", repr(str(tmp_path)))
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=120)
@@ -92,7 +92,28 @@ def test_bench_cli_commands(tmp_path):
     code, err = res["errors"]["w4 --providers torch"]
     assert code == 2 and "unrecognized arguments for `w4`: --providers torch" in err
 
-    out = res["out"]
-    assert Path(out["smoke"]).parent == tmp_path and Path(out["smoke"]).name.startswith("fastrl-bench-smoke-")
+    out = res["out"]  # a new folder outside the repository unless --out names one
+    assert Path(out["smoke"]).parent == tmp_path / "fastrl-bench" and Path(out["smoke"]).name.startswith("run-smoke-cpu-x-")
     assert out["smoke_out"] == "/some/where"
-    assert out["full"] == str(REPO / "bench" / "results" / "cpu-x")
+    assert Path(out["full"]).parent == tmp_path / "fastrl-bench" and Path(out["full"]).name.startswith("run-cpu-x-")
+    assert out["full"] != out["smoke"] and not Path(out["full"]).is_relative_to(REPO)
+
+
+def test_the_summary_fits_120_columns():
+    """The committed quick run's rows, printed as the summary: no line past 120 columns, no figure cut."""
+    import json
+
+    from rich.console import Console
+
+    from bench import report
+
+    rows = json.loads((REPO / "bench" / "results" / "cpu-amd-epyc-2c" / "run-quick.json").read_text())["rows"]
+    con = Console(width=report.SUMMARY_WIDTH, record=True)
+    report.print_table(con, rows, "summary")
+    text = con.export_text()
+    assert max(len(line) for line in text.splitlines()) <= 120
+    assert "\u2026" not in text  # rich's ellipsis: a cell cut short
+    measured = [r for r in rows if r["status"] == "ok" and r["group"] != "floor"]
+    for r in measured:  # every measured row's time, memory and ratio, as its own line
+        line = next(x for x in text.splitlines() if x.split()[:2] == [r["workload"], r["provider"]])
+        assert f"{r['peak_extra_mb']:.1f}" in line and f"{r['time_vs_torch']:.2f}" in line, line

@@ -105,14 +105,16 @@ def _fused(cfg):
             for k in ("stats", "grad")}
 
 
-def _session(path, rows, *, family="sm90", clean=True, smoke=False, created="2026-12-01T10:00:00+00:00"):
+def _session(path, rows, *, family="sm90", clean=True, smoke=False, created="2026-12-01T10:00:00+00:00",
+             commit="abc1234", checks="full"):
+    checks_kind = checks
     checks = [dict(section="checks", workload="awkward", provider="fastrl", implementation=i, status="ok", pass_=True)
               for i in ("triton-hybrid", "triton-fused")]
     for c in checks:
         c["pass"] = c.pop("pass_")
-    data = {"command": "session", "smoke": smoke, "rows": checks + rows,
+    data = {"command": "session", "smoke": smoke, "rows": checks + rows, "checks": checks_kind,
             "env": {"device": "NVIDIA H200", "device_type": "cpu" if smoke else "cuda", "family": family,
-                    "fastrl_commit": "abc1234", "tree_clean": clean, "created": created}}
+                    "fastrl_commit": commit, "tree_clean": clean, "created": created}}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(__import__("json").dumps(data))
     return path
@@ -154,12 +156,13 @@ def test_a_session_that_crowns_another_implementation_changes_the_table_and_auto
     _session(tmp_path / "nvidia-h200" / "run" / "session.json", _crowning_rows())
     table = defaults.build([tmp_path])
     picks = {(e["kind"], e["h_min"], e["h_max"]): e["implementation"] for e in table["CHOICES"]}
-    assert picks == {("loss", 1916, None): "triton-hybrid", ("logprob", None, 1916): "triton-hybrid",
-                     ("logprob", 1916, None): "triton-fused", ("forward", 1916, None): "triton-fused"}
+    # only wins enter: the hybrid (the built-in choice) winning W2-lp and the loss leaves those keys to it unwritten;
+    # the fused 64x256 row at W2-lp has no default-configuration fused row to beat, so no configuration at H=896
+    assert picks == {("logprob", 1916, None): "triton-fused", ("forward", 1916, None): "triton-fused"}
     assert all(e["run"].endswith("nvidia-h200/run/session.json") for e in table["CHOICES"])
     ns = _install(monkeypatch, table)
-    assert ns["RUNS"][0]["used"] and "0.79x TRL" in next(e["evidence"] for e in ns["CHOICES"] if e["kind"] == "logprob"
-                                                             and e["h_min"] == 1916)
+    assert ns["RUNS"][0]["used"] and "(0.743x)" in next(e["evidence"] for e in ns["CHOICES"] if e["kind"] == "logprob"
+                                                            and e["h_min"] == 1916)  # 101 ms against the hybrid's 136
     bf16 = torch.bfloat16
     assert backend.resolve_backend(CUDA, kind="logprob", H=4096, dtype=bf16) == "triton-fused"
     assert backend.resolve_backend(CUDA, "triton", kind="forward", H=2048, dtype=bf16) == "triton-fused"
@@ -171,14 +174,14 @@ def test_a_session_that_crowns_another_implementation_changes_the_table_and_auto
     # the fused kernels' launch configuration: its fastest log-prob row's, per H range
     kw = dict(V=151936, dtype=bf16, use_tma=True)
     assert tuning.config_for("stats", CUDA, H=4096, **kw) == CFG == tuning.config_for("grad", CUDA, H=4096, **kw)
-    assert tuning.config_for("grad", CUDA, H=896, **kw) == CFG  # W2-lp's only fused row
+    assert tuning.config_for("grad", CUDA, H=896, **kw) == tuning.CONFIGS[("grad", "sm90", True, "default")]
     monkeypatch.setattr(tuning, "device_family", lambda device: "sm80")  # a family no session measured
     monkeypatch.setattr(backend, "device_family", tuning.device_family)
     assert backend.resolve_backend(CUDA, kind="logprob", H=4096, dtype=bf16) == "triton-hybrid"
     assert tuning.config_for("stats", CUDA, H=4096, **kw) == tuning.CONFIGS[("stats", "sm90", True, "default")]
 
 
-def test_only_checked_clean_gpu_runs_decide_and_the_newest_wins(tmp_path):
+def test_only_checked_clean_gpu_runs_decide(tmp_path):
     from bench import defaults
 
     rows = _crowning_rows()
@@ -186,15 +189,103 @@ def test_only_checked_clean_gpu_runs_decide_and_the_newest_wins(tmp_path):
                                              implementation="triton-fused", status="ok", **{"pass": False})]
     _session(tmp_path / "a" / "session.json", failed, created="2026-12-02T00:00:00+00:00")
     table = defaults.build([tmp_path])
-    assert {e["implementation"] for e in table["CHOICES"]} == {"triton-hybrid"} and not table["CONFIGS"]
-    _session(tmp_path / "b" / "session.json", rows, clean=False, created="2026-12-03T00:00:00+00:00")
+    assert not table["CHOICES"] and not table["CONFIGS"]  # the fused rows cannot count: it failed a float64 check
+    _session(tmp_path / "b" / "session.json", rows, clean=False, created="2026-12-03T00:00:00+00:00", commit="def5678")
     _session(tmp_path / "c" / "session.json", rows, smoke=True, created="2026-12-04T00:00:00+00:00")
     runs = {r["run"].split("/")[-2]: r for r in defaults.build([tmp_path])["RUNS"]}
-    assert runs["a"]["used"] and "uncommitted" in runs["b"]["why"] and "smoke" in runs["c"]["why"]
+    assert not runs["a"]["used"] and "beat" in runs["a"]["why"]
+    assert "uncommitted" in runs["b"]["why"] and "smoke" in runs["c"]["why"]
     table = defaults.build([tmp_path], allow_dirty=True)
     runs = {r["run"].split("/")[-2]: r for r in table["RUNS"]}
-    assert runs["b"]["used"] and "superseded" in runs["a"]["why"]
-    assert "triton-fused" in {e["implementation"] for e in table["CHOICES"]}
+    assert runs["b"]["used"] and "triton-fused" in {e["implementation"] for e in table["CHOICES"]}
+    # a second call's quick check (one case) cannot clear what the first call's full checks failed at that commit,
+    # and alone it clears nothing
+    _session(tmp_path / "a" / "session-rest.json", rows, created="2026-12-02T00:09:00+00:00", checks="quick")
+    table = defaults.build([tmp_path / "a"])
+    assert not table["CHOICES"] and not table["CONFIGS"]
+    _session(tmp_path / "d" / "session-rest.json", rows, commit="0123abc", checks="quick")
+    assert "full float64 checks" in defaults.build([tmp_path / "d"])["RUNS"][0]["why"]
+
+
+def test_a_later_partial_session_never_erases_an_earlier_choice(tmp_path):
+    """Call 2 of a window measures compile and W4 only (session-rest.json, newer): call 1's choices stand. A newer
+    session that measures the same key again decides it, whichever way it goes."""
+    from bench import defaults
+
+    _session(tmp_path / "w" / "session.json", _crowning_rows(), created="2026-12-01T10:00:00+00:00")
+    alone = defaults.build([tmp_path])
+    rest = [dict(section="compile", workload="compile-step", provider="fastrl-eager", status="ok",
+                 total_ms={"median": 50.0}), dict(section="w4", workload="W4-4096", provider="trl", status="ok",
+                                                  total_ms={"median": 900.0})]
+    _session(tmp_path / "w" / "session-rest.json", rest, created="2026-12-01T10:09:00+00:00")
+    merged = defaults.build([tmp_path])
+    assert merged["CHOICES"] == alone["CHOICES"] and merged["CONFIGS"] == alone["CONFIGS"] and alone["CHOICES"]
+    runs = {r["run"].split("/")[-1]: r for r in merged["RUNS"]}
+    assert runs["session.json"]["used"] and not runs["session-rest.json"]["used"]
+    # a newer full session where the hybrid is now the faster at W1-lp: the logprob choice at H=4096 goes back to it
+    hybrid_wins = [dict(r, total_ms={"median": 90.0}) if (r["workload"], r["implementation"]) == ("W1-lp",
+                   "triton-hybrid") else r for r in _crowning_rows()]
+    _session(tmp_path / "x" / "session.json", hybrid_wins, created="2026-12-05T00:00:00+00:00")
+    newer = defaults.build([tmp_path])
+    assert ("logprob", 1916) not in {(e["kind"], e["h_min"]) for e in newer["CHOICES"]}
+    assert ("forward", 1916) in {(e["kind"], e["h_min"]) for e in newer["CHOICES"]}  # W3 stays decided by the newest
+
+
+def test_a_winner_must_beat_the_built_in_choice_by_the_margin_in_the_same_process(tmp_path):
+    from bench import defaults
+
+    def table(fused_ms, pid=None):
+        rows = [_row("tournament", "W3", "fastrl", "triton-hybrid", 100.0, pid=1),
+                _row("tournament", "W3", "fastrl", "triton-fused", fused_ms, pid=pid or 1)]
+        _session(tmp_path / "s" / "session.json", rows)
+        return {e["kind"]: e["implementation"] for e in defaults.build([tmp_path])["CHOICES"]}
+
+    assert defaults.MARGIN == 0.03
+    assert table(98.0) == {}  # 2% faster: noise, the built-in choice stays
+    assert table(96.9) == {"forward": "triton-fused"}
+    assert table(50.0, pid=2) == {}  # another process (a restart between them): not comparable
+
+
+def test_each_kernel_gets_the_configuration_that_won_for_it(tmp_path):
+    """sm90's one-pass forward (sm90_exp_stats) runs only in the loss: its configuration comes from the loss rows,
+    the log-prob kernels' from the log-prob rows; a row whose configuration loses for a kernel cannot crown its
+    implementation, and autotune's rows never decide anything."""
+    from bench import defaults
+
+    sm90, a, b = "triton-sm90", "128x128x64 w8 s4", "128x256x64 w8 s3"
+
+    def served(cfg, kernels):
+        return {k: {"config": cfg, "source": "forced", "use_tma": True} for k in kernels}
+
+    lp, loss = ("sm90_stats", "sm90_grad"), ("sm90_exp_stats", "sm90_grad")
+    builtin = {"sm90_stats": b, "sm90_grad": "128x256x64 w8 s4", "sm90_exp_stats": "128x128x64 w4 s4"}
+    base_lp = {k: {"config": builtin[k], "source": "table", "use_tma": True} for k in lp}
+    base_loss = {k: {"config": builtin[k], "source": "table", "use_tma": True} for k in loss}
+    rows = [
+        _row("tournament", "W1-lp", "fastrl", "triton-hybrid", 120.0),
+        _row("tournament", "W1-lp", "fastrl", sm90, 118.0, served=base_lp),
+        _row("configs", "W1-lp", "fastrl", sm90, 100.0, config=a, served=served(a, lp)),
+        _row("configs", "W1-lp", "fastrl", sm90, 119.0, config=b, served=served(b, lp)),
+        _row("autotune", "W1-lp", "fastrl", sm90, 50.0, config="autotune", served=served("64x64x64 w4 s2", lp)),
+        _row("tournament", "W1", "fastrl-fused", "triton-hybrid", 110.0),
+        _row("tournament", "W1", "fastrl-fused", sm90, 108.0, served=base_loss),
+        _row("configs", "W1", "fastrl-fused", sm90, 100.0, config=a, served=served(a, loss)),
+        _row("configs", "W1", "fastrl-fused", sm90, 95.0, config=b, served=served(b, loss)),
+    ]
+    for r in rows:
+        r.setdefault("implementation", None)
+    data_rows = [dict(section="checks", workload="awkward", provider="fastrl", implementation=sm90, status="ok",
+                      **{"pass": True})] + rows
+    _session(tmp_path / "s" / "session.json", data_rows)
+    table = defaults.build([tmp_path])
+    (cfg,) = table["CONFIGS"]
+    assert cfg["implementation"] == sm90 and cfg["configs"] == {"sm90_stats": a, "sm90_grad": a, "sm90_exp_stats": b}
+    assert "sm90_exp_stats at W1" in cfg["evidence"] and "sm90_stats at W1-lp" in cfg["evidence"]
+    # log-prob: sm90 at `a` (100 ms) against the hybrid's 120. The loss: no sm90 row ran what the table installs
+    # (sm90_exp_stats at `b` with sm90_grad at `a`): none can crown it, the built-in choice stays
+    picks = {e["kind"]: (e["implementation"], e["evidence"]) for e in table["CHOICES"]}
+    assert picks["logprob"][0] == sm90 and "100.00 ms against triton-hybrid 120.00 ms" in picks["logprob"][1]
+    assert "loss" not in picks
 
 
 def test_committed_table_is_what_the_committed_results_give():
@@ -223,7 +314,9 @@ def test_fused_logprobs_tells_the_dispatch_what_work_it_is(monkeypatch):
         fastrl.fused_logprobs(hidden, weight, targets, backend="torch")
     fastrl.fused_logprobs(hidden.detach(), weight, targets, backend="torch")
     fp32 = torch.float32
-    assert seen == [dict(kind="logprob", H=8, dtype=fp32)] + [dict(kind="forward", H=8, dtype=fp32)] * 2
+    assert [{k: v for k, v in kw.items() if k != "tensors"} for kw in seen] == \
+        [dict(kind="logprob", H=8, dtype=fp32)] + [dict(kind="forward", H=8, dtype=fp32)] * 2
+    assert all(kw["tensors"][0].shape == (5, 8) and kw["tensors"][1] is weight for kw in seen)
 
 
 def test_policy_loss_tells_the_dispatch_it_is_a_loss(monkeypatch):
@@ -243,4 +336,59 @@ def test_policy_loss_tells_the_dispatch_it_is_a_loss(monkeypatch):
     targets, mask = torch.randint(0, V, (B, T)), torch.ones(B, T)
     fastrl.policy_loss(hidden, weight, targets, advantages=torch.randn(B), mask=mask, backend="torch",
                        config=fastrl.PolicyLossConfig())
-    assert seen == [dict(kind="loss", H=H, dtype=torch.float32)]
+    assert [{k: v for k, v in kw.items() if k != "tensors"} for kw in seen] == [dict(kind="loss", H=H,
+                                                                                      dtype=torch.float32)]
+    assert seen[0]["tensors"] == (hidden, weight)
+
+
+def test_auto_never_picks_an_implementation_that_refuses_the_work(sm90, monkeypatch):
+    """sm90 crowned for log-probs at H >= 1916 in bf16: ``auto`` still falls back (to the built-in choice) where sm90
+    would raise: an H whose bf16 rows are not 16-byte multiples, a view that starts mid-row, a GPU older than sm_90."""
+    entry = dict(family="sm90", kind="logprob", dtype="bfloat16", h_min=1916, h_max=None, implementation="triton-sm90")
+    monkeypatch.setattr(backend, "_CHOICES", backend._index_choices([entry, {**entry, "dtype": "float32"}]))
+    bf16 = torch.bfloat16
+
+    def pick(H, dtype=bf16, tensors=()):
+        return backend.resolve_backend(CUDA, kind="logprob", H=H, dtype=dtype, tensors=tensors)
+
+    assert pick(4096) == "triton-sm90"
+    assert pick(4100) == "triton-hybrid"  # 8200-byte rows: TMA needs multiples of 16
+    assert pick(4100, torch.float32) == "triton-sm90"  # 16400 bytes
+    w = torch.randn(64, 4100, dtype=bf16)
+    assert pick(4096, tensors=(w[:, :4096],)) == "triton-hybrid"  # rows 8200 bytes apart
+    assert pick(4096, tensors=(w[:, 4:].contiguous(), w[:, :4096].contiguous())) == "triton-sm90"
+    assert pick(4096, tensors=(torch.randn(4, 4097, dtype=bf16)[:, 1:],)) == "triton-hybrid"  # base off by 2 bytes
+    assert pick(4096, tensors=(torch.randn(4096, 8, dtype=bf16).T,)) == "triton-sm90"  # copied by the op: aligned
+    monkeypatch.setattr(backend, "device_family", lambda device: "sm90" if device.type == "cuda" else "cpu")
+    assert backend.runs_here("triton-sm90", CUDA, 4096, bf16) and not backend.runs_here("triton-sm90", CUDA, 4096,
+                                                                                          torch.float64)
+    monkeypatch.setattr(backend, "device_family", lambda device: "sm80")
+    assert not backend.runs_here("triton-sm90", CUDA, 4096, bf16)
+    assert not backend.runs_here("triton-gone", CUDA, 4096, bf16)
+
+
+def test_a_misaligned_view_runs_under_auto_with_a_crowned_sm90(sm90, monkeypatch):
+    """The same through ``fused_logprobs`` on the interpreter: the dispatch's answer is what the op runs, and it runs
+    (sm90 itself would raise ValueError on this view)."""
+    import fastrl
+    from fastrl.ops import linear_logprob
+
+    entry = dict(family="sm90", kind="logprob", dtype="bfloat16", h_min=None, h_max=None, implementation="triton-sm90")
+    monkeypatch.setattr(backend, "_CHOICES", backend._index_choices([entry]))
+    picked = []
+
+    def as_if_cuda(device, requested=None, **kw):  # resolve on the faked sm90 device, run on this CPU
+        name = backend.resolve_backend(CUDA, requested, **kw)
+        picked.append(name)
+        return name
+
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(6, 33, generator=g).to(torch.bfloat16)
+    hidden = big[:, 1:].requires_grad_()  # 32 wide, but 2 bytes past a 16-byte boundary
+    weight = torch.randn(40, 32, generator=g).to(torch.bfloat16)
+    targets = torch.randint(0, 40, (6,), generator=g)
+    with pytest.raises(ValueError, match="16 bytes"):
+        fastrl.fused_logprobs(hidden, weight, targets, backend="triton-sm90")
+    monkeypatch.setattr(linear_logprob, "resolve_backend", as_if_cuda)
+    logp, _ = fastrl.fused_logprobs(hidden, weight, targets)
+    assert picked == ["triton-hybrid"] and torch.isfinite(logp).all()

@@ -146,3 +146,66 @@ def test_import_marks_device_family_constant_as_torch_would():
     torch.compiler.assume_constant_result(f)
     marks = {k: v for k, v in vars(f).items() if k not in before}
     assert marks and all(getattr(tuning.device_family, k, None) == v for k, v in marks.items()), marks
+
+
+GiB = 1 << 30
+W_V = 151936  # W1 / W2 vocabulary
+
+
+# (device memory GiB, tokens, H) -> (rows per chunk, chunks): the counts the sm90-one-pass row states
+ONE_PASS = {
+    (80, 16384, 4096): (16384, 1),  # W1: one chunk, no float32 [V, H] accumulator
+    (80, 16384, 896): (16384, 1),  # W2
+    (80, 24576, 4096): (8192, 3),  # past the 1/16 share: a tile as large as the accumulator (2 H rows)
+    (141, 24576, 4096): (24576, 1),  # an H200 holds it in one
+    (80, 65536, 4096): (8192, 8),
+    (141, 65536, 4096): (8192, 8),
+    (80, 131072, 896): (1792, 74),  # W4's 8 x 16384 tokens at H=896: about the memory-unknown rows
+    (78, 16384, 4096): (16384, 1),  # what an H100 reports, about
+    (139, 24576, 4096): (24576, 1),
+    (None, 16384, 4096): (1664, 10),  # memory unknown: the one-pass row (the safe default)
+    (None, 131072, 896): (1664, 79),
+}
+
+
+@pytest.mark.parametrize("memory_gib, tokens, H", list(ONE_PASS), ids=[f"{m}GiB-N{n}-H{h}" for m, n, h in ONE_PASS])
+def test_sm90_one_pass_chunks_per_device_memory(memory_gib, tokens, H):
+    """The sm90-one-pass row: every token in one chunk when its bf16 scaled exps fit 1/16 of the device's memory,
+    else whole 128-row blocks of a tile as large as the float32 [V, H] accumulator, within [the one-pass row, the
+    share]; the counts the docstring states for W1 / W2 shapes on 80 and 141 GiB devices."""
+    total = None if memory_gib is None else memory_gib * GiB
+    rows = budget.one_pass_rows(W_V, H, tokens, torch.bfloat16, total_memory=total)
+    assert (rows, -(-tokens // rows)) == ONE_PASS[(memory_gib, tokens, H)]
+    if total is not None:
+        share, tile = total // 16, rows * W_V * 2
+        assert tile <= share and (rows == tokens) == (tokens * W_V * 2 <= share)
+        if rows != tokens:  # the accumulator's size, in whole blocks, where the share allows
+            assert rows == max(1664, min(share // (W_V * 2), 4 * W_V * H // (W_V * 2)) // 128 * 128)
+
+
+@pytest.mark.parametrize("memory_gib, cols, slices", [(80, 20480, 8), (78, 19968, 8), (141, 36096, 5),
+                                                      (139, 35584, 5), (None, 4096, 38)])
+def test_sm90_grad_slices_per_device_memory(memory_gib, cols, slices):
+    """The sm90-grad row: path A's G slices of 16384 bf16 rows within 1/128 of the device's memory, in whole
+    256-column blocks; memory unknown, the hybrid row's 4096 columns."""
+    total = None if memory_gib is None else memory_gib * GiB
+    c = budget.grad_columns(16384, W_V, torch.bfloat16, total_memory=total)
+    assert c == cols and -(-W_V // c) == slices
+    if total is not None:
+        assert 16384 * c * 2 <= total // 128 < 16384 * (c + 256) * 2
+
+
+def test_one_pass_chunk_budget_reads_device_memory(monkeypatch):
+    """On CUDA the sm90 one-pass loss with a trained head takes budget.one_pass_rows of the device's memory; other
+    backends, a frozen head and an explicit chunk_tokens keep their rows."""
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(budget, "device_memory", lambda device: 80 * GiB)
+    w1 = dict(dtype=torch.bfloat16, tokens=16384, H=4096)
+    assert one_pass._chunk_budget(W_V, cuda, True, None, "triton-sm90", **w1) == 16384
+    assert one_pass._chunk_budget(W_V, cuda, True, None, "triton-hybrid", **w1) == 1664
+    assert one_pass._chunk_budget(W_V, cuda, False, None, "triton-sm90", **w1) == (1 << 26) // W_V // 128 * 128
+    assert one_pass._chunk_budget(W_V, cuda, True, 512, "triton-sm90", **w1) == 512
+    assert one_pass._chunk_budget(W_V, torch.device("cpu"), True, None, "triton-sm90", **w1) == (8 << 20) // W_V
+    monkeypatch.setattr(budget, "device_memory", lambda device: None)  # unknown: the safe default
+    assert one_pass._chunk_budget(W_V, cuda, True, None, "triton-sm90", **w1) == 1664
+    assert budget.device_memory(torch.device("cpu")) is None

@@ -86,7 +86,7 @@ def _fsdp_worker(out_dir: str) -> None:
     dist.init_process_group("gloo")
     for separate_head in (True, False):
         _fsdp_case(out_dir, separate_head)
-    dist.destroy_process_group()
+    end_worker()
 
 
 def _fsdp_case(out_dir: str, separate_head: bool) -> None:

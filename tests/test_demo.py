@@ -87,6 +87,8 @@ def test_step_line():
     line = demo.step_line(3, 40, logs)
     assert line == "step  3/40  reward 0.500 (std 0.100)  entropy 4.14  loss -0.0174  length 7.7  0.05 s"
     assert demo.step_line(40, 40, {"train_runtime": 1.0, "train_loss": 0.1}) is None  # the end-of-run summary
+    # a GRPO loss is often tiny: significant digits, never "-0.0000"
+    assert "loss -2.35e-05  " in demo.step_line(3, 40, {**logs, "loss": -2.345e-5})
 
 
 def _row(which, mb, s):
@@ -112,7 +114,7 @@ def test_demo_without_the_trl_extra_names_it(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "datasets", None)  # as if `pip install -e .` without [trl]
     assert demo.main(["--device", "cpu"]) == 1
     err = capsys.readouterr().err
-    assert "'datasets'" in err and 'pip install "fastrl[trl]"' in err and 'pip install -e ".[trl]"' in err
+    assert "'datasets'" in err and 'pip install "fastrl-kernels[trl]"' in err and 'pip install -e ".[trl]"' in err
 
 
 def test_demo_runs_clean(tmp_path, monkeypatch, capsys):
@@ -124,7 +126,10 @@ def test_demo_runs_clean(tmp_path, monkeypatch, capsys):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))
-    monkeypatch.setattr(demo, "run_measurement", lambda which, **kw: demo.measure_step(which, **kw))
+    def in_process(which, **kw):  # run_measurement's progress lines, without its fresh process
+        return demo.measure_step(which, progress=lambda m: print(f"  {demo.LABELS[which]}: {m}"), **kw)
+
+    monkeypatch.setattr(demo, "run_measurement", in_process)
     shape = dict(vocab=512, hidden=32, layers=1, batch=2, prompt_len=8, completion_len=16, dtype="float32",
                  device="cpu")
     with warnings.catch_warnings(record=True) as caught:
@@ -136,6 +141,8 @@ def test_demo_runs_clean(tmp_path, monkeypatch, capsys):
     assert "{'loss'" not in out and "'train_runtime'" not in out
     assert re.search(r"stock TRL:\s+[\d.]+ MB", out) and re.search(r"fastrl:\s+[\d.]+ MB", out), out
     assert "\nVerdict: " in out
+    for label in ("stock TRL", "fastrl"):  # progress while each step is measured: warm-up, then each timed step
+        assert re.search(rf"{label}: warm-up done \([\d.]+ s\); timing 1 step\n\s+{label}: step 1/1: [\d.]+ s", out), out
     assert not caught, [f"{w.category.__name__}: {w.message} ({w.filename}:{w.lineno})" for w in caught]
     assert not re.search(r"warn", out + err, re.IGNORECASE), f"stdout:\n{out}\nstderr:\n{err}"
     assert "VmHWM" not in out

@@ -550,7 +550,7 @@ def test_lazy_export_without_trl_names_the_extra(monkeypatch, name):
     with pytest.raises(ModuleNotFoundError) as info:
         exec(f"from fastrl import {name}", {})
     msg = str(info.value)
-    assert f"fastrl.{name} needs the package 'trl'" in msg and 'pip install "fastrl[trl]"' in msg
+    assert f"fastrl.{name} needs the package 'trl'" in msg and 'pip install "fastrl-kernels[trl]"' in msg
 
 
 def test_non_finite_student_stops_with_a_named_error(tmp_path):

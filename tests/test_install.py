@@ -60,7 +60,7 @@ def test_core_library_works_without_the_trainer_packages():
                           timeout=120)
     assert proc.returncode == 0 and "LIGHT OK" in proc.stdout, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     error = next(line for line in proc.stdout.splitlines() if line.startswith("ERROR:"))
-    assert "fastrl.GRPOTrainer needs the package 'trl'" in error and 'pip install "fastrl[trl]"' in error
+    assert "fastrl.GRPOTrainer needs the package 'trl'" in error and 'pip install "fastrl-kernels[trl]"' in error
 
 
 @pytest.mark.parametrize("name,module,missing", [("GRPOTrainer", "fastrl.trainers.grpo", "trl"),
@@ -73,7 +73,7 @@ def test_trainer_without_its_packages_names_the_extra(monkeypatch, name, module,
         exec(f"from fastrl import {name}", {})
     msg = str(info.value)
     assert f"fastrl.{name} needs the package '{missing}'" in msg
-    assert 'pip install "fastrl[trl]"' in msg and 'pip install -e ".[trl]"' in msg
+    assert 'pip install "fastrl-kernels[trl]"' in msg and 'pip install -e ".[trl]"' in msg
     assert info.value.name == missing
 
 
@@ -87,4 +87,44 @@ def test_pyproject_core_needs_torch_alone():
     assert {"trl", "transformers", "accelerate", "datasets"} <= names["trl"]
     assert "triton" not in names["trl"]  # a CPU user of the trainers needs no Triton; CUDA torch brings its own
     for extra in ("test", "bench"):
-        assert {"fastrl[trl]", "triton"} <= names[extra], extra
+        assert {"fastrl-kernels[trl]", "triton"} <= names[extra], extra
+
+
+def test_the_installed_distribution_has_the_documented_name():
+    """The package index's ``fastrl`` is an unrelated project: this one installs as ``DISTRIBUTION`` (import name
+    ``fastrl``). The installed metadata, pyproject.toml and every ``pip install`` of README.md and docs/ say so."""
+    import re
+    from importlib import metadata
+
+    from fastrl._extras import DISTRIBUTION
+
+    # a set: an editable install from a checkout is found twice (its dist-info, and the egg-info that the build
+    # leaves in the checkout, on sys.path when Python runs from there)
+    assert set(metadata.packages_distributions().get("fastrl", [])) == {DISTRIBUTION}
+    assert metadata.version(DISTRIBUTION) == fastrl.__version__
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
+    assert tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["name"] == DISTRIBUTION
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    named = {m for page in pages for m in re.findall(r"pip install\s+\"?(fastrl[\w.-]*)", page.read_text())}
+    assert named == {DISTRIBUTION}, named
+
+
+def test_trainers_name_deepspeeds_cpu_accelerator(monkeypatch):
+    """Without CUDA, DeepSpeed (imported by accelerate while a trainer is built, where it is installed) would warn
+    "Setting accelerator to CPU ..." on every run; the trainers name the CPU, its only choice there, first."""
+    import torch
+
+    pytest.importorskip("trl")
+    from fastrl.trainers._distributed import name_deepspeed_cpu
+
+    monkeypatch.setenv("DS_ACCELERATOR", "restored-after-the-test")
+    monkeypatch.delenv("DS_ACCELERATOR")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    name_deepspeed_cpu()
+    assert "DS_ACCELERATOR" not in os.environ  # a CUDA machine: DeepSpeed detects it itself
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    name_deepspeed_cpu()
+    assert os.environ["DS_ACCELERATOR"] == "cpu"
+    monkeypatch.setenv("DS_ACCELERATOR", "xpu")  # a user's choice is left alone
+    name_deepspeed_cpu()
+    assert os.environ["DS_ACCELERATOR"] == "xpu"

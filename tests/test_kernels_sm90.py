@@ -1,5 +1,7 @@
 """The ``triton-sm90`` backend's persistent TMA kernels (kernels/persistent_stats.py, kernels/persistent_grad.py)
-against float64, on CPU tensors under Triton's interpreter (tests/conftest.py), at their real block sizes.
+against float64, on CPU tensors under Triton's interpreter (tests/conftest.py), at the interpreter's block size (the
+64x128x64 tile of ``fastrl.kernels.tuning``'s "interpreter" rows, not the sm90 defaults, which ``python -m bench sass``
+compiles for sm_90).
 
 The interpreter runs the persistent grid with 4 programs (``persistent_stats.num_programs``), so every program loops
 over several work items; the shapes leave the vocabulary off the tile (V = 700, 150, 262144) and the tokens off the
@@ -254,3 +256,47 @@ def test_divergence_masked_batched_several_blocks_per_split(beta):
     from test_divergence import check_against_float64 as check_divergence
 
     check_divergence(beta, lead=(3, 11), mask=mask, H=12, Ht=40, V=1000, tf="all", backend=SM90)
+
+
+@pytest.mark.parametrize("chunk_tokens", [None, 4], ids=["one-chunk", "4-token-chunks"])
+def test_one_pass_chunks_and_the_weight_gradient(chunk_tokens, monkeypatch):
+    """The one-pass loss in one chunk (what budget.one_pass_rows gives W1 on an 80 GB device): grad_W is one GEMM
+    written once, so the float32 [V, H] accumulator's read-modify-write (addmm_f32) never runs; in several chunks it
+    runs once per chunk. Both against float64 (bf16, dapo with k3 KL and entropy, a fully masked row)."""
+    adds, stats = [], []
+    real_add, real_stats = one_pass_mod.addmm_f32, sm90.chunk_stats
+    monkeypatch.setattr(one_pass_mod, "addmm_f32",
+                        lambda acc, a, b: adds.append(tuple(acc.shape)) or real_add(acc, a, b))
+    monkeypatch.setattr(sm90, "chunk_stats", lambda *a, **k: stats.append(a[1].shape[0]) or real_stats(*a, **k))
+    config = PolicyLossConfig(loss_type="dapo", beta=0.04, entropy_coef=0.01)
+    batch = make_batch(dtype=torch.bfloat16, seed=11)
+    got = fused(batch, config, SM90, chunk_tokens=chunk_tokens)
+    live = int(batch["mask"].sum())
+    V, H = batch["weight"].shape
+    if chunk_tokens is None:  # the CPU row of the budget holds these 21 tokens in one chunk
+        assert stats == [live] and adds == []
+    else:
+        assert stats == [min(4, live - c0) for c0 in range(0, live, 4)] and adds == [(V, H)] * len(stats)
+    want, same = reference(batch, config), reference(batch, config, dtype=None)
+    assert abs(got[0].item() - want[0].item()) <= abs(same[0].item() - want[0].item()) + 1e-5
+    for gf, g64, gt in zip(got[2], want[2], same[2]):
+        rel = lambda x: ((x.double() - g64.double()).abs().max() / g64.double().abs().max()).item()  # noqa: E731
+        assert rel(gf) <= rel(gt) + 2**-8
+
+
+def test_backward_slices_sized_by_device_memory(monkeypatch):
+    """Path A's backward takes its slice width from budget.grad_columns (1/128 of the device's memory): a memory that
+    leaves 256-column slices (3 at V=700, seams inside the kernel's blocks) and one that holds the vocabulary in one
+    slice; gradients against float64 both times."""
+    from fastrl.ops import budget
+
+    slices = []
+    real = PG.persistent_grad_block
+    monkeypatch.setattr(PG, "persistent_grad_block", lambda *a, **k: slices.append(a[4]) or real(*a, **k))
+    N, V = 47, 700
+    for total, want in ((128 * N * 256 * 2, [0, 256, 512]), (1 << 40, [0])):
+        monkeypatch.setattr(sm90, "grad_columns", lambda rows, V, dtype, device, t=total: budget.grad_columns(
+            rows, V, dtype, total_memory=t))
+        slices.clear()
+        check_against_float64(SM90, torch.bfloat16, N, 40, V, bias=True)
+        assert slices == want

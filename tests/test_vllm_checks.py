@@ -101,25 +101,56 @@ def fake_engine(dtype=torch.float32, head_dtype=torch.float32, logits_head=torch
     return types.SimpleNamespace(llm_engine=types.SimpleNamespace(model_config=config, model_executor=executor))
 
 
+CPU = types.SimpleNamespace(is_cpu=lambda: True, device_name="cpu")
+CUDA = types.SimpleNamespace(is_cpu=lambda: False, device_name="cuda")  # a GPU platform as vLLM describes it
+
+
 def test_check_engine(monkeypatch):
     monkeypatch.setattr(grpo_vllm, "vllm_version", lambda: "0.31.0")
-    grpo_vllm.check_engine(fake_engine(), torch.float32, fp32_head=True)
-    grpo_vllm.check_engine(fake_engine(torch.bfloat16, torch.bfloat16, None), torch.bfloat16, fp32_head=False)
+    grpo_vllm.check_engine(fake_engine(), torch.float32, fp32_head=True, platform=CPU)
+    grpo_vllm.check_engine(fake_engine(torch.bfloat16, torch.bfloat16, None), torch.bfloat16, fp32_head=False,
+                           platform=CPU)
     with pytest.raises(RuntimeError, match=r"vLLM 0\.31\.0 built the engine in torch\.bfloat16, fastrl asked for "
                                            r"torch\.float32"):
-        grpo_vllm.check_engine(fake_engine(dtype=torch.bfloat16), torch.float32, fp32_head=False)
+        grpo_vllm.check_engine(fake_engine(dtype=torch.bfloat16), torch.float32, fp32_head=False, platform=CUDA)
     # a vLLM whose head_dtype is pooling-only: the override is accepted and silently ignored for generation
     with pytest.raises(RuntimeError, match=r"vllm_fp32_lm_head=True, but vLLM 0\.31\.0 computes.*PR #48390"):
-        grpo_vllm.check_engine(fake_engine(torch.bfloat16, torch.float32, None), torch.bfloat16, fp32_head=True)
+        grpo_vllm.check_engine(fake_engine(torch.bfloat16, torch.float32, None), torch.bfloat16, fp32_head=True,
+                               platform=CUDA)
     with pytest.raises(RuntimeError, match=r"weight sync cannot update them \(\['proj\.weight'\]\)"):
-        grpo_vllm.check_engine(fake_engine(empty=True), torch.float32, fp32_head=False)
+        grpo_vllm.check_engine(fake_engine(empty=True), torch.float32, fp32_head=False, platform=CPU)
     with pytest.raises(RuntimeError, match=r"weight sync cannot update them \(\['lm_head'\]\)"):
-        grpo_vllm.check_engine(fake_engine(packed=True), torch.float32, fp32_head=False)
+        grpo_vllm.check_engine(fake_engine(packed=True), torch.float32, fp32_head=False, platform=CPU)
 
 
-def gap_trainer(mode: str, clip_min=None, clip_max=3.0):
+def test_zero_size_parameter_off_cpu_is_vllms_business(monkeypatch):
+    """A GPU engine with a zero-size parameter (vLLM's quantized layers make them, e.g. Marlin's empty g_idx):
+    fastrl changed no GEMM there, so the sync check does not look (on vLLM's CPU build it refuses the same engine)."""
+    monkeypatch.setattr(grpo_vllm, "vllm_version", lambda: "0.32.0")
+    grpo_vllm.check_engine(fake_engine(empty=True), torch.float32, fp32_head=False, platform=CUDA)
+    with pytest.raises(RuntimeError, match="CPU GEMM dispatch changed"):
+        grpo_vllm.check_engine(fake_engine(empty=True), torch.float32, fp32_head=False, platform=CPU)
+
+
+@pytest.mark.parametrize("version,warns", [("0.32.0", False), ("0.32.0+cpu", False), ("0.30.1", False),
+                                           ("0.33.0", True), ("1.0.0+cpu", True)])
+def test_vllm_above_the_range_warns_not_refuses(tmp_path, monkeypatch, no_trl_init, version, warns):
+    import warnings
+
+    monkeypatch.setattr(grpo_vllm, "vllm_version", lambda: version)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(ReachedTRL):  # not refused
+            make(tmp_path)
+    msgs = [str(w.message) for w in caught if "outside the range" in str(w.message)]
+    assert bool(msgs) == warns, msgs
+    if warns:
+        assert f"vLLM {version} is outside the range fastrl supports (vllm>=0.28,<=0.32.0" in msgs[0]
+
+
+def gap_trainer(mode: str, clip_min=None, clip_max=3.0, log_sampling_gap=True):
     return types.SimpleNamespace(
-        use_vllm=True, vllm_importance_sampling_correction=False, vllm_importance_sampling_mode=mode,
+        args=types.SimpleNamespace(log_sampling_gap=log_sampling_gap), use_vllm=True, vllm_importance_sampling_correction=False, vllm_importance_sampling_mode=mode,
         vllm_importance_sampling_clip_min=clip_min, vllm_importance_sampling_clip_max=clip_max,
         accelerator=OneProcessAccelerator(), model=types.SimpleNamespace(training=True),
         _metrics={"train": defaultdict(list), "eval": defaultdict(list)})
@@ -153,3 +184,52 @@ def test_sampling_gap_metrics_with_trl_correction_off():
     t.vllm_importance_sampling_correction = True  # TRL logs them itself
     grpo_vllm.log_sampling_gap(t, out)
     assert not t._metrics["train"]
+
+
+def _logged(t) -> dict:
+    return {k: v[-1] for k, v in t._metrics["train"].items()}
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
+def test_sampling_gap_from_the_loss_pass_equals_the_generation_time_one(monkeypatch, mode):
+    """No old log-probs (each generation trained on once): the gap waits for the loss pass's log-probs, micro-batch
+    by micro-batch, and is logged once, after the batch's last row, with the numbers a forward at generation gives."""
+    g = torch.Generator().manual_seed(0)
+    B, K = 6, 5
+    old = -torch.rand(B, K, generator=g) * 3
+    sampling = old + 0.3 * torch.randn(B, K, generator=g)
+    sampling[1, 2] = float("nan")  # vLLM could not score it
+    mask = (torch.rand(B, K, generator=g) > 0.2).long()
+    mask[4] = 0  # a row with no counted token
+    full = {"old_per_token_logps": old, "sampling_per_token_logps": sampling, "completion_mask": mask}
+    want_t = gap_trainer(mode, clip_min=0.8, clip_max=1.2)
+    grpo_vllm.log_sampling_gap(want_t, full)
+    want = _logged(want_t)
+
+    monkeypatch.setattr(grpo_vllm, "_policy_logprobs", lambda *a: pytest.fail("an extra forward was run"))
+    t = gap_trainer(mode, clip_min=0.8, clip_max=1.2)
+    grpo_vllm.log_sampling_gap(t, {"sampling_per_token_logps": sampling, "completion_mask": mask}, loss_covers=True)
+    assert not t._metrics["train"], "logged before the loss pass saw the batch"
+    rows = torch.tensor([3, 0, 5, 1, 4, 2])  # TRL shuffles the batch, then splits it into micro-batches
+    for part in rows.split([2, 3, 1]):
+        assert not t._metrics["train"]
+        micro = {"sampling_per_token_logps": sampling[part], "completion_mask": mask[part]}
+        grpo_vllm.sampling_gap_from_loss(t, micro, old[part])
+    got = _logged(t)
+    assert set(got) == set(want)
+    for k in want:
+        assert got[k] == pytest.approx(want[k], rel=1e-6, abs=1e-7), k
+        assert len(t._metrics["train"][k]) == 1, f"{k} logged {len(t._metrics['train'][k])} times for one batch"
+
+
+def test_sampling_gap_switch_and_the_fallback_forward(monkeypatch):
+    sampling = torch.tensor([[-1.0, -2.0]])
+    batch = {"sampling_per_token_logps": sampling, "completion_mask": torch.ones(1, 2)}
+    calls = []
+    monkeypatch.setattr(grpo_vllm, "_policy_logprobs", lambda t, out: calls.append(1) or sampling - 0.5)
+    t = gap_trainer("token_truncate", log_sampling_gap=False)  # switched off: no metric, no forward
+    grpo_vllm.log_sampling_gap(t, batch)
+    assert not t._metrics["train"] and not calls
+    t = gap_trainer("token_truncate")  # the loss takes TRL's route: fastrl's own forward, now
+    grpo_vllm.log_sampling_gap(t, batch, loss_covers=False)
+    assert calls == [1] and _logged(t)["sampling/sampling_logp_difference/mean"] == pytest.approx(0.5)

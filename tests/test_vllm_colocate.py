@@ -9,8 +9,10 @@ peaked LM head) is saved to disk and loaded by TRL and vLLM; nothing is download
   vLLM's own masks and log-probs and the weights of that step (materialised masked log-softmax, TRL's IS correction
   and loss arithmetic); vLLM samples at the policy's precision (float32), so its log-probs match the trainer's
   over the kept sets to float32 rounding; and after step 2 vLLM samples with the trained weights (weight sync).
-* ``sampling_replay="off"`` equals stock ``trl.GRPOTrainer`` with vLLM: the same vLLM batch gives the same loss,
-  gradients and logged metrics.
+* ``sampling_replay="off"`` equals stock ``trl.GRPOTrainer`` with vLLM: a batch sampled by the engine stock TRL builds
+  from its own arguments gives the same loss, gradients and logged metrics; fastrl's own engine (built from fastrl's
+  arguments) gives old log-probs equal to stock TRL's head on its tokens.
+* the sampler gap with TRL's IS correction off comes from the loss pass's log-probs: no extra forward.
 * masks of the wrong length, or masks that do not hold the sampled token: refused before any weight moves.
 """
 
@@ -21,7 +23,8 @@ import copy
 import pytest
 import torch
 
-from vllm_harness import PROMPTS, completion_hidden, grpo_kwargs, require_vllm, reward_len, shared_engine
+from vllm_harness import (PROMPTS, completion_hidden, grpo_kwargs, require_vllm, reward_len, session_engine,
+                          shared_engine)
 
 vllm = require_vllm()
 
@@ -33,7 +36,8 @@ import fastrl  # noqa: E402
 from bench import vllm_cpu  # noqa: E402
 from fastrl.losses.config import PolicyLossConfig  # noqa: E402
 from fastrl.reference import masked_logprobs_reference, policy_loss_from_logprobs  # noqa: E402
-from fastrl.trainers.grpo_vllm import engine_model  # noqa: E402
+from fastrl.trainers import grpo_vllm  # noqa: E402
+from fastrl.trainers.grpo_vllm import engine_model, plain_cpu_gemm  # noqa: E402
 from tiny import rel_err, run_step  # noqa: E402
 
 V, TOP_K, TOP_P, STEPS = 512, 20, 0.9, 3
@@ -179,13 +183,42 @@ def test_kept_set_three_steps_match_float64_and_sync_weights(model_dir, tmp_path
     assert moved > 1e-3, "the weights did not move in two steps: the sync check would prove nothing"
 
 
+_OTHER_ENGINES: list = []
+
+
+def stock_trl_with_its_own_engine(model_dir, out_dir):
+    """Stock ``trl.GRPOTrainer`` with the engine TRL builds from its own ``LLM(...)`` arguments (not the session's
+    shared engine, not fastrl's arguments). One change, which alters no number: on vLLM's CPU build the engine keeps
+    its linear weights as parameters (``plain_cpu_gemm``), else TRL's first weight sync fails."""
+    from trl.generation import vllm_generation
+
+    calls, real = [], vllm_generation.LLM
+
+    def llm(*a, **k):
+        calls.append(dict(k))
+        return real(*a, **k)
+
+    vllm_generation.LLM = llm
+    try:
+        with plain_cpu_gemm():
+            stock = make_trainer(model_dir, out_dir, cls=trl.GRPOTrainer, config=trl.GRPOConfig)
+    finally:
+        vllm_generation.LLM = real
+    assert len(calls) == 1 and not {"return_sampling_mask", "dtype", "hf_overrides"} & set(calls[0]), calls
+    assert stock.vllm_generation.llm is not session_engine()
+    # kept for the session: an in-process engine's shutdown tears down vLLM's process-wide parallel groups, which
+    # the session's shared engine still uses
+    _OTHER_ENGINES.append(stock.vllm_generation.llm)
+    return stock
+
+
 def test_replay_off_equals_stock_trl(model_dir, tmp_path):
-    with shared_engine():
+    inputs = [{"prompt": p} for p in PROMPTS[:2] for _ in range(2)]
+    stock = stock_trl_with_its_own_engine(model_dir, tmp_path / "trl")
+    stock.model.train()
+    batch = stock._generate_and_score_completions(inputs)  # stock TRL's engine samples, stock TRL scores
+    with shared_engine():  # fastrl's engine, built from fastrl's arguments
         ours = make_trainer(model_dir, tmp_path / "fastrl", sampling_replay="off")
-        stock = make_trainer(model_dir, tmp_path / "trl", cls=trl.GRPOTrainer, config=trl.GRPOConfig)
-        inputs = [{"prompt": p} for p in PROMPTS[:2] for _ in range(2)]
-        stock.model.train()
-        batch = stock._generate_and_score_completions(inputs)  # vLLM samples, stock TRL scores
         ours.model.train()
         mine = ours._generate_and_score_completions(inputs)
     for t in (ours, stock):
@@ -199,7 +232,7 @@ def test_replay_off_equals_stock_trl(model_dir, tmp_path):
     assert set(m_got) == set(m_ref), sorted(set(m_got) ^ set(m_ref))
     for k in m_ref:
         assert m_got[k] == pytest.approx(m_ref[k], rel=REL, abs=1e-6), f"metric {k}: {m_got[k]}, stock TRL {m_ref[k]}"
-    # fastrl's own generation from the same engine: its old log-probs are the trainer's head on vLLM's tokens,
+    # fastrl's own generation from its own engine: its old log-probs are the trainer's head on vLLM's tokens,
     # which stock TRL's head gives too
     m = mine["completion_mask"].bool()
     with torch.no_grad():
@@ -253,7 +286,8 @@ def test_gap_metrics_logged_with_trl_correction_off(model_dir, tmp_path):
     """TRL logs its sampler-gap metrics only with its IS correction on; fastrl logs them whenever vLLM's log-probs
     exist. Replay off: the trainer scores the full softmax, vLLM sampled from the top-k/top-p truncated one, so the
     gap is the truncation's log-mass (nats), not rounding."""
-    with shared_engine():
+    with shared_engine(), pytest.MonkeyPatch.context() as m:
+        m.setattr(grpo_vllm, "_policy_logprobs", lambda *a: pytest.fail("an extra forward for the gap metrics"))
         trainer = make_trainer(model_dir, tmp_path, sampling_replay="off", vllm_importance_sampling_correction=False,
                                vllm_importance_sampling_mode="token_truncate")
         rec = Recorder(trainer)
@@ -261,7 +295,7 @@ def test_gap_metrics_logged_with_trl_correction_off(model_dir, tmp_path):
     logged = next(h for h in trainer.state.log_history if "loss" in h)
     r = rec.steps[0]
     batch, mask = r["batch"], r["batch"]["completion_mask"].bool()
-    assert "old_per_token_logps" not in batch  # TRL computed none: fastrl's own no-grad forward gave the metric
+    assert "old_per_token_logps" not in batch  # TRL computed none: the loss pass's log-probs gave the metric
     kept, vllm_logp = vllm_masks_and_logprobs(r["vllm"], batch["completion_ids"])
     with torch.no_grad():  # the full softmax: every id kept
         full, _ = kept_logprobs64(float64_model(model_dir, r["weights"]), batch, torch.ones_like(kept))

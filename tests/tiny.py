@@ -136,14 +136,24 @@ def launch_two_gloo(script: Path, tmp_path, *worker_args: str, port_base: int) -
 
 
 def end_worker() -> None:
-    """The last call of a two-gloo-process worker: wait for the other rank, then destroy the process group. A rank
-    that exits with the group alive can abort in gloo's teardown ("terminate called without an active exception",
-    SIGABRT) after its work succeeded, which fails the launch."""
+    """The last call of a two-gloo-process worker, after its results are written: wait for the other rank, destroy
+    the process group, and leave with ``os._exit(0)``.
+
+    Why not a normal exit: ``destroy_process_group`` drops only ``torch.distributed``'s own reference to the group.
+    The trainers still hold it (the DDP reducer, accelerate's state), so gloo's C++ objects and threads live until
+    the interpreter tears itself down, and that teardown (Python finalisers and C++ static destructors, in no set
+    order, while gloo's threads still run) sometimes aborts: "terminate called without an active exception",
+    SIGABRT, exit code -6, after every result was written, failing a finished launch. ``os._exit`` runs no
+    finaliser and no static destructor: a rank that got here exits 0; one that failed earlier never gets here and
+    exits with its error. ``tests/test_worker_exit.py`` checks that."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def param_diff_vs_rank0(model) -> tuple[torch.Tensor, float]:

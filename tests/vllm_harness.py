@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["REQUIRED", "require_vllm", "ENGINE_CALLS", "shared_engine", "completion_hidden", "grpo_kwargs", "PROMPTS",
+__all__ = ["REQUIRED", "require_vllm", "ENGINE_CALLS", "shared_engine", "session_engine", "completion_hidden", "grpo_kwargs", "PROMPTS",
            "reward_len", "vllm_serve"]
 
 REQUIRED = os.environ.get("FASTRL_REQUIRE_VLLM") == "1"
@@ -53,6 +53,11 @@ def require_vllm():
 
 ENGINE_CALLS: list[dict] = []  # the keyword arguments of every LLM(...) call TRL made, in order
 _ENGINE: list = []
+
+
+def session_engine():
+    """The engine ``shared_engine`` built for the session, or None before the first."""
+    return _ENGINE[0] if _ENGINE else None
 
 
 @contextlib.contextmanager

@@ -29,7 +29,7 @@ from fastrl.losses.exact_kl import tile_grad_kl_, tile_stats_kl
 from fastrl.ops import torch_backend as TB
 from fastrl.ops._gemm import addmm_f32, mm_f32
 from fastrl.ops.backend import is_triton
-from fastrl.ops.budget import tile_budget
+from fastrl.ops.budget import one_pass_rows, tile_budget
 from fastrl.ops.config import LogitTransform
 from fastrl.ops.custom_ops import (
     _acc, _autograd_inside, _empty, _key, _layout, _op, _pack, _refuse_double_backward, _unpack,
@@ -69,8 +69,14 @@ class _LossInputs:
         return dataclasses.replace(self, per_token_kl=self.per_token_kl.detach())
 
 
-def _chunk_budget(V: int, device: torch.device, trained_head: bool, requested: int | None) -> int:
-    """Rows per one-pass chunk: the requested number, else what fits the device's [chunk, V] tile budget."""
+def _chunk_budget(V: int, device: torch.device, trained_head: bool, requested: int | None, backend: str = "torch",
+                  dtype: torch.dtype = torch.float32, tokens: int | None = None, H: int = 0) -> int:
+    """Rows per one-pass chunk (of ``tokens`` rows with hidden size ``H``): the requested number, else what fits the
+    device's [chunk, V] tile budget."""
+    if not requested and trained_head and backend == "triton-sm90" and device.type == "cuda" and tokens is not None:
+        # the scaled-exp tile in the input dtype, sized by the device's memory (budget's sm90-one-pass row): at W1 on
+        # an 80 GB device one chunk, so grad_W is one GEMM and the float32 [V, H] accumulator is never read back
+        return one_pass_rows(V, H, tokens, dtype, device)
     # the [chunk, V] logits tile: long chunks with a trained head on a GPU (the float32 [V, H] accumulator is read and
     # written once per chunk; 1664 rows at V=151936, 8 accumulator passes over W1's ~12k live tokens, extra memory
     # about 1.25x TRL's at W1), a 256 MiB tile with a frozen one, 32 MB on a CPU (fastrl.ops.budget)
@@ -86,11 +92,14 @@ def _chunks(
     device: torch.device,
     trained_head: bool,
     requested: int | None,
+    backend: str = "torch",
+    dtype: torch.dtype = torch.float32,
+    H: int = 0,
 ) -> list[tuple[int, int]] | None:
     """One-pass chunks as ranges of *live* rows (row-major order): whole sequences when the loss couples the
     tokens of a sequence; None when a sequence does not fit in one chunk (then two passes it is)."""
-    budget = _chunk_budget(V, device, trained_head, requested)
     n_live = int(live.sum())  # one host sync: chunk boundaries are host-side ranges
+    budget = _chunk_budget(V, device, trained_head, requested, backend, dtype, n_live, H)
     if granularity == "token":
         return [(c0, min(c0 + budget, n_live)) for c0 in range(0, n_live, budget)]
     per_seq = live.sum(1).tolist()
@@ -196,7 +205,9 @@ def _one_pass(
     kl_all = torch.zeros(N, dtype=cdt, device=dev) if ref is not None else None
 
     grad_h = torch.zeros_like(hidden) if need_h else None
-    grad_w = torch.zeros((V, H), dtype=cdt, device=dev) if need_w else None
+    # one chunk: grad_W is one GEMM over every row, written once (no float32 [V, H] accumulator, 8 V H bytes saved)
+    single = len(chunks) == 1
+    grad_w = torch.zeros((V, H), dtype=cdt, device=dev) if need_w and not single else None
     grad_b = torch.zeros(V, dtype=cdt, device=dev) if need_b else None
 
     chunk = max((c1 - c0 for c0, c1 in chunks), default=0)
@@ -261,7 +272,10 @@ def _one_pass(
                     gh_c.addmm_(G[:, v0 : v0 + step], TB._f32(weight[v0 : v0 + step]))
             ck.put_(grad_h, gh_c)
         if need_w:
-            addmm_f32(grad_w, G.T, h_mm)
+            if single:  # G and h in one dtype: the GEMM accumulates in float32 and rounds once, as the cast did
+                grad_w = torch.mm(G.T, h_mm)  # (as path A's grad_W slices in hybrid.sliced_backward)
+            else:
+                addmm_f32(grad_w, G.T, h_mm)
         if need_b:
             grad_b += G.sum(0, dtype=cdt)
 
@@ -271,7 +285,7 @@ def _one_pass(
     loss, metrics, grad_kl = _final_loss(full_inputs, config, B, T, logp_all, ent_all, kl_all)
     grads = (
         grad_h,
-        grad_w.to(weight.dtype) if need_w else None,
+        (torch.zeros_like(weight) if grad_w is None else grad_w.to(weight.dtype)) if need_w else None,
         grad_b.to(bias.dtype) if need_b else None,
     )
     return loss, metrics, grads, logp_all, ent_all, grad_kl, kl_all

@@ -75,6 +75,7 @@ def policy_loss(
     support=None,  # None | fastrl.KeptSet (B*T rows) | fastrl.SamplerRule
     positions: torch.Tensor | None = None,  # [B, T] completion positions (SamplerRule.min_tokens)
     host_sync: bool | None = None,
+    return_logprobs: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO-family (or PPO) policy loss from hidden states and the LM head, fused, with its metrics.
 
@@ -152,8 +153,12 @@ def policy_loss(
             and the ``check_finite`` checks are skipped (a non-finite value the loss reads makes the loss
             non-finite by itself). A ``SamplerRule`` is refused there (replay it first: ``fastrl.replay_rule``).
 
+        return_logprobs: also return the per-token log-probs the loss computed (``[B, T]``, detached, 0 outside
+            ``mask``; over the support when one is given): no extra pass, the ones the loss read (e.g. the
+            trainer's side of the vLLM sampler gap, ``fastrl.trainers.grpo_vllm``).
+
     Returns:
-        ``(loss, metrics)``: a 0-dim loss (float32; float64 for float64 inputs), differentiable w.r.t.
+        ``(loss, metrics)`` (``(loss, metrics, logprobs)`` with ``return_logprobs``): a 0-dim loss (float32; float64 for float64 inputs), differentiable w.r.t.
         hidden, weight and bias, and a dict of detached 0-dim metrics computed in the same pass (``kl``,
         ``entropy``, ``clip_ratio/*``, ``cispo_clip_ratio``, ``policy/*``, ``val/ratio``, ``val/ratio_var``;
         see ``fastrl.losses.arithmetic.policy_loss_from_logprobs`` for each).
@@ -197,10 +202,13 @@ def policy_loss(
                  logit_scale, softcap, backend, chunk_tokens, check_finite, host_sync)
     poison = _value_checks(c, advantages, mask, old_logprobs, ref_logprobs, importance_weights, num_items_in_batch)
     kept, outside = _support(c, support, positions)
-    loss, metrics = _kept_loss(c, kept) if kept is not None else _full_vocabulary_loss(c, chunk_tokens)
+    loss, metrics, logp = _kept_loss(c, kept) if kept is not None else _full_vocabulary_loss(c, chunk_tokens)
     if support is not None:
         metrics.update(_support_metrics(c, kept, outside, support))
-    return (loss if poison is None else loss * poison), metrics
+    loss = loss if poison is None else loss * poison
+    if return_logprobs:
+        return loss, metrics, torch.where(c.in_mask, logp.detach().reshape(c.in_mask.shape), 0.0)
+    return loss, metrics
 
 
 @dataclasses.dataclass
@@ -267,7 +275,8 @@ def _checked(hidden, weight, targets, advantages, mask, config, old_logprobs, re
     with torch.no_grad():
         z0 = torch.zeros((B, T), dtype=TB.acc_dtype(hidden.dtype), device=hidden.device)
         (dataclasses.replace(inputs, per_token_kl=z0) if exact_kl else inputs).loss(z0, z0, config)
-    name = resolve_backend(hidden.device, backend, kind="loss", H=hidden.shape[-1], dtype=hidden.dtype)
+    name = resolve_backend(hidden.device, backend, kind="loss", H=hidden.shape[-1], dtype=hidden.dtype,
+                           tensors=(hidden, weight))
     if is_triton(name) and hidden.dtype == torch.float64:
         raise TypeError("the triton backends compute from float32, bfloat16 or float16 inputs; use backend='torch' "
                         "for float64")
@@ -332,7 +341,7 @@ def _options(c: _Call, **extra) -> PolicyOptions:
 
 def _op(c: _Call, opts: PolicyOptions, chunks: list[int], per_token_kl=None, ref=(None, None, None),
         support=(None, None)):
-    """``fastrl::policy_loss_one_pass`` on the call's tensors: (loss, metrics)."""
+    """``fastrl::policy_loss_one_pass`` on the call's tensors: (loss, metrics, per-token log-probs [B * T])."""
     B, T, H = c.hidden.shape
     i = c.inputs
     num_items = i.num_items_in_batch
@@ -351,7 +360,7 @@ def _op(c: _Call, opts: PolicyOptions, chunks: list[int], per_token_kl=None, ref
         check_finite_outputs(logp_all, ent_all, live, c.hidden.detach().reshape(B * T, H), (B, T))
         if kl.numel():
             check_kl_finite(kl, live, c.hidden.detach(), ref[0], (B, T))
-    return loss, dict(zip(metric_keys(c.config), mvec.unbind(0)))
+    return loss, dict(zip(metric_keys(c.config), mvec.unbind(0))), logp_all
 
 
 def _kept_loss(c: _Call, kept):
@@ -380,19 +389,22 @@ def _full_vocabulary_loss(c: _Call, chunk_tokens: int | None):
 def _one_pass_chunks(c: _Call, chunk_tokens: int | None) -> list[tuple[int, int]] | None:
     """The one-pass path's chunks: ranges of live rows (eager), [] for fixed chunks (no-sync), None when a
     sequence does not fit in one chunk (then two passes it is)."""
-    V, T = c.weight.shape[0], c.hidden.shape[1]
+    V, (B, T, H) = c.weight.shape[0], c.hidden.shape
     need_w = c.need[1]
     if c.sync:
-        return one_pass._chunks(c.in_mask, c.config.one_pass_granularity, V, c.hidden.device, need_w, chunk_tokens)
+        return one_pass._chunks(c.in_mask, c.config.one_pass_granularity, V, c.hidden.device, need_w, chunk_tokens,
+                                c.backend, c.hidden.dtype, H)
     # fixed chunks over all rows, from shapes alone
-    budget = _chunk_budget(V, c.hidden.device, need_w, chunk_tokens)
+    budget = _chunk_budget(V, c.hidden.device, need_w, chunk_tokens, c.backend, c.hidden.dtype, B * T, H)
     return [] if c.config.one_pass_granularity == "token" or T <= budget else None
 
 
 def _one_pass_loss(c: _Call, chunks: list[tuple[int, int]], chunk_tokens: int | None):
     """Path B. The exact KL, if any: inside the chunks on the torch backend (the reference's tile next to the
     policy's), else its own ``fused_divergence`` pass whose [B, T] result enters the op."""
-    opts = _options(c, chunk_rows=_chunk_budget(c.weight.shape[0], c.hidden.device, c.need[1], chunk_tokens))
+    B, T, H = c.hidden.shape
+    opts = _options(c, chunk_rows=_chunk_budget(c.weight.shape[0], c.hidden.device, c.need[1], chunk_tokens, c.backend,
+                                                 c.hidden.dtype, B * T, H))
     flat = [x for pair in chunks for x in pair]
     if not c.exact_kl:
         return _op(c, opts, flat)
@@ -409,7 +421,7 @@ def _two_pass_loss(c: _Call):
         backend=c.backend, host_sync=c.sync,
     )
     inputs = c.inputs if not c.exact_kl else dataclasses.replace(c.inputs, per_token_kl=_outside_kl(c))
-    return inputs.loss(logp, ent, c.config)
+    return (*inputs.loss(logp, ent, c.config), logp)
 
 
 def _outside_kl(c: _Call) -> torch.Tensor:

@@ -37,7 +37,8 @@ from fastrl.ops._gemm import cuda_f32_out
 BACKENDS = ("triton", "triton-hybrid", "triton-fused", "triton-sm90", "torch")
 CONCRETE = ("triton-hybrid", "triton-fused", "triton-sm90", "torch")
 
-__all__ = ["BACKENDS", "CONCRETE", "resolve_backend", "choose_triton", "measured_choice", "is_triton"]
+__all__ = ["BACKENDS", "CONCRETE", "resolve_backend", "choose_triton", "measured_choice", "builtin_choice", "runs_here",
+           "is_triton"]
 
 
 # looked up once (find_spec does not import triton): a module constant also lets torch.compile trace the dispatch
@@ -61,43 +62,77 @@ def _index_choices(entries) -> tuple[tuple, ...]:
 _CHOICES = _index_choices(_defaults.CHOICES)
 
 
-def measured_choice(device: torch.device, kind: str | None, H: int | None, dtype: torch.dtype | None) -> str | None:
-    """The implementation a committed GPU session measured fastest for this work here, if one did (and it can run
-    here: a name since removed, or the hybrid without cuBLAS float32 output, falls back to the built-in choice)."""
+def _tma_rows(t: torch.Tensor) -> bool:
+    """Whether the op's 2-D view of ``t`` (``[-1, last]``, made contiguous when its last dimension is not) has the
+    16-byte aligned base and rows that TMA descriptors need."""
+    x = t.reshape(-1, t.shape[-1])
+    if x.stride(-1) != 1:
+        return True  # the op copies it (``unit_stride``): a fresh allocation is aligned
+    # the offset into its storage, not data_ptr (which torch.compile's fake tensors lack): storages are allocated at
+    # 16-byte (CUDA: 512-byte) boundaries
+    size = x.element_size()
+    return (x.storage_offset() * size) % 16 == 0 and (x.stride(0) * size) % 16 == 0
+
+
+def runs_here(impl: str, device: torch.device, H: int, dtype: torch.dtype, tensors: tuple = ()) -> bool:
+    """Whether ``impl`` accepts this work on ``device`` (``auto`` must never pick one that would refuse it): a name
+    since removed never; the hybrid only with cuBLAS float32 output; ``triton-sm90`` only on sm_90 or newer with
+    16-byte rows (``H`` a multiple of 8 in bf16/fp16, of 4 in float32) and every tensor TMA-addressable (a view
+    that starts mid-row is not)."""
+    if impl not in CONCRETE or not is_triton(impl) or dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    if impl == "triton-hybrid":
+        return cuda_f32_out(device)
+    if impl == "triton-sm90":
+        family = device_family(device)
+        major = int(family[2:]) // 10 if family.startswith("sm") and family[2:].isdigit() else 0
+        width_ok = H * dtype.itemsize % 16 == 0
+        return major >= 9 and width_ok and all(_tma_rows(t) for t in tensors if t is not None and t.dim() >= 1)
+    return True
+
+
+def measured_choice(device: torch.device, kind: str | None, H: int | None, dtype: torch.dtype | None,
+                    tensors: tuple = ()) -> str | None:
+    """The implementation a committed GPU session measured fastest for this work here, if one did and it accepts
+    this work (``runs_here``: a shape, dtype or alignment it refuses falls back to the built-in choice)."""
     if not _CHOICES or device.type != "cuda" or kind is None or H is None or dtype is None:
         return None
     family, name = device_family(device), str(dtype).removeprefix("torch.")
     for fam, k, dt, h_min, h_max, impl in _CHOICES:
         if (fam, k, dt) == (family, kind, name) and (h_min is None or H >= h_min) and (h_max is None or H < h_max):
-            usable = impl in CONCRETE and is_triton(impl) and (impl != "triton-hybrid" or cuda_f32_out(device))
-            return impl if usable else None
+            return impl if runs_here(impl, device, H, dtype, tensors) else None
     return None
 
 
 def choose_triton(device: torch.device, *, kind: str | None = None, H: int | None = None,
-                  dtype: torch.dtype | None = None) -> str:
+                  dtype: torch.dtype | None = None, tensors: tuple = ()) -> str:
     """The Triton implementation ``backend="triton"`` (and ``"auto"`` on CUDA) means on this device for this work
-    (``kind``: "loss", "logprob" or "forward"; ``H``: hidden width; ``dtype``: the inputs'): the one a committed GPU
-    session measured fastest there, else the built-in choice (see the module docstring)."""
-    measured = measured_choice(device, kind, H, dtype)
-    if measured is not None:
-        return measured
+    (``kind``: "loss", "logprob" or "forward"; ``H``: hidden width; ``dtype``: the inputs'; ``tensors``: the hidden
+    states and weight, whose alignment a measured choice must accept): the one a committed GPU session measured
+    fastest there, else the built-in choice (see the module docstring)."""
+    measured = measured_choice(device, kind, H, dtype, tensors)
+    return measured if measured is not None else builtin_choice(device)
+
+
+def builtin_choice(device: torch.device) -> str:
+    """What ``backend="triton"`` runs where no session measured otherwise: the hybrid where cuBLAS writes float32
+    logits from bf16 operands, else the fused kernels (the bar a measured winner must beat, ``bench defaults``)."""
     if device.type == "cuda":
         return "triton-hybrid" if cuda_f32_out(device) else "triton-fused"
     return "triton-hybrid"  # the interpreter mirrors what a current CUDA install runs
 
 
 def resolve_backend(device: torch.device, requested: str | None = None, *, kind: str | None = None,
-                    H: int | None = None, dtype: torch.dtype | None = None) -> str:
+                    H: int | None = None, dtype: torch.dtype | None = None, tensors: tuple = ()) -> str:
     """The concrete backend ("triton-hybrid", "triton-fused", "triton-sm90" or "torch") that computes on ``device``;
-    ``kind``, ``H`` and ``dtype`` describe the work, for the measured defaults (``choose_triton``)."""
+    ``kind``, ``H``, ``dtype`` and ``tensors`` describe the work, for the measured defaults (``choose_triton``)."""
     name = requested if requested is not None else os.environ.get("FASTRL_BACKEND", "auto")
     name = (name or "auto").lower()
     if name not in BACKENDS + ("auto",):
         raise ValueError(f"backend must be one of {BACKENDS} or 'auto', got {name!r} (from FASTRL_BACKEND or backend=)")
     if name == "auto":
         if device.type == "cuda" and _triton_available():
-            return choose_triton(device, kind=kind, H=H, dtype=dtype)
+            return choose_triton(device, kind=kind, H=H, dtype=dtype, tensors=tensors)
         return "torch"
     if is_triton(name):
         if not _triton_available():
@@ -117,5 +152,5 @@ def resolve_backend(device: torch.device, requested: str | None = None, *, kind:
             raise RuntimeError(f"backend 'triton-sm90' needs TMA (compute capability 9.0 or newer: H100, H200, B200), "
                                f"got sm_{major}{minor}; use backend 'triton' or 'triton-fused'")
         if name == "triton":
-            return choose_triton(device, kind=kind, H=H, dtype=dtype)
+            return choose_triton(device, kind=kind, H=H, dtype=dtype, tensors=tensors)
     return name

@@ -61,6 +61,33 @@ path                      device  tile    live  why
                                                 k3 loss's time with 1 MB blocks, 1.40-1.47x with the 16 MB of
                                                 ``logprob`` (B=8 x 256, H=512, V=32768, interleaved, a loaded
                                                 2-core machine). On CUDA fewer, larger launches.
+``sm90-one-pass``         cuda    1/16 of       the one-pass loss on ``triton-sm90`` (``one_pass_rows``): the
+                                  the device's  ``[chunk, V]`` tile of scaled exps in the input dtype (2 bytes
+                                  total memory  at bf16). The float32 [V, H] weight-gradient accumulator is
+                                                read and written once per chunk (8 V H bytes: 5 GB at
+                                                V=151936, H=4096, 10 times at W1 with the ``one-pass`` row's
+                                                1664 rows: 50 GB). So: (1) every token in one chunk when its
+                                                tile fits 1/16 of the device: no accumulator at all, grad_W
+                                                is one GEMM written once, and the memory is the tile's alone
+                                                (80 GiB / 16 = 5 GiB: up to 17667 tokens at V=151936, so W1
+                                                and W2, N=16384, in one chunk of 4.98 GB, against 0.5 GB of
+                                                tile + 2.5 GB of accumulator at W1 before; 141 GiB: up to
+                                                31139 tokens); (2) else a tile as large as the accumulator it
+                                                amortises, 4 V H bytes (2 H rows in bf16: the accumulator's
+                                                passes cost ~1.3 x 163 / (2 H) of the GEMMs' time at 700
+                                                TFLOP/s and 4.3 TB/s: 2.6% at H=4096), within [the
+                                                ``one-pass`` row's rows, the 1/16 share]: N=65536 at H=4096
+                                                in 8 chunks of 8192 (5 GB with the accumulator), W4's 131072
+                                                tokens at H=896 in 74 of 1792 (as before: 0.5 GB + 0.5 GB).
+                                                Memory unknown (not CUDA): the ``one-pass`` row.
+``sm90-grad``             cuda    1/128 of      path A's backward on ``triton-sm90`` (``grad_columns``): the
+                                  the device's  ``[rows, cols]`` G slice in the input dtype; grad_h's float32
+                                  total memory  [N, H] accumulator is read and written once per vocabulary
+                                                slice (8 N H bytes: 537 MB at N=16384, H=4096), 38 times at
+                                                the ``hybrid`` row's 4096 columns. 80 GiB / 128 = 640 MiB =
+                                                20480 columns of 16384 bf16 rows: 8 slices at V=151936; 141
+                                                GiB / 128: 36096 columns, 5 slices. Memory unknown: the
+                                                ``hybrid`` row.
 ========================  ======  ======  ====  ==========================================================
 
 Tests shrink a path's tiles by replacing its row: ``monkeypatch.setitem(budget.BUDGETS, "logprob", TileBudget(...))``.
@@ -72,7 +99,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["TileBudget", "BUDGETS", "tile_budget", "tile_columns"]
+__all__ = ["TileBudget", "BUDGETS", "MEMORY_SHARES", "tile_budget", "tile_columns", "device_memory", "one_pass_rows",
+           "grad_columns"]
 
 _FLOAT32 = 4  # bytes
 
@@ -131,3 +159,58 @@ def tile_columns(n_rows: int, vocab: int, requested: int | None = None, multiple
         tile_elems = tile_budget("logprob").elems
     cols = max(multiple, (tile_elems // max(n_rows, 1)) // multiple * multiple)
     return min(cols, vocab)
+
+
+# path -> the divisor of the device's total memory its tile may take (the rows of the table that scale with the
+# device). Total memory, not free memory: the chunk count is a function of the device, not of what else is allocated
+# at the moment, so a run is reproducible.
+MEMORY_SHARES = {"sm90-one-pass": 16, "sm90-grad": 128}
+
+
+def device_memory(device: torch.device | str | None) -> int | None:
+    """The total memory of a CUDA ``device`` in bytes, None when unknown (any other device, no CUDA). A constant to
+    torch.compile (the chunk plan reads it inside compiled functions)."""
+    if device is None or torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        return None
+    try:
+        return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
+    except (RuntimeError, AssertionError):  # pragma: no cover - a device index that does not exist
+        return None
+
+
+# what torch.compiler.assume_constant_result sets, without its import of torch._dynamo (as kernels.tuning does)
+device_memory._dynamo_marked_constant = True
+
+
+def one_pass_rows(V: int, H: int, tokens: int, dtype: torch.dtype, device: torch.device | str | None = None,
+                  total_memory: int | None = None) -> int:
+    """Tokens per chunk of the one-pass loss on ``triton-sm90`` with a trained head, for ``tokens`` tokens (the
+    ``sm90-one-pass`` row): all of them when their ``[tokens, V]`` scaled exps in ``dtype`` fit 1/16 of
+    ``total_memory`` (default: the device's); else whole 128-row blocks of a tile as large as the float32 ``[V, H]``
+    accumulator, no fewer rows than the ``one-pass`` row's and no more than the share holds. Memory unknown: the
+    ``one-pass`` row's rows (a 1 GiB float32 tile: 1664 rows at V=151936)."""
+    default = max(128, tile_budget("one-pass", "cuda").elems // V // 128 * 128)
+    if total_memory is None:
+        total_memory = device_memory(device)
+    if total_memory is None:
+        return default
+    row_bytes = -(-V // 8) * 8 * torch.empty((), dtype=dtype).element_size()  # ExpTile's 16-byte aligned rows
+    share_rows = total_memory // MEMORY_SHARES["sm90-one-pass"] // row_bytes
+    if tokens <= share_rows:
+        return max(tokens, 1)  # one chunk: no accumulator
+    acc_rows = _FLOAT32 * V * H // row_bytes
+    return max(128, min(share_rows, max(default, acc_rows)) // 128 * 128)
+
+
+def grad_columns(rows: int, V: int, dtype: torch.dtype, device: torch.device | str | None = None,
+                 total_memory: int | None = None, multiple: int = 256) -> int:
+    """Vocabulary columns per slice of path A's backward on ``triton-sm90`` (the ``sm90-grad`` row): the largest
+    multiple of ``multiple`` whose ``[rows, cols]`` G in ``dtype`` fits 1/128 of ``total_memory`` (default: the
+    device's), at most V; memory unknown, the ``hybrid`` row's columns."""
+    if total_memory is None:
+        total_memory = device_memory(device)
+    if total_memory is None:
+        elems = tile_budget("hybrid").elems
+    else:
+        elems = total_memory // MEMORY_SHARES["sm90-grad"] // torch.empty((), dtype=dtype).element_size()
+    return tile_columns(rows, V, multiple=multiple, tile_elems=elems)

@@ -421,7 +421,7 @@ def fused_logprobs(
     # the kind of work, for the defaults measured on GPUs (fastrl.ops.backend.choose_triton)
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     name = resolve_backend(hidden.device, backend, kind="logprob" if grad else "forward", H=hidden.shape[-1],
-                           dtype=hidden.dtype)
+                           dtype=hidden.dtype, tensors=(hidden, weight))
     if is_triton(name) and hidden.dtype == torch.float64:
         raise TypeError("the triton backends compute from float32, bfloat16 or float16 inputs; use backend='torch' for float64")
     if support is not None or return_kept_mass:

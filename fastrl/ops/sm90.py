@@ -5,11 +5,14 @@
 * path A's backward: vocabulary slices of ``G = dL/dy`` from ``fastrl.kernels.persistent_grad`` (recomputed logits,
   ``G`` formed in registers and stored once in the input dtype), each consumed by the two gradient GEMMs of
   ``fastrl.ops.hybrid.sliced_backward`` (the same accumulation as the hybrid backend: ``grad_W`` slices written once,
-  ``grad_h`` accumulated in float32).
+  ``grad_h`` accumulated in float32). The slices are as wide as 1/128 of the device's memory allows
+  (``fastrl.ops.budget.grad_columns``): each costs one read and write of the float32 ``[N, H]`` accumulator.
 * the one-pass policy loss (``fastrl.losses.one_pass``): ``chunk_stats`` runs the same forward kernel with the QuACK
   scaled-exp layout (``e = 2^(z log2(e) - k)`` in the input dtype, one power-of-two ``k`` per row and vocabulary
   block) into a ``[chunk, V]`` tile, and ``chunk_grad`` turns that tile into ``G`` in place: half the bytes of the
-  hybrid path's float32 logits tile, written and read once less.
+  hybrid path's float32 logits tile, written and read once less. The chunks are as long as 1/16 of the device's
+  memory allows (``fastrl.ops.budget.one_pass_rows``): W1 in one chunk on an 80 GB device, whose ``grad_W`` is then
+  one GEMM written once instead of a float32 ``[V, H]`` accumulator read and written per chunk (5 GB each at W1).
 
 Requirements, checked before any launch (``check_tensors``): TMA (CUDA compute capability 9.0 or newer, or Triton's
 interpreter on CPU tensors) and 16-byte aligned rows (``H`` a multiple of 8 in bf16/fp16, of 4 in float32). Nothing
@@ -28,7 +31,8 @@ from fastrl.kernels import persistent_stats as PS
 from fastrl.kernels.linear_logprob import tma_ok
 from fastrl.kernels.tuning import KernelConfig, config_for
 from fastrl.ops.config import LogitTransform
-from fastrl.ops.hybrid import MAX_ROWS, sliced_backward, tile_columns
+from fastrl.ops.budget import grad_columns
+from fastrl.ops.hybrid import MAX_ROWS, sliced_backward
 
 __all__ = ["NAME", "check_tensors", "supports_width", "linear_stats", "linear_backward", "ExpTile", "chunk_stats", "chunk_grad"]
 
@@ -93,7 +97,10 @@ def linear_backward(
     N = hidden.shape[0]
     V = weight.shape[0]
     rows = min(max(N, 1), MAX_ROWS)
-    cols = tile_columns(rows, V, vocab_chunk)  # the hybrid path's tile budget, in whole 256-column blocks
+    # G slices sized by the device's memory (budget's sm90-grad row, whole 256-column blocks): grad_h's float32
+    # [N, H] accumulator is read and written once per slice (38 slices at W1 with the hybrid row, 8 on 80 GB)
+    cols = vocab_chunk or grad_columns(rows, V, hidden.dtype, hidden.device)
+    cols = max(1, min(int(cols), V))
     # G in the input dtype; a row stride of whole 256-column blocks keeps every row 16-byte aligned for the TMA store
     buf = torch.empty((rows, -(-cols // 256) * 256), dtype=hidden.dtype, device=hidden.device)
 

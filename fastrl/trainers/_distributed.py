@@ -10,6 +10,11 @@ launches; on GPUs accelerate does both itself):
   communication uninitialised, so a model built under ZeRO-3's ``zero.Init`` after the trainer exists (TRL's GRPO
   reference model, ``beta != 0``) sees one process and fails the same batch-size check. Initialised here, over
   the process group accelerate created.
+
+And one that is only noise: where DeepSpeed is installed, accelerate imports it while any trainer is built, and on a
+machine without a CUDA device DeepSpeed's accelerator auto-detection warns "Setting accelerator to CPU. If you have
+GPU or other accelerator, we were unable to detect it." on every run. There the CPU is its only choice; naming it
+(``DS_ACCELERATOR=cpu``, DeepSpeed's own setting) makes the same choice without the warning.
 """
 
 from __future__ import annotations
@@ -23,10 +28,22 @@ def _uses_deepspeed(args) -> bool:
     return bool(getattr(args, "deepspeed", None)) or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
 
 
+def name_deepspeed_cpu() -> None:
+    """Set ``DS_ACCELERATOR=cpu`` where torch sees no CUDA device and nobody set it (the choice DeepSpeed's
+    auto-detection would make, without its warning); a set value and a machine with CUDA are left alone."""
+    import torch
+
+    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
+
+
 def check_launch(args) -> None:
     """Raise ``ValueError`` if ``torch.distributed`` runs more processes than ``args`` (TrainingArguments) counts;
-    under DeepSpeed, initialise DeepSpeed's communication over the existing process group if nothing did."""
+    under DeepSpeed, initialise DeepSpeed's communication over the existing process group if nothing did. On a
+    machine without CUDA, name DeepSpeed's accelerator first (:func:`name_deepspeed_cpu`)."""
     import torch.distributed as dist
+
+    name_deepspeed_cpu()
 
     if not (dist.is_available() and dist.is_initialized()):
         return

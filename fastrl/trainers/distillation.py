@@ -40,7 +40,7 @@ import trl
 from fastrl.ops.backend import BACKENDS
 from fastrl.trainers._common import MULTIMODAL_KEYS, default_activation_checkpointing, opt
 from fastrl.trainers._distributed import check_launch
-from fastrl.trainers._guards import check_overrides
+from fastrl.trainers._guards import check_forward_redirection, check_overrides
 from fastrl.trainers._lm_head import (
     HeadSettings,
     is_zero3_param,
@@ -265,6 +265,7 @@ class DistillationTrainer(MemoryStepsMixin, trl.DistillationTrainer):
             )
         check_launch(args)
         check_overrides(trl.DistillationTrainer, TRL_OVERRIDES, "fastrl.DistillationTrainer's loss")
+        check_forward_redirection(trl.DistillationTrainer)  # the fused loss runs the teacher through it
         super().__init__(model, teacher_model, args, *pargs, **kwargs)
         if self.teacher_model is not None:
             unwrap = self.accelerator.unwrap_model

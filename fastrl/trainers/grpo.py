@@ -40,7 +40,8 @@ import trl
 
 from fastrl.trainers._common import opt
 from fastrl.trainers._distributed import check_launch
-from fastrl.trainers._guards import check_fused_head_protocol, check_overrides, check_reference_pass_skip
+from fastrl.trainers._guards import (check_entropy_controller, check_fused_head_protocol, check_overrides,
+                                     check_reference_pass_skip)
 from fastrl.trainers.grpo_config import GRPOConfig, check_loss_options
 from fastrl.trainers.grpo_loss import compute_loss_one_pass, exact_kl, fastrl_kl, install_fastrl_head, one_pass_reason
 from fastrl.trainers.grpo_reference import ReferenceCaptureMixin, reference_from_instance, skip_trl_reference_pass
@@ -92,6 +93,7 @@ class GRPOTrainer(MemoryStepsMixin, SamplingReplayMixin, ReferenceCaptureMixin, 
             super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         self._setup_sampling_replay(replay)
         if opt(self.args, "fused_loss", True):
+            check_entropy_controller(self, trl.GRPOTrainer)  # the one-pass loss runs TRL's controller on TRL's state
             install_fastrl_head(
                 self, backend=opt(self.args, "fastrl_backend", None),
                 vocab_chunk=opt(self.args, "fastrl_vocab_chunk", None),
@@ -118,7 +120,9 @@ class GRPOTrainer(MemoryStepsMixin, SamplingReplayMixin, ReferenceCaptureMixin, 
                 with skip_trl_reference_pass(self):
                     output = self._generate_and_score_completions_replayed(inputs)
                 output["ref_hidden_states"] = self._reference_hidden_states(output)
-            log_sampling_gap(self, output)  # TRL's sampler-gap metrics, also with its IS correction off
+            # TRL's sampler-gap metrics, also with its IS correction off (from the loss pass's log-probs where it
+            # takes fastrl's one-pass route)
+            log_sampling_gap(self, output, loss_covers=one_pass_reason(self, output) is None)
             return output
 
     def _compute_loss(self, model, inputs):

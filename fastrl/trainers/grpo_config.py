@@ -50,6 +50,12 @@ class GRPOConfig(trl.GRPOConfig):
             sampled token where it falls outside (logged as `sampling/label_outside_frac`).
         log_kept_mass (`bool`, defaults to `False`): also log `sampling/kept_mass_mean`, the mean full-softmax
             probability of the support under the policy (one extra forward pass over the vocabulary).
+        log_sampling_gap (`bool`, defaults to `True`): with `use_vllm=True` and TRL's
+            `vllm_importance_sampling_correction=False`, log TRL's `sampling/sampling_logp_difference/*` and
+            `sampling/importance_sampling_ratio/*` anyway (TRL logs them only with its correction on, from the old
+            log-probs it then computes). fastrl takes the trainer's side from the log-probs its one-pass loss
+            computes anyway (no extra forward); where the loss takes TRL's route, one no-grad forward of the policy
+            per generation batch. `False`: fastrl logs neither (TRL's own, with its correction on, stay).
         kl_estimator (`str`, defaults to `"k3"`): the per-token KL term weighted by `beta`. `"k3"` is TRL's
             (`exp(r) - r - 1`, `r = ref_logp - logp` of the sampled token); `"k1"` (`-r`, can be negative) and `"k2"`
             (`r^2 / 2`) are placed the same way. `"exact"`: `KL(pi_theta || pi_ref)` summed over the whole
@@ -103,6 +109,10 @@ class GRPOConfig(trl.GRPOConfig):
     vllm_fp32_lm_head: bool = field(
         default=False, metadata={"help": "Colocated vLLM computes its LM head in float32 (hf_overrides head_dtype)."}
     )
+    log_sampling_gap: bool = field(
+        default=True,
+        metadata={"help": "Log vLLM's sampler gap with TRL's IS correction off (from the loss pass's log-probs)."},
+    )
     kl_estimator: str = field(
         default="k3",
         metadata={"help": "Per-token KL term: 'k3' (TRL's), 'k1', 'k2' or 'exact' (whole-vocabulary KL to the reference)."},
@@ -124,6 +134,8 @@ class GRPOConfig(trl.GRPOConfig):
             raise ValueError(f"GRPOConfig.sampling_replay={self.sampling_replay!r} needs fused_loss=True (the support "
                              "is applied by fastrl's LM head)")
         check_vllm_fp32_lm_head(self)
+        if not isinstance(self.log_sampling_gap, bool):
+            raise ValueError(f"GRPOConfig.log_sampling_gap must be a bool, got {self.log_sampling_gap!r}")
         if self.kl_estimator != "k3" and self.beta != 0.0 and not (self.fused_loss and self.one_pass_loss):
             raise ValueError(
                 f"GRPOConfig.kl_estimator={self.kl_estimator!r} needs fastrl's policy loss (fused_loss=True and "

