@@ -169,12 +169,11 @@ def _rows_backward(plan: KeptPlan, head: Head, G: torch.Tensor, need: tuple[bool
     Gt = torch.zeros(N * W + 1, dtype=cdt, device=dev)
     Gt[plan.pos] = G[: plan.nnz]
     Gt = Gt[: N * W].view(N, W)
-    kern = kept_rows.kernels_for(plan.backend, hidden.dtype)
     direct_w = weight.dtype == cdt
     slots = rows = None
-    if need_w and (direct_w or kern is not None):  # the gradient itself, or a float32 [V, H] for the kernels
+    if need_w and direct_w:  # the gradient itself
         grad_w = torch.zeros(weight.shape, dtype=cdt, device=dev)
-    elif need_w:  # a bf16/fp16 head on the torch path: a float32 buffer over the kept ids only
+    elif need_w:  # a bf16/fp16 head: a float32 buffer over the kept ids only (never a float32 [V, H])
         slots = _WeightSlots(plan, weight.shape[0])
         grad_w = torch.zeros((slots.count, weight.shape[1]), dtype=cdt, device=dev)
         rows = slots.of(plan.padded.clamp(min=0))

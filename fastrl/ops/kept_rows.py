@@ -71,7 +71,8 @@ def rows_logits(
     """Each row's raw logits at its kept ids (no transform)."""
     kern = kernels_for(backend, hidden.dtype)
     if kern is not None:
-        return kern.kept_rows_logits(hidden, weight, ids, bias)
+        # the ids were checked where the set was built (KeptSet): no host read here, so graphs can take it
+        return kern.kept_rows_logits(hidden, weight, ids, bias, check_ids=False)
     N, K = ids.shape
     H = hidden.shape[1]
     cdt = acc_dtype(hidden.dtype)
@@ -106,11 +107,12 @@ def rows_backward(
 ) -> torch.Tensor:  # grad_hidden [N, H] (compute dtype)
     """``grad_h = G W[ids]``; ``grad_W[ids] += G^T h`` and ``grad_b[ids] += G`` into the given accumulators.
 
-    ``weight_rows`` lets the torch implementation accumulate a bf16/fp16 head's weight gradient in a float32 buffer
-    over the kept ids only (``fastrl.ops.kept``); the Triton kernels take ``grad_weight`` indexed by the ids."""
-    kern = kernels_for(backend, hidden.dtype) if weight_rows is None else None
+    ``weight_rows`` lets a bf16/fp16 head's weight gradient accumulate in a float32 buffer over the kept ids only
+    (``fastrl.ops.kept``), on both implementations."""
+    kern = kernels_for(backend, hidden.dtype)
     if kern is not None:
-        return kern.kept_rows_backward(grad, hidden, weight, ids, grad_weight, grad_bias, deterministic=deterministic)
+        return kern.kept_rows_backward(grad, hidden, weight, ids, grad_weight, grad_bias, deterministic=deterministic,
+                                       weight_rows=weight_rows, check_ids=False)
     N, K = ids.shape
     H = hidden.shape[1]
     cdt = grad.dtype
