@@ -43,12 +43,13 @@ TRL's imports add 12 (29.1 - 10.1 - 7). A point runs 9 steps (2 warm-up, 1 for m
 ms). A float64 check case 2.5 (that run: 8 cases per implementation in ~20 s, mostly Triton compiling). With
 today's three implementations (hybrid, fused, sm90; fused and sm90 take configurations: 6 and 5 candidates):
 checks 7 + 33 x 2.5 = 89.5; tournament 7 + 12 + 5 (float64 loss references) + 31 points in 30.95 = 54.95; divergence
-7 + 12 + 12 points x 1.25 + 2 x 9 compiling = 52; keptset 7 + 6 x 2.2 = 20; w4 2 x 35 = 70 (its processes took
+7 + 12 + 12 points x 1.25 + 2 x 9 compiling = 52; keptset 7 + 14 x 2.2 = 37.8 (7 points per shape: both
+plans); w4 2 x 35 = 70 (its processes took
 38-44 s at 16384 tokens, 10 of them in steps); configs 7 + 5 + 11 x 8 compiling + 56 points in 59.5 = 159.5;
 autotune 7 + 5 + 2 x 20 + 8.5 = 60.5; compile 7 + 2 + 2 x 47 = 103 (inductor's compile assumed 40 s per compiled
-variant: not yet measured on a GPU; 8.3 s on a quiet 2-core CPU). Total 610 s: more than one call holds. With
+variant: not yet measured on a GPU; 8.3 s on a quiet 2-core CPU). Total 627 s: more than one call holds. With
 ``bench/gpu_session.sh``'s first call (570 s less the install and the CUDA tests: about 360 s for the session),
-checks to w4 (287 s + 20 s grace) fit and configs, autotune and compile are left to a second call (``rest``), whose
+checks to w4 (304 s + 20 s grace) fit and configs, autotune and compile are left to a second call (``rest``), whose
 quick checks take 7 + 3 x 2.5 = 14.5.
 """
 

@@ -31,7 +31,7 @@ def test_bench_cli_smoke(tmp_path):
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{out[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
 
     # the summary table comes after the per-measurement progress lines
-    header = out.rfind("fwd+bwd ms")
+    header = out.rfind("  t/torch  ")  # the summary table's header row
     assert header != -1, f"no summary table in the output:\n{out[-4000:]}"
     assert out.rfind("C1-smoke") > header and "wrote" in out[header:]
 
