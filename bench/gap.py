@@ -209,19 +209,25 @@ def print_table(con, rows: list[dict], env: dict, steps: int, shape: dict) -> No
     con.print(f"sampler-trainer gap on {env['device']} (CPU) | vLLM {env['vllm']} (CPU build), TRL {env['trl']}, "
               f"torch {env['torch']} | tiny Qwen2 V={shape['vocab_size']} H={shape['hidden_size']}, top_k=20 "
               f"top_p=0.9, {steps} step(s) of 8 completions x 16 tokens, learning rate 0")
-    head = (f"{'policy':<9}{'trainer':<29}{'vLLM dtype / head':<21}{'replay':<10}{'gap mean':>11}{'gap max':>11}"
-            f"{'IS ratio mean [min, max]':>28}{'kept ids':>9}{'step s':>8}")
+    # 120 columns: dtypes short (bf16, fp32), the IS ratio's min and max to 2 digits (gap.json has them whole)
+    head = (f"{'policy':<7}{'trainer':<29}{'vLLM / head':<13}{'replay':<9}{'gap mean':>9}{'gap max':>9}"
+            f"{'IS ratio mean [min, max]':>28}{'kept':>6}{'step s':>8}")
     con.print(head)
     for r in rows:
         if r["status"] != "ok":
-            con.print(f"{r['dtype']:<9}{r['label']:<29}{'':<21}{r['replay']:<10}[red]{r.get('reason')}[/red]")
+            con.print(f"{_short(r['dtype']):<7}{r['label']:<29}{'':<13}{r['replay']:<9}[red]{r.get('reason')}[/red]")
             continue
-        gap = (f"{r[METRICS[0]]:>11.3g}{r[METRICS[1]]:>11.3g}" if METRICS[0] in r else f"{'-':>11}{'-':>11}")
-        ratio = (f"{r[METRICS[2]]:.4f} [{r[METRICS[3]]:.4f}, {r[METRICS[4]]:.4f}]"
+        gap = (f"{r[METRICS[0]]:>9.3g}{r[METRICS[1]]:>9.3g}" if METRICS[0] in r else f"{'-':>9}{'-':>9}")
+        ratio = (f"{r[METRICS[2]]:.3g} [{r[METRICS[3]]:.2g}, {r[METRICS[4]]:.2g}]"
                  if METRICS[2] in r else "-")
         kept = f"{r[METRICS[5]]:.1f}" if METRICS[5] in r else "-"
-        con.print(f"{r['dtype']:<9}{r['label']:<29}{r['vllm_dtype'] + ' / ' + r['vllm_head_dtype']:<21}"
-                  f"{r['replay']:<10}{gap}{ratio:>28}{kept:>9}{r['step_s']:>8.2f}")
+        con.print(f"{_short(r['dtype']):<7}{r['label']:<29}"
+                  f"{_short(r['vllm_dtype']) + ' / ' + _short(r['vllm_head_dtype']):<13}"
+                  f"{r['replay']:<9}{gap}{ratio:>28}{kept:>6}{r['step_s']:>8.2f}")
+
+
+def _short(dtype: str) -> str:
+    return {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(dtype, dtype)
 
 
 def main(argv: list[str]) -> int:
