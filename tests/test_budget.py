@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import fastrl
 from fastrl.losses import one_pass
-from fastrl.ops import budget, divergence, hybrid, kept, rules, torch_backend
+from fastrl.ops import budget, divergence_torch, hybrid, kept, rules, torch_backend
 from fastrl.ops.budget import TileBudget, tile_budget
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,8 +53,8 @@ def test_every_path_reads_its_budget(monkeypatch):
     _shrink(monkeypatch, "one-pass-frozen", elems=3 * 1000)
     assert one_pass._chunk_budget(1000, cpu, True, None) == 5 and one_pass._chunk_budget(1000, cpu, False, None) == 3
     _shrink(monkeypatch, "divergence", elems=8 * 128)
-    assert [(t.rows.start, t.v0, t.v1) for t in divergence._tiles(8, 300)] == [(0, 0, 128), (0, 128, 256),
-                                                                                (0, 256, 300)]
+    assert [(t.rows.start, t.v0, t.v1) for t in divergence_torch._tiles(8, 300)] == [(0, 0, 128), (0, 128, 256),
+                                                                                      (0, 256, 300)]
     # the kept-set engine (fused_logprobs / policy_loss / fused_divergence over a support): its unit cap and tile
     ks = fastrl.KeptSet.from_lists([[i] for i in range(10)], 100)
     _shrink(monkeypatch, "kept", elems=1 << 20, cap=3)

@@ -13,9 +13,8 @@ import pytest
 import torch
 
 import fastrl
-import fastrl.ops.divergence as D
 from fastrl import KeptSet
-from fastrl.ops import budget
+from fastrl.ops import budget, divergence_stats, divergence_torch
 from fastrl.reference import divergence_reference
 
 BETAS = (0.0, 0.3, 0.5, 1.0)
@@ -38,8 +37,8 @@ def small_tiles(monkeypatch):
     12 ids and 64-element tiles: many units per token chunk, chunks split (the seams of the kept-set engine)."""
     monkeypatch.setitem(budget.BUDGETS, "divergence", budget.TileBudget(elems=16 * 128, live=5))
     monkeypatch.setitem(budget.BUDGETS, "kept", {"cpu": budget.TileBudget(elems=64, live=2, cap=12)})
-    orig = D.tile_columns
-    monkeypatch.setattr(D, "tile_columns", lambda n, v, requested=None, multiple=128, tile_elems=0: orig(
+    orig = divergence_torch.tile_columns
+    monkeypatch.setattr(divergence_torch, "tile_columns", lambda n, v, requested=None, multiple=128, tile_elems=0: orig(
         n, v, 64 if requested is None else requested, multiple, tile_elems))
 
 
@@ -414,7 +413,8 @@ def test_triton_backend_against_float64(backend, beta, dtype, small_hybrid_tiles
         assert torch.equal(fastrl.fused_divergence(**s, **t, backend=backend, mask=mask, **kw), div)
     from fastrl.kernels import divergence_fold as K
 
-    assert (K.FORWARD_KL, K.REVERSE_KL, K.JSD) == (D.FORWARD_KL, D.REVERSE_KL, D.JSD)  # the kernels' MODE literals
+    assert (K.FORWARD_KL, K.REVERSE_KL, K.JSD) == (divergence_stats.FORWARD_KL, divergence_stats.REVERSE_KL,
+                                                   divergence_stats.JSD)  # the kernels' MODE literals
 
 
 # ------------------------------------------------------------------------- compiled kernels on a GPU

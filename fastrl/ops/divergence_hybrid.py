@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from fastrl.kernels import divergence_fold as K
-from fastrl.ops import hybrid
+from fastrl.ops import hybrid, torch_backend
 from fastrl.ops._gemm import mm_f32
 from fastrl.ops.budget import tile_budget
 from fastrl.ops.divergence_stats import finish_stats
@@ -30,7 +30,8 @@ COLUMNS: int | None = None  # vocabulary columns per slice (None: as many as the
 
 
 def _cols(rows: int, V: int) -> int:
-    return hybrid._TB.tile_columns(rows, V, COLUMNS, multiple=256, tile_elems=tile_budget("divergence-hybrid").elems)
+    return torch_backend.tile_columns(rows, V, COLUMNS, multiple=256,
+                                      tile_elems=tile_budget("divergence-hybrid").elems)
 
 
 def _tiles(student, teacher, n0, n1, v0, v1, bufs):
@@ -46,7 +47,7 @@ def _bias(head, v0, v1):
 
 
 def forward(student, teacher, opts, mode: int):
-    """(divergence, entropy | None, lse_s, lse_t, aux) [N] float32, as ``divergence.divergence_forward``.
+    """(divergence, entropy | None, lse_s, lse_t, aux) [N] float32, as ``divergence_torch.forward``.
 
     ``student`` / ``teacher`` are ``fastrl.ops.config.Head``s whose ``h`` keeps the input dtype (cuBLAS reads bf16)."""
     N, V = student.h.shape[0], student.weight.shape[0]

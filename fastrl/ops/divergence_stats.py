@@ -1,8 +1,8 @@
-"""What both backends of ``fused_divergence`` share: the divergence modes and the divergences from the online
+"""What the backends of ``fused_divergence`` share: the divergence modes and the divergences from the online
 statistics (one definition of the KLs' closing formulas, whichever backend folded the tiles).
 
-``fastrl.ops.divergence`` (the public function, the torch.library ops and the torch backend) and
-``fastrl.ops.divergence_hybrid`` (the Triton backend) both import from here, so neither imports the other's
+``fastrl.ops.divergence_op`` (the modes of ``DivergenceOptions``) and the backends (``divergence_torch``,
+``divergence_hybrid``, ``divergence_sm90``, ``divergence_kept``) import from here, so none imports another's
 definitions. ``fastrl.kernels.divergence_fold`` compares the same values as literals (its ``MODE`` constexpr);
 tests/test_divergence.py checks that they agree.
 """
