@@ -8,13 +8,15 @@ differ, the vocabulary may not). ``beta`` picks the divergence, exactly as TRL 1
 * ``beta = 1``: reverse KL(p_s || p_t) = sum p_s (z_s - z_t) - lse_s + lse_t
 * ``0 < beta < 1``: the generalized JSD ``beta KL(p_t || m) + (1 - beta) KL(p_s || m)``, ``m = (1-beta) p_s + beta p_t``
 
-The layers, each module entered once on the way down: this module checks the inputs once and builds one frozen
+The layers, imports running downward: this module checks the inputs once and builds one frozen
 ``DivergencePlan`` (the op's options, backend included, the rows it computes, the kept-set engine's plan);
 ``fastrl.ops.divergence_op`` holds the ``torch.library`` ops that run it (autograd and ``torch.compile`` see them);
 the backends compute: ``divergence_torch`` (PyTorch tiles, the CPU default), ``divergence_hybrid`` and
 ``divergence_sm90`` (the Triton backends) and, with ``support=`` (a ``KeptSet``), ``divergence_kept`` on the
 kept-set engine (both distributions renormalised over each token's kept ids, never a pass over the vocabulary: on
 the per-row plan ``K_max`` logits per token and head; docs/kept-set-costs.md, the bounds of every plan).
+The math of the passes (online statistics, the student's ``G = dD/dy``) is written out in ``divergence_torch``'s
+docstring and in docs/design.md, "Divergences".
 
 In eager, ``fused_divergence`` drops masked tokens before the op (one host sync) and plans the support on the host;
 while ``torch.compile`` traces (or with ``host_sync=False``) it hands the op every row and the mask (``active``):

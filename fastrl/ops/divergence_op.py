@@ -30,7 +30,7 @@ from fastrl.ops import divergence_torch
 from fastrl.ops.backend import is_triton
 from fastrl.ops.config import Head, LogitTransform
 from fastrl.ops.custom_ops import (
-    PackedOptions, _acc, _empty, _grad_rows, _head_grads, _head_grads_like, _input_grads, _layout, _op,
+    PackedOptions, _empty, _grad_rows, _head_grads, _head_grads_like, _input_grads, _layout, _op,
     _refuse_double_backward, _zero_rows,
 )
 from fastrl.ops.divergence_stats import FORWARD_KL, JSD, REVERSE_KL
@@ -136,7 +136,7 @@ def divergence_op(
     o = DivergenceOptions.unpack(opt_str, opt_float, opt_int)
     N = hidden.shape[0]
     if N == 0:  # distinct empty outputs (an op's outputs may not alias one another)
-        return tuple(hidden.new_zeros((0,), dtype=_acc(hidden.dtype)) for _ in range(6))
+        return tuple(hidden.new_zeros((0,), dtype=acc_dtype(hidden.dtype)) for _ in range(6))
     h, ht = _zero_rows(active, hidden), _zero_rows(active, teacher_hidden)
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
         div, ent, lse_s, lse_t, aux, entries = _forward(h, weight, bias, ht, teacher_weight, teacher_bias, active,
@@ -154,7 +154,7 @@ def divergence_op(
 def _(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, active, support_ids, support_offsets, plan,
       opt_str, opt_float, opt_int):
     o = DivergenceOptions.unpack_symbolic(opt_str, opt_float, opt_int)
-    div = hidden.new_empty((hidden.shape[0],), dtype=_acc(hidden.dtype))
+    div = hidden.new_empty((hidden.shape[0],), dtype=acc_dtype(hidden.dtype))
     entries = _empty(div) if support_ids is None else div.new_empty((2, support_ids.shape[0]))
     return (div, torch.empty_like(div) if o.with_entropy else _empty(div), torch.empty_like(div),
             torch.empty_like(div), torch.empty_like(div), entries)
