@@ -251,41 +251,12 @@ def measure_step(which: str, vocab: int, hidden: int, layers: int, batch: int, p
 
 def _measure_step(stack, which, vocab, hidden, layers, batch, prompt_len, completion_len, loss_type, seed, device,
                   dtype, reps, progress) -> dict:
-    import resource
-
     import torch
-    import trl
-    from datasets import Dataset
-
-    import fastrl
-    from fastrl.testing import tiny_tokenizer
 
     cuda = device == "cuda"
     reps = reps if reps is not None else (3 if cuda else 1)
     torch.manual_seed(seed)
-    tok = tiny_tokenizer(vocab, model_max_length=1 << 16)
-    model = build_model(vocab, hidden, layers, seed=seed, dtype=dtype)
-    cls, cfg = (trl.GRPOTrainer, trl.GRPOConfig) if which == "trl" else (fastrl.GRPOTrainer, fastrl.GRPOConfig)
-    kw = dict(use_cpu=not cuda, bf16=dtype == "bfloat16", report_to="none", save_strategy="no",
-              logging_strategy="no", per_device_train_batch_size=batch, num_generations=batch,
-              max_completion_length=completion_len, loss_type=loss_type, disable_tqdm=True,
-              **_no_checkpointing())  # the same for both; compute_loss alone would not turn it on
-    if which == "fastrl":
-        kw["health_checks"] = False
-
-    def inputs_for(length: int, gen_seed: int) -> dict:
-        g = torch.Generator().manual_seed(gen_seed)
-        mask = torch.ones(batch, length, dtype=torch.int64)
-        inp = dict(prompt_ids=torch.randint(3, vocab, (batch, prompt_len), generator=g),
-                   prompt_mask=torch.ones(batch, prompt_len, dtype=torch.int64),
-                   completion_ids=torch.randint(3, vocab, (batch, length), generator=g),
-                   completion_mask=mask, advantages=torch.randn(batch, generator=g), num_items_in_batch=mask.sum())
-        return {k: v.to(device) for k, v in inp.items()}
-
-    out_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="fastrl-mem-"))
-    trainer = cls(model=model, reward_funcs=target_reward, args=cfg(output_dir=out_dir, **kw),
-                  processing_class=tok, train_dataset=Dataset.from_dict({"prompt": ["w1"] * batch}))
-    trainer.current_gradient_accumulation_steps = 1
+    trainer = _step_trainer(stack, which, vocab, hidden, layers, batch, completion_len, loss_type, seed, cuda, dtype)
     model = trainer.model
     model.train()
 
@@ -299,43 +270,103 @@ def _measure_step(stack, which, vocab, hidden, layers, batch, prompt_len, comple
     # at a short length (lazy initialisation, without doubling the run time)
     progress("trainer built; warm-up step")
     t_warm = time.perf_counter()
-    step(inputs_for(completion_len if cuda else min(completion_len, 16), seed + 1))
+    step(_step_inputs(batch, vocab, prompt_len, completion_len if cuda else min(completion_len, 16), seed + 1, device))
     progress(f"warm-up done ({time.perf_counter() - t_warm:.1f} s); timing {reps} step{'s' if reps > 1 else ''}")
     model.zero_grad(set_to_none=True)
-    inputs = inputs_for(completion_len, seed)
+    inputs = _step_inputs(batch, vocab, prompt_len, completion_len, seed, device)
     times, peaks, losses = [], [], []
     exact = True
     for _ in range(reps):
         model.zero_grad(set_to_none=True)
-        gc.collect()
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-        else:
-            _trim_heap()
-            base_kb = _rss_kb("VmRSS")
-            exact = _reset_peak_rss() and base_kb is not None
-            base_maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        meter = _StepMemory(cuda)
+        exact = meter.exact
         t0 = time.perf_counter()
         losses.append(step(inputs))
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         progress(f"step {len(times)}/{reps}: {times[-1]:.2f} s")
-        if cuda:
-            peaks.append((torch.cuda.max_memory_allocated() - base) / 2**20)
-        elif exact:
-            peaks.append((_rss_kb("VmHWM") - base_kb) / 1024)
-        else:  # ru_maxrss never goes down: only growth past the earlier peak shows
-            peaks.append((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base_maxrss) / 1024)
+        peaks.append(meter.peak_extra_mb())
     memory = ("torch.cuda.max_memory_allocated() during the step minus memory allocated before it" if cuda else
               "peak resident memory during the step minus resident memory before it" if exact else
               "growth of the process's peak resident memory during the step (a lower bound)")
     return dict(which=which, device=device, peak_extra_mb=max(peaks), seconds=sorted(times)[len(times) // 2],
                 reps=reps, loss=losses[0], memory=memory, lower_bound=not cuda and not exact,
                 path=getattr(trainer, "_fastrl_last_path", "trl"), tokens=batch * completion_len)
+
+
+def _step_trainer(stack, which, vocab, hidden, layers, batch, completion_len, loss_type, seed, cuda, dtype):
+    """``trl.GRPOTrainer`` or ``fastrl.GRPOTrainer`` on the demo's random model, the same options for both, its
+    output folder held by ``stack``; ready for ``compute_loss`` outside ``train()``."""
+    import trl
+    from datasets import Dataset
+
+    import fastrl
+    from fastrl.testing import tiny_tokenizer
+
+    tok = tiny_tokenizer(vocab, model_max_length=1 << 16)
+    model = build_model(vocab, hidden, layers, seed=seed, dtype=dtype)
+    cls, cfg = (trl.GRPOTrainer, trl.GRPOConfig) if which == "trl" else (fastrl.GRPOTrainer, fastrl.GRPOConfig)
+    kw = dict(use_cpu=not cuda, bf16=dtype == "bfloat16", report_to="none", save_strategy="no",
+              logging_strategy="no", per_device_train_batch_size=batch, num_generations=batch,
+              max_completion_length=completion_len, loss_type=loss_type, disable_tqdm=True,
+              **_no_checkpointing())  # the same for both; compute_loss alone would not turn it on
+    if which == "fastrl":
+        kw["health_checks"] = False
+    out_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="fastrl-mem-"))
+    trainer = cls(model=model, reward_funcs=target_reward, args=cfg(output_dir=out_dir, **kw),
+                  processing_class=tok, train_dataset=Dataset.from_dict({"prompt": ["w1"] * batch}))
+    trainer.current_gradient_accumulation_steps = 1
+    return trainer
+
+
+def _step_inputs(batch: int, vocab: int, prompt_len: int, length: int, gen_seed: int, device: str) -> dict:
+    """A fixed batch of random prompts and ``length``-token completions, as ``compute_loss`` takes them."""
+    import torch
+
+    g = torch.Generator().manual_seed(gen_seed)
+    mask = torch.ones(batch, length, dtype=torch.int64)
+    inp = dict(prompt_ids=torch.randint(3, vocab, (batch, prompt_len), generator=g),
+               prompt_mask=torch.ones(batch, prompt_len, dtype=torch.int64),
+               completion_ids=torch.randint(3, vocab, (batch, length), generator=g),
+               completion_mask=mask, advantages=torch.randn(batch, generator=g), num_items_in_batch=mask.sum())
+    return {k: v.to(device) for k, v in inp.items()}
+
+
+class _StepMemory:
+    """The memory one step adds, read from just before it (made then) to ``peak_extra_mb()`` after it: on CUDA the
+    allocator's peak; on a CPU the peak resident memory (VmHWM after resetting it; where it cannot be reset,
+    ``exact`` is False and the growth of ru_maxrss, a lower bound, is read instead)."""
+
+    def __init__(self, cuda: bool):
+        import resource
+
+        import torch
+
+        self.cuda, self.exact = cuda, True
+        gc.collect()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            self.base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            _trim_heap()
+            self.base_kb = _rss_kb("VmRSS")
+            self.exact = _reset_peak_rss() and self.base_kb is not None
+            self.base_maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+    def peak_extra_mb(self) -> float:
+        import resource
+
+        import torch
+
+        if self.cuda:
+            return (torch.cuda.max_memory_allocated() - self.base) / 2**20
+        if self.exact:
+            return (_rss_kb("VmHWM") - self.base_kb) / 1024
+        # ru_maxrss never goes down: only growth past the earlier peak shows
+        return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - self.base_maxrss) / 1024
 
 
 def run_measurement(which: str, timeout: float = 1800, **kw) -> dict:

@@ -84,41 +84,10 @@ def _persistent_stats_kernel(
             z = tl.where(offs_v[None, :] < v_end, _transform(y, logit_scale, softcap, inv_temp, HAS_SOFTCAP),
                          NEG_LARGE)
             if STORE_EXP:
-                # k = ceil(max z log2 e): e = 2^(z log2 e - k) in (0, 1], exact to rescale by any power of two.
-                # The same exps give the tile's statistics relative to r = k ln 2 (no second exp), merged into the
-                # running ones like two vocabulary splits. Two column halves: a half-width store buffer and half
-                # the temporaries at once (no register spills at 128x256, python -m bench sass).
-                k = tl.math.ceil(tl.max(z, axis=1) * LOG2E)
-                r = k * LN2
-                z0, z1 = tl.split(tl.permute(tl.reshape(z, (BLOCK_N, 2, BLOCK_V // 2)), (0, 2, 1)))
-                s_t = tl.zeros((BLOCK_N,), dtype=tl.float32)
-                u_t = tl.zeros((BLOCK_N,), dtype=tl.float32)
-                for half in tl.static_range(2):
-                    zh = z0 if half == 0 else z1
-                    e = tl.exp2(zh * LOG2E - k[:, None])
-                    # rows and columns past N, V are clipped by the TMA store
-                    e_desc.store([n0, v0 + half * (BLOCK_V // 2)], _round_to(e, e_desc.dtype, INTERP_BF16))
-                    s_t += tl.sum(e, axis=1)
-                    if HAS_ENTROPY:
-                        u_t += tl.sum(e * (zh - r[:, None]), axis=1)
-                tl.store(k_ptr + offs_n.to(tl.int64) * stride_k + v0 // BLOCK_V, k, mask=n_ok)
-                m_new = tl.maximum(m, r)
-                alpha = tl.exp(m - m_new)
-                beta = tl.exp(r - m_new)
-                if HAS_ENTROPY:
-                    u = alpha * (u + (m - m_new) * s) + beta * (u_t + (r - m_new) * s_t)
-                s = alpha * s + beta * s_t
-                m = m_new
+                m, s, u = _fold_tile_storing_exps(z, m, s, u, e_desc, k_ptr, n0, v0, offs_n, n_ok, stride_k,
+                                                  HAS_ENTROPY, BLOCK_N, BLOCK_V, INTERP_BF16)
             else:
-                m_new = tl.maximum(m, tl.max(z, axis=1))
-                alpha = tl.exp(m - m_new)
-                d = z - m_new[:, None]
-                p = tl.exp(d)
-                if HAS_ENTROPY:
-                    # re-base u from the old max to the new one: u' = alpha (u + (m - m_new) s)
-                    u = alpha * (u + (m - m_new) * s) + tl.sum(p * d, axis=1)
-                s = alpha * s + tl.sum(p, axis=1)
-                m = m_new
+                m, s, u = _fold_tile(z, m, s, u, HAS_ENTROPY)
 
         out = sp * N + offs_n
         tl.store(part_ptr + out, m, mask=n_ok)
@@ -130,6 +99,53 @@ def _persistent_stats_kernel(
             zt = _target_logit(h_ptr, w_ptr, b_ptr, t_ptr, offs_n, n_ok, V, H, stride_hn, stride_wv,
                                logit_scale, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP, BLOCK_N, BLOCK_H)
             tl.store(zt_ptr + offs_n, zt, mask=n_ok)
+
+
+@triton.jit
+def _fold_tile(z, m, s, u, HAS_ENTROPY: tl.constexpr):
+    """The running row statistics ``(m, s, u)`` with the ``[BLOCK_N, BLOCK_V]`` tile ``z`` of transformed logits
+    folded in (``m`` the max, ``s = sum exp(z - m)``, ``u = sum exp(z - m) (z - m)``)."""
+    m_new = tl.maximum(m, tl.max(z, axis=1))
+    alpha = tl.exp(m - m_new)
+    d = z - m_new[:, None]
+    p = tl.exp(d)
+    if HAS_ENTROPY:
+        # re-base u from the old max to the new one: u' = alpha (u + (m - m_new) s)
+        u = alpha * (u + (m - m_new) * s) + tl.sum(p * d, axis=1)
+    s = alpha * s + tl.sum(p, axis=1)
+    return m_new, s, u
+
+
+@triton.jit
+def _fold_tile_storing_exps(z, m, s, u, e_desc, k_ptr, n0, v0, offs_n, n_ok, stride_k,
+                            HAS_ENTROPY: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+                            INTERP_BF16: tl.constexpr):
+    """``_fold_tile`` that also stores the tile's scaled exps ``e`` (through ``e_desc``) and their offsets ``k``."""
+    # k = ceil(max z log2 e): e = 2^(z log2 e - k) in (0, 1], exact to rescale by any power of two.
+    # The same exps give the tile's statistics relative to r = k ln 2 (no second exp), merged into the
+    # running ones like two vocabulary splits. Two column halves: a half-width store buffer and half
+    # the temporaries at once (no register spills at 128x256, python -m bench sass).
+    k = tl.math.ceil(tl.max(z, axis=1) * LOG2E)
+    r = k * LN2
+    z0, z1 = tl.split(tl.permute(tl.reshape(z, (BLOCK_N, 2, BLOCK_V // 2)), (0, 2, 1)))
+    s_t = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    u_t = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for half in tl.static_range(2):
+        zh = z0 if half == 0 else z1
+        e = tl.exp2(zh * LOG2E - k[:, None])
+        # rows and columns past N, V are clipped by the TMA store
+        e_desc.store([n0, v0 + half * (BLOCK_V // 2)], _round_to(e, e_desc.dtype, INTERP_BF16))
+        s_t += tl.sum(e, axis=1)
+        if HAS_ENTROPY:
+            u_t += tl.sum(e * (zh - r[:, None]), axis=1)
+    tl.store(k_ptr + offs_n.to(tl.int64) * stride_k + v0 // BLOCK_V, k, mask=n_ok)
+    m_new = tl.maximum(m, r)
+    alpha = tl.exp(m - m_new)
+    beta = tl.exp(r - m_new)
+    if HAS_ENTROPY:
+        u = alpha * (u + (m - m_new) * s) + beta * (u_t + (r - m_new) * s_t)
+    s = alpha * s + beta * s_t
+    return m_new, s, u
 
 
 def num_programs(device: torch.device, n_items: int) -> int:

@@ -318,8 +318,10 @@ def test_peft_policy_uses_the_adapter_free_reference(tmp_path):
 
 
 def test_sampling_settings_that_bias_the_kl_warn(tmp_path):
-    with pytest.warns(UserWarning, match=r"top_k=10.*min_new_tokens=2|min_new_tokens=2.*top_k=10"):
+    with pytest.warns(UserWarning, match=r"top_k=10.*min_new_tokens=2|min_new_tokens=2.*top_k=10") as record:
         make_trainer(tmp_path, generation_kwargs={"top_k": 10, "min_new_tokens": 2}, health_checks=False)
+    biased = [w for w in record if "PPO rollout generation settings" in str(w.message)]
+    assert [w.filename for w in biased] == [__file__]  # the warning points at the line that built the trainer
 
 
 def test_health_callback_can_be_turned_off(tmp_path):

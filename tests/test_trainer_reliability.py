@@ -23,6 +23,7 @@ pytest.importorskip("trl")
 
 import fastrl  # noqa: E402
 from fastrl import GRPOConfig, PPOConfig, PPOTrainer  # noqa: E402
+from fastrl.trainers import ppo_update  # noqa: E402
 from fastrl.trainers.health import TrainingHealthCallback  # noqa: E402
 from test_ppo_trainer import V, make_trainer, prompt_dataset  # noqa: E402
 
@@ -194,13 +195,13 @@ def test_nan_reference_exact_kl_stops_before_any_optimizer_step(tmp_path):
 def test_non_finite_loss_never_reaches_the_optimizer(tmp_path, monkeypatch):
     """A loss that turns non-finite during the PPO epochs (here: the value loss) stops training before the step."""
     trainer = make_trainer(tmp_path, total_episodes=8)
-    real = fastrl.value_loss
+    real = ppo_update.value_loss
 
     def nan_value_loss(*args, **kwargs):
         loss, metrics = real(*args, **kwargs)
         return loss * math.nan, metrics
 
-    monkeypatch.setattr(fastrl, "value_loss", nan_value_loss)
+    monkeypatch.setattr(ppo_update, "value_loss", nan_value_loss)
     steps = _count_steps(trainer)
     before = _trainer_tensors(trainer)
     with pytest.raises(FloatingPointError, match=r"PPO loss is non-finite \(policy .*, value nan"):

@@ -193,7 +193,7 @@ def lm_head_logprobs(
 
     ``support``/``positions``/``return_kept_mass`` are passed on only when set (``fastrl.fused_logprobs``'s
     sampling-support arguments); the default call is the one from before supports existed."""
-    from fastrl import fused_logprobs
+    from fastrl.ops.linear_logprob import fused_logprobs
 
     extra = {}
     if support is not None:
@@ -352,10 +352,10 @@ def _support_head(model, support, K, mask: torch.Tensor, targets: torch.Tensor, 
         if isinstance(support, KeptSet):
             kept = support.to(h_.device)[b_idx.to(h_.device) * K + pos.to(h_.device)]
         else:
-            import fastrl
+            from fastrl.ops.rules import replay_rule
 
             with head_precision(h_, w_, b_, st) as (hh, ww, bb):
-                kept, outside = fastrl.replay_rule(
+                kept, outside = replay_rule(
                     hh.detach(), ww.detach(), targets, support, bias=None if bb is None else bb.detach(),
                     temperature=st.temperature, logit_scale=st.logit_scale, softcap=st.softcap, positions=pos,
                     backend=st.backend,

@@ -174,7 +174,7 @@ def distillation_loss(
     states, weight and bias only. The heads may be FSDP2 ``DTensor`` s or DeepSpeed ZeRO-3 partitioned weights
     (gathered for the forward and again for the backward).
     """
-    import fastrl
+    from fastrl.ops.divergence import fused_divergence
 
     if student_hidden.shape[:-1] != mask.shape or teacher_hidden.shape[:-1] != mask.shape:
         raise ValueError(f"distillation_loss: student_hidden {tuple(student_hidden.shape)} and teacher_hidden "
@@ -187,7 +187,6 @@ def distillation_loss(
     if teacher.temperature != student.temperature:
         raise ValueError(f"distillation_loss: one temperature divides both models' logits, got student "
                          f"{student.temperature} and teacher {teacher.temperature}")
-    fused_divergence = fastrl.fused_divergence
     valid = mask != 0
     s_dtype, t_dtype = _compute_dtype(student_hidden), _compute_dtype(teacher_hidden)
     dev = student_hidden.device.type

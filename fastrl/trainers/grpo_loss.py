@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 from trl.trainer.utils import nanmax, nanmin
 
-import fastrl
+from fastrl.losses.policy import policy_loss
+from fastrl.ops.linear_logprob import fused_logprobs
 from fastrl.trainers._common import MULTIMODAL_KEYS, SAMPLING_METRICS, opt
 from fastrl.trainers._lm_head import add_fastrl_lm_head, head_precision, head_settings_from_config, unwrap_causal_lm
 from fastrl.trainers.grpo_vllm import sampling_gap_from_loss
@@ -176,7 +177,7 @@ def compute_loss_one_pass(trainer, model, inputs):
                 ref_hidden, ref_weight, ref_bias = ref
                 kwargs.update(ref_hidden=ref_hidden.to(h.dtype), ref_weight=ref_weight.to(h.dtype),
                               ref_bias=None if ref_bias is None else ref_bias.to(h.dtype))
-            loss, metrics, *lp = fastrl.policy_loss(h, w, completion_ids, inputs["advantages"], mask, bias=b,
+            loss, metrics, *lp = policy_loss(h, w, completion_ids, inputs["advantages"], mask, bias=b,
                                                     return_logprobs=gap, **kwargs)
             logprobs[:] = lp
             if log_mass:
@@ -253,12 +254,12 @@ def _entropy_bonus_step(trainer, entropy: TRLEntropyState, mode: str, metrics: d
     acc = trainer.accelerator
     store = trainer._metrics[mode]
     # TRL's `policy_loss`: dapo/cispo/vespo's already includes the accumulation factor, the other loss types' does not
-    policy_loss = metrics.get("policy_loss", None)
-    if policy_loss is None:
-        policy_loss = loss.detach() * ga
+    logged = metrics.get("policy_loss", None)
+    if logged is None:
+        logged = loss.detach() * ga
     if trainer.loss_type in ("cispo", "dapo", "vespo"):
-        policy_loss = policy_loss / ga
-    store["policy_loss"].append(acc.gather(policy_loss.float()).nanmean().item())
+        logged = logged / ga
+    store["policy_loss"].append(acc.gather(logged.float()).nanmean().item())
     if entropy.adaptive and mode == "train":
         # window-global entropy statistics, from the masked mean entropy and the token count
         n_tok = mask.to(torch.float32).sum()
@@ -307,8 +308,6 @@ def _log_loss_metrics(trainer, mode: str, metrics: dict, mask: torch.Tensor) -> 
 def kept_mass_mean(hidden, weight, bias, targets, mask, support, temperature: float, st) -> torch.Tensor:
     """Mean over ``mask`` of the full-softmax probability of the support (``return_kept_mass``; one forward-only
     pass over the vocabulary, no gradient)."""
-    from fastrl import fused_logprobs
-
     m = mask.bool()
     with torch.no_grad():
         out = fused_logprobs(

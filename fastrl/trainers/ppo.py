@@ -112,35 +112,54 @@ class PPOTrainer(RolloutMixin, UpdateMixin, CheckpointMixin, TablesMixin, Traine
         callbacks=None,
         peft_config=None,
     ) -> None:
-        if not isinstance(args, PPOConfig):
-            raise TypeError(f"args must be a fastrl.PPOConfig, got {type(args).__name__}")
-        check_launch(args)
-        check_overrides(Trainer, TRAINER_INTERNALS, "fastrl.PPOTrainer's training loop and checkpoints")
-        if ref_model is model:
-            raise ValueError(
-                "`model` and `ref_model` cannot be the same object. If you want `ref_model` to be the "
-                "same as `model`, you must make a copy of it, or `None` if you use peft."
-            )
-        if processing_class is None or processing_class.pad_token_id is None:
-            raise ValueError("processing_class must be a tokenizer with a pad token (PPO pads queries and responses)")
-        if processing_class.eos_token_id is None:
-            raise ValueError("processing_class must have an EOS token (stop token, EOS penalty, num_eos_tokens)")
-        if processing_class.pad_token_id == processing_class.eos_token_id:
-            warnings.warn(
-                "the tokenizer's pad token is its EOS token: the EOS closing a response is then read as padding "
-                "(scored one token early, its log-prob masked). Add a separate pad token, as TRL's PPO example does.",
-                stacklevel=2,
-            )
-        if train_dataset is None or len(train_dataset) == 0:
-            raise ValueError("train_dataset must be a non-empty dataset of pre-tokenized `input_ids`")
+        _check_arguments(args, processing_class, model, ref_model, train_dataset)
+        # stop token: the policy stops generating there and responses are truncated after it (None: generate
+        # response_length tokens, no truncation)
+        self.stop_token_id = processing_class.eos_token_id if args.stop_token == "eos" else args.stop_token_id
+        model, ref_model = self._set_models(args, model, ref_model, reward_model, value_model, peft_config)
+        wrapper = PolicyAndValueWrapper(model, value_model)
+        self._input_ids_only = data_collator is None
+        if data_collator is None:
+            data_collator = _LeftPadCollator(processing_class.pad_token_id)
+        super().__init__(
+            model=wrapper,
+            args=args,
+            data_collator=data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            callbacks=_with_health_callback(args, callbacks),
+            optimizers=optimizers,
+        )
+        self.model.config = unwrap_causal_lm(model).config  # model cards / hub pushes describe the policy
+        self._set_tensorboard_dir()
+        self._set_batch_sizes(args, train_dataset)
+        self._set_head_and_sampling(args, model, ref_model)
+        # these warn at the caller of PPOTrainer(...) (stacklevel 3): called from __init__ itself
+        if self.sampling_replay == "kept_set":
+            warn_if_untruncated(self.generation_config)
+            check_logits_processor_hook(unwrap_causal_lm(model))
+        self._warn_if_biased_sampling()
+        self._check_fused_head(unwrap_causal_lm(model), self.head_settings)
+        # long completions: tiled MLPs in every model the rollout and the updates run, until train() returns
+        # (rollout: no gradients, so chunks only bound the forward's transients; offloading acts on updates only)
+        self._fastrl_memory = MemoryOptions(
+            wrapper, {"policy": model, "value model": value_model, "reference model": ref_model,
+                      "reward model": reward_model},
+            activation_offloading=args.activation_offloading, tiled_mlp=args.tiled_mlp,
+        )
+        self._prepare_distributed(args, wrapper, model)
+        self.last_completions = None  # the latest sample-completions table (a pandas DataFrame)
+        self._printed_completions = None  # (global_step, rows) of the table printed last
 
-        # stop token: the policy stops generating there and responses are truncated after it
-        if args.stop_token == "eos":
-            self.stop_token_id = processing_class.eos_token_id
-        else:
-            self.stop_token_id = args.stop_token_id  # None: generate response_length tokens, no truncation
+    # ------------------------------------------------------------------------------------------------------------
+    # the constructor's steps
+    # ------------------------------------------------------------------------------------------------------------
 
-        # PEFT: the trained policy is an adapter; with no ref_model the reference is the policy without it
+    def _set_models(self, args, model, ref_model, reward_model, value_model, peft_config):
+        """The policy (a PEFT adapter on it with ``peft_config``) and the reference (None: a copy of the policy, or
+        with PEFT the policy without its adapter); the reference and reward models frozen, dropout off in all.
+        Returns ``(policy, reference)``."""
         self.is_peft_model = False
         if peft_config is not None:
             from peft import get_peft_model
@@ -168,33 +187,10 @@ class PPOTrainer(RolloutMixin, UpdateMixin, CheckpointMixin, TablesMixin, Traine
         self.ref_model = ref_model
         self.reward_model = reward_model
         self.value_model = value_model
+        return model, ref_model
 
-        wrapper = PolicyAndValueWrapper(model, value_model)
-        if data_collator is None:
-            data_collator = _LeftPadCollator(processing_class.pad_token_id)
-            self._input_ids_only = True
-        else:
-            self._input_ids_only = False
-        callbacks = list(callbacks or [])
-        if args.health_checks:
-            from fastrl.trainers.health import TrainingHealthCallback
-
-            if not any(isinstance(cb, TrainingHealthCallback) or cb is TrainingHealthCallback for cb in callbacks):
-                callbacks.append(TrainingHealthCallback())
-        super().__init__(
-            model=wrapper,
-            args=args,
-            data_collator=data_collator,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=processing_class,
-            callbacks=callbacks,
-            optimizers=optimizers,
-        )
-        self.model.config = unwrap_causal_lm(model).config  # model cards / hub pushes describe the policy
-        self._set_tensorboard_dir()
-
-        # ---- batch sizes (TRL's arithmetic) ----------------------------------------------------------------
+    def _set_batch_sizes(self, args: PPOConfig, train_dataset) -> None:
+        """TRL's batch-size arithmetic, written into ``args``; the number of updates, the seeds, the run name."""
         accelerator = self.accelerator
         self.train_dataset_len = len(train_dataset)
         if args.total_episodes is None:  # episodes in terms of epochs
@@ -220,7 +216,9 @@ class PPOTrainer(RolloutMixin, UpdateMixin, CheckpointMixin, TablesMixin, Traine
         self.local_seed = args.seed + accelerator.process_index * 100003  # prime
         self.sample_generations_freq = max(1, args.num_total_batches // max(1, args.num_sample_generations))
 
-        # ---- fused-head settings: the models' logit transform, TRL's temperature -----------------------------
+    def _set_head_and_sampling(self, args: PPOConfig, model: nn.Module, ref_model: nn.Module | None) -> None:
+        """The fused-head settings (the models' logit transform, TRL's temperature), the loss config, the rollout's
+        generation config and, with ``sampling_replay="rule"``, the sampler rule it replays."""
         temperature = args.temperature + 1e-7
         self.head_settings = head_settings_from_config(unwrap_causal_lm(model), temperature=temperature)
         self.ref_head_settings = (
@@ -233,9 +231,11 @@ class PPOTrainer(RolloutMixin, UpdateMixin, CheckpointMixin, TablesMixin, Traine
         self.sampling_rule = None
         if self.sampling_replay == "rule":
             self.sampling_rule = rule_from_generation_config(self.generation_config, self.stop_token_id)
-        elif self.sampling_replay == "kept_set":
-            warn_if_untruncated(self.generation_config)
-            check_logits_processor_hook(unwrap_causal_lm(model))
+
+    def _warn_if_biased_sampling(self) -> None:
+        """Warn (at the caller of ``PPOTrainer(...)``) about the generation settings that sample from another
+        distribution than the policy's softmax and that ``sampling_replay`` does not replay."""
+        temperature = self.args.temperature + 1e-7
         bad = [b for b in negative_kl_settings(self.generation_config, temperature)
                if b.split("=")[0] not in REPLAYED.get(self.sampling_replay, ())]
         if bad:
@@ -246,18 +246,13 @@ class PPOTrainer(RolloutMixin, UpdateMixin, CheckpointMixin, TablesMixin, Traine
                 "top_p=1.0, no minimum length and no penalties unless you mean to"
                 + (", or set sampling_replay='kept_set' (truncation and minimum length; penalties still reweight)."
                    if self.sampling_replay == "off" else "; sampling_replay replays the support only."),
-                stacklevel=2,
+                stacklevel=3,
             )
-        self._check_fused_head(unwrap_causal_lm(model), self.head_settings)
-        # long completions: tiled MLPs in every model the rollout and the updates run, until train() returns
-        # (rollout: no gradients, so chunks only bound the forward's transients; offloading acts on updates only)
-        self._fastrl_memory = MemoryOptions(
-            wrapper, {"policy": model, "value model": value_model, "reference model": ref_model,
-                      "reward model": reward_model},
-            activation_offloading=args.activation_offloading, tiled_mlp=args.tiled_mlp,
-        )
 
-        # ---- distributed setup: prepare (policy + value), optimizer, scheduler ---------------------------------
+    def _prepare_distributed(self, args: PPOConfig, wrapper: PolicyAndValueWrapper, model: nn.Module) -> None:
+        """Distributed setup: prepare the policy + value wrapper, the optimizer and the scheduler (the Trainer's
+        ``_prepare_for_training``); the reference and reward models to the device (DeepSpeed: prepared for it)."""
+        accelerator = self.accelerator
         if args_checkpointing(args)[0]:
             kw = args_checkpointing(args)[1] or {"use_reentrant": False}
             wrapper.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
@@ -280,8 +275,6 @@ class PPOTrainer(RolloutMixin, UpdateMixin, CheckpointMixin, TablesMixin, Traine
                 self.ref_model = self.ref_model.to(accelerator.device)
         if hasattr(unwrap_causal_lm(model), "add_model_tags"):
             unwrap_causal_lm(model).add_model_tags(self._tag_names)
-        self.last_completions = None  # the latest sample-completions table (a pandas DataFrame)
-        self._printed_completions = None  # (global_step, rows) of the table printed last
 
     def _set_tensorboard_dir(self) -> None:
         if self.args.logging_dir is None:
@@ -396,6 +389,42 @@ class _LeftPadCollator:
             if s.numel():
                 out[i, L - s.numel():] = s
         return {"input_ids": out}
+
+
+def _check_arguments(args, processing_class, model, ref_model, train_dataset) -> None:
+    """PPOTrainer's arguments, before anything is built (a warning names the caller of ``PPOTrainer(...)``)."""
+    if not isinstance(args, PPOConfig):
+        raise TypeError(f"args must be a fastrl.PPOConfig, got {type(args).__name__}")
+    check_launch(args)
+    check_overrides(Trainer, TRAINER_INTERNALS, "fastrl.PPOTrainer's training loop and checkpoints")
+    if ref_model is model:
+        raise ValueError(
+            "`model` and `ref_model` cannot be the same object. If you want `ref_model` to be the "
+            "same as `model`, you must make a copy of it, or `None` if you use peft."
+        )
+    if processing_class is None or processing_class.pad_token_id is None:
+        raise ValueError("processing_class must be a tokenizer with a pad token (PPO pads queries and responses)")
+    if processing_class.eos_token_id is None:
+        raise ValueError("processing_class must have an EOS token (stop token, EOS penalty, num_eos_tokens)")
+    if processing_class.pad_token_id == processing_class.eos_token_id:
+        warnings.warn(
+            "the tokenizer's pad token is its EOS token: the EOS closing a response is then read as padding "
+            "(scored one token early, its log-prob masked). Add a separate pad token, as TRL's PPO example does.",
+            stacklevel=3,
+        )
+    if train_dataset is None or len(train_dataset) == 0:
+        raise ValueError("train_dataset must be a non-empty dataset of pre-tokenized `input_ids`")
+
+
+def _with_health_callback(args: PPOConfig, callbacks) -> list:
+    """The callbacks, with a ``TrainingHealthCallback`` added when ``args.health_checks`` and none is there."""
+    callbacks = list(callbacks or [])
+    if args.health_checks:
+        from fastrl.trainers.health import TrainingHealthCallback
+
+        if not any(isinstance(cb, TrainingHealthCallback) or cb is TrainingHealthCallback for cb in callbacks):
+            callbacks.append(TrainingHealthCallback())
+    return callbacks
 
 
 def _exact_div(a: int, b: int, message: str) -> int:

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 from transformers import GenerationConfig
 
-import fastrl
+from fastrl.ops.divergence import fused_divergence
+from fastrl.ops.rules import replay_rule
 from fastrl.ops.support import SamplerRule
 from fastrl.trainers._common import args_checkpointing
 from fastrl.trainers._lm_head import HeadSettings, head_precision, is_zero3_param, lm_head_logprobs, unwrap_causal_lm
@@ -112,7 +113,7 @@ def rollout_exact_kl(
     naming the exact KL, before any optimizer step."""
     ref_h, ref_w, ref_b = ref
     dt = hidden.dtype
-    return fastrl.fused_divergence(
+    return fused_divergence(
         hidden, weight, ref_h.to(dt), ref_w.to(dt), beta=1.0, temperature=settings.temperature, bias=bias,
         teacher_bias=None if ref_b is None else ref_b.to(dt), logit_scale=settings.logit_scale,
         teacher_logit_scale=ref_settings.logit_scale, softcap=settings.softcap, teacher_softcap=ref_settings.softcap,
@@ -253,7 +254,7 @@ class RolloutMixin:
             if ref is not None:
                 with head_precision(h, w, b, settings) as (h_, w_, b_):
                     if isinstance(sup, SamplerRule):  # one kept set for the log-probs and the KL: the policy's
-                        sup = None if sup.is_identity else fastrl.replay_rule(
+                        sup = None if sup.is_identity else replay_rule(
                             h_, w_, targets, sup, bias=b_, temperature=settings.temperature,
                             logit_scale=settings.logit_scale, softcap=settings.softcap, backend=settings.backend)[0]
                     kl = rollout_exact_kl(h_, w_, b_, ref, targets != IGNORE, settings, self.ref_head_settings, sup)
@@ -305,20 +306,46 @@ class RolloutMixin:
     @torch.no_grad()
     def _rollout(self, queries: torch.Tensor) -> dict[str, torch.Tensor]:
         """Generate, score, and turn scores and log-probs into advantages and returns (TRL's steps 1-6)."""
-        args = self.args
-        tok = self.processing_class
-        pad = tok.pad_token_id
         context_length = queries.shape[1]
+        query_responses, kept = self._generate_responses(queries)
+        responses = query_responses[:, context_length:]
+        out = self._score_responses(queries, query_responses, context_length, kept)  # steps 1-2
+        batch = dict(
+            query_responses=query_responses, responses=responses,
+            postprocessed_responses=out["postprocessed_responses"],
+            **self._advantages(out, responses.shape[1]),  # steps 3-6
+            context_length=torch.tensor(context_length),
+        )
+        if kept is not None:
+            batch["kept_sets"] = kept  # [B, R] KeptSet: the updates index its rows with the micro-batch's
+        if "kept_mass" in out:
+            batch["kept_mass"] = out["kept_mass"]
+        if batch["ref_logprobs"] is None:  # kl_estimator="exact": the reference gave its hidden states, not log-probs
+            del batch["ref_logprobs"]
+        return batch
+
+    def _generate_responses(self, queries: torch.Tensor):
+        """``query_responses`` [B, Lq + R] sampled by the policy, and the kept sets [B, R] of its tokens when
+        ``sampling_replay="kept_set"`` (else None)."""
+        args = self.args
         kept_seqs = [] if self.sampling_replay == "kept_set" else None
         with self._unwrapped_for_generation() as unwrapped:
             query_responses = self._generate(
                 unwrapped.policy, queries, args.local_rollout_forward_batch_size, self.generation_config, kept_seqs
             )
-        responses = query_responses[:, context_length:]
-        R = responses.shape[1]
+        R = query_responses.shape[1] - queries.shape[1]
         # the support of every response token (sampling replay): recorded kept sets [B, R], or the rule
-        kept = stack_sequences(kept_seqs, R, device=responses.device) if kept_seqs is not None else None
+        kept = stack_sequences(kept_seqs, R, device=query_responses.device) if kept_seqs is not None else None
+        return query_responses, kept
 
+    def _score_responses(self, queries, query_responses, context_length: int, kept) -> dict[str, torch.Tensor]:
+        """Steps 1-2, one ``local_rollout_forward_batch_size`` slice at a time: truncate, the policy's log-probs and
+        values, the reference's log-probs (or the exact per-token KL), the reward model's score. Concatenated over
+        the slices: ``postprocessed_responses``, ``logprobs``, ``sequence_lengths``, ``scores``, ``values`` and
+        ``ref_logprobs`` or ``kl``, and ``kept_mass`` when the policy pass returns it."""
+        args = self.args
+        pad = self.processing_class.pad_token_id
+        R = query_responses.shape[1] - context_length
         parts = defaultdict(list)
         for i in range(0, queries.shape[0], args.local_rollout_forward_batch_size):
             query = queries[i : i + args.local_rollout_forward_batch_size]
@@ -353,11 +380,16 @@ class RolloutMixin:
             parts["sequence_lengths"].append(sequence_length)
             parts["scores"].append(score.float())
             parts["values"].append(value.float())
-        out = {k: torch.cat(v, 0) for k, v in parts.items()}
-        postprocessed_responses, sequence_lengths = out["postprocessed_responses"], out["sequence_lengths"]
+        return {k: torch.cat(v, 0) for k, v in parts.items()}
 
+    def _advantages(self, out: dict[str, torch.Tensor], R: int) -> dict[str, torch.Tensor | None]:
+        """Steps 3-6 on the scored rollout ``out`` (``_score_responses``): the EOS penalty, the padding masks, the
+        per-token rewards (KL penalty, the score at the end), whitening, GAE. ``ref_logprobs`` is None with the
+        exact KL."""
+        args = self.args
+        postprocessed_responses, sequence_lengths = out["postprocessed_responses"], out["sequence_lengths"]
         # 3. the EOS trick
-        contain_eos_token = torch.any(postprocessed_responses == tok.eos_token_id, dim=-1)
+        contain_eos_token = torch.any(postprocessed_responses == self.processing_class.eos_token_id, dim=-1)
         scores = apply_eos_penalty(
             out["scores"], contain_eos_token, missing_eos_penalty=args.missing_eos_penalty,
             non_eos_penalty=args.non_eos_penalty, penalty_reward_value=args.penalty_reward_value,
@@ -382,16 +414,8 @@ class RolloutMixin:
         advantages, returns = compute_gae(rewards, values, args.gamma, args.lam)
         advantages = masked_whiten(advantages, ~padding_mask)
         advantages = torch.masked_fill(advantages, padding_mask, 0)
-        batch = dict(
-            query_responses=query_responses, responses=responses, postprocessed_responses=postprocessed_responses,
+        return dict(
             logprobs=logprobs, ref_logprobs=ref_logprobs, values=values, scores=scores, kl=kl,
             non_score_reward=non_score_reward, advantages=advantages, returns=returns, padding_mask=padding_mask,
-            padding_mask_p1=padding_mask_p1, context_length=torch.tensor(context_length),
+            padding_mask_p1=padding_mask_p1,
         )
-        if kept is not None:
-            batch["kept_sets"] = kept  # [B, R] KeptSet: the updates index its rows with the micro-batch's
-        if "kept_mass" in out:
-            batch["kept_mass"] = out["kept_mass"]
-        if ref_logprobs is None:  # kl_estimator="exact": the reference gave its hidden states, not log-probs
-            del batch["ref_logprobs"]
-        return batch

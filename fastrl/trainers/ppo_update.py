@@ -10,7 +10,8 @@ import time
 import numpy as np
 import torch
 
-import fastrl
+from fastrl.losses.policy import policy_loss
+from fastrl.losses.value import value_loss
 from fastrl.trainers._common import SAMPLING_METRICS
 from fastrl.trainers._lm_head import head_precision
 from fastrl.trainers.ppo_models import lm_inputs
@@ -42,13 +43,13 @@ class UpdateMixin:
 
         def head(h, w, b):
             with head_precision(h, w, b, settings) as (h_, w_, b_):
-                return fastrl.policy_loss(
+                return policy_loss(
                     h_, w_, mb_responses, mb_advantage, mb_mask, config=config, old_logprobs=mb_logprobs, bias=b_,
                     logit_scale=settings.logit_scale, softcap=settings.softcap, backend=settings.backend, **extra,
                 )
 
         (pg_loss, pg_metrics), vpred = self.model_wrapped(ids, attn, pos, context_length=context_length, head_fn=head)
-        vf_loss, vf_metrics = fastrl.value_loss(
+        vf_loss, vf_metrics = value_loss(
             vpred.float(), batch["values"][inds], batch["returns"][inds], ~batch["padding_mask_p1"][inds],
             args.cliprange_value,
         )
