@@ -162,16 +162,16 @@ def compile_spec(spec: Spec, arch: int):
         hsrc = f"tensordesc<{ty}[{cfg.block_n},{cfg.block_h}]>" if spec.tma else f"*{ty}"
         wsrc = f"tensordesc<{ty}[{cfg.block_v},{cfg.block_h}]>" if spec.tma else f"*{ty}"
         common = dict(HAS_BIAS=spec.bias, HAS_SOFTCAP=spec.softcap, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v,
-                      BLOCK_H=cfg.block_h, USE_TMA=spec.tma, DOT_PRECISION=K._dot_precision(dtype), INTERP_BF16=False)
+                      BLOCK_H=cfg.block_h, USE_TMA=spec.tma, DOT_PRECISION=K.dot_precision(dtype), INTERP_BF16=False)
         if spec.kernel.startswith("sm90_"):
             fn, types, consts = _sm90_matmul(spec, cfg, ty, common)
         elif spec.kernel == "stats":
-            fn = K._stats_fwd_kernel
+            fn = K.stats_fwd_kernel
             types = dict(h_src=hsrc, w_src=wsrc, h_ptr=f"*{ty}", w_ptr=f"*{ty}", b_ptr=f"*{ty}", t_ptr="*i64",
                          m_ptr="*fp32", s_ptr="*fp32", u_ptr="*fp32", zt_ptr="*fp32")
             consts = dict(common, HAS_ENTROPY=spec.entropy)
         else:
-            fn = K._grad_block_kernel
+            fn = K.grad_block_kernel
             gdst = f"tensordesc<{ty}[{cfg.block_n},{cfg.block_v}]>" if spec.tma else f"*{ty}"
             types = dict(h_src=hsrc, w_src=wsrc, b_ptr=f"*{ty}", t_ptr="*i64", lse_ptr="*fp32", ent_ptr="*fp32",
                          glogp_ptr="*fp32", gent_ptr="*fp32", g_dst=gdst)
@@ -181,7 +181,7 @@ def compile_spec(spec: Spec, arch: int):
     elif spec.kernel == "sm90_exp_grad":
         from fastrl.kernels import persistent_grad as PG
 
-        fn = PG._scaled_exp_grad_kernel
+        fn = PG.scaled_exp_grad_kernel
         types = dict(e_ptr=f"*{ty}", k_ptr="*fp32", t_ptr="*i64", zt_ptr="*fp32",
                      **{p: "*fp32" for p in ("lse_ptr", "ent_ptr", "glogp_ptr", "gent_ptr")})
         consts = dict(HAS_SOFTCAP=spec.softcap, HAS_GLOGP=True, HAS_GENT=spec.entropy, BLOCK_V=256,
@@ -199,15 +199,15 @@ def compile_spec(spec: Spec, arch: int):
                     BLOCK_C=D.BLOCK_C)
         heads = dict(ys_ptr="*fp32", yt_ptr="*fp32", bs_ptr=f"*{ty}", bt_ptr=f"*{ty}")
         if spec.kernel == "div_stats":
-            fn = D._stats_kernel
+            fn = D.stats_kernel
             types = dict(heads, **{p: "*fp32" for p in ("ms_ptr", "ss_ptr", "us_ptr", "c_ptr", "mt_ptr", "st_ptr")})
             consts = dict(base, MODE=D.REVERSE_KL, HAS_ENTROPY=spec.entropy, FIRST=False)
         elif spec.kernel == "div_jsd":
-            fn = D._jsd_kernel
+            fn = D.jsd_kernel
             types = dict(heads, **{p: "*fp32" for p in ("lse_s_ptr", "lse_t_ptr", "jsd_ptr", "aux_ptr")})
             consts = base
         else:
-            fn = D._grad_kernel
+            fn = D.grad_kernel
             gty = "fp32" if spec.dtype == "float32" else ty
             types = dict(heads, g_ptr=f"*{gty}",
                          **{p: "*fp32" for p in ("lse_s_ptr", "lse_t_ptr", "aux_ptr", "ent_ptr", "gd_ptr", "ge_ptr")})
@@ -218,12 +218,12 @@ def compile_spec(spec: Spec, arch: int):
     else:
         base = dict(HAS_BIAS=spec.bias, HAS_SOFTCAP=spec.softcap, BLOCK_C=F.BLOCK_C)
         if spec.kernel == "fold":
-            fn = F._fold_kernel
+            fn = F.fold_kernel
             types = dict(y_ptr="*fp32", b_ptr=f"*{ty}", t_ptr="*i64", m_ptr="*fp32", s_ptr="*fp32", u_ptr="*fp32",
                          zt_ptr="*fp32")
             consts = dict(base, HAS_ENTROPY=spec.entropy, FIRST=False)
         else:
-            fn = F._grad_kernel
+            fn = F.grad_kernel
             gty = "fp32" if spec.dtype == "float32" else ty
             types = dict(y_ptr="*fp32", g_ptr=f"*{gty}", b_ptr=f"*{ty}", t_ptr="*i64", lse_ptr="*fp32",
                          ent_ptr="*fp32", glogp_ptr="*fp32", gent_ptr="*fp32")
@@ -252,10 +252,10 @@ def _sm90_matmul(spec: Spec, cfg, ty: str, common: dict):
     if spec.kernel == "sm90_stats":
         types = dict(h_desc=hdesc, w_desc=wdesc, h_ptr=f"*{ty}", w_ptr=f"*{ty}", b_ptr=f"*{ty}", t_ptr="*i64",
                      part_ptr="*fp32", zt_ptr="*fp32", e_desc=half if spec.store_exp else hdesc, k_ptr="*fp32")
-        return PS._persistent_stats_kernel, types, dict(consts, HAS_ENTROPY=spec.entropy, STORE_EXP=spec.store_exp)
+        return PS.persistent_stats_kernel, types, dict(consts, HAS_ENTROPY=spec.entropy, STORE_EXP=spec.store_exp)
     types = dict(h_desc=hdesc, w_desc=wdesc, b_ptr=f"*{ty}", t_ptr="*i64", lse_ptr="*fp32", ent_ptr="*fp32",
                  glogp_ptr="*fp32", gent_ptr="*fp32", g_desc=half)
-    return PG._persistent_grad_kernel, types, dict(consts, HAS_GLOGP=True, HAS_GENT=spec.entropy)
+    return PG.persistent_grad_kernel, types, dict(consts, HAS_GLOGP=True, HAS_GENT=spec.entropy)
 
 
 def _sm90_divergence(spec: Spec, cfg, ty: str, consts: dict, hdesc: str, wdesc: str):
@@ -266,13 +266,13 @@ def _sm90_divergence(spec: Spec, cfg, ty: str, consts: dict, hdesc: str, wdesc: 
     base.update(HAS_BS=spec.bias, HAS_BT=spec.bias, S_SOFTCAP=spec.softcap, T_SOFTCAP=spec.softcap)
     types = dict(hs_desc=hdesc, ws_desc=wdesc, ht_desc=hdesc, wt_desc=wdesc, bs_ptr=f"*{ty}", bt_ptr=f"*{ty}")
     if spec.kernel == "sm90_div_stats":
-        return PD._div_stats_kernel, dict(types, part_ptr="*fp32"), dict(base, MODE=D.FORWARD_KL,
+        return PD.div_stats_kernel, dict(types, part_ptr="*fp32"), dict(base, MODE=D.FORWARD_KL,
                                                                           HAS_ENTROPY=spec.entropy)
     if spec.kernel == "sm90_div_jsd":
-        return PD._div_jsd_kernel, dict(types, lse_s_ptr="*fp32", lse_t_ptr="*fp32", part_ptr="*fp32"), base
+        return PD.div_jsd_kernel, dict(types, lse_s_ptr="*fp32", lse_t_ptr="*fp32", part_ptr="*fp32"), base
     types.update({p: "*fp32" for p in ("lse_s_ptr", "lse_t_ptr", "aux_ptr", "ent_ptr", "gd_ptr", "ge_ptr")},
                  g_desc=f"tensordesc<{ty}[{cfg.block_n},{cfg.block_v}]>")
-    return PD._div_grad_kernel, types, dict(base, MODE=D.JSD, HAS_GD=True, HAS_GE=spec.entropy)
+    return PD.div_grad_kernel, types, dict(base, MODE=D.JSD, HAS_GD=True, HAS_GE=spec.entropy)
 
 
 def _kept_rows(spec: Spec, ty: str):
@@ -286,16 +286,16 @@ def _kept_rows(spec: Spec, ty: str):
     if spec.kernel == "kept_logits":
         cfg = KR.DEFAULT_CONFIGS["kept_logits"]
         consts = dict(stride_ik=1, stride_yk=1, HAS_BIAS=spec.bias, BLOCK_K=cfg.block_v, BLOCK_H=cfg.block_h)
-        return KR._logits_kernel, types, consts, cfg
+        return KR.logits_kernel, types, consts, cfg
     if spec.kernel == "kept_segment_dw":
         cfg = KR.DEFAULT_CONFIGS["kept_segment_dw"]
         consts = dict(stride_gk=1, HAS_GW=True, HAS_GB=spec.bias, BLOCK_E=cfg.block_n, BLOCK_H=cfg.block_h)
-        return KR._segment_dw_kernel, types, consts, cfg
+        return KR.segment_dw_kernel, types, consts, cfg
     cfg = KR.DEFAULT_CONFIGS["kept_backward"]
     atomic = spec.kernel in ("kept_grad", "kept_grad_rows")
     consts = dict(stride_gk=1, stride_ik=1, stride_rk=1, ATOMIC_GW=atomic, ATOMIC_GB=atomic and spec.bias,
                   HAS_ROWS=spec.kernel == "kept_grad_rows", BLOCK_K=cfg.block_v, BLOCK_H=cfg.block_h)
-    return KR._backward_kernel, types, consts, cfg
+    return KR.backward_kernel, types, consts, cfg
 
 
 def _cuobjdump() -> str:

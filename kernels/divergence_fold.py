@@ -4,13 +4,13 @@ The hybrid path (``fastrl.ops.divergence_hybrid``) lets cuBLAS write the raw log
 both heads as float32 tiles (bf16 operands, float32 accumulation and result); these kernels read both tiles of a
 row in one pass, one program per row:
 
-* ``_stats_kernel``: folds the slice into each row's online statistics of both models: running maxima
+* ``stats_kernel``: folds the slice into each row's online statistics of both models: running maxima
   ``m_s, m_t``, ``s = sum e^(z - m)``, the student's ``u = sum e^(d_s) d_s`` (entropy) and the cross term of the
   KL direction, ``c = sum e^(d_t) (d_t - d_s)`` (forward KL) or ``sum e^(d_s) (d_s - d_t)`` (reverse), with
   ``d = z - m``; every sum is re-based when a max moves.
-* ``_jsd_kernel``: with both normalisers known, adds the slice's share of the generalized JSD and of
+* ``jsd_kernel``: with both normalisers known, adds the slice's share of the generalized JSD and of
   ``KL(p_s || m)`` (what the backward needs).
-* ``_grad_kernel``: turns the student's tile into ``G = dL/dy_s`` for ``L = sum gd D + ge H_s``, written over the
+* ``grad_kernel``: turns the student's tile into ``G = dL/dy_s`` for ``L = sum gd D + ge H_s``, written over the
   tile itself (a 2-byte G in the first half of each float32 row, as ``logits_fold.grad_tile``).
 
 The math is in ``fastrl/ops/divergence.py`` (and docs/design.md, "Divergences"); bias, scale, softcap and
@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fastrl.kernels.linear_logprob import INTERPRET, NEG_LARGE, _chain_transform, _round_to
-from fastrl.kernels.logits_fold import _load_z, grad_out
+from fastrl.kernels.linear_logprob import INTERPRET, NEG_LARGE, chain_transform, round_to
+from fastrl.kernels.logits_fold import load_z, grad_out
 
 BLOCK_C = 1024  # two models' blocks are live at once: half the single-model fold's width
 NUM_WARPS = 8
@@ -34,7 +34,7 @@ TINY: tl.constexpr = tl.constexpr(1.1754943508222875e-38)
 
 
 @triton.jit
-def _stats_kernel(
+def stats_kernel(
     ys_ptr, yt_ptr,  # [R, C] float32 raw logits of the slice: student, teacher
     bs_ptr, bt_ptr,  # [C] biases of the slice (HAS_BS / HAS_BT)
     ms_ptr, ss_ptr, us_ptr, c_ptr, mt_ptr, st_ptr,  # [R] float32 running statistics, read and written in place
@@ -65,8 +65,8 @@ def _stats_kernel(
     for c0 in range(0, C, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
         ok = cols < C
-        zs = tl.where(ok, _load_z(ys_row, bs_ptr, cols, ok, s_scale, s_softcap, inv_temp, HAS_BS, S_SOFTCAP), NEG_LARGE)
-        zt = tl.where(ok, _load_z(yt_row, bt_ptr, cols, ok, t_scale, t_softcap, inv_temp, HAS_BT, T_SOFTCAP), NEG_LARGE)
+        zs = tl.where(ok, load_z(ys_row, bs_ptr, cols, ok, s_scale, s_softcap, inv_temp, HAS_BS, S_SOFTCAP), NEG_LARGE)
+        zt = tl.where(ok, load_z(yt_row, bt_ptr, cols, ok, t_scale, t_softcap, inv_temp, HAS_BT, T_SOFTCAP), NEG_LARGE)
         ms_new = tl.maximum(m_s, tl.max(zs, axis=0))
         mt_new = tl.maximum(m_t, tl.max(zt, axis=0))
         sh_s = m_s - ms_new  # how far each reference point moves (<= 0)
@@ -104,7 +104,7 @@ def stats_tile(ys, yt, bs, bt, stats, *, first: bool, mode: int, with_entropy: b
         return
     assert ys.dtype == yt.dtype == torch.float32 and ys.stride(1) == yt.stride(1) == 1 and stats.stride(1) == 1
     m_s, s_s, u_s, c, m_t, s_t = stats.unbind(0)
-    _stats_kernel[(R,)](
+    stats_kernel[(R,)](
         ys, yt, bs if bs is not None else ys, bt if bt is not None else yt, m_s, s_s, u_s, c, m_t, s_t,
         C, ys.stride(0), yt.stride(0),
         float(student.logit_scale), float(student.softcap or 1.0), float(teacher.logit_scale),
@@ -119,19 +119,19 @@ def stats_tile(ys, yt, bs, bt, stats, *, first: bool, mode: int, with_entropy: b
 def _log_probs(ys_row, yt_row, bs_ptr, bt_ptr, cols, ok, lse_s, lse_t, s_scale, s_softcap, t_scale, t_softcap,
                inv_temp, HAS_BS: tl.constexpr, HAS_BT: tl.constexpr, S_SOFTCAP: tl.constexpr, T_SOFTCAP: tl.constexpr):
     """(z_s, log p_s, log p_t) of one block of a row; the log-probs are 0 in padded columns."""
-    zs = _load_z(ys_row, bs_ptr, cols, ok, s_scale, s_softcap, inv_temp, HAS_BS, S_SOFTCAP)
-    zt = _load_z(yt_row, bt_ptr, cols, ok, t_scale, t_softcap, inv_temp, HAS_BT, T_SOFTCAP)
+    zs = load_z(ys_row, bs_ptr, cols, ok, s_scale, s_softcap, inv_temp, HAS_BS, S_SOFTCAP)
+    zt = load_z(yt_row, bt_ptr, cols, ok, t_scale, t_softcap, inv_temp, HAS_BT, T_SOFTCAP)
     return zs, tl.where(ok, zs - lse_s, 0.0), tl.where(ok, zt - lse_t, 0.0)
 
 
 @triton.jit
-def _log_mix(ps, pt, beta):
+def jit_log_mix(ps, pt, beta):
     """log((1 - beta) p_s + beta p_t), clamped where both underflow (their terms carry weight 0)."""
     return tl.log(tl.maximum((1.0 - beta) * ps + beta * pt, TINY))
 
 
 @triton.jit
-def _jsd_kernel(
+def jsd_kernel(
     ys_ptr, yt_ptr, bs_ptr, bt_ptr,
     lse_s_ptr, lse_t_ptr,  # [R] float32
     jsd_ptr, aux_ptr,  # [R] float32 accumulators: the JSD and KL(p_s || m), added to in place
@@ -155,7 +155,7 @@ def _jsd_kernel(
                                 t_softcap, inv_temp, HAS_BS, HAS_BT, S_SOFTCAP, T_SOFTCAP)
         ps = tl.where(ok, tl.exp(ls), 0.0)
         pt = tl.where(ok, tl.exp(lt), 0.0)
-        lm = _log_mix(ps, pt, beta)
+        lm = jit_log_mix(ps, pt, beta)
         kl_sm += tl.sum(ps * (ls - lm), axis=0)
         kl_tm += tl.sum(pt * (lt - lm), axis=0)
     tl.store(jsd_ptr + row, tl.load(jsd_ptr + row) + beta * kl_tm + (1.0 - beta) * kl_sm)
@@ -166,7 +166,7 @@ def jsd_tile(ys, yt, bs, bt, lse_s, lse_t, jsd, aux, *, beta: float, student, te
     R, C = ys.shape
     if R == 0:
         return
-    _jsd_kernel[(R,)](
+    jsd_kernel[(R,)](
         ys, yt, bs if bs is not None else ys, bt if bt is not None else yt, lse_s, lse_t, jsd, aux,
         C, ys.stride(0), yt.stride(0),
         float(beta), float(student.logit_scale), float(student.softcap or 1.0), float(teacher.logit_scale),
@@ -177,7 +177,7 @@ def jsd_tile(ys, yt, bs, bt, lse_s, lse_t, jsd, aux, *, beta: float, student, te
 
 
 @triton.jit
-def _grad_kernel(
+def grad_kernel(
     ys_ptr, yt_ptr, g_ptr,  # g: [R, C] out, G = dL/dy_s (may share ys's storage, see IN_PLACE)
     bs_ptr, bt_ptr,
     lse_s_ptr, lse_t_ptr, aux_ptr, ent_ptr, gd_ptr, ge_ptr,  # [R] float32 each
@@ -213,14 +213,14 @@ def _grad_kernel(
         if MODE == 1:  # reverse KL: p_s (log p_s - log p_t - KL)
             g += gd * ps * (ls - lt - aux)
         if MODE == 2:  # JSD: (1 - beta) p_s (log p_s - log m - KL(p_s || m))
-            g += w * ps * (ls - _log_mix(ps, tl.exp(lt), beta) - aux)
-        g = _chain_transform(g, zs, s_scale, s_softcap, inv_temp, S_SOFTCAP)
+            g += w * ps * (ls - jit_log_mix(ps, tl.exp(lt), beta) - aux)
+        g = chain_transform(g, zs, s_scale, s_softcap, inv_temp, S_SOFTCAP)
         g = tl.where(live, g, 0.0)
         if IN_PLACE:
             # G (2-byte) is written over the first half of this row's float32 logits: every warp must have loaded
             # the block's bytes before any warp stores
             tl.debug_barrier()
-        tl.store(g_row + cols, _round_to(g, g_ptr.dtype.element_ty, EMULATE_RNE), mask=ok)
+        tl.store(g_row + cols, round_to(g, g_ptr.dtype.element_ty, EMULATE_RNE), mask=ok)
 
 
 def grad_tile(ys, yt, bs, bt, lse_s, lse_t, aux, entropy, grad_div, grad_ent, out_dtype: torch.dtype, *, mode: int,
@@ -232,7 +232,7 @@ def grad_tile(ys, yt, bs, bt, lse_s, lse_t, aux, entropy, grad_div, grad_ent, ou
     if R == 0:
         return g
     dummy = lse_s
-    _grad_kernel[(R,)](
+    grad_kernel[(R,)](
         ys, yt, g, bs if bs is not None else ys, bt if bt is not None else yt,
         lse_s, lse_t, aux, entropy if entropy is not None else dummy,
         grad_div if grad_div is not None else dummy, grad_ent if grad_ent is not None else dummy,

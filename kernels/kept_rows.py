@@ -4,13 +4,13 @@ A kept set gives every token n its own K ids (``ids[n, k]``, padded with -1); th
 ``y[n, k] = h_n . W[ids[n, k]] (+ b[ids[n, k]])``: N K H multiply-adds, no union of ids, no [N, V] tile. Three
 kernels, nothing here knows about autograd (``fastrl/ops`` orchestrates):
 
-* ``_logits_kernel``: one program per (row, block of BLOCK_K ids) walks H in BLOCK_H slices, loading the row's
+* ``logits_kernel``: one program per (row, block of BLOCK_K ids) walks H in BLOCK_H slices, loading the row's
   hidden slice and its BLOCK_K gathered weight rows, and keeps a [BLOCK_K, BLOCK_H] float32 accumulator reduced
   once at the end.
-* ``_backward_kernel``: one program per (row, H slice): ``dh_n = sum_k g[n, k] W[ids[n, k]]`` from the same gather,
+* ``backward_kernel``: one program per (row, H slice): ``dh_n = sum_k g[n, k] W[ids[n, k]]`` from the same gather,
   and, when asked, the scatter-add ``dW[ids[n, k]] += g[n, k] h_n`` (``db`` likewise) with float32 atomics; with
   ``weight_rows`` the weight gradient goes to row ``weight_rows[n, k]`` of a compact [R, H] buffer instead.
-* ``_segment_dw_kernel``: the deterministic scatter-add. The launcher sorts the flat (id, n, k) entries once
+* ``segment_dw_kernel``: the deterministic scatter-add. The launcher sorts the flat (id, n, k) entries once
   (stable, so equal ids keep their (n, k) order); each program owns the id segments that *start* in its block of
   sorted positions and sums each one in a fixed order (within the block, then the tail of the
   block's last segment in later blocks), writing every touched ``dW`` row exactly once: no atomics, two runs give
@@ -66,7 +66,7 @@ KERNELS = tuple(DEFAULT_CONFIGS)
 # ---------------------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _logits_kernel(
+def logits_kernel(
     h_ptr,  # [N, H] hidden, unit column stride
     w_ptr,  # [V, H] weight, unit column stride
     b_ptr,  # [V] bias (HAS_BIAS)
@@ -119,7 +119,7 @@ def kept_rows_logits(
     if N == 0 or K == 0:
         return y
     cfg = config or DEFAULT_CONFIGS["kept_logits"]
-    _logits_kernel[(N, triton.cdiv(K, cfg.block_v))](
+    logits_kernel[(N, triton.cdiv(K, cfg.block_v))](
         hidden, weight, bias if bias is not None else hidden, ids, y,
         K, H, V,
         hidden.stride(0), weight.stride(0), ids.stride(0), ids.stride(1), y.stride(0), y.stride(1),
@@ -134,7 +134,7 @@ def kept_rows_logits(
 # ---------------------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _backward_kernel(
+def backward_kernel(
     g_ptr,  # [N, K] float32 dL/dy (never read at pads)
     h_ptr, w_ptr, ids_ptr,
     rows_ptr,  # [N, K] int64: the grad_weight row of each entry (HAS_ROWS; else the id)
@@ -204,7 +204,7 @@ def _segment_tail(
 
 
 @triton.jit
-def _segment_dw_kernel(
+def segment_dw_kernel(
     order_ptr,  # [E] int64: flat entry n * K + k of each sorted position (stable sort by key)
     sid_ptr,  # [E] int64: the sorted keys, ids or grad_weight rows (pads, negative, first)
     end_ptr,  # [E] int64: one past the last sorted position holding the same key
@@ -292,7 +292,7 @@ def kept_rows_backward(
     atomic = not deterministic
     gw, gb, rows = grad_weight, grad_bias, weight_rows
     cfg = config or DEFAULT_CONFIGS["kept_backward"]
-    _backward_kernel[(N, triton.cdiv(H, cfg.block_h))](
+    backward_kernel[(N, triton.cdiv(H, cfg.block_h))](
         grad, hidden, weight, ids, rows if rows is not None else ids, grad_hidden,
         gw if gw is not None else grad_hidden, gb if gb is not None else grad_hidden,
         K, H, V, gw.shape[0] if gw is not None else 0,
@@ -313,7 +313,7 @@ def kept_rows_backward(
 
 def _segment_scatter(grad, hidden, keys, gw, gb, cfg: KernelConfig) -> None:
     """The deterministic dW / db: a stable sort of the flat keys (the ids, or grad_weight's rows; negative: none)
-    with no host read, then ``_segment_dw_kernel`` writes each key's row once."""
+    with no host read, then ``segment_dw_kernel`` writes each key's row once."""
     N, K = keys.shape
     H = hidden.shape[1]
     E = N * K
@@ -322,7 +322,7 @@ def _segment_scatter(grad, hidden, keys, gw, gb, cfg: KernelConfig) -> None:
     block_e = cfg.block_n
     h_blocks = triton.cdiv(H, cfg.block_h) if gw is not None else 1
     dummy = sid.new_empty(0, dtype=torch.float32)
-    _segment_dw_kernel[(triton.cdiv(E, block_e), h_blocks)](
+    segment_dw_kernel[(triton.cdiv(E, block_e), h_blocks)](
         order, sid, end, grad, hidden,
         gw if gw is not None else dummy, gb if gb is not None else dummy,
         E, K, H,

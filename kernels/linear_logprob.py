@@ -3,12 +3,12 @@
 Nothing here knows about autograd (that lives in ``fastrl/ops``). Two kernels, each computing tiles of
 ``h W^T`` with ``tl.dot`` (float32 accumulation) and consuming them in registers, so no logit is ever stored:
 
-* ``_stats_fwd_kernel``: folds each tile into online row statistics. Grid: (token blocks, vocabulary splits);
+* ``stats_fwd_kernel``: folds each tile into online row statistics. Grid: (token blocks, vocabulary splits);
   each split writes partial statistics that ``linear_stats`` merges (O(N * splits) floats). Splitting the
   vocabulary keeps every SM busy when there are few tokens. The target's logit is a separate dot product of
   the row with its target's weight row, after the vocabulary loop, so the hot loop carries no per-element
   target compare (it cost the 128x256 tile ~30 spilled registers on sm_90).
-* ``_grad_block_kernel``: recomputes the tile for a slice of the vocabulary and writes ``G = dL/dy`` from the
+* ``grad_block_kernel``: recomputes the tile for a slice of the vocabulary and writes ``G = dL/dy`` from the
   saved row statistics and the upstream gradients of log-prob and entropy. The caller turns ``G`` into
   weight / hidden gradients with two cuBLAS GEMMs.
 
@@ -63,7 +63,7 @@ def _tanh(x):
 
 
 @triton.jit
-def _round_to(x, dtype: tl.constexpr, EMULATE_RNE: tl.constexpr):
+def round_to(x, dtype: tl.constexpr, EMULATE_RNE: tl.constexpr):
     """``x.to(dtype)``: round to nearest even, as a GPU's conversion does.
 
     Triton's interpreter truncates float32 -> bf16 (whatever rounding is asked for); the CPU tests must see
@@ -81,7 +81,7 @@ def _round_to(x, dtype: tl.constexpr, EMULATE_RNE: tl.constexpr):
 
 
 @triton.jit
-def _dot_tile(
+def dot_tile(
     h_src, w_src,  # TMA descriptors (USE_TMA) or base pointers
     n0, v0,  # first row of the token block and of the vocabulary block
     N, V, H,
@@ -122,7 +122,7 @@ def _dot_tile(
 
 
 @triton.jit
-def _transform(y, logit_scale, softcap, inv_temp, HAS_SOFTCAP: tl.constexpr):
+def transform_tile(y, logit_scale, softcap, inv_temp, HAS_SOFTCAP: tl.constexpr):
     """z = softcap(logit_scale * y) / T, softcap c tanh(x / c) only when set."""
     x = y * logit_scale
     if HAS_SOFTCAP:
@@ -131,8 +131,8 @@ def _transform(y, logit_scale, softcap, inv_temp, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _chain_transform(g, z, logit_scale, softcap, inv_temp, HAS_SOFTCAP: tl.constexpr):
-    """``g * dz/dy`` at transformed logits ``z`` (``_transform``'s derivative): ``scale / T * (1 - tanh^2)``."""
+def chain_transform(g, z, logit_scale, softcap, inv_temp, HAS_SOFTCAP: tl.constexpr):
+    """``g * dz/dy`` at transformed logits ``z`` (``transform_tile``'s derivative): ``scale / T * (1 - tanh^2)``."""
     dzdy = logit_scale * inv_temp
     if HAS_SOFTCAP:
         th = z / (softcap * inv_temp)
@@ -141,7 +141,7 @@ def _chain_transform(g, z, logit_scale, softcap, inv_temp, HAS_SOFTCAP: tl.const
 
 
 @triton.jit
-def _target_logit(
+def load_target_logit(
     h_ptr, w_ptr, b_ptr, t_ptr,  # [N, H], [V, H], [V] (HAS_BIAS), [N] int64 targets
     offs_n, n_ok,  # [BLOCK_N] rows of the block and which of them exist
     V, H, stride_hn, stride_wv,
@@ -164,11 +164,11 @@ def _target_logit(
         yt += tl.sum(hv.to(tl.float32) * wv.to(tl.float32), axis=1)
     if HAS_BIAS:
         yt += tl.load(b_ptr + t_safe, mask=t_ok, other=0.0).to(tl.float32)
-    return tl.where(t_ok, _transform(yt, logit_scale, softcap, inv_temp, HAS_SOFTCAP), 0.0)
+    return tl.where(t_ok, transform_tile(yt, logit_scale, softcap, inv_temp, HAS_SOFTCAP), 0.0)
 
 
 @triton.jit
-def _stats_fwd_kernel(
+def stats_fwd_kernel(
     h_src, w_src,  # [N, H], [V, H]: TMA descriptors (USE_TMA) or pointers
     h_ptr, w_ptr,  # the same tensors as plain pointers (target-row gathers)
     b_ptr, t_ptr,  # [V] bias (HAS_BIAS), [N] int64 targets
@@ -194,12 +194,12 @@ def _stats_fwd_kernel(
     v_start = pid_s * v_per_split
     v_end = tl.minimum(v_start + v_per_split, V)
     for v0 in range(v_start, v_end, BLOCK_V):
-        y = _dot_tile(h_src, w_src, n0, v0, N, V, H, stride_hn, stride_wv,
+        y = dot_tile(h_src, w_src, n0, v0, N, V, H, stride_hn, stride_wv,
                       BLOCK_N, BLOCK_V, BLOCK_H, USE_TMA, DOT_PRECISION, INTERP_BF16)
         offs_v = v0 + tl.arange(0, BLOCK_V)
         if HAS_BIAS:
             y += tl.load(b_ptr + offs_v, mask=offs_v < V, other=0.0).to(tl.float32)[None, :]
-        z = tl.where(offs_v[None, :] < v_end, _transform(y, logit_scale, softcap, inv_temp, HAS_SOFTCAP), NEG_LARGE)
+        z = tl.where(offs_v[None, :] < v_end, transform_tile(y, logit_scale, softcap, inv_temp, HAS_SOFTCAP), NEG_LARGE)
         m_new = tl.maximum(m, tl.max(z, axis=1))
         alpha = tl.exp(m - m_new)
         d = z - m_new[:, None]
@@ -217,18 +217,18 @@ def _stats_fwd_kernel(
         tl.store(u_ptr + out, u, mask=n_ok)
 
     if pid_s == 0:  # the target logit once per token
-        zt = _target_logit(h_ptr, w_ptr, b_ptr, t_ptr, offs_n, n_ok, V, H, stride_hn, stride_wv,
+        zt = load_target_logit(h_ptr, w_ptr, b_ptr, t_ptr, offs_n, n_ok, V, H, stride_hn, stride_wv,
                            logit_scale, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP, BLOCK_N, BLOCK_H)
     else:
         zt = tl.zeros((BLOCK_N,), dtype=tl.float32)
     tl.store(zt_ptr + out, zt, mask=n_ok)
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
+def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _interp_bf16(dtype: torch.dtype) -> bool:
+def interp_bf16(dtype: torch.dtype) -> bool:
     """bf16 under the interpreter: upcast the dot operands and emulate the GPU's rounding of bf16 results."""
     return INTERPRET and dtype == torch.bfloat16
 
@@ -296,7 +296,7 @@ def linear_stats(
         part = torch.empty((4, n_splits, N), dtype=torch.float32, device=hidden.device)
         m, s, u, zt = part.unbind(0)
         h_src, w_src = _sources(hidden, weight, cfg, use_tma)
-        _stats_fwd_kernel[(n_blocks, n_splits)](
+        stats_fwd_kernel[(n_blocks, n_splits)](
             h_src, w_src, hidden, weight, bias if bias is not None else hidden, targets,
             m, s, u, zt,
             N, V, H, v_per_split,
@@ -304,7 +304,7 @@ def linear_stats(
             float(logit_scale), float(softcap or 1.0), 1.0 / float(temperature),
             HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, HAS_ENTROPY=with_entropy,
             BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, USE_TMA=use_tma,
-            DOT_PRECISION=_dot_precision(hidden.dtype), INTERP_BF16=_interp_bf16(hidden.dtype),
+            DOT_PRECISION=dot_precision(hidden.dtype), INTERP_BF16=interp_bf16(hidden.dtype),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return part
@@ -334,7 +334,7 @@ def merge_partial_stats(
 
 
 @triton.jit
-def _grad_block_kernel(
+def grad_block_kernel(
     h_src, w_src,  # [N, H], [V_blk, H] (w already offset to the slice): descriptors or pointers
     b_ptr, t_ptr,
     lse_ptr, ent_ptr, glogp_ptr, gent_ptr,  # [N] float32 each
@@ -355,11 +355,11 @@ def _grad_block_kernel(
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_v = v0 + tl.arange(0, BLOCK_V)
     n_ok = offs_n < N
-    y = _dot_tile(h_src, w_src, n0, v0, N, V_blk, H, stride_hn, stride_wv,
+    y = dot_tile(h_src, w_src, n0, v0, N, V_blk, H, stride_hn, stride_wv,
                   BLOCK_N, BLOCK_V, BLOCK_H, USE_TMA, DOT_PRECISION, INTERP_BF16)
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_v, mask=offs_v < V_blk, other=0.0).to(tl.float32)[None, :]
-    z = _transform(y, logit_scale, softcap, inv_temp, HAS_SOFTCAP)
+    z = transform_tile(y, logit_scale, softcap, inv_temp, HAS_SOFTCAP)
     lse = tl.load(lse_ptr + offs_n, mask=n_ok, other=0.0)
     p = tl.exp(z - lse[:, None])
     # d logp / d z_j = 1[j = t] - p_j ;  d H / d z_j = -p_j (z_j - lse + H)
@@ -377,15 +377,15 @@ def _grad_block_kernel(
         g -= gent[:, None] * p * (z - lse[:, None] + ent[:, None])
         live = live | (gent != 0.0)
     # chain through z = softcap(scale * y) / T
-    g = _chain_transform(g, z, logit_scale, softcap, inv_temp, HAS_SOFTCAP)
+    g = chain_transform(g, z, logit_scale, softcap, inv_temp, HAS_SOFTCAP)
     # rows with no upstream gradient (ignored targets) are exactly zero, even where their logits are not finite
     g = tl.where((live & n_ok)[:, None], g, 0.0)
     if USE_TMA:
         # the TMA store clips rows and columns outside [N, V_blk]; no [BLOCK_N, BLOCK_V] pointer tile in registers
-        g_dst.store([n0, v0], _round_to(g, g_dst.dtype, INTERP_BF16))
+        g_dst.store([n0, v0], round_to(g, g_dst.dtype, INTERP_BF16))
     else:
         g_ptrs = g_dst + tl.cast(n0, tl.int64) * stride_gn + tl.arange(0, BLOCK_N)[:, None] * stride_gn + offs_v[None, :]
-        tl.store(g_ptrs, _round_to(g, g_dst.dtype.element_ty, INTERP_BF16),
+        tl.store(g_ptrs, round_to(g, g_dst.dtype.element_ty, INTERP_BF16),
                  mask=n_ok[:, None] & (offs_v[None, :] < V_blk))
 
 
@@ -419,7 +419,7 @@ def linear_grad_block(
         grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(V_blk, cfg.block_v))
         h_src, w_src = _sources(hidden, weight_blk, cfg, use_tma)
         g_dst = TensorDescriptor.from_tensor(out, [cfg.block_n, cfg.block_v]) if use_tma else out
-        _grad_block_kernel[grid](
+        grad_block_kernel[grid](
             h_src, w_src, bias_blk if bias_blk is not None else hidden, targets,
             lse, entropy if entropy is not None else dummy,
             grad_logp if grad_logp is not None else dummy,
@@ -431,7 +431,7 @@ def linear_grad_block(
             HAS_BIAS=bias_blk is not None, HAS_SOFTCAP=softcap is not None,
             HAS_GLOGP=grad_logp is not None, HAS_GENT=grad_entropy is not None,
             BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, USE_TMA=use_tma,
-            DOT_PRECISION=_dot_precision(hidden.dtype), INTERP_BF16=_interp_bf16(hidden.dtype),
+            DOT_PRECISION=dot_precision(hidden.dtype), INTERP_BF16=interp_bf16(hidden.dtype),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 

@@ -4,10 +4,10 @@ The hybrid path lets cuBLAS compute a tile of raw logits ``y = h W^T`` with a fl
 float32 accumulation, float32 result: no logit is ever rounded to bf16) and does everything else in two
 memory-bound Triton kernels, one program per row, each reading the tile once:
 
-* ``_fold_kernel``: folds a ``[rows, cols]`` tile into each row's running online statistics (max ``m``,
+* ``fold_kernel``: folds a ``[rows, cols]`` tile into each row's running online statistics (max ``m``,
   ``s = sum exp(z - m)``, ``u = sum exp(z - m) (z - m)``) and picks the target's transformed logit when the
   target falls in the tile. Several tiles of one row (vocabulary slices) fold one after the other.
-* ``_grad_kernel``: turns a tile of raw logits into ``G = dL/dy`` from the rows' final log-sum-exp and
+* ``grad_kernel``: turns a tile of raw logits into ``G = dL/dy`` from the rows' final log-sum-exp and
   entropy and the upstream gradients of log-prob and entropy; ``G`` may be written over the tile itself.
 
 Bias, logit scale, softcap and temperature are applied here, on the fly, so the GEMM stays a plain GEMM.
@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastrl.kernels.linear_logprob import INTERPRET, NEG_LARGE, _chain_transform, _round_to, _transform
+from fastrl.kernels.linear_logprob import INTERPRET, NEG_LARGE, chain_transform, round_to, transform_tile
 
 # Elementwise over a row: wide column blocks keep the loads coalesced and the row loop short.
 BLOCK_C = 2048
@@ -28,16 +28,16 @@ NUM_WARPS = 8
 
 
 @triton.jit
-def _load_z(y_row, b_ptr, cols, ok, logit_scale, softcap, inv_temp, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+def load_z(y_row, b_ptr, cols, ok, logit_scale, softcap, inv_temp, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     """Transformed logits of one block of a row: ``z = softcap(scale * (y + b)) / T`` (0 -> z(0) where not ``ok``)."""
     y = tl.load(y_row + cols, mask=ok, other=0.0)
     if HAS_BIAS:
         y += tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    return _transform(y, logit_scale, softcap, inv_temp, HAS_SOFTCAP)
+    return transform_tile(y, logit_scale, softcap, inv_temp, HAS_SOFTCAP)
 
 
 @triton.jit
-def _fold_kernel(
+def fold_kernel(
     y_ptr,  # [R, C] float32 raw logits of a vocabulary slice
     b_ptr,  # [C] bias of the slice (HAS_BIAS)
     t_ptr,  # [R] int64 global target ids
@@ -65,7 +65,7 @@ def _fold_kernel(
     for c0 in range(0, C, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
         ok = cols < C
-        z = tl.where(ok, _load_z(y_row, b_ptr, cols, ok, logit_scale, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP),
+        z = tl.where(ok, load_z(y_row, b_ptr, cols, ok, logit_scale, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP),
                      NEG_LARGE)
         m_new = tl.maximum(m, tl.max(z, axis=0))
         alpha = tl.exp(m - m_new)
@@ -81,7 +81,7 @@ def _fold_kernel(
         yt = tl.load(y_row + local)
         if HAS_BIAS:
             yt += tl.load(b_ptr + local).to(tl.float32)
-        zt = _transform(yt, logit_scale, softcap, inv_temp, HAS_SOFTCAP)
+        zt = transform_tile(yt, logit_scale, softcap, inv_temp, HAS_SOFTCAP)
     tl.store(m_ptr + row, m)
     tl.store(s_ptr + row, s)
     tl.store(zt_ptr + row, zt)
@@ -107,7 +107,7 @@ def fold_tile(
         return
     assert y.dtype == torch.float32 and y.stride(1) == 1 and stats.stride(1) == 1
     m, s, u, zt = stats.unbind(0)
-    _fold_kernel[(R,)](
+    fold_kernel[(R,)](
         y, bias if bias is not None else y, targets, m, s, u, zt,
         C, v_offset, y.stride(0),
         float(logit_scale), float(softcap or 1.0), 1.0 / float(temperature),
@@ -124,7 +124,7 @@ def finish_stats(stats: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor,
 
 
 @triton.jit
-def _grad_kernel(
+def grad_kernel(
     y_ptr,  # [R, C] float32 raw logits of a vocabulary slice
     g_ptr,  # [R, C] out: G = dL/dy (may share y's storage, see IN_PLACE)
     b_ptr, t_ptr,
@@ -149,18 +149,18 @@ def _grad_kernel(
     for c0 in range(0, C, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
         ok = cols < C
-        z = _load_z(y_row, b_ptr, cols, ok, logit_scale, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP)
+        z = load_z(y_row, b_ptr, cols, ok, logit_scale, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP)
         p = tl.exp(z - lse)
         # d logp / d z_j = 1[j = t] - p_j ;  d H / d z_j = -p_j (z_j - lse + H)
         g = -glogp * p - gent * p * (z - lse + ent)
         g = tl.where(cols == local, g + glogp, g)
-        g = _chain_transform(g, z, logit_scale, softcap, inv_temp, HAS_SOFTCAP)
+        g = chain_transform(g, z, logit_scale, softcap, inv_temp, HAS_SOFTCAP)
         g = tl.where(live, g, 0.0)
         if IN_PLACE:
             # G (2-byte) is written over the first half of this row's float32 logits: the bytes of columns
             # [c0/2, (c0 + BLOCK_C)/2), which every warp must have loaded before any warp stores
             tl.debug_barrier()
-        tl.store(g_row + cols, _round_to(g, g_ptr.dtype.element_ty, EMULATE_RNE), mask=ok)
+        tl.store(g_row + cols, round_to(g, g_ptr.dtype.element_ty, EMULATE_RNE), mask=ok)
 
 
 def grad_out(y: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:  # [R, C] in y's storage
@@ -195,7 +195,7 @@ def grad_tile(
     if R == 0:
         return g
     dummy = lse
-    _grad_kernel[(R,)](
+    grad_kernel[(R,)](
         y, g, bias if bias is not None else y, targets,
         lse, entropy if entropy is not None else dummy,
         grad_logp if grad_logp is not None else dummy,

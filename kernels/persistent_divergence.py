@@ -5,13 +5,13 @@ cuBLAS's stored float32 tiles), but each program computes the student's and the 
 (token block, vocabulary block) with ``tl.dot`` from TMA descriptors (each head with its own hidden width) and folds
 them in registers. Three kernels, each a persistent grid:
 
-* ``_div_stats_kernel``: per (token block, vocabulary split), the running maxima ``m_s, m_t``, ``s = sum e^(z - m)``,
+* ``div_stats_kernel``: per (token block, vocabulary split), the running maxima ``m_s, m_t``, ``s = sum e^(z - m)``,
   the student's ``u = sum e^(d_s) d_s`` (entropy) and the cross term of the KL direction (``c = sum e^(d_t)
   (d_t - d_s)`` forward, ``sum e^(d_s) (d_s - d_t)`` reverse), ``d = z - m``; ``merge_div_partials`` combines the
   splits (every sum re-based to the common maxima, the cross term with both shifts).
-* ``_div_jsd_kernel``: with both normalisers known, per split the shares of ``KL(p_s || m)`` and ``KL(p_t || m)``
+* ``div_jsd_kernel``: with both normalisers known, per split the shares of ``KL(p_s || m)`` and ``KL(p_t || m)``
   (the generalized JSD and what its backward needs); the splits are summed.
-* ``_div_grad_kernel``: ``G = dL/dy_s`` of one vocabulary slice from recomputed tiles of both heads, stored once
+* ``div_grad_kernel``: ``G = dL/dy_s`` of one vocabulary slice from recomputed tiles of both heads, stored once
   through TMA for the cuBLAS gradient GEMMs (as ``persistent_grad``; the teacher gets no gradient).
 
 Two float32 accumulators are live at once, so the tiles are 128x64 on sm_90 (``tuning``: ``sm90_div``). The math is in
@@ -24,9 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fastrl.kernels.divergence_fold import _log_mix
+from fastrl.kernels.divergence_fold import jit_log_mix
 from fastrl.kernels.linear_logprob import (
-    NEG_LARGE, TensorDescriptor, _chain_transform, _dot_precision, _dot_tile, _interp_bf16, _round_to, _transform,
+    NEG_LARGE, TensorDescriptor, chain_transform, dot_precision, dot_tile, interp_bf16, round_to, transform_tile,
 )
 from fastrl.kernels.persistent_stats import choose_splits, num_programs
 from fastrl.kernels.tuning import KernelConfig
@@ -43,21 +43,21 @@ def _both_tiles(hs_desc, ws_desc, ht_desc, wt_desc, bs_ptr, bt_ptr, n0, v0, v_en
     """(z_s, z_t, ok): both heads' transformed logits of one tile, NEG_LARGE in columns at or past ``v_end``."""
     offs_v = v0 + tl.arange(0, BLOCK_V)
     ok = offs_v[None, :] < v_end
-    ys = _dot_tile(hs_desc, ws_desc, n0, v0, N, V, Hs, 0, 0, BLOCK_N, BLOCK_V, BLOCK_H, True, DOT_PRECISION,
+    ys = dot_tile(hs_desc, ws_desc, n0, v0, N, V, Hs, 0, 0, BLOCK_N, BLOCK_V, BLOCK_H, True, DOT_PRECISION,
                    INTERP_BF16)
     if HAS_BS:
         ys += tl.load(bs_ptr + offs_v, mask=offs_v < V, other=0.0).to(tl.float32)[None, :]
-    zs = tl.where(ok, _transform(ys, s_scale, s_softcap, inv_temp, S_SOFTCAP), NEG_LARGE)
-    yt = _dot_tile(ht_desc, wt_desc, n0, v0, N, V, Ht, 0, 0, BLOCK_N, BLOCK_V, BLOCK_H, True, DOT_PRECISION,
+    zs = tl.where(ok, transform_tile(ys, s_scale, s_softcap, inv_temp, S_SOFTCAP), NEG_LARGE)
+    yt = dot_tile(ht_desc, wt_desc, n0, v0, N, V, Ht, 0, 0, BLOCK_N, BLOCK_V, BLOCK_H, True, DOT_PRECISION,
                    INTERP_BF16)
     if HAS_BT:
         yt += tl.load(bt_ptr + offs_v, mask=offs_v < V, other=0.0).to(tl.float32)[None, :]
-    zt = tl.where(ok, _transform(yt, t_scale, t_softcap, inv_temp, T_SOFTCAP), NEG_LARGE)
+    zt = tl.where(ok, transform_tile(yt, t_scale, t_softcap, inv_temp, T_SOFTCAP), NEG_LARGE)
     return zs, zt, ok
 
 
 @triton.jit
-def _div_stats_kernel(
+def div_stats_kernel(
     hs_desc, ws_desc, ht_desc, wt_desc,  # student [N, Hs] / [V, Hs], teacher [N, Ht] / [V, Ht] TMA descriptors
     bs_ptr, bt_ptr,  # [V] biases (HAS_BS / HAS_BT)
     part_ptr,  # [6, SPLITS, N] float32 out: m_s, s_s, u_s, c, m_t, s_t per split
@@ -136,7 +136,7 @@ def merge_div_partials(part: torch.Tensor, mode: int) -> torch.Tensor:  # [6, S,
 
 
 @triton.jit
-def _div_jsd_kernel(
+def div_jsd_kernel(
     hs_desc, ws_desc, ht_desc, wt_desc, bs_ptr, bt_ptr,
     lse_s_ptr, lse_t_ptr,  # [N] float32
     part_ptr,  # [2, SPLITS, N] float32 out: KL(p_s || m), KL(p_t || m) per split
@@ -168,7 +168,7 @@ def _div_jsd_kernel(
             lt = tl.where(ok, zt - lse_t[:, None], 0.0)
             ps = tl.where(ok, tl.exp(ls), 0.0)
             pt = tl.where(ok, tl.exp(lt), 0.0)
-            lm = _log_mix(ps, pt, beta)
+            lm = jit_log_mix(ps, pt, beta)
             kl_sm += tl.sum(ps * (ls - lm), axis=1)
             kl_tm += tl.sum(pt * (lt - lm), axis=1)
         tl.store(part_ptr + sp * N + offs_n, kl_sm, mask=n_ok)
@@ -176,7 +176,7 @@ def _div_jsd_kernel(
 
 
 @triton.jit
-def _div_grad_kernel(
+def div_grad_kernel(
     hs_desc, ws_desc, ht_desc, wt_desc,  # the weight descriptors cover one vocabulary slice [V_blk, H]
     bs_ptr, bt_ptr,  # [V_blk] bias slices
     lse_s_ptr, lse_t_ptr, aux_ptr, ent_ptr, gd_ptr, ge_ptr,  # [N] float32 each
@@ -223,11 +223,11 @@ def _div_grad_kernel(
             g += gd[:, None] * ps * (ls - lt - aux[:, None])
         if MODE == 2:  # JSD: (1 - beta) p_s (log p_s - log m - KL(p_s || m))
             pt = tl.where(ok, tl.exp(lt), 0.0)
-            g += ((1.0 - beta) * gd)[:, None] * ps * (ls - _log_mix(ps, pt, beta) - aux[:, None])
+            g += ((1.0 - beta) * gd)[:, None] * ps * (ls - jit_log_mix(ps, pt, beta) - aux[:, None])
         # past V_blk z is NEG_LARGE: the softcap's derivative would square it (overflow); those columns are clipped
-        g = _chain_transform(g, tl.where(ok, zs, 0.0), s_scale, s_softcap, inv_temp, S_SOFTCAP)
+        g = chain_transform(g, tl.where(ok, zs, 0.0), s_scale, s_softcap, inv_temp, S_SOFTCAP)
         g = tl.where(live[:, None], g, 0.0)
-        g_desc.store([n0, v0], _round_to(g, g_desc.dtype, INTERP_BF16))  # clipped outside [N, V_blk]
+        g_desc.store([n0, v0], round_to(g, g_desc.dtype, INTERP_BF16))  # clipped outside [N, V_blk]
 
 
 def _descs(student, teacher, w_s, w_t, cfg: KernelConfig):
@@ -246,7 +246,7 @@ def _flags(student, teacher, cfg: KernelConfig) -> dict:
     return dict(HAS_BS=student.bias is not None, HAS_BT=teacher.bias is not None,
                 S_SOFTCAP=student.tf.softcap is not None, T_SOFTCAP=teacher.tf.softcap is not None,
                 BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h,
-                DOT_PRECISION=_dot_precision(student.h.dtype), INTERP_BF16=_interp_bf16(student.h.dtype),
+                DOT_PRECISION=dot_precision(student.h.dtype), INTERP_BF16=interp_bf16(student.h.dtype),
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
@@ -267,7 +267,7 @@ def div_stats(student, teacher, mode: int, with_entropy: bool, cfg: KernelConfig
     part = torch.empty((6, n_splits, N), dtype=torch.float32, device=student.h.device)
     bs = student.bias if student.bias is not None else part
     bt = teacher.bias if teacher.bias is not None else part
-    _div_stats_kernel[(progs,)](
+    div_stats_kernel[(progs,)](
         *_descs(student, teacher, student.weight, teacher.weight, cfg), bs, bt, part,
         N, V, student.h.shape[1], teacher.h.shape[1], n_splits, v_per_split, *_tf_args(student, teacher),
         MODE=mode, HAS_ENTROPY=with_entropy, NUM_PROGS=progs, **_flags(student, teacher, cfg))
@@ -281,7 +281,7 @@ def div_jsd(student, teacher, lse_s, lse_t, beta: float, cfg: KernelConfig) -> t
     part = torch.empty((2, n_splits, N), dtype=torch.float32, device=student.h.device)
     bs = student.bias if student.bias is not None else part
     bt = teacher.bias if teacher.bias is not None else part
-    _div_jsd_kernel[(progs,)](
+    div_jsd_kernel[(progs,)](
         *_descs(student, teacher, student.weight, teacher.weight, cfg), bs, bt, lse_s, lse_t, part,
         N, V, student.h.shape[1], teacher.h.shape[1], n_splits, v_per_split, float(beta),
         *_tf_args(student, teacher), NUM_PROGS=progs, **_flags(student, teacher, cfg))
@@ -301,7 +301,7 @@ def div_grad_block(student, teacher, v0: int, v1: int, lse_s, lse_t, aux, entrop
     def sl(b):
         return b[v0:v1] if b is not None else lse_s
 
-    _div_grad_kernel[(progs,)](
+    div_grad_kernel[(progs,)](
         *_descs(student, teacher, student.weight[v0:v1], teacher.weight[v0:v1], cfg),
         sl(student.bias), sl(teacher.bias), lse_s, lse_t, aux,
         entropy if entropy is not None else dummy, grad_div if grad_div is not None else dummy,

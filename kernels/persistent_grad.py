@@ -3,7 +3,7 @@
 Two kernels, both writing ``G`` in the input dtype for the two cuBLAS gradient GEMMs (``grad_h = G W`` and
 ``grad_W = G^T h``, float32 accumulation inside each, ``grad_h`` accumulated across slices in float32):
 
-* ``_persistent_grad_kernel`` (path A, two passes): a persistent grid over the ``(token block, vocabulary block)``
+* ``persistent_grad_kernel`` (path A, two passes): a persistent grid over the ``(token block, vocabulary block)``
   tiles of one vocabulary slice; each tile's logits are recomputed with ``tl.dot`` from TMA-loaded operands, turned
   into ``G`` in registers from the saved row statistics, and stored once through a TMA descriptor. No logit is
   stored. Why ``G`` goes through HBM instead of feeding both gradient GEMMs inside the kernel (Cut Cross-Entropy's
@@ -12,7 +12,7 @@ Two kernels, both writing ``G`` in the input dtype for the two cuBLAS gradient G
   H * 4 bytes read and written per tile, ~480 GB at W1 with 128x256 tiles (over 100 ms at 4.3 TB/s) and not
   deterministic, against 15 GB for ``G`` written once in bf16 and read by the two GEMMs (``python -m bench
   roofline`` prints both). Liger's SM90 backward makes the same choice (``dZ`` through memory, one wave at a time).
-* ``_scaled_exp_grad_kernel`` (the one-pass loss): ``G`` from the scaled exps the forward stored
+* ``scaled_exp_grad_kernel`` (the one-pass loss): ``G`` from the scaled exps the forward stored
   (``persistent_stats(exp_out=...)``: ``e = 2^(z log2(e) - k)`` per (row, vocabulary block)), written over them in
   place: ``p = e 2^(k - lse log2(e))``; the entropy term and a softcap's derivative need ``z`` itself, recovered as
   ``(log2(e) + k) ln 2`` (bf16 ``e``: within 2^-9 relative of ``e``, so ``z`` within ~0.003 absolute, where ``p`` is
@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from fastrl.kernels.linear_logprob import (
-    INTERPRET, TensorDescriptor, _chain_transform, _dot_precision, _dot_tile, _interp_bf16, _round_to, _transform,
+    INTERPRET, TensorDescriptor, chain_transform, dot_precision, dot_tile, interp_bf16, round_to, transform_tile,
     tma_ok,
 )
 from fastrl.kernels.persistent_stats import LN2, LOG2E, num_programs
@@ -49,7 +49,7 @@ def _grad_from_p(p, z, is_t, lse, ent, glogp, gent, live, logit_scale, softcap, 
         g = tl.zeros_like(p)
     if HAS_GENT:
         g -= gent[:, None] * p * (z - lse[:, None] + ent[:, None])
-    g = _chain_transform(g, z, logit_scale, softcap, inv_temp, HAS_SOFTCAP)
+    g = chain_transform(g, z, logit_scale, softcap, inv_temp, HAS_SOFTCAP)
     return tl.where(live[:, None], g, 0.0)
 
 
@@ -73,7 +73,7 @@ def _row_grads(glogp_ptr, gent_ptr, ent_ptr, lse_ptr, offs_n, n_ok,
 
 
 @triton.jit
-def _persistent_grad_kernel(
+def persistent_grad_kernel(
     h_desc, w_desc,  # [N, H], [V_blk, H] (the weight slice) TMA descriptors
     b_ptr, t_ptr,  # [V_blk] bias slice (HAS_BIAS), [N] int64 global target ids
     lse_ptr, ent_ptr, glogp_ptr, gent_ptr,  # [N] float32 each
@@ -94,7 +94,7 @@ def _persistent_grad_kernel(
         n0 = (item // v_blocks) * BLOCK_N
         v0 = (item % v_blocks) * BLOCK_V
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        y = _dot_tile(h_desc, w_desc, n0, v0, N, V_blk, H, 0, 0,
+        y = dot_tile(h_desc, w_desc, n0, v0, N, V_blk, H, 0, 0,
                       BLOCK_N, BLOCK_V, BLOCK_H, True, DOT_PRECISION, INTERP_BF16)
         lse, ent, glogp, gent, live = _row_grads(glogp_ptr, gent_ptr, ent_ptr, lse_ptr, offs_n, offs_n < N,
                                                  HAS_GLOGP, HAS_GENT)
@@ -109,12 +109,12 @@ def _persistent_grad_kernel(
             offs_v = vh + tl.arange(0, BLOCK_V // 2)
             if HAS_BIAS:
                 yh += tl.load(b_ptr + offs_v, mask=offs_v < V_blk, other=0.0).to(tl.float32)[None, :]
-            z = _transform(yh, logit_scale, softcap, inv_temp, HAS_SOFTCAP)
+            z = transform_tile(yh, logit_scale, softcap, inv_temp, HAS_SOFTCAP)
             p = tl.exp(z - lse[:, None])
             g = _grad_from_p(p, z, offs_v[None, :] == tgt[:, None], lse, ent, glogp, gent, live,
                              logit_scale, softcap, inv_temp, HAS_GLOGP, HAS_GENT, HAS_SOFTCAP)
             # the TMA store clips rows and columns outside [N, V_blk]
-            g_desc.store([n0, vh], _round_to(g, g_desc.dtype, INTERP_BF16))
+            g_desc.store([n0, vh], round_to(g, g_desc.dtype, INTERP_BF16))
 
 
 def persistent_grad_block(
@@ -144,7 +144,7 @@ def persistent_grad_block(
     def launch(cfg: KernelConfig) -> None:
         n_items = triton.cdiv(N, cfg.block_n) * triton.cdiv(V_blk, cfg.block_v)
         progs = num_programs(hidden.device, n_items)
-        _persistent_grad_kernel[(progs,)](
+        persistent_grad_kernel[(progs,)](
             TensorDescriptor.from_tensor(hidden, [cfg.block_n, cfg.block_h]),
             TensorDescriptor.from_tensor(weight_blk, [cfg.block_v, cfg.block_h]),
             bias_blk if bias_blk is not None else hidden, targets,
@@ -157,7 +157,7 @@ def persistent_grad_block(
             HAS_BIAS=bias_blk is not None, HAS_SOFTCAP=softcap is not None,
             HAS_GLOGP=grad_logp is not None, HAS_GENT=grad_entropy is not None,
             BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, NUM_PROGS=progs,
-            DOT_PRECISION=_dot_precision(hidden.dtype), INTERP_BF16=_interp_bf16(hidden.dtype),
+            DOT_PRECISION=dot_precision(hidden.dtype), INTERP_BF16=interp_bf16(hidden.dtype),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
@@ -172,7 +172,7 @@ NUM_WARPS = 8
 
 
 @triton.jit
-def _scaled_exp_grad_kernel(
+def scaled_exp_grad_kernel(
     e_ptr,  # [R, C] scaled exps (input dtype); G is written over them
     k_ptr,  # [R, cdiv(C, BLOCK_V)] float32 power-of-two offsets
     t_ptr,  # [R] int64 global ids (the bias is inside e already)
@@ -208,7 +208,7 @@ def _scaled_exp_grad_kernel(
         g = _grad_from_p(p, z, is_t, lse, ent, glogp, gent, live,
                          logit_scale, softcap, inv_temp, HAS_GLOGP, HAS_GENT, HAS_SOFTCAP)
         # every element is read before it is written, by the same thread (same offsets, same layout)
-        tl.store(e_row + cols[None, :], _round_to(g, e_ptr.dtype.element_ty, EMULATE_RNE), mask=ok[None, :])
+        tl.store(e_row + cols[None, :], round_to(g, e_ptr.dtype.element_ty, EMULATE_RNE), mask=ok[None, :])
 
 
 def scaled_exp_grad(
@@ -232,7 +232,7 @@ def scaled_exp_grad(
         return e
     assert e.stride(1) == 1 and k.dtype == torch.float32 and k.shape == (R, triton.cdiv(C, block_v))
     dummy = lse
-    _scaled_exp_grad_kernel[(R,)](
+    scaled_exp_grad_kernel[(R,)](
         e, k, targets, target_logit, lse, entropy if entropy is not None else dummy,
         grad_logp if grad_logp is not None else dummy, grad_entropy if grad_entropy is not None else dummy,
         C, v_offset, e.stride(0), k.stride(0),

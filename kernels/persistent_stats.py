@@ -1,9 +1,9 @@
 """LM head -> row statistics in one persistent, TMA-fed kernel: no logit is ever stored (the ``triton-sm90`` forward).
 
-``_persistent_stats_kernel`` computes tiles of ``y = h W^T`` with ``tl.dot`` (float32 accumulation) from tiles that
+``persistent_stats_kernel`` computes tiles of ``y = h W^T`` with ``tl.dot`` (float32 accumulation) from tiles that
 TMA tensor descriptors load, and folds each tile into the online statistics of its rows in registers
 (``docs/design.md``: running max ``m``, ``s = sum exp(z - m)``, ``u = sum exp(z - m) (z - m)``). What is new next to
-``linear_logprob._stats_fwd_kernel`` (the ``triton-fused`` forward):
+``linear_logprob.stats_fwd_kernel`` (the ``triton-fused`` forward):
 
 * a persistent grid: one program per SM loops over work items ``(token block, vocabulary split)``. Consecutive items
   take consecutive splits of the same token block, so the programs running at one moment share a few token blocks
@@ -32,8 +32,8 @@ import triton
 import triton.language as tl
 
 from fastrl.kernels.linear_logprob import (
-    INTERPRET, NEG_LARGE, TensorDescriptor, _dot_precision, _dot_tile, _interp_bf16, _round_to, _target_logit,
-    _transform, merge_partial_stats, tma_ok,
+    INTERPRET, NEG_LARGE, TensorDescriptor, dot_precision, dot_tile, interp_bf16, round_to, load_target_logit,
+    transform_tile, merge_partial_stats, tma_ok,
 )
 from fastrl.kernels.tuning import KernelConfig, config_for
 
@@ -44,7 +44,7 @@ LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _persistent_stats_kernel(
+def persistent_stats_kernel(
     h_desc, w_desc,  # [N, H], [V, H] TMA descriptors, blocks [BLOCK_N, BLOCK_H] / [BLOCK_V, BLOCK_H]
     h_ptr, w_ptr,  # the same tensors as pointers (the target rows' gather)
     b_ptr, t_ptr,  # [V] bias (HAS_BIAS), [N] int64 targets
@@ -75,13 +75,13 @@ def _persistent_stats_kernel(
         s = tl.zeros((BLOCK_N,), dtype=tl.float32)
         u = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for v0 in range(v_start, v_end, BLOCK_V):
-            y = _dot_tile(h_desc, w_desc, n0, v0, N, V, H, stride_hn, stride_wv,
+            y = dot_tile(h_desc, w_desc, n0, v0, N, V, H, stride_hn, stride_wv,
                           BLOCK_N, BLOCK_V, BLOCK_H, True, DOT_PRECISION, INTERP_BF16)
             offs_v = v0 + tl.arange(0, BLOCK_V)
             if HAS_BIAS:
                 y += tl.load(b_ptr + offs_v, mask=offs_v < V, other=0.0).to(tl.float32)[None, :]
             # columns past the split (or past V) are NEG_LARGE: exp of them underflows to exactly 0
-            z = tl.where(offs_v[None, :] < v_end, _transform(y, logit_scale, softcap, inv_temp, HAS_SOFTCAP),
+            z = tl.where(offs_v[None, :] < v_end, transform_tile(y, logit_scale, softcap, inv_temp, HAS_SOFTCAP),
                          NEG_LARGE)
             if STORE_EXP:
                 m, s, u = _fold_tile_storing_exps(z, m, s, u, e_desc, k_ptr, n0, v0, offs_n, n_ok, stride_k,
@@ -95,8 +95,8 @@ def _persistent_stats_kernel(
         if HAS_ENTROPY:
             tl.store(part_ptr + 2 * n_splits * N + out, u, mask=n_ok)
 
-        if sp == 0:  # the target logit once per token (linear_logprob._target_logit: a row-wise dot)
-            zt = _target_logit(h_ptr, w_ptr, b_ptr, t_ptr, offs_n, n_ok, V, H, stride_hn, stride_wv,
+        if sp == 0:  # the target logit once per token (linear_logprob.load_target_logit: a row-wise dot)
+            zt = load_target_logit(h_ptr, w_ptr, b_ptr, t_ptr, offs_n, n_ok, V, H, stride_hn, stride_wv,
                                logit_scale, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP, BLOCK_N, BLOCK_H)
             tl.store(zt_ptr + offs_n, zt, mask=n_ok)
 
@@ -134,7 +134,7 @@ def _fold_tile_storing_exps(z, m, s, u, e_desc, k_ptr, n0, v0, offs_n, n_ok, str
         zh = z0 if half == 0 else z1
         e = tl.exp2(zh * LOG2E - k[:, None])
         # rows and columns past N, V are clipped by the TMA store
-        e_desc.store([n0, v0 + half * (BLOCK_V // 2)], _round_to(e, e_desc.dtype, INTERP_BF16))
+        e_desc.store([n0, v0 + half * (BLOCK_V // 2)], round_to(e, e_desc.dtype, INTERP_BF16))
         s_t += tl.sum(e, axis=1)
         if HAS_ENTROPY:
             u_t += tl.sum(e * (zh - r[:, None]), axis=1)
@@ -217,7 +217,7 @@ def persistent_stats(
         e_desc = TensorDescriptor.from_tensor(exp_out, [cfg.block_n, cfg.block_v // 2]) if store_exp else h_desc
         if store_exp:
             assert k_out.shape == exp_offsets_shape(N, V, cfg) and k_out.dtype == torch.float32
-        _persistent_stats_kernel[(progs,)](
+        persistent_stats_kernel[(progs,)](
             h_desc, w_desc, hidden, weight, bias if bias is not None else hidden, targets,
             part, zt, e_desc, k_out if store_exp else zt,
             N, V, H, n_splits, v_per_split,
@@ -225,7 +225,7 @@ def persistent_stats(
             float(logit_scale), float(softcap or 1.0), 1.0 / float(temperature),
             HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, HAS_ENTROPY=with_entropy,
             STORE_EXP=store_exp, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, NUM_PROGS=progs,
-            DOT_PRECISION=_dot_precision(hidden.dtype), INTERP_BF16=_interp_bf16(hidden.dtype),
+            DOT_PRECISION=dot_precision(hidden.dtype), INTERP_BF16=interp_bf16(hidden.dtype),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return part, zt

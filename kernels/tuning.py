@@ -280,6 +280,10 @@ def _index_measured(entries) -> list[tuple]:
 
 _MEASURED = _index_measured(_defaults.CONFIGS)
 
+# The implementation choices the committed GPU sessions made (``fastrl.ops.backend`` indexes them): read through
+# this module, the package's public face of its generated table.
+MEASURED_CHOICES = _defaults.CHOICES
+
 
 def measured_config(kernel: str, family: str, H: int, dtype: torch.dtype, use_tma: bool) -> KernelConfig | None:
     """The configuration a committed GPU session measured best for this kernel, family, H and dtype, if any."""
