@@ -32,7 +32,7 @@
     python -m bench COMMAND --help       that command's options
 
 The workloads (W1-W5, C1) are defined in docs/design.md. Every measurement runs in a fresh process
-(``bench.worker``); the summary table is printed last and the rows are written as JSON and CSV, with PNG plots,
+(``bench.session_run.run_fresh``: the session's harness); the summary table is printed last and the rows are written as JSON and CSV, with PNG plots,
 under ``--out`` (default: a new folder outside the repository, ``$FASTRL_BENCH_OUT`` or the system's temporary folder;
 committing results is a deliberate ``--out bench/results/<device>/``). The console summary fits 120 columns.
 """
@@ -50,7 +50,7 @@ from typing import Callable
 import torch
 
 from bench import providers as P
-from bench import divergence, report, runner, session_report, w4, w5
+from bench import divergence, lmhead, report, session_report, w4, w5
 from bench import workloads as W
 
 C1_PROVIDERS = "fastrl,fastrl-fused,torch,trl,liger-fused"
@@ -169,9 +169,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def _config(args, device: str) -> runner.RunConfig:
+def _config(args, device: str) -> lmhead.RunConfig:
     cuda = device == "cuda"
-    cfg = runner.RunConfig(command=args.command, device=device)
+    cfg = lmhead.RunConfig(command=args.command, device=device)
     if cuda:
         cfg = replace(cfg, warmup=2, n_sets=3, rep_ms=500 if args.quick else 2000, timeout_s=1200,
                       floor_shape=(8192, 8192, 8192))
@@ -496,7 +496,7 @@ def _targets_command(args, device: str, con) -> int:
     rows = []
     for f in files:
         run_rows = _load_rows(f)
-        runner.add_ratios(run_rows)  # against the TRL row of the same run only
+        lmhead.add_ratios(run_rows)  # against the TRL row of the same run only
         rows += run_rows
         con.print(f"{f}: {len(run_rows)} rows")
     _gpu_targets(rows, con)
@@ -581,7 +581,7 @@ def _measure(args, device: str, con) -> int:
         con.print(f"[yellow]{len(scaled)} workloads use CPU-scaled shapes (see each row's N/H/V; the GPU sizes "
                   f"are in docs/design.md)[/yellow]")
     t0 = time.perf_counter()
-    rows, info = runner.run(wls, provs, cfg, con) if wls else ([], {"floor_tflops": {}})
+    rows, info = lmhead.run(wls, provs, cfg, con) if wls else ([], {"floor_tflops": {}})
     floor = info["floor_tflops"]
     div = _gpu_divergence(args, device, con) if args.command == "gpu" else None
     elapsed = time.perf_counter() - t0
