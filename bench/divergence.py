@@ -27,7 +27,7 @@ one-pass chunks, 6NHV + 2N H_ref V); issue 26's target: ``exact`` <= 1.5x ``k3``
 median of the adjacent pairs' ratios; two processes run one after the other see different loads on a shared
 machine).
 
-Each measurement runs in a fresh process (``bench.session_run.run_fresh``, spec kind "divergence"); time is the median of the
+Each measurement runs in a fresh process (``bench.session_run.run_fresh``, kind "divergence"); time is the median of the
 repetitions (CPU: wall time; CUDA: ``do_bench``), memory the peak extra RSS (CPU) or peak allocated minus inputs
 and outputs (CUDA), as for the other workloads (``bench/measure.py``). Error: against float64 on the first
 tokens: the per-token divergence (where the provider returns it) and the gradient of the loss w.r.t. those
@@ -257,7 +257,7 @@ def _accuracy(wl: DivWorkload, provider: str, inp: dict, kept: dict, rows: int) 
 
 
 def run_point(spec: dict) -> dict:
-    """One (workload, provider) in this fresh process (``bench.session_points.run_spec``, ``{"kind": "divergence"}``)."""
+    """One (workload, provider) in this fresh process (``bench.session_points.run_spec``, kind "divergence")."""
     from bench import measure
 
     wl = DivWorkload(**spec["workload"])

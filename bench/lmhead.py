@@ -156,7 +156,8 @@ def _floor_row(wl: Workload, res: dict, floor: dict, con) -> dict:
     return row
 
 
-def run(workloads: list[Workload], provs: list[P.Provider], cfg: RunConfig, console: Console) -> tuple[list[dict], dict]:
+def run(workloads: list[Workload], provs: list[P.Provider], cfg: RunConfig,
+        console: Console) -> tuple[list[dict], dict]:
     """Measure every (workload, provider), each in a fresh process; returns (rows, floor TFLOP/s by dtype)."""
     plan, rows, same_as = _plan(workloads, provs, cfg)
     floors, work = [x for x in plan if x[1] is None], [x for x in plan if x[1] is not None]

@@ -10,9 +10,9 @@ A step is what ``Trainer.training_step`` does once a batch of completions exists
 on a randomly initialised ``Qwen2ForCausalLM`` with activation checkpointing on (TRL's GRPOConfig default,
 switched on as ``Trainer.train`` does), TRL's default loss settings (dapo, beta 0: no reference model) and
 every completion token unmasked. Each point (trainer x completion length) is a fresh process
-(``bench.session_points.run_spec`` hands it to :func:`run_point`); one untimed warm-up step first (CUDA: the same length, so
-Triton kernels are compiled and autotuned; CPU: a short completion, which pays the lazy initialisation without
-doubling the time), then the timed steps, gradients set to None before each (as ``optimizer.zero_grad`` does),
+(``bench.session_points.run_spec`` hands it to :func:`run_point`); one untimed warm-up step first (CUDA: the same
+length, so Triton kernels are compiled and autotuned; CPU: a short completion, which pays the lazy initialisation
+without doubling the time), then the timed steps, gradients set to None before each (as ``optimizer.zero_grad`` does),
 so each step allocates its parameter gradients.
 
 Memory: CUDA ``torch.cuda.max_memory_allocated()`` during the step minus what was allocated before it (model
