@@ -1,4 +1,4 @@
-"""fastrl benchmarks: the CLI (``python -m bench``) and the pytest-benchmark files (``pytest bench --benchmark-only``).
+"""fastrl benchmarks: the CLI (``python -m bench``), every command's points on one harness (``session_run``).
 
 Modules: ``workloads`` (W1-W3, C1, C1-loss, sweeps, FLOP and byte counts), ``providers`` (fastrl and the tools people
 use instead), ``measure`` (CPU and CUDA timing and memory, accuracy against float64), ``session_run`` (the

@@ -322,6 +322,17 @@ def _c1_targets(rows: list[dict], con) -> dict:
     return out
 
 
+def _lazy(module: str, name: str, device: bool = True) -> Callable:
+    """``bench.<module>.<name>``, imported when called: options (``add_options(ap)``) or a command (``command(args,
+    device, con)``; ``device=False``: ``command(args, con)``) of a module the CLI does not import up front."""
+    def call(*a):
+        import importlib
+
+        fn = getattr(importlib.import_module(f"bench.{module}"), name)
+        return fn(*a) if device or len(a) == 1 else fn(a[0], a[2])
+    return call
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parse(argv)
@@ -340,18 +351,6 @@ def _out_dir(args, device_slug: str) -> Path:
     if args.out:
         return Path(args.out)
     return report.new_out_dir(device_slug, f"{args.command}-smoke" if args.smoke else args.command)
-
-
-def _compile_options(ap: argparse.ArgumentParser) -> None:
-    from bench import compiled_step
-
-    compiled_step.add_options(ap)
-
-
-def _compile_command(args, device: str, con) -> int:
-    from bench import compiled_step
-
-    return compiled_step.command(args, device, con)
 
 
 def _list_command(args, device: str, con) -> int:
@@ -405,18 +404,6 @@ def _keptset_command(args, device: str, con) -> int:
     out_dir = _out_dir(args, env["device_slug"])
     prefix = "keptset" + ("-smoke" if args.smoke else "-quick" if args.quick else "")
     return keptset.cli(args, device, con, env, out_dir, prefix)
-
-
-def _gap_options(ap: argparse.ArgumentParser) -> None:
-    from bench import gap
-
-    gap.add_options(ap)
-
-
-def _gap_command(args, device: str, con) -> int:
-    from bench import gap  # runs TRL's colocated vLLM: needs the vLLM environment (bash .ci/vllm-env.sh)
-
-    return gap.command(args, device, con)
 
 
 def _targets_options(ap: argparse.ArgumentParser) -> None:
@@ -475,30 +462,6 @@ def _targets_command(args, device: str, con) -> int:
         con.print(f"{f}: {len(run_rows)} rows")
     _gpu_targets(rows, con)
     return 0
-
-
-def _session_options(ap: argparse.ArgumentParser) -> None:
-    from bench import session
-
-    session.add_options(ap)
-
-
-def _session_command(args, device: str, con) -> int:
-    from bench import session
-
-    return session.command(args, device, con)
-
-
-def _defaults_options(ap: argparse.ArgumentParser) -> None:
-    from bench import defaults
-
-    defaults.add_options(ap)
-
-
-def _defaults_command(args, device: str, con) -> int:
-    from bench import defaults
-
-    return defaults.command(args, con)
 
 
 def _sass_options(ap: argparse.ArgumentParser) -> None:
@@ -686,12 +649,12 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             "trl.GRPOTrainer, fastrl.GRPOTrainer, and fastrl with vLLM's LM head in float32, sampling replay off and\n"
             "kept_set, for a float32 and a bf16 policy (bench/gap.py). Needs vLLM: run it with the python that\n"
             "`bash .ci/vllm-env.sh` prints. About 10 minutes on 2 cores (--quick: a smaller model, one step).",
-            (_run_options, _gap_options), _gap_command),
+            (_run_options, _lazy("gap", "add_options")), _lazy("gap", "command")),
     Command("compile", "a training step with fastrl inside torch.compile vs eager vs compiled materialised reference",
             "One training step (an MLP body, the LM head and the W1 GRPO loss, backward, SGD) with fastrl.policy_loss\n"
             "eager and under torch.compile(fullgraph=True), against the materialised reference eager and compiled;\n"
             "on CUDA also mode='reduce-overhead' (CUDA graphs). See bench/compiled_step.py. CPU: a few minutes.",
-            (_compile_options,), _compile_command),
+            (_lazy("compiled_step", "add_options"),), _lazy("compiled_step", "command")),
     Command("list", "workloads and providers, and why a provider cannot run here",
             "The workloads (GPU and CPU sizes), the providers, and why a provider cannot run on this device.",
             (_device_option,), _list_command),
@@ -707,13 +670,13 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             "4096 tokens; one process per provider family, rows written as they finish. --budget S (default 480)\n"
             "drops whole sections, last first, to fit. Writes <out>/session.json and prints PASS/FAIL per target.\n"
             "--smoke: the same plumbing on a CPU at tiny shapes.",
-            (_session_options,), _session_command),
+            (_lazy("session", "add_options"),), _lazy("session", "command")),
     Command("defaults", "the measured defaults table (kernels/_defaults.py) from committed session results",
             "Reads every session*.json under the folders given (default bench/results) and writes kernels/_defaults.py:\n"
             "per GPU family, kind of work, dtype and H range, the implementation and launch configurations that were\n"
             "fastest in the family's newest GPU session of a clean tree, among those that passed its float64 checks;\n"
             "what backend='auto' and the kernels' launch configuration follow. --check: exit 1 if the file is stale.",
-            (_defaults_options,), _defaults_command),
+            (_lazy("defaults", "add_options"),), _lazy("defaults", "command", device=False)),
     Command("sass", "compile every kernel for sm_90 without a GPU; fail on spills or missing HGMMA",
             "Compiles every fastrl kernel at its default launch configuration for a GPU target (no GPU needed) and\n"
             "prints registers, stack, spill loads/stores, shared memory, tensor-core (HGMMA) and TMA instruction\n"

@@ -281,8 +281,8 @@ def _run(p: dict, device: torch.device, lm: LMHead, times: dict) -> dict:
 
 def run_spec(spec: dict) -> dict:
     """One point of ``run``, ``c1``, ``gpu`` (a provider on a workload, or the ``matmul`` floor), ``w4`` / ``w5`` (a
-    trainer step: ``bench.w4.run_point``), ``divergence`` or ``keptset`` (their ``run_point``) or ``gap`` (one
-    configuration: ``bench.gap.run_config``), by ``spec["kind"]``."""
+    trainer step: ``bench.w4.run_point``), ``divergence``, ``keptset`` or ``compile`` (their ``run_point``) or
+    ``gap`` (one configuration: ``bench.gap.run_config``), by ``spec["kind"]``."""
     kind = spec.get("kind")
     if kind in ("w4", "w5"):
         from bench.w4 import run_point
@@ -300,6 +300,10 @@ def run_spec(spec: dict) -> dict:
         from bench.gap import run_config
 
         return {"status": "ok", **run_config(spec)}
+    if kind == "compile":
+        from bench.compiled_step import run_point
+
+        return run_point(spec)
     return _provider_point(spec)
 
 

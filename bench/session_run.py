@@ -12,6 +12,7 @@ same kind through ``run_fresh``, under the same watchdog.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -22,6 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 __all__ = ["RESTART", "Fresh", "append_rows", "run_fresh", "run_points", "run_w4", "stub"]
 
@@ -204,6 +206,7 @@ class Fresh:
     quiet: bool = True
     costs: _Costs = field(default_factory=_Costs)
     work: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="fastrl-bench-")))
+    ids: Iterator[int] = field(default_factory=itertools.count)  # points are numbered across calls on one run
 
     @property
     def rows_path(self) -> Path:
@@ -227,7 +230,8 @@ def run_fresh(specs: list[dict], device: str, timeout_s: float, *, jobs: int = 1
     run = run or Fresh(device, con)
     bounds_for = {"start": float(timeout_s)}
 
-    def one(i: int, spec: dict) -> dict:
+    def one(spec: dict) -> dict:
+        i = next(run.ids)
         who = str(spec.get("provider") or spec.get("trainer") or spec.get("mode", ""))
         p = {"id": f"point/{i}/{who}", "section": "point", "provider": who, "smoke": run.smoke, "spec": spec}
         t0 = time.perf_counter()
@@ -241,7 +245,7 @@ def run_fresh(specs: list[dict], device: str, timeout_s: float, *, jobs: int = 1
         return res
 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        return list(pool.map(one, range(len(specs)), specs))
+        return list(pool.map(one, specs))
 
 
 def run_w4(pts: list[dict], deadline: float, run) -> list[dict]:

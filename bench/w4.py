@@ -33,7 +33,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 
-__all__ = ["W4Shape", "shape_for", "run_point", "point_spec", "spawn_point", "run", "print_table", "write_files",
+__all__ = ["W4Shape", "shape_for", "run_point", "point_spec", "spawn_point", "spawn_points", "run", "print_table", "write_files",
            "write_csv", "TRAINERS"]
 
 TRAINERS = ("trl", "fastrl")
@@ -299,21 +299,25 @@ def point_spec(s: W4Shape, which: str, L: int, device: str, *, reps: int = 1, wa
 
 
 def spawn_point(spec: dict, timeout_s: int) -> dict:
-    """Run one point in a fresh process (``bench.session_run.run_fresh``); one the kernel killed (SIGKILL) is an
-    ``oom``."""
+    """One point in a fresh process (``spawn_points``)."""
+    return spawn_points([spec], timeout_s)[0]
+
+
+def spawn_points(specs: list[dict], timeout_s: int, jobs: int = 1) -> list[dict]:
+    """Each point in a fresh process (``bench.session_run.run_fresh``), ``jobs`` at a time; one the kernel killed
+    (SIGKILL) is an ``oom``."""
     from bench.session_run import run_fresh
 
-    (res,) = run_fresh([spec], spec["device"], timeout_s)
-    if "exit code -9" in res.get("reason", ""):
-        res["status"], res["reason"] = "oom", res["reason"] + " (the kernel's OOM killer, most likely)"
-    return res
+    out = run_fresh(specs, specs[0]["device"], timeout_s, jobs=jobs) if specs else []
+    for res in out:
+        if "exit code -9" in res.get("reason", ""):
+            res["status"], res["reason"] = "oom", res["reason"] + " (the kernel's OOM killer, most likely)"
+    return out
 
 
 def run(s: W4Shape, device: str, con, *, reps: int = 1, warmup: int = 1, timeout_s: int = 900, threads: int = 0,
         options: dict | None = None, jobs: int = 1) -> tuple[list[dict], dict]:
     """Every (completion length, trainer) of ``s``, each in a fresh process; returns rows, summary."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from rich.markup import escape
 
     rows: list[dict] = []
@@ -330,15 +334,10 @@ def run(s: W4Shape, device: str, con, *, reps: int = 1, warmup: int = 1, timeout
             else:
                 todo.append(which)
 
-        def one(which, L=L):
-            spec = point_spec(s, which, L, device, reps=reps, warmup=warmup, threads=threads, options=options)
-            loads.append(os.getloadavg()[0])
-            r = spawn_point(spec, timeout_s)
-            loads.append(os.getloadavg()[0])
-            return r
-
-        with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(todo) or 1))) as pool:
-            results = list(pool.map(one, todo))
+        loads.append(os.getloadavg()[0])
+        results = spawn_points([point_spec(s, which, L, device, reps=reps, warmup=warmup, threads=threads,
+                                           options=options) for which in todo], timeout_s, jobs)
+        loads.append(os.getloadavg()[0])
         for which, res in zip(todo, results):
             row = _row(s, which, L, res.get("status", "error"), res.get("reason", ""))
             row.update({k: v for k, v in res.items() if k not in ("status", "reason")})
