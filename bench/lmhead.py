@@ -31,9 +31,9 @@ class RunConfig:
     n_sets: int = 2  # input sets rotated through the repetitions
     accuracy_rows: int = 256  # tokens checked against float64
     rep_ms: int = 2000  # do_bench's timing budget per measurement (CUDA)
-    timeout_s: int = 3600  # per worker process
+    timeout_s: int = 3600  # per measuring process (its watchdog)
     seed: int = 1234
-    threads: int = 0  # CPU threads in the workers (0: torch's default)
+    threads: int = 0  # CPU threads in the measuring processes (0: torch's default)
     options: dict = field(default_factory=dict)  # passed to the providers (fastrl_backend, liger_compiled)
     # provider -> reason, for providers this mode leaves out on purpose (e.g. torch.compile in --smoke)
     leave_out: dict = field(default_factory=dict)
