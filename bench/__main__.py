@@ -1,40 +1,14 @@
 """``python -m bench [COMMAND] [options]``: the benchmark CLI (bench/README.md says what each number means).
 
     python -m bench --quick              CPU-sized workloads and sweeps, a few minutes on 2 cores
-    python -m bench c1                   C1 and C1-loss on CPU: fastrl vs materialised torch vs TRL (and Liger on
-                                         the loss), checked against the CPU targets
-    python -m bench w4                   W4: one GRPOTrainer step, stock TRL vs fastrl, per completion length
-    python -m bench w5                   W5: the longest completion whose GRPO step fits a memory budget, stock TRL
-                                         vs fastrl with activation offloading / tiled MLP (CPU: CPU-scaled)
-    python -m bench gpu                  W1-W3 at full size, every provider (for the H100), then keptset at W1/W2
-                                         and the divergence
-    python -m bench keptset              the LM head over a kept set of K in {20, 64, 512} ids vs the full vocabulary
-                                         (V=151936; CPU: N=1024, H=512; CUDA: W1 and W2 shapes)
-    python -m bench divergence           student vs teacher head: fastrl.fused_divergence vs TRL's
-                                         ChunkedDivergenceFunction, Liger's LigerFusedLinearJSD and materialised
-                                         torch, beta 0 / 0.5 / 1
     python -m bench                      everything for this device (GPU sizes on CUDA, CPU sizes otherwise)
-    python -m bench list                 workloads and providers, and why a provider cannot run here
-    python -m bench gap                  the vLLM-trainer log-prob gap with TRL's colocated vLLM: stock TRL, fastrl,
-                                         fastrl + vLLM's float32 LM head; replay off and on (needs the vLLM env)
-    python -m bench compile              a training step with fastrl inside torch.compile, vs eager and vs the
-                                         compiled materialised reference (CUDA: reduce-overhead too)
-    python -m bench session              a GPU window's measurements in sections of decreasing value, whole sections
-                                         dropped from the end to fit --budget S (default 480): float64 checks, W1-W3,
-                                         divergence, keptset, W4, configurations, autotune, compile; PASS/FAIL per
-                                         target (--smoke: on a CPU; docs/gpu-window.md)
-    python -m bench defaults             kernels/_defaults.py (what backend="auto" and the launch configurations
-                                         follow) from the committed session results
-    python -m bench sass                 compile every kernel for sm_90 (no GPU needed): registers, spills,
-                                         shared memory, tensor-core and TMA instructions; fails on a spill
-    python -m bench roofline             bytes and FLOPs of every implementation per workload, the time they imply
-                                         at 700 TFLOP/s and 4.3 TB/s, and the measured time where results have one
-    python -m bench COMMAND --help       that command's options
+    python -m bench COMMAND --help       that command's options (the commands are listed below)
 
-The workloads (W1-W5, C1) are defined in docs/design.md. Every measurement runs in a fresh process
-(``bench.worker``); the summary table is printed last and the rows are written as JSON and CSV, with PNG plots,
-under ``--out`` (default: a new folder outside the repository, ``$FASTRL_BENCH_OUT`` or the system's temporary folder;
-committing results is a deliberate ``--out bench/results/<device>/``). The console summary fits 120 columns.
+The workloads (W1-W5, C1) are defined in docs/design.md. Every command measures its points on the session's harness
+(``bench.session_run``: a fresh measuring process per point, or per section for ``session``, under a watchdog); the
+summary table is printed last and the rows are written as JSON and CSV, with PNG plots, under ``--out`` (default: a
+new folder outside the repository, ``$FASTRL_BENCH_OUT`` or the system's temporary folder; committing results is a
+deliberate ``--out bench/results/<device>/``). The console summary fits 120 columns.
 """
 
 from __future__ import annotations
@@ -50,7 +24,7 @@ from typing import Callable
 import torch
 
 from bench import providers as P
-from bench import divergence, report, runner, session_report, w4, w5
+from bench import divergence, lmhead, report, session_report, w4, w5
 from bench import workloads as W
 
 C1_PROVIDERS = "fastrl,fastrl-fused,torch,trl,liger-fused"
@@ -169,9 +143,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def _config(args, device: str) -> runner.RunConfig:
+def _config(args, device: str) -> lmhead.RunConfig:
     cuda = device == "cuda"
-    cfg = runner.RunConfig(command=args.command, device=device)
+    cfg = lmhead.RunConfig(command=args.command, device=device)
     if cuda:
         cfg = replace(cfg, warmup=2, n_sets=3, rep_ms=500 if args.quick else 2000, timeout_s=1200,
                       floor_shape=(8192, 8192, 8192))
@@ -348,6 +322,17 @@ def _c1_targets(rows: list[dict], con) -> dict:
     return out
 
 
+def _lazy(module: str, name: str, device: bool = True) -> Callable:
+    """``bench.<module>.<name>``, imported when called: options (``add_options(ap)``) or a command (``command(args,
+    device, con)``; ``device=False``: ``command(args, con)``) of a module the CLI does not import up front."""
+    def call(*a):
+        import importlib
+
+        fn = getattr(importlib.import_module(f"bench.{module}"), name)
+        return fn(*a) if device or len(a) == 1 else fn(a[0], a[2])
+    return call
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parse(argv)
@@ -366,18 +351,6 @@ def _out_dir(args, device_slug: str) -> Path:
     if args.out:
         return Path(args.out)
     return report.new_out_dir(device_slug, f"{args.command}-smoke" if args.smoke else args.command)
-
-
-def _compile_options(ap: argparse.ArgumentParser) -> None:
-    from bench import compiled_step
-
-    compiled_step.add_options(ap)
-
-
-def _compile_command(args, device: str, con) -> int:
-    from bench import compiled_step
-
-    return compiled_step.command(args, device, con)
 
 
 def _list_command(args, device: str, con) -> int:
@@ -433,18 +406,6 @@ def _keptset_command(args, device: str, con) -> int:
     return keptset.cli(args, device, con, env, out_dir, prefix)
 
 
-def _gap_options(ap: argparse.ArgumentParser) -> None:
-    from bench import gap
-
-    gap.add_options(ap)
-
-
-def _gap_command(args, device: str, con) -> int:
-    from bench import gap  # runs TRL's colocated vLLM: needs the vLLM environment (bash .ci/vllm-env.sh)
-
-    return gap.command(args, device, con)
-
-
 def _targets_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("paths", nargs="+", help="result files (session*.json, gpu*.json, or gpu*.rows.jsonl of a run "
                                              "stopped part-way) or folders holding them")
@@ -496,35 +457,11 @@ def _targets_command(args, device: str, con) -> int:
     rows = []
     for f in files:
         run_rows = _load_rows(f)
-        runner.add_ratios(run_rows)  # against the TRL row of the same run only
+        lmhead.add_ratios(run_rows)  # against the TRL row of the same run only
         rows += run_rows
         con.print(f"{f}: {len(run_rows)} rows")
     _gpu_targets(rows, con)
     return 0
-
-
-def _session_options(ap: argparse.ArgumentParser) -> None:
-    from bench import session
-
-    session.add_options(ap)
-
-
-def _session_command(args, device: str, con) -> int:
-    from bench import session
-
-    return session.command(args, device, con)
-
-
-def _defaults_options(ap: argparse.ArgumentParser) -> None:
-    from bench import defaults
-
-    defaults.add_options(ap)
-
-
-def _defaults_command(args, device: str, con) -> int:
-    from bench import defaults
-
-    return defaults.command(args, con)
 
 
 def _sass_options(ap: argparse.ArgumentParser) -> None:
@@ -554,13 +491,52 @@ def _roofline_command(args, device: str, con) -> int:
                          + (["--memory-gib", str(args.memory_gib)] if args.memory_gib is not None else []))
 
 
+def _measure_w4(args, device: str, cfg, con) -> tuple[list, dict, float]:
+    """W4 in `run` and `w4`: its rows, its summary (with its seconds) and its seconds."""
+    shape = w4.with_overrides(w4.shape_for(device, cfg.mode), args.lengths, args.budget_mb)
+    t1 = time.perf_counter()
+    # one timed step per point on CPU (a step at 2048 tokens takes seconds), three on CUDA
+    rows, summary = w4.run(
+        shape, device, con, reps=args.reps or (3 if device == "cuda" else 1),
+        warmup=args.warmup if args.warmup is not None else 1,
+        timeout_s=args.timeout or (1200 if device == "cuda" else 900), threads=cfg.threads,
+        options=cfg.options, jobs=cfg.jobs)
+    summary["elapsed_s"] = time.perf_counter() - t1
+    return rows, summary, summary["elapsed_s"]
+
+
+def _summary(args, cfg, env, rows, info, con) -> dict:
+    """The summary table of W1-W3 / C1 rows, the floor, and the command's targets (the payload's ``targets``)."""
+    title = (f"{args.command} ({cfg.mode}) on {env['device']} | torch {env['torch']} | triton {env['triton']} | "
+             f"driver {env['driver']} | ms: median of {cfg.reps if cfg.device == 'cpu' else 'do_bench'} runs")
+    report.print_table(con, rows, title)
+    for dt, f in info["floor_tflops"].items():
+        con.print(f"matmul floor ({dt}, {'x'.join(map(str, cfg.floor_shape))}), measured in this run: "
+                  f"{f:.3f} TFLOP/s; '% floor' = (6NHV / floor) / time (2NHV for forward-only)")
+    measured = [r for r in rows if r["group"] != "floor"]
+    if args.command == "c1":
+        return {"targets": _c1_targets(measured, con)}
+    if args.command == "gpu" and not args.smoke:
+        return {"targets": _gpu_targets(measured, con)}
+    return {}
+
+
+def _w4_summary(args, cfg, env, rows, summary, con) -> None:
+    s = w4.W4Shape.from_dict(summary["shape"])
+    reps = summary["reps"]
+    title = (f"{s.name} ({cfg.mode}): one GRPO training step (compute_loss + backward), V={s.vocab} "
+             f"H={s.hidden} layers={s.layers} {s.dtype} | {env['device']} | torch {env['torch']} | "
+             f"driver {env['driver']} | step ms: {'median of ' + str(reps) if reps > 1 else 'one'} timed step"
+             f"{'s' if reps > 1 else ''} after a warm-up")
+    w4.print_table(con, rows, summary, title)
+
+
 def _measure(args, device: str, con) -> int:
     """run, c1, gpu, w4: measure, print the summary last, write the files."""
     if args.command == "gpu" and device != "cuda" and not args.smoke:
         con.print("[red]`python -m bench gpu` measures W1-W3 at full size and needs CUDA; on CPU use "
                   "`python -m bench --quick` or `python -m bench c1` (or add --smoke to check the plumbing)[/red]")
         return 2
-
     cfg = _config(args, device)
     wls = [] if args.command == "w4" else _workloads(args, device)
     want_w4 = _want_w4(args, device)
@@ -571,7 +547,6 @@ def _measure(args, device: str, con) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg.rows_log = str(out_dir / f"{prefix}.rows.jsonl")
     Path(cfg.rows_log).unlink(missing_ok=True)
-
     what = f"{len(wls)} workloads x {len(provs)} providers" if wls else "W4 only"
     con.print(f"[bold]fastrl bench {args.command}[/bold] ({cfg.mode}) on {env['device']}: torch {env['torch']}, "
               f"triton {env['triton']}, driver {env['driver']}; {what}{' + W4' if wls and want_w4 else ''}, "
@@ -581,75 +556,38 @@ def _measure(args, device: str, con) -> int:
         con.print(f"[yellow]{len(scaled)} workloads use CPU-scaled shapes (see each row's N/H/V; the GPU sizes "
                   f"are in docs/design.md)[/yellow]")
     t0 = time.perf_counter()
-    rows, info = runner.run(wls, provs, cfg, con) if wls else ([], {"floor_tflops": {}})
-    floor = info["floor_tflops"]
+    rows, info = lmhead.run(wls, provs, cfg, con) if wls else ([], {"floor_tflops": {}})
     div = _gpu_divergence(args, device, con) if args.command == "gpu" else None
     elapsed = time.perf_counter() - t0
-
-    w4_rows, w4_summary, w4_s = [], None, 0.0
-    if want_w4:
-        shape = w4.with_overrides(w4.shape_for(device, cfg.mode), args.lengths, args.budget_mb)
-        t1 = time.perf_counter()
-        # one timed step per point on CPU (a step at 2048 tokens takes seconds), three on CUDA
-        w4_rows, w4_summary = w4.run(
-            shape, device, con, reps=args.reps or (3 if device == "cuda" else 1),
-            warmup=args.warmup if args.warmup is not None else 1,
-            timeout_s=args.timeout or (1200 if device == "cuda" else 900), threads=cfg.threads,
-            options=cfg.options, jobs=cfg.jobs)
-        w4_s = time.perf_counter() - t1
-        w4_summary["elapsed_s"] = w4_s
-
-    payload = {
-        "command": args.command, "mode": cfg.mode, "argv": args.argv,
-        "env": env, "config": asdict(cfg), **info, "elapsed_s": elapsed + w4_s,
-        "workloads": [w.to_dict() for w in wls], "rows": rows,
-    }
-    if want_w4:
-        payload["w4"] = {**w4_summary, "rows": w4_rows}
-    if div is not None:
-        payload["divergence"] = div
-    title = (f"{args.command} ({cfg.mode}) on {env['device']} | torch {env['torch']} | triton {env['triton']} | "
-             f"driver {env['driver']} | ms: median of {cfg.reps if device == 'cpu' else 'do_bench'} runs")
+    w4_rows, w4_sum, w4_s = _measure_w4(args, device, cfg, con) if want_w4 else ([], None, 0.0)
+    payload = {"command": args.command, "mode": cfg.mode, "argv": args.argv, "env": env, "config": asdict(cfg),
+               **info, "elapsed_s": elapsed + w4_s, "workloads": [w.to_dict() for w in wls], "rows": rows,
+               **({"w4": {**w4_sum, "rows": w4_rows}} if want_w4 else {}),
+               **({"divergence": div} if div is not None else {})}
     plots = [] if args.no_plots or not rows else report.plot(rows, out_dir, prefix, env)
-    json_path, csv_path = out_dir / f"{prefix}.json", out_dir / f"{prefix}.csv"
-    written = [json_path]
-
-    # the summary is printed last
-    con.print()
+    written = [out_dir / f"{prefix}.json"]
+    con.print()  # the summary is printed last
     if rows:
-        report.print_table(con, rows, title)
-        for dt, f in floor.items():
-            con.print(f"matmul floor ({dt}, {'x'.join(map(str, cfg.floor_shape))}), measured in this run: "
-                      f"{f:.3f} TFLOP/s; '% floor' = (6NHV / floor) / time (2NHV for forward-only)")
-        if args.command == "c1":
-            payload["targets"] = _c1_targets([r for r in rows if r["group"] != "floor"], con)
-        if args.command == "gpu" and not args.smoke:
-            payload["targets"] = _gpu_targets([r for r in rows if r["group"] != "floor"], con)
-        report.write_csv(csv_path, rows, env)
-        written.append(csv_path)
+        payload.update(_summary(args, cfg, env, rows, info, con))
+        report.write_csv(out_dir / f"{prefix}.csv", rows, env)
+        written.append(out_dir / f"{prefix}.csv")
     if div is not None:
         con.print()
         divergence.print_table(con, div["rows"], f"divergence on {env['device']} (student vs teacher head)")
         if not args.smoke:
             divergence.targets(div["rows"], device, con)
     if want_w4:
-        s = w4.W4Shape.from_dict(w4_summary["shape"])
-        reps = w4_summary["reps"]
-        w4_title = (f"{s.name} ({cfg.mode}): one GRPO training step (compute_loss + backward), V={s.vocab} "
-                    f"H={s.hidden} layers={s.layers} {s.dtype} | {env['device']} | torch {env['torch']} | "
-                    f"driver {env['driver']} | step ms: {'median of ' + str(reps) if reps > 1 else 'one'} timed step"
-                    f"{'s' if reps > 1 else ''} after a warm-up")
         if rows:
             con.print()
-        w4.print_table(con, w4_rows, w4_summary, w4_title)
+        _w4_summary(args, cfg, env, w4_rows, w4_sum, con)
         w4_prefix = prefix if args.command == "w4" else f"{prefix}-w4"
-        written += w4.write_files(out_dir, w4_prefix, w4_rows, w4_summary, env, plots=not args.no_plots)
-    report.write_json(json_path, payload)
+        written += w4.write_files(out_dir, w4_prefix, w4_rows, w4_sum, env, plots=not args.no_plots)
+    report.write_json(written[0], payload)
     con.print("wrote " + ", ".join(str(p) for p in written + plots) + f"  ({elapsed + w4_s:.0f} s)")
-    bad = [r for r in rows + w4_rows if r["status"] == "error"]
     if args.command == "gpu" and not args.workload and not args.providers:  # the whole GPU set: keptset too
         con.print()
         _keptset_command(args, device, con)
+    bad = [r for r in rows + w4_rows if r["status"] == "error"]
     return 1 if bad and args.smoke else 0
 
 
@@ -711,12 +649,12 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             "trl.GRPOTrainer, fastrl.GRPOTrainer, and fastrl with vLLM's LM head in float32, sampling replay off and\n"
             "kept_set, for a float32 and a bf16 policy (bench/gap.py). Needs vLLM: run it with the python that\n"
             "`bash .ci/vllm-env.sh` prints. About 10 minutes on 2 cores (--quick: a smaller model, one step).",
-            (_run_options, _gap_options), _gap_command),
+            (_run_options, _lazy("gap", "add_options")), _lazy("gap", "command")),
     Command("compile", "a training step with fastrl inside torch.compile vs eager vs compiled materialised reference",
             "One training step (an MLP body, the LM head and the W1 GRPO loss, backward, SGD) with fastrl.policy_loss\n"
             "eager and under torch.compile(fullgraph=True), against the materialised reference eager and compiled;\n"
             "on CUDA also mode='reduce-overhead' (CUDA graphs). See bench/compiled_step.py. CPU: a few minutes.",
-            (_compile_options,), _compile_command),
+            (_lazy("compiled_step", "add_options"),), _lazy("compiled_step", "command")),
     Command("list", "workloads and providers, and why a provider cannot run here",
             "The workloads (GPU and CPU sizes), the providers, and why a provider cannot run on this device.",
             (_device_option,), _list_command),
@@ -732,13 +670,13 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             "4096 tokens; one process per provider family, rows written as they finish. --budget S (default 480)\n"
             "drops whole sections, last first, to fit. Writes <out>/session.json and prints PASS/FAIL per target.\n"
             "--smoke: the same plumbing on a CPU at tiny shapes.",
-            (_session_options,), _session_command),
+            (_lazy("session", "add_options"),), _lazy("session", "command")),
     Command("defaults", "the measured defaults table (kernels/_defaults.py) from committed session results",
             "Reads every session*.json under the folders given (default bench/results) and writes kernels/_defaults.py:\n"
             "per GPU family, kind of work, dtype and H range, the implementation and launch configurations that were\n"
             "fastest in the family's newest GPU session of a clean tree, among those that passed its float64 checks;\n"
             "what backend='auto' and the kernels' launch configuration follow. --check: exit 1 if the file is stale.",
-            (_defaults_options,), _defaults_command),
+            (_lazy("defaults", "add_options"),), _lazy("defaults", "command", device=False)),
     Command("sass", "compile every kernel for sm_90 without a GPU; fail on spills or missing HGMMA",
             "Compiles every fastrl kernel at its default launch configuration for a GPU target (no GPU needed) and\n"
             "prints registers, stack, spill loads/stores, shared memory, tensor-core (HGMMA) and TMA instruction\n"

@@ -169,6 +169,23 @@ def run(device: str, variants, reps: int, warmup: int, shape=None, compile_backe
     return rows
 
 
+def _each_in_a_process(device: str, variants, reps: int, warmup: int, shape) -> tuple[list, list]:
+    """(specs, results): each variant in a fresh process on the benchmarks' harness (``bench.session_run``)."""
+    from bench.session_run import run_fresh
+
+    specs = [{"kind": "compile", "variant": v, "device": device, "reps": reps, "warmup": warmup,
+              "shape": list(shape[:4]) if shape else None} for v in variants]
+    return specs, run_fresh(specs, device, 3600)
+
+
+def run_point(spec: dict) -> dict:
+    """One variant in this fresh process (``bench.session_points.run_spec``, kind "compile")."""
+    device = spec["device"]
+    shape = (*spec["shape"], SHAPES[device][4]) if spec.get("shape") else None
+    (row,) = run(device, [spec["variant"]], spec["reps"], spec["warmup"], shape)
+    return {"status": "error", "reason": row["error"], **row} if "error" in row else {"status": "ok", **row}
+
+
 def add_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
     ap.add_argument("--variants", help=f"comma list of {', '.join(CUDA_VARIANTS)} (default: all for the device)")
@@ -190,7 +207,8 @@ def command(args, device: str, con=None) -> int:
         B, T, H, V = (int(s) for s in args.shape.split(","))
         shape = (B, T, H, V, SHAPES[device][4])
     env = report.environment(device)
-    rows = run(device, variants, args.reps, args.warmup, shape)
+    rows = [{"variant": spec["variant"], "error": res.get("reason")} if res.get("status") != "ok" else res
+            for spec, res in zip(*_each_in_a_process(device, variants, args.reps, args.warmup, shape))]
     out = Path(args.out) if args.out else report.new_out_dir(env["device_slug"], "compile")
     eager = next((r["ms"] for r in rows if r.get("variant") == "fastrl-eager" and "ms" in r), None)
     print(f"\ncompiled training step on {env['device']} | torch {env['torch']} | median of {args.reps} steps after "

@@ -27,7 +27,7 @@ one-pass chunks, 6NHV + 2N H_ref V); issue 26's target: ``exact`` <= 1.5x ``k3``
 median of the adjacent pairs' ratios; two processes run one after the other see different loads on a shared
 machine).
 
-Each measurement runs in a fresh process (``bench.worker``, spec kind "divergence"); time is the median of the
+Each measurement runs in a fresh process (``bench.session_run.run_fresh``, kind "divergence"); time is the median of the
 repetitions (CPU: wall time; CUDA: ``do_bench``), memory the peak extra RSS (CPU) or peak allocated minus inputs
 and outputs (CUDA), as for the other workloads (``bench/measure.py``). Error: against float64 on the first
 tokens: the per-token divergence (where the provider returns it) and the gradient of the loss w.r.t. those
@@ -257,7 +257,7 @@ def _accuracy(wl: DivWorkload, provider: str, inp: dict, kept: dict, rows: int) 
 
 
 def run_point(spec: dict) -> dict:
-    """One (workload, provider) in this fresh process: the worker calls this for ``{"kind": "divergence"}``."""
+    """One (workload, provider) in this fresh process (``bench.session_points.run_spec``, kind "divergence")."""
     from bench import measure
 
     wl = DivWorkload(**spec["workload"])
@@ -317,11 +317,12 @@ def _interleaved(wl: DivWorkload, spec: dict, inp: dict, device: torch.device) -
 def run(wls: list[DivWorkload], providers: list[str], device: str, *, reps: int, warmup: int, n_sets: int,
         timeout_s: int, threads: int = 0, options: dict | None = None, rep_ms: int = 2000, console=None,
         rows_log: str | None = None) -> list[dict]:
-    """Every (workload, provider), one fresh process each; rows with time / memory ratios against TRL."""
+    """Every (workload, provider), one fresh process each (``bench.session_run.run_fresh``); rows with time / memory
+    ratios against TRL."""
     import json
     import os
 
-    from bench.runner import _spawn
+    from bench.session_run import run_fresh
 
     rows = []
     for wl in wls:
@@ -335,7 +336,7 @@ def run(wls: list[DivWorkload], providers: list[str], device: str, *, reps: int,
                 spec = {"kind": "divergence", "workload": asdict(wl), "provider": p, "device": device, "reps": reps,
                         "warmup": warmup, "n_sets": n_sets, "seed": 1234, "threads": threads,
                         "options": options or {}, "rep_ms": rep_ms, "accuracy_rows": 64 if device == "cpu" else 256}
-                row.update(_spawn(spec, timeout_s))
+                row.update(run_fresh([spec], device, timeout_s)[0])
                 row["loadavg"] = [load0, os.getloadavg()[0]]
             rows.append(row)
             if rows_log:
@@ -348,15 +349,9 @@ def run(wls: list[DivWorkload], providers: list[str], device: str, *, reps: int,
 
 
 def _ratios(rows: list[dict]) -> None:
-    for ref in ("trl", "torch", "fastrl", "k3"):
-        base = {r["workload"]: r for r in rows if r["provider"] == ref and r.get("status") == "ok"}
-        for r in rows:
-            b = base.get(r["workload"])
-            if r.get("status") != "ok" or b is None:
-                continue
-            r[f"time_vs_{ref}"] = r["total_ms"]["median"] / b["total_ms"]["median"]
-            if b["peak_extra_mb"] > 0:
-                r[f"mem_vs_{ref}"] = r["peak_extra_mb"] / b["peak_extra_mb"]
+    from bench.lmhead import add_ratios
+
+    add_ratios(rows, ("trl", "torch", "fastrl", "k3"))
 
 
 def _one_line(r: dict) -> str:

@@ -34,15 +34,12 @@ CPU path here); the bf16 GPU numbers come with the GPU window.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from bench import report
+from bench.session_run import Fresh, run_fresh
 
 STEPS, QUICK_STEPS = 3, 1
 METRICS = ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
@@ -91,6 +88,7 @@ def reward_len(completions, **kwargs):
 
 
 def run_config(spec: dict) -> dict:
+    """One configuration in this fresh process (``bench.session_points.run_spec``, ``{"kind": "gap"}``)."""
     from bench import vllm_cpu
 
     vllm_cpu.prepare()
@@ -140,21 +138,6 @@ def run_config(spec: dict) -> dict:
     return res
 
 
-def _worker(spec: dict, timeout: float) -> dict:
-    with tempfile.TemporaryDirectory(prefix="fastrl-gap-") as tmp:
-        sp, rp = Path(tmp) / "spec.json", Path(tmp) / "result.json"
-        sp.write_text(json.dumps({**spec, "out_dir": str(Path(tmp) / "out")}))
-        env = {**os.environ, "TRITON_INTERPRET": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-        try:
-            proc = subprocess.run([sys.executable, "-m", "bench.gap", str(sp), str(rp)], timeout=timeout, env=env,
-                                  capture_output=True, text=True)
-        except subprocess.TimeoutExpired:
-            return {"status": "error", "reason": f"timed out after {timeout:.0f} s"}
-        if rp.exists():
-            return json.loads(rp.read_text())
-        return {"status": "error", "reason": f"exit {proc.returncode}: {proc.stderr[-600:]}"}
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # The command
 # ---------------------------------------------------------------------------------------------------------------
@@ -185,8 +168,10 @@ def command(args, device: str, con) -> int:
         dirs = {}
         for dtype in args.dtypes.split(","):
             dirs[dtype] = vllm_cpu.save_tiny_qwen2(Path(tmp) / dtype, dtype=dtype, **shape)
-        for c in configurations(tuple(dirs)):
-            res = _worker({**c, "model_dir": dirs[c["dtype"]], "steps": steps}, args.timeout or 1200)
+        fresh = Fresh("cpu", interpret=True)  # one fresh process per configuration, the kernels interpreted
+        for i, c in enumerate(configurations(tuple(dirs))):
+            spec = {**c, "kind": "gap", "model_dir": dirs[c["dtype"]], "steps": steps, "out_dir": f"{tmp}/out-{i}"}
+            (res,) = run_fresh([spec], "cpu", args.timeout or 1200, run=fresh)
             row = {**c, "label": label(c), **res, "status": res.get("status", "ok")}
             rows.append(row)
             gap = row.get(METRICS[0])
@@ -228,17 +213,3 @@ def print_table(con, rows: list[dict], env: dict, steps: int, shape: dict) -> No
 
 def _short(dtype: str) -> str:
     return {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(dtype, dtype)
-
-
-def main(argv: list[str]) -> int:
-    spec_path, result_path = map(Path, argv)
-    try:
-        res = run_config(json.loads(spec_path.read_text()))
-    except Exception as e:  # the row says why; the table goes on
-        res = {"status": "error", "reason": f"{type(e).__name__}: {str(e)[:300]}"}
-    result_path.write_text(json.dumps(res))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

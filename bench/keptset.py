@@ -35,13 +35,12 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from bench.session_run import run_fresh
 
 KS = (20, 64, 512)
 KINDS = ("zipf", "uniform")
@@ -179,20 +178,6 @@ def _loss_step(spec: dict, hidden: torch.Tensor, weight: torch.Tensor, targets: 
     return step
 
 
-def _worker(spec: dict, timeout: int) -> dict:
-    with tempfile.TemporaryDirectory() as d:
-        sp, rp = Path(d) / "spec.json", Path(d) / "res.json"
-        sp.write_text(json.dumps(spec))
-        try:
-            proc = subprocess.run([sys.executable, "-m", "bench.keptset", str(sp), str(rp)], timeout=timeout,
-                                  capture_output=True, text=True)
-        except subprocess.TimeoutExpired:
-            return {"status": "error", "reason": f"timed out after {timeout} s"}
-        if not rp.exists():
-            return {"status": "error", "reason": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
-        return json.loads(rp.read_text())
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # The command
 # ---------------------------------------------------------------------------------------------------------------
@@ -292,18 +277,20 @@ def cli(args, device: str, con, env: dict, out_dir: Path, prefix: str) -> int:
     cuda = device == "cuda"
     reps = args.reps or (1 if args.smoke else (10 if cuda else 3))
     warmup = args.warmup if args.warmup is not None else (0 if args.smoke else (2 if cuda else 1))
-    rows = []
     t0 = time.perf_counter()
-    for p in points(device, args.smoke, args.quick):
-        slow = p["mode"] in ("full", "loss")  # the full-vocabulary rows: fewer repetitions on a CPU
-        spec = {**p, "reps": reps if not slow or cuda else max(1, min(reps, 2)), "warmup": warmup,
-                "threads": args.threads, "backend": args.fastrl_backend}
-        res = _worker(spec, args.timeout or 1200)
-        row = {**p, **res, "status": res.get("status", "ok")}
-        rows.append(row)
-        what = f"{p['shape']} {_path(p):<12} K={p['K']:<3} {p['sets']:<7}"
+    pts = points(device, args.smoke, args.quick)
+    # the full-vocabulary rows: fewer repetitions on a CPU
+    specs = [{**p, "kind": "keptset", "device": device, "reps": reps if p["mode"] not in ("full", "loss") or cuda
+              else max(1, min(reps, 2)), "warmup": warmup, "threads": args.threads, "backend": args.fastrl_backend}
+             for p in pts]
+
+    def echo(spec: dict, res: dict) -> None:
+        what = f"{spec['shape']} {_path(spec):<12} K={spec['K']:<3} {spec['sets']:<7}"
         con.print(f"{what}: " + (f"{res['ms']:.1f} ms, +{res['peak_extra_mb']:.0f} MB" if "ms" in res
                                  else f"[red]{res.get('reason')}[/red]"))
+
+    results = run_fresh(specs, device, args.timeout or 1200, on_result=echo)
+    rows = [{**p, **res, "status": res.get("status", "ok")} for p, res in zip(pts, results)]
     for r in rows:  # ratios against the full-vocabulary path of the same shape and kind (log-probs, or the loss)
         base_mode = BASE_MODE.get(r["mode"], "full")
         full = next((x for x in rows if x["shape"] == r["shape"] and x["mode"] == base_mode and "ms" in x), None)
@@ -349,17 +336,3 @@ def cli(args, device: str, con, env: dict, out_dir: Path, prefix: str) -> int:
                                 "elapsed_s": elapsed, "rows": rows}, indent=1))
     con.print(f"wrote {path}  ({elapsed:.0f} s)")
     return 1 if args.smoke and any(r["status"] != "ok" for r in rows) else 0
-
-
-def main(argv: list[str]) -> int:
-    spec = json.loads(Path(argv[0]).read_text())
-    try:
-        res = {"status": "ok", **run_point(spec)}
-    except Exception as e:  # noqa: BLE001 - a row that says why
-        res = {"status": "error", "reason": f"{type(e).__name__}: {str(e)[:300]}"}
-    Path(argv[1]).write_text(json.dumps(res))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -9,8 +9,8 @@ what a fresh process pays on its first call, lazy imports included). The peak is
 except that getrusage's ``ru_maxrss`` never drops below the peak of the image the process was forked from (Linux
 keeps it in ``signal->maxrss`` across exec): a worker spawned from a parent holding 500 MB would report at least
 500 MB. getrusage's value is recorded next to it (``ru_maxrss_extra_mb``) and is used where /proc is missing. Each
-op runs in a fresh process (``bench.worker``), so one provider's allocator state never leaks into another's
-numbers.
+op runs in a fresh process (``bench.session_run.run_fresh``), so one provider's allocator state never leaks into
+another's numbers.
 
 CUDA: ``triton.testing.do_bench`` (warm-up, L2 flushed before every call) over several input sets in
 rotation; the backward alone is timed with CUDA events around ``autograd.grad`` after an untimed forward.

@@ -144,97 +144,109 @@ def _divisible(fn, types: dict) -> dict:
 
 def compile_spec(spec: Spec, arch: int):
     """(compiled kernel, config label) for one spec at its default launch configuration."""
-    import torch
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from fastrl.kernels import linear_logprob as K
-    from fastrl.kernels import logits_fold as F
-    from fastrl.kernels.tuning import CONFIGS, variant_of
-
     ty = _TY[spec.dtype]
-    dtype = getattr(torch, spec.dtype)
     if spec.matmul:
-        key = ("sm90_exp_stats" if spec.store_exp else "sm90_div" if spec.kernel.startswith("sm90_div")
-               else spec.kernel)
-        cfg = CONFIGS[(key, "sm90" if arch >= 90 else "other", spec.tma, variant_of(dtype, spec.softcap, spec.bias))]
-        hsrc = f"tensordesc<{ty}[{cfg.block_n},{cfg.block_h}]>" if spec.tma else f"*{ty}"
-        wsrc = f"tensordesc<{ty}[{cfg.block_v},{cfg.block_h}]>" if spec.tma else f"*{ty}"
-        common = dict(HAS_BIAS=spec.bias, HAS_SOFTCAP=spec.softcap, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v,
-                      BLOCK_H=cfg.block_h, USE_TMA=spec.tma, DOT_PRECISION=K.dot_precision(dtype), INTERP_BF16=False)
-        if spec.kernel.startswith("sm90_"):
-            fn, types, consts = _sm90_matmul(spec, cfg, ty, common)
-        elif spec.kernel == "stats":
-            fn = K.stats_fwd_kernel
-            types = dict(h_src=hsrc, w_src=wsrc, h_ptr=f"*{ty}", w_ptr=f"*{ty}", b_ptr=f"*{ty}", t_ptr="*i64",
-                         m_ptr="*fp32", s_ptr="*fp32", u_ptr="*fp32", zt_ptr="*fp32")
-            consts = dict(common, HAS_ENTROPY=spec.entropy)
-        else:
-            fn = K.grad_block_kernel
-            gdst = f"tensordesc<{ty}[{cfg.block_n},{cfg.block_v}]>" if spec.tma else f"*{ty}"
-            types = dict(h_src=hsrc, w_src=wsrc, b_ptr=f"*{ty}", t_ptr="*i64", lse_ptr="*fp32", ent_ptr="*fp32",
-                         glogp_ptr="*fp32", gent_ptr="*fp32", g_dst=gdst)
-            consts = dict(common, HAS_GLOGP=True, HAS_GENT=spec.entropy)
-        label = str(cfg)
-        warps, stages = cfg.num_warps, cfg.num_stages
+        fn, types, consts, label, warps, stages = _matmul(spec, arch, ty)
     elif spec.kernel == "sm90_exp_grad":
-        from fastrl.kernels import persistent_grad as PG
-
-        fn = PG.scaled_exp_grad_kernel
-        types = dict(e_ptr=f"*{ty}", k_ptr="*fp32", t_ptr="*i64", zt_ptr="*fp32",
-                     **{p: "*fp32" for p in ("lse_ptr", "ent_ptr", "glogp_ptr", "gent_ptr")})
-        consts = dict(HAS_SOFTCAP=spec.softcap, HAS_GLOGP=True, HAS_GENT=spec.entropy, BLOCK_V=256,
-                      BLOCK_C=PG.BLOCK_C, EMULATE_RNE=False)
-        label = f"BLOCK_C={PG.BLOCK_C} w{PG.NUM_WARPS}"
-        warps, stages = PG.NUM_WARPS, 3
+        fn, types, consts, label, warps, stages = _exp_grad(spec, ty)
     elif spec.kernel.startswith("kept_"):
         fn, types, consts, cfg = _kept_rows(spec, ty)
-        label = str(cfg)
-        warps, stages = cfg.num_warps, cfg.num_stages
+        label, warps, stages = str(cfg), cfg.num_warps, cfg.num_stages
     elif spec.kernel.startswith("div_"):
-        from fastrl.kernels import divergence_fold as D
-
-        base = dict(HAS_BS=spec.bias, HAS_BT=spec.bias, S_SOFTCAP=spec.softcap, T_SOFTCAP=spec.softcap,
-                    BLOCK_C=D.BLOCK_C)
-        heads = dict(ys_ptr="*fp32", yt_ptr="*fp32", bs_ptr=f"*{ty}", bt_ptr=f"*{ty}")
-        if spec.kernel == "div_stats":
-            fn = D.stats_kernel
-            types = dict(heads, **{p: "*fp32" for p in ("ms_ptr", "ss_ptr", "us_ptr", "c_ptr", "mt_ptr", "st_ptr")})
-            consts = dict(base, MODE=D.REVERSE_KL, HAS_ENTROPY=spec.entropy, FIRST=False)
-        elif spec.kernel == "div_jsd":
-            fn = D.jsd_kernel
-            types = dict(heads, **{p: "*fp32" for p in ("lse_s_ptr", "lse_t_ptr", "jsd_ptr", "aux_ptr")})
-            consts = base
-        else:
-            fn = D.grad_kernel
-            gty = "fp32" if spec.dtype == "float32" else ty
-            types = dict(heads, g_ptr=f"*{gty}",
-                         **{p: "*fp32" for p in ("lse_s_ptr", "lse_t_ptr", "aux_ptr", "ent_ptr", "gd_ptr", "ge_ptr")})
-            consts = dict(base, MODE=D.JSD, HAS_GD=True, HAS_GE=spec.entropy, IN_PLACE=spec.dtype != "float32",
-                          EMULATE_RNE=False)
-        label = f"BLOCK_C={D.BLOCK_C} w{D.NUM_WARPS}"
-        warps, stages = D.NUM_WARPS, 3
+        fn, types, consts, label, warps, stages = _divergence_fold(spec, ty)
     else:
-        base = dict(HAS_BIAS=spec.bias, HAS_SOFTCAP=spec.softcap, BLOCK_C=F.BLOCK_C)
-        if spec.kernel == "fold":
-            fn = F.fold_kernel
-            types = dict(y_ptr="*fp32", b_ptr=f"*{ty}", t_ptr="*i64", m_ptr="*fp32", s_ptr="*fp32", u_ptr="*fp32",
-                         zt_ptr="*fp32")
-            consts = dict(base, HAS_ENTROPY=spec.entropy, FIRST=False)
-        else:
-            fn = F.grad_kernel
-            gty = "fp32" if spec.dtype == "float32" else ty
-            types = dict(y_ptr="*fp32", g_ptr=f"*{gty}", b_ptr=f"*{ty}", t_ptr="*i64", lse_ptr="*fp32",
-                         ent_ptr="*fp32", glogp_ptr="*fp32", gent_ptr="*fp32")
-            consts = dict(base, HAS_GLOGP=True, HAS_GENT=spec.entropy, IN_PLACE=spec.dtype != "float32",
-                          EMULATE_RNE=False)
-        label = f"BLOCK_C={F.BLOCK_C} w{F.NUM_WARPS}"
-        warps, stages = F.NUM_WARPS, 3
+        fn, types, consts, label, warps, stages = _logits_fold(spec, ty)
     src = ASTSource(fn, _signature(fn, types, consts), consts, _divisible(fn, types))
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                               options=dict(num_warps=warps, num_stages=stages))
     return compiled, label
+
+
+def _matmul(spec: Spec, arch: int, ty: str):
+    """(kernel, argument types, constexprs, label, warps, stages) of a tl.dot kernel at its tuned configuration."""
+    import torch
+
+    from fastrl.kernels import linear_logprob as K
+    from fastrl.kernels.tuning import CONFIGS, variant_of
+
+    dtype = getattr(torch, spec.dtype)
+    key = "sm90_exp_stats" if spec.store_exp else "sm90_div" if spec.kernel.startswith("sm90_div") else spec.kernel
+    cfg = CONFIGS[(key, "sm90" if arch >= 90 else "other", spec.tma, variant_of(dtype, spec.softcap, spec.bias))]
+    hsrc = f"tensordesc<{ty}[{cfg.block_n},{cfg.block_h}]>" if spec.tma else f"*{ty}"
+    wsrc = f"tensordesc<{ty}[{cfg.block_v},{cfg.block_h}]>" if spec.tma else f"*{ty}"
+    common = dict(HAS_BIAS=spec.bias, HAS_SOFTCAP=spec.softcap, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v,
+                  BLOCK_H=cfg.block_h, USE_TMA=spec.tma, DOT_PRECISION=K.dot_precision(dtype), INTERP_BF16=False)
+    if spec.kernel.startswith("sm90_"):
+        fn, types, consts = _sm90_matmul(spec, cfg, ty, common)
+    elif spec.kernel == "stats":
+        fn = K.stats_fwd_kernel
+        types = dict(h_src=hsrc, w_src=wsrc, h_ptr=f"*{ty}", w_ptr=f"*{ty}", b_ptr=f"*{ty}", t_ptr="*i64",
+                     m_ptr="*fp32", s_ptr="*fp32", u_ptr="*fp32", zt_ptr="*fp32")
+        consts = dict(common, HAS_ENTROPY=spec.entropy)
+    else:
+        fn = K.grad_block_kernel
+        gdst = f"tensordesc<{ty}[{cfg.block_n},{cfg.block_v}]>" if spec.tma else f"*{ty}"
+        types = dict(h_src=hsrc, w_src=wsrc, b_ptr=f"*{ty}", t_ptr="*i64", lse_ptr="*fp32", ent_ptr="*fp32",
+                     glogp_ptr="*fp32", gent_ptr="*fp32", g_dst=gdst)
+        consts = dict(common, HAS_GLOGP=True, HAS_GENT=spec.entropy)
+    return fn, types, consts, str(cfg), cfg.num_warps, cfg.num_stages
+
+
+def _exp_grad(spec: Spec, ty: str):
+    from fastrl.kernels import persistent_grad as PG
+
+    types = dict(e_ptr=f"*{ty}", k_ptr="*fp32", t_ptr="*i64", zt_ptr="*fp32",
+                 **{p: "*fp32" for p in ("lse_ptr", "ent_ptr", "glogp_ptr", "gent_ptr")})
+    consts = dict(HAS_SOFTCAP=spec.softcap, HAS_GLOGP=True, HAS_GENT=spec.entropy, BLOCK_V=256,
+                  BLOCK_C=PG.BLOCK_C, EMULATE_RNE=False)
+    return PG.scaled_exp_grad_kernel, types, consts, f"BLOCK_C={PG.BLOCK_C} w{PG.NUM_WARPS}", PG.NUM_WARPS, 3
+
+
+def _divergence_fold(spec: Spec, ty: str):
+    from fastrl.kernels import divergence_fold as D
+
+    base = dict(HAS_BS=spec.bias, HAS_BT=spec.bias, S_SOFTCAP=spec.softcap, T_SOFTCAP=spec.softcap,
+                BLOCK_C=D.BLOCK_C)
+    heads = dict(ys_ptr="*fp32", yt_ptr="*fp32", bs_ptr=f"*{ty}", bt_ptr=f"*{ty}")
+    if spec.kernel == "div_stats":
+        fn = D.stats_kernel
+        types = dict(heads, **{p: "*fp32" for p in ("ms_ptr", "ss_ptr", "us_ptr", "c_ptr", "mt_ptr", "st_ptr")})
+        consts = dict(base, MODE=D.REVERSE_KL, HAS_ENTROPY=spec.entropy, FIRST=False)
+    elif spec.kernel == "div_jsd":
+        fn = D.jsd_kernel
+        types = dict(heads, **{p: "*fp32" for p in ("lse_s_ptr", "lse_t_ptr", "jsd_ptr", "aux_ptr")})
+        consts = base
+    else:
+        fn = D.grad_kernel
+        gty = "fp32" if spec.dtype == "float32" else ty
+        types = dict(heads, g_ptr=f"*{gty}",
+                     **{p: "*fp32" for p in ("lse_s_ptr", "lse_t_ptr", "aux_ptr", "ent_ptr", "gd_ptr", "ge_ptr")})
+        consts = dict(base, MODE=D.JSD, HAS_GD=True, HAS_GE=spec.entropy, IN_PLACE=spec.dtype != "float32",
+                      EMULATE_RNE=False)
+    return fn, types, consts, f"BLOCK_C={D.BLOCK_C} w{D.NUM_WARPS}", D.NUM_WARPS, 3
+
+
+def _logits_fold(spec: Spec, ty: str):
+    from fastrl.kernels import logits_fold as F
+
+    base = dict(HAS_BIAS=spec.bias, HAS_SOFTCAP=spec.softcap, BLOCK_C=F.BLOCK_C)
+    if spec.kernel == "fold":
+        fn = F.fold_kernel
+        types = dict(y_ptr="*fp32", b_ptr=f"*{ty}", t_ptr="*i64", m_ptr="*fp32", s_ptr="*fp32", u_ptr="*fp32",
+                     zt_ptr="*fp32")
+        consts = dict(base, HAS_ENTROPY=spec.entropy, FIRST=False)
+    else:
+        fn = F.grad_kernel
+        gty = "fp32" if spec.dtype == "float32" else ty
+        types = dict(y_ptr="*fp32", g_ptr=f"*{gty}", b_ptr=f"*{ty}", t_ptr="*i64", lse_ptr="*fp32",
+                     ent_ptr="*fp32", glogp_ptr="*fp32", gent_ptr="*fp32")
+        consts = dict(base, HAS_GLOGP=True, HAS_GENT=spec.entropy, IN_PLACE=spec.dtype != "float32",
+                      EMULATE_RNE=False)
+    return fn, types, consts, f"BLOCK_C={F.BLOCK_C} w{F.NUM_WARPS}", F.NUM_WARPS, 3
 
 
 def _sm90_matmul(spec: Spec, cfg, ty: str, common: dict):

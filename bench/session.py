@@ -326,6 +326,7 @@ class SessionRun:
     def __init__(self, args, device: str, con, env: dict):
         self.args, self.device, self.con, self.env = args, device, con, env
         self.smoke = bool(args.smoke)
+        self.interpret, self.quiet = device == "cpu", False  # a smoke run interprets the kernels; rows echoed
         self.costs = SMOKE_COSTS if self.smoke else GPU_COSTS
         self.budget = args.budget or DEFAULT_BUDGET["smoke" if self.smoke else "cuda"]
         self.jobs = args.jobs or (2 if self.smoke else 1)

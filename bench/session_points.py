@@ -17,7 +17,8 @@ or a fault would. Sections (``point["section"]``):
   forces one launch configuration (``fastrl.kernels.tuning.forced_config``), ``autotune`` sets
   ``FASTRL_AUTOTUNE=1``; the cuBLAS floor is provider ``cublas``;
 * ``keptset``, ``divergence``, ``compile``: one point of ``bench/keptset.py``, ``bench/divergence.py``,
-  ``bench/compiled_step.py`` each.
+  ``bench/compiled_step.py`` each;
+* ``point``: one point of another command (``run_spec``), one process each (``bench.session_run.run_fresh``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from bench import workloads as W
 from bench.providers import Op
 from bench.session_checks import run_check, served_configs
 
-__all__ = ["lmhead_workloads", "main", "LOSS_PROVIDERS", "PRUNE"]
+__all__ = ["lmhead_workloads", "main", "run_spec", "LOSS_PROVIDERS", "PRUNE"]
 
 SESSION_WORKLOADS = ("W1", "W1-lp", "W2", "W2-lp", "W3")
 # the fastrl providers of each kind: policy_loss (the one-pass op) and fused_logprobs + the loss math (two-pass)
@@ -269,7 +270,97 @@ def _run(p: dict, device: torch.device, lm: LMHead, times: dict) -> dict:
         return run_check(p, device)
     if section in ("tournament", "configs", "autotune"):
         return _lmhead_point(p, lm, times)
+    if section == "point":
+        return run_spec(p["spec"])
     return {"keptset": _keptset_point, "divergence": _divergence_point, "compile": _compile_point}[section](p, device)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One point of the other commands (bench.session_run.run_fresh: a fresh process each)
+# ---------------------------------------------------------------------------------------------------------------
+
+def run_spec(spec: dict) -> dict:
+    """One point of ``run``, ``c1``, ``gpu`` (a provider on a workload, or the ``matmul`` floor), ``w4`` / ``w5`` (a
+    trainer step: ``bench.w4.run_point``), ``divergence``, ``keptset`` or ``compile`` (their ``run_point``) or
+    ``gap`` (one configuration: ``bench.gap.run_config``), by ``spec["kind"]``."""
+    kind = spec.get("kind")
+    if kind in ("w4", "w5"):
+        from bench.w4 import run_point
+
+        return run_point(spec)
+    if kind == "divergence":
+        from bench.divergence import run_point
+
+        return run_point(spec)
+    if kind == "keptset":
+        from bench.keptset import run_point
+
+        return {"status": "ok", **run_point(spec)}
+    if kind == "gap":
+        from bench.gap import run_config
+
+        return {"status": "ok", **run_config(spec)}
+    if kind == "compile":
+        from bench.compiled_step import run_point
+
+        return run_point(spec)
+    return _provider_point(spec)
+
+
+def _provider_point(spec: dict) -> dict:
+    """A provider on a workload (``bench.providers``), or the GEMM floor (``provider: matmul``): timing, memory, the
+    error against float64; a peer's declared refusal of the input is ``n/a``, not an error."""
+    wl = W.Workload.from_dict(spec["workload"])
+    device = torch.device(spec["device"])
+    rows = min(spec.get("accuracy_rows", 256), wl.N)
+    t_start = time.perf_counter()
+    if device.type == "cpu" and spec.get("threads"):
+        torch.set_num_threads(int(spec["threads"]))
+    prov = None if spec["provider"] == "matmul" else providers.get(spec["provider"])
+    try:
+        op = floor_op(wl, device) if prov is None else prov.build(wl, device, spec.get("options", {}))
+        sets = [None] if prov is None else [providers.make_inputs(wl, device, spec["seed"] + i)
+                                            for i in range(spec["n_sets"])]
+        states = [op.prepare(s) for s in sets]
+    except providers.ProviderUnavailable as e:
+        return {"status": "skipped", "reason": str(e)}
+    except Exception as e:
+        if prov is not None and prov.is_refusal(e):
+            return _refused(e)
+        raise
+    try:
+        if device.type == "cuda":
+            m, kept = measure.measure_cuda(op, states, spec["reps"], spec["warmup"], rows,
+                                           rep_ms=spec.get("rep_ms", 2000))
+        else:
+            m, kept = measure.measure_cpu(op, states, spec["reps"], spec["warmup"], rows)
+    except Exception as e:  # noqa: BLE001 - any failure becomes a row that says why
+        if prov is not None and prov.is_refusal(e):
+            return _refused(e)
+        status = "skipped" if prov is not None and prov.compile_fails_skip and _is_compile_error(e) else "error"
+        what = f"torch.compile failed on {device.type}" if status == "skipped" else "failed"
+        return {"status": status, "reason": f"{what}: {_first_line(e)}", "traceback": traceback.format_exc(limit=4)}
+    res = {"status": "ok", "reason": "", "notes": "; ".join(op.notes), "path": op.path, **m}
+    if kept.get("loss") is not None:
+        res["loss_value"] = kept["loss"]
+    if prov is not None and spec.get("accuracy", True):
+        try:
+            res.update(measure.accuracy(op, wl, sets[0], kept, rows))
+        except Exception as e:  # noqa: BLE001
+            res["accuracy_error"] = _first_line(e)
+    res["flops_useful"] = W.flops(wl, "total")
+    res["worker_s"] = time.perf_counter() - t_start
+    return res
+
+
+def _refused(e: BaseException) -> dict:
+    """A peer's own refusal of this input (dtype, shape): not applicable, not an error."""
+    return {"status": "n/a", "reason": f"refused this input: {_first_line(e)}"}
+
+
+def _is_compile_error(e: BaseException) -> bool:
+    mods = {type(x).__module__ for x in (e, e.__cause__, e.__context__) if x is not None}
+    return any(m.startswith(("torch._dynamo", "torch._inductor")) for m in mods) or "inductor" in str(e).lower()
 
 
 def _echo(row: dict) -> None:

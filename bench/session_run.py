@@ -5,31 +5,40 @@ appended to the run's rows file as it finishes; this module watches them: a poin
 ``bench.session.point_bounds``) has its process group killed (a ``timeout`` row), a process that dies gives its
 point an ``error`` row, and after either that implementation's (or provider's) points left in the section are
 skipped with the reason and a fresh process takes the rest. ``run`` is the ``bench.session.SessionRun`` of the
-command: device, smoke, costs, the rows file, a scratch folder, the console.
+command (device, smoke, costs, the rows file, a scratch folder, the console), or a ``Fresh`` run: the other commands
+(``run``, ``c1``, ``gpu``, ``w4``, ``w5``, ``keptset``, ``divergence``) measure each point in a fresh process of the
+same kind through ``run_fresh``, under the same watchdog.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
-__all__ = ["RESTART", "append_rows", "run_points", "run_w4", "stub"]
+__all__ = ["RESTART", "Fresh", "append_rows", "run_fresh", "run_points", "run_w4", "stub"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESTART = 3  # a measuring process exits with this after a CUDA fault: the parent starts a fresh one
 
 
-def _child_env(device: str) -> dict:
+def _child_env(interpret: bool) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env["PYTHONUNBUFFERED"] = "1"
-    if device == "cpu":
-        env["TRITON_INTERPRET"] = "1"  # a smoke run interprets the Triton kernels on CPU tensors
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"  # a smoke session interprets the Triton kernels on CPU tensors
+    else:
+        env.pop("TRITON_INTERPRET", None)  # the other commands measure what users run
     return env
 
 
@@ -131,8 +140,8 @@ def _process(name: str, todo: list[dict], deadline: float, run, tail: _Tail, bou
     err_path = run.work / f"{name}.stderr"
     with open(err_path, "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "bench.session_points", str(spec_path)], cwd=REPO_ROOT,
-                                env=_child_env(run.device), stderr=err, start_new_session=True,
-                                preexec_fn=_die_with_parent)
+                                env=_child_env(run.interpret), stderr=err, stdout=err if run.quiet else None,
+                                start_new_session=True, preexec_fn=_die_with_parent)
         how, why = _watch(proc, tail, bounds, deadline, run.costs.grace)
     lines = [ln for ln in err_path.read_text(errors="replace").splitlines() if ln.strip()]
     return how, why, proc.returncode, (lines or ["no output"])[-1][:300]
@@ -179,6 +188,64 @@ def run_points(name: str, pts: list[dict], deadline: float, run, bounds: dict) -
         break
     tail.read()
     return [tail.rows[p["id"]] for p in pts if p["id"] in tail.rows]
+
+
+@dataclass
+class _Costs:
+    grace: float = 0.0
+
+
+@dataclass
+class Fresh:
+    """What ``run_points`` needs of a command that is not a session: one point per process, its rows file and the
+    processes' specs in a scratch folder, their output kept out of the console (the command prints its own lines)."""
+    device: str
+    con: object = None
+    smoke: bool = False
+    interpret: bool = False
+    quiet: bool = True
+    costs: _Costs = field(default_factory=_Costs)
+    work: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="fastrl-bench-")))
+    ids: Iterator[int] = field(default_factory=itertools.count)  # points are numbered across calls on one run
+
+    @property
+    def rows_path(self) -> Path:
+        return self.work / "points.rows.jsonl"
+
+    def say(self, text: str) -> None:
+        if self.con is not None:
+            self.con.print(text)
+
+
+_HARNESS_KEYS = ("id", "section", "spec", "crashed", "provider")
+
+
+def run_fresh(specs: list[dict], device: str, timeout_s: float, *, jobs: int = 1, con=None, on_result=None,
+              run: Fresh | None = None) -> list[dict]:
+    """Each spec measured in a fresh ``bench.session_points`` process (section ``point``: ``spec["kind"]`` says which
+    benchmark's ``run_point``), ``jobs`` at a time, under the session's watchdog: a process past ``timeout_s`` is
+    killed and its point is an ``error`` row saying so, as is a point whose process died (the exit code in the
+    reason; -9: the kernel's OOM killer, most likely). Returns the results in the order of ``specs``; ``on_result``
+    (spec, result) is called as each finishes."""
+    run = run or Fresh(device, con)
+    bounds_for = {"start": float(timeout_s)}
+
+    def one(spec: dict) -> dict:
+        i = next(run.ids)
+        who = str(spec.get("provider") or spec.get("trainer") or spec.get("mode", ""))
+        p = {"id": f"point/{i}/{who}", "section": "point", "provider": who, "smoke": run.smoke, "spec": spec}
+        t0 = time.perf_counter()
+        rows = run_points(f"point-{i}", [p], float("inf"), run, {**bounds_for, p["id"]: float(timeout_s)})
+        res = {k: v for k, v in (rows[0] if rows else stub(p, "error", "no row")).items() if k not in _HARNESS_KEYS}
+        if res.get("status") == "timeout":
+            res["status"] = "error"  # the old per-point runner's word for a killed point
+        res["process_s"] = time.perf_counter() - t0
+        if on_result is not None:
+            on_result(spec, res)
+        return res
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        return list(pool.map(one, specs))
 
 
 def run_w4(pts: list[dict], deadline: float, run) -> list[dict]:

@@ -10,9 +10,9 @@ A step is what ``Trainer.training_step`` does once a batch of completions exists
 on a randomly initialised ``Qwen2ForCausalLM`` with activation checkpointing on (TRL's GRPOConfig default,
 switched on as ``Trainer.train`` does), TRL's default loss settings (dapo, beta 0: no reference model) and
 every completion token unmasked. Each point (trainer x completion length) is a fresh process
-(``bench.worker`` hands it to :func:`run_point`); one untimed warm-up step first (CUDA: the same length, so
-Triton kernels are compiled and autotuned; CPU: a short completion, which pays the lazy initialisation without
-doubling the time), then the timed steps, gradients set to None before each (as ``optimizer.zero_grad`` does),
+(``bench.session_points.run_spec`` hands it to :func:`run_point`); one untimed warm-up step first (CUDA: the same
+length, so Triton kernels are compiled and autotuned; CPU: a short completion, which pays the lazy initialisation
+without doubling the time), then the timed steps, gradients set to None before each (as ``optimizer.zero_grad`` does),
 so each step allocates its parameter gradients.
 
 Memory: CUDA ``torch.cuda.max_memory_allocated()`` during the step minus what was allocated before it (model
@@ -33,7 +33,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 
-__all__ = ["W4Shape", "shape_for", "run_point", "point_spec", "spawn_point", "run", "print_table", "write_files",
+__all__ = ["W4Shape", "shape_for", "run_point", "point_spec", "spawn_point", "spawn_points", "run", "print_table", "write_files",
            "write_csv", "TRAINERS"]
 
 TRAINERS = ("trl", "fastrl")
@@ -152,16 +152,73 @@ def _oom(e: BaseException) -> bool:
         or "can't allocate memory" in str(e).lower()
 
 
+def _trainer(spec: dict, s: W4Shape, which: str, L: int, cuda: bool):
+    """The trainer of one point (``which``: stock TRL or fastrl, fastrl with W5's options) on a fresh random model."""
+    import torch
+    import trl
+    from datasets import Dataset
+
+    import fastrl
+    from fastrl.testing import tiny_tokenizer
+
+    torch.manual_seed(spec.get("seed", 0))
+    tok = tiny_tokenizer(s.vocab, model_max_length=1 << 16)
+    cls, cfg_cls = (trl.GRPOTrainer, trl.GRPOConfig) if which == "trl" else (fastrl.GRPOTrainer, fastrl.GRPOConfig)
+    out_dir = tempfile.mkdtemp(prefix="fastrl-w4-")  # the trainer's (unused) output folder, gone at exit
+    atexit.register(shutil.rmtree, out_dir, True)
+    kw = dict(output_dir=out_dir, use_cpu=not cuda, bf16=s.dtype == "bfloat16",
+              report_to="none", save_strategy="no", logging_strategy="no", per_device_train_batch_size=s.completions,
+              num_generations=s.completions, max_completion_length=L, loss_type="dapo", disable_tqdm=True)
+    if which == "fastrl":
+        kw["health_checks"] = False
+        # fastrl's own options (W5: activation_offloading, tiled_mlp); bench-only keys are not config fields
+        kw.update({k: v for k, v in spec.get("options", {}).items()
+                   if k in ("fastrl_backend", "activation_offloading", "tiled_mlp") and v not in (None, False, 0)})
+    trainer = cls(model=_build_model(s), reward_funcs=_reward, args=cfg_cls(**kw), processing_class=tok,
+                  train_dataset=Dataset.from_dict({"prompt": ["w1"] * s.completions}))
+    trainer.current_gradient_accumulation_steps = 1
+    return trainer
+
+
+def _timed_steps(step, model, inputs, reps: int, cuda: bool) -> dict:
+    """``reps`` steps, gradients set to None before each: time, and the peak over what was allocated before it."""
+    import torch
+
+    from bench import measure
+
+    times, extras, totals, bases, losses = [], [], [], [], []
+    for _ in range(reps):
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            measure._trim()
+            base = measure._rss_mb() * measure.MB
+            measure._reset_peak()
+        t0 = time.perf_counter()
+        losses.append(step(inputs))
+        if cuda:
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+        peak = torch.cuda.max_memory_allocated() if cuda else measure._peak_rss_mb() * measure.MB
+        bases.append(base / measure.MB)
+        extras.append((peak - base) / measure.MB)
+        totals.append(peak / measure.MB)
+    return {"step_ms": measure.summarize(times), "peak_extra_mb": max(extras), "peak_total_mb": max(totals),
+            "baseline_mb": min(bases), "loss_value": losses[0]}
+
+
 def run_point(spec: dict) -> dict:
     """Measure one (trainer, completion length) in this fresh process; returns a result dict for the row."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
-    import trl
 
-    import fastrl
     from bench import measure
-    from fastrl.testing import tiny_tokenizer
 
     s = W4Shape.from_dict(spec["shape"])
     which, L = spec["trainer"], int(spec["completion_len"])
@@ -169,26 +226,7 @@ def run_point(spec: dict) -> dict:
     cuda = device.type == "cuda"
     if not cuda and spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
-    from datasets import Dataset
-
-    torch.manual_seed(spec.get("seed", 0))
-    tok = tiny_tokenizer(s.vocab, model_max_length=1 << 16)
-    model = _build_model(s)
-    cls, cfg_cls = (trl.GRPOTrainer, trl.GRPOConfig) if which == "trl" else (fastrl.GRPOTrainer, fastrl.GRPOConfig)
-    out_dir = tempfile.mkdtemp(prefix="fastrl-w4-")  # the trainer's (unused) output folder, gone at exit
-    atexit.register(shutil.rmtree, out_dir, True)
-    kw = dict(output_dir=out_dir, use_cpu=not cuda, bf16=s.dtype == "bfloat16",
-              report_to="none", save_strategy="no", logging_strategy="no", per_device_train_batch_size=s.completions,
-              num_generations=s.completions, max_completion_length=L, loss_type="dapo", disable_tqdm=True)
-    options = spec.get("options", {})
-    if which == "fastrl":
-        kw["health_checks"] = False
-        # fastrl's own options (W5: activation_offloading, tiled_mlp); bench-only keys are not config fields
-        kw.update({k: v for k, v in options.items() if k in ("fastrl_backend", "activation_offloading", "tiled_mlp")
-                   and v not in (None, False, 0)})
-    trainer = cls(model=model, reward_funcs=_reward, args=cfg_cls(**kw), processing_class=tok,
-                  train_dataset=Dataset.from_dict({"prompt": ["w1"] * s.completions}))
-    trainer.current_gradient_accumulation_steps = 1
+    trainer = _trainer(spec, s, which, L, cuda)
     ckpt = _enable_checkpointing(trainer)
     model = trainer.model
     model.train()
@@ -207,61 +245,25 @@ def run_point(spec: dict) -> dict:
             trainer.accelerator.backward(loss)
         return float(loss.detach())
 
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
-
     # warm-up: CUDA at the measured length (compile, autotune, allocator), CPU short (lazy initialisation)
     warm_len = min(L, int(spec["warmup_len"])) if spec.get("warmup_len") else (L if cuda else min(L, 64))
+    where = "in the warm-up step"
     try:
         for _ in range(spec.get("warmup", 1)):
             step(_inputs(s, warm_len, device, 1))
             model.zero_grad(set_to_none=True)
-        sync()
-    except Exception as e:  # noqa: BLE001
-        if not _oom(e):
-            raise
-        res.update(status="oom", reason=f"out of memory in the warm-up step: {measure_first_line(e)}")
         if cuda:
-            res["peak_total_mb"] = torch.cuda.max_memory_allocated() / measure.MB
-        return res
-
-    inputs = _inputs(s, L, device, spec.get("seed", 0))
-    times, extras, totals, bases, losses = [], [], [], [], []
-    try:
-        for _ in range(spec.get("reps", 1)):
-            model.zero_grad(set_to_none=True)
-            gc.collect()
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.empty_cache()
-                base = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
-            else:
-                measure._trim()
-                base = measure._rss_mb() * measure.MB
-                measure._reset_peak()
-            t0 = time.perf_counter()
-            losses.append(step(inputs))
-            sync()
-            times.append((time.perf_counter() - t0) * 1e3)
-            if cuda:
-                peak = torch.cuda.max_memory_allocated()
-            else:
-                peak = measure._peak_rss_mb() * measure.MB
-            bases.append(base / measure.MB)
-            extras.append((peak - base) / measure.MB)
-            totals.append(peak / measure.MB)
+            torch.cuda.synchronize()
+        where = ""
+        res.update(_timed_steps(step, model, _inputs(s, L, device, spec.get("seed", 0)), spec.get("reps", 1), cuda))
     except Exception as e:  # noqa: BLE001
         if not _oom(e):
             raise
-        res.update(status="oom", reason=f"out of memory: {measure_first_line(e)}")
+        res.update(status="oom", reason=f"out of memory{' ' + where if where else ''}: {measure_first_line(e)}")
         if cuda:
             res["peak_total_mb"] = torch.cuda.max_memory_allocated() / measure.MB
         return res
     res.update({
-        "step_ms": measure.summarize(times), "peak_extra_mb": max(extras), "peak_total_mb": max(totals),
-        "baseline_mb": min(bases), "loss_value": losses[0],
         "path": getattr(trainer, "_fastrl_last_path", "trl") if which == "fastrl" else "trl",
         # TRL's OffloadActivations ran the steps (built at the first one; none on a CPU-only model)
         "activation_offloading": memory is not None and memory.offload_context is not None,
@@ -291,26 +293,31 @@ def _row(s: W4Shape, which: str, L: int, status: str, reason: str = "") -> dict:
 
 def point_spec(s: W4Shape, which: str, L: int, device: str, *, reps: int = 1, warmup: int = 1, threads: int = 0,
                options: dict | None = None, kind: str = "w4", **extra) -> dict:
-    """The ``bench.worker`` spec of one point (trainer ``which`` at completion length ``L``)."""
+    """The spec of one point (trainer ``which`` at completion length ``L``)."""
     return {"kind": kind, "shape": s.to_dict(), "trainer": which, "completion_len": L, "device": device,
             "reps": reps, "warmup": warmup, "threads": threads, "options": options or {}, "seed": 0, **extra}
 
 
 def spawn_point(spec: dict, timeout_s: int) -> dict:
-    """Run one point in a fresh ``bench.worker`` process; a worker the kernel killed (SIGKILL) is an ``oom``."""
-    from bench.runner import _spawn
+    """One point in a fresh process (``spawn_points``)."""
+    return spawn_points([spec], timeout_s)[0]
 
-    res = _spawn(spec, timeout_s)
-    if "killed by signal 9" in res.get("reason", ""):
-        res["status"], res["reason"] = "oom", res["reason"] + " (the kernel's OOM killer, most likely)"
-    return res
+
+def spawn_points(specs: list[dict], timeout_s: int, jobs: int = 1) -> list[dict]:
+    """Each point in a fresh process (``bench.session_run.run_fresh``), ``jobs`` at a time; one the kernel killed
+    (SIGKILL) is an ``oom``."""
+    from bench.session_run import run_fresh
+
+    out = run_fresh(specs, specs[0]["device"], timeout_s, jobs=jobs) if specs else []
+    for res in out:
+        if "exit code -9" in res.get("reason", ""):
+            res["status"], res["reason"] = "oom", res["reason"] + " (the kernel's OOM killer, most likely)"
+    return out
 
 
 def run(s: W4Shape, device: str, con, *, reps: int = 1, warmup: int = 1, timeout_s: int = 900, threads: int = 0,
         options: dict | None = None, jobs: int = 1) -> tuple[list[dict], dict]:
-    """Every (completion length, trainer) of ``s``, each in a fresh ``bench.worker`` process; returns rows, summary."""
-    from concurrent.futures import ThreadPoolExecutor
-
+    """Every (completion length, trainer) of ``s``, each in a fresh process; returns rows, summary."""
     from rich.markup import escape
 
     rows: list[dict] = []
@@ -327,15 +334,10 @@ def run(s: W4Shape, device: str, con, *, reps: int = 1, warmup: int = 1, timeout
             else:
                 todo.append(which)
 
-        def one(which, L=L):
-            spec = point_spec(s, which, L, device, reps=reps, warmup=warmup, threads=threads, options=options)
-            loads.append(os.getloadavg()[0])
-            r = spawn_point(spec, timeout_s)
-            loads.append(os.getloadavg()[0])
-            return r
-
-        with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(todo) or 1))) as pool:
-            results = list(pool.map(one, todo))
+        loads.append(os.getloadavg()[0])
+        results = spawn_points([point_spec(s, which, L, device, reps=reps, warmup=warmup, threads=threads,
+                                           options=options) for which in todo], timeout_s, jobs)
+        loads.append(os.getloadavg()[0])
         for which, res in zip(todo, results):
             row = _row(s, which, L, res.get("status", "error"), res.get("reason", ""))
             row.update({k: v for k, v in res.items() if k not in ("status", "reason")})

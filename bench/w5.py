@@ -35,7 +35,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field, replace
 
-from bench.w4 import GIB, QWEN25_05B, W4Shape, csv_and_pyplot, point_spec, spawn_point
+from bench.w4 import GIB, QWEN25_05B, W4Shape, csv_and_pyplot, point_spec, spawn_points
 
 __all__ = ["Config", "W5Plan", "CONFIGS", "plan_for", "longest_fit", "run", "summarize", "print_tables", "write_files",
            "cli"]
@@ -232,7 +232,7 @@ def run(plan: W5Plan, con) -> list[dict]:
         spec = point_spec(s, c.trainer, L, plan.device, reps=plan.reps, warmup=plan.warmup, threads=plan.threads,
                           options={**plan.extra_options, **c.options()}, kind="w5", warmup_len=plan.warmup_len or None)
         t0 = time.perf_counter()
-        res = spawn_point(spec, plan.timeout_s)
+        (res,) = spawn_points([spec], plan.timeout_s)
         row = _row(s, arch, c, L, res.get("status", "error"), res.get("reason", ""))
         row.update({k: v for k, v in res.items() if k not in ("status", "reason")})
         row["process_s"], row["loadavg"] = time.perf_counter() - t0, os.getloadavg()[0]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bench import providers as P
-from bench import worker
+from bench import session_points
 from bench.workloads import Workload
 
 REFUSAL = "Backwards requires embeddings to be bf16 or fp16"
@@ -60,7 +60,7 @@ def _run(monkeypatch, provider):
     monkeypatch.setitem(P.PROVIDERS, provider.name, provider)
     spec = {"workload": _wl().to_dict(), "provider": provider.name, "device": "cpu", "reps": 1, "warmup": 0,
             "n_sets": 1, "seed": 0, "accuracy_rows": 8}
-    return worker.run_spec(spec)
+    return session_points.run_spec(spec)
 
 
 @pytest.mark.parametrize("fail_in", ["backward", "build"])

@@ -1,4 +1,5 @@
-"""Run a list of workloads x providers: one fresh ``bench.worker`` process per measurement, rich progress.
+"""The points of ``run``, ``c1`` and ``gpu``: workloads x providers, each measured in a fresh process on the session's
+harness (``bench.session_run.run_fresh``: its watchdog kills a point past ``RunConfig.timeout_s``), with progress.
 
 Rows come back as flat dicts (one per workload and provider, whatever happened): ``status`` is "ok",
 "skipped" (cannot run here; ``reason`` says why), "n/a" (does not compute this kind of thing) or "error".
@@ -8,24 +9,17 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import tempfile
-import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from bench import providers as P
+from bench.session_run import run_fresh
 from bench.workloads import Workload, bytes_moved, flops, flops_executed
 
 __all__ = ["RunConfig", "run", "floor_workload", "add_ratios"]
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclass
@@ -37,9 +31,9 @@ class RunConfig:
     n_sets: int = 2  # input sets rotated through the repetitions
     accuracy_rows: int = 256  # tokens checked against float64
     rep_ms: int = 2000  # do_bench's timing budget per measurement (CUDA)
-    timeout_s: int = 3600  # per worker process
+    timeout_s: int = 3600  # per measuring process (its watchdog)
     seed: int = 1234
-    threads: int = 0  # CPU threads in the workers (0: torch's default)
+    threads: int = 0  # CPU threads in the measuring processes (0: torch's default)
     options: dict = field(default_factory=dict)  # passed to the providers (fastrl_backend, liger_compiled)
     # provider -> reason, for providers this mode leaves out on purpose (e.g. torch.compile in --smoke)
     leave_out: dict = field(default_factory=dict)
@@ -57,33 +51,6 @@ def floor_workload(dtype: str, shape: tuple) -> Workload:
     m, k, n = shape
     return Workload(f"matmul-{dtype}", "forward", m, k, n, dtype, group="floor",
                     note=f"plain [{m},{k}] @ [{k},{n}] GEMM: the floor every FLOP rate is compared with")
-
-
-def _spawn(spec: dict, timeout_s: int) -> dict:
-    """Run one measurement in a fresh interpreter and return its result (or an error row)."""
-    with tempfile.TemporaryDirectory(prefix="fastrl-bench-") as tmp:
-        spec_path, res_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "result.json")
-        with open(spec_path, "w") as f:
-            json.dump(spec, f)
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-        t0 = time.perf_counter()
-        try:
-            proc = subprocess.run(
-                [sys.executable, "-m", "bench.worker", spec_path, res_path],
-                cwd=REPO_ROOT, env=env, timeout=timeout_s, capture_output=True, text=True,
-            )
-        except subprocess.TimeoutExpired:
-            return {"status": "error", "reason": f"timed out after {timeout_s} s (worker killed)"}
-        if os.path.exists(res_path):
-            with open(res_path) as f:
-                res = json.load(f)
-        else:
-            tail = [ln for ln in (proc.stderr or "").strip().splitlines() if ln.strip()][-1:] or ["no output"]
-            sig = f"killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exit code {proc.returncode}"
-            res = {"status": "error", "reason": f"worker died ({sig}): {tail[0][:300]}"}
-        res["process_s"] = time.perf_counter() - t0
-        return res
 
 
 def _row(wl: Workload, provider: str, label: str, status: str, reason: str = "") -> dict:
@@ -140,14 +107,14 @@ def _one_line(row: dict) -> str:
             f"  {row['peak_extra_mb']:9.1f} MB{err}")
 
 
-def run(workloads: list[Workload], provs: list[P.Provider], cfg: RunConfig, console: Console) -> tuple[list[dict], dict]:
-    """Measure every (workload, provider); returns (rows, floor TFLOP/s by dtype)."""
-    plan: list[tuple[Workload, P.Provider | None, dict | None]] = []
-    rows: list[dict] = []
-    dtypes = sorted({w.dtype for w in workloads})
-    floors = [floor_workload(dt, cfg.floor_shape) for dt in dtypes]
-    for fw in floors:
-        plan.append((fw, None, None))
+def _plan(workloads: list[Workload], provs: list[P.Provider], cfg: RunConfig) -> tuple[list, list, list]:
+    """(the points to measure: the floors first, then each (workload, provider) that runs here, once per distinct
+    shape; the rows of those that cannot run, with the reason; the copies: (workload, provider, the workload whose
+    row it repeats)). Sweeps share their base point, and on CUDA W1-lp is also tokens-16384, vocab-151936 and
+    hidden-4096."""
+    plan: list[tuple[Workload, P.Provider | None]] = [(floor_workload(dt, cfg.floor_shape), None)
+                                                       for dt in sorted({w.dtype for w in workloads})]
+    rows, same_as, first = [], [], {}
     for wl in workloads:
         for p in provs:
             why = p.unavailable(wl, cfg.device)
@@ -157,104 +124,90 @@ def run(workloads: list[Workload], provs: list[P.Provider], cfg: RunConfig, cons
                 where, because = cfg.only_on[p.name]
                 if wl.name not in where and wl.group not in where:
                     why = ("skipped", f"left out by --{cfg.mode}: {p.name} runs on {', '.join(where)} only ({because})")
+            key = (p.name, wl.kind, wl.N, wl.H, wl.V, wl.dtype, wl.batch, wl.frozen_head)
             if why is not None:
                 rows.append(_row(wl, p.name, p.label, *why))
+            elif key in first:
+                same_as.append((wl, p, first[key]))
             else:
-                plan.append((wl, p, None))
+                first[key] = wl
+                plan.append((wl, p))
+    return plan, rows, same_as
 
-    # one measurement per distinct (provider, shape): sweeps share their base point, and on CUDA W1-lp is
-    # also tokens-16384, vocab-151936 and hidden-4096; the copies say which row they repeat
-    first: dict[tuple, Workload] = {}
-    same_as: list[tuple[Workload, P.Provider, Workload]] = []
-    unique = []
-    for wl, p, x in plan:
-        if p is None:
-            unique.append((wl, p, x))
-            continue
-        key = (p.name, wl.kind, wl.N, wl.H, wl.V, wl.dtype, wl.batch, wl.frozen_head)
-        if key in first:
-            same_as.append((wl, p, first[key]))
-        else:
-            first[key] = wl
-            unique.append((wl, p, x))
-    plan = unique
 
+def _spec(wl: Workload, name: str, cfg: RunConfig) -> dict:
+    floor = name == "matmul"
+    return {"workload": wl.to_dict(), "provider": name, "device": cfg.device,
+            "reps": max(cfg.reps, 5) if floor else cfg.reps, "warmup": max(cfg.warmup, 1) if floor else cfg.warmup,
+            "n_sets": cfg.n_sets, "seed": cfg.seed, "accuracy_rows": cfg.accuracy_rows, "rep_ms": cfg.rep_ms,
+            "threads": cfg.threads, "options": cfg.options}
+
+
+def _floor_row(wl: Workload, res: dict, floor: dict, con) -> dict:
+    """The floor's row; its GFLOP/s goes into ``floor`` (every row's "% floor" needs it)."""
+    row = _row(wl, "matmul", "plain GEMM (floor)", res.get("status", "error"), res.get("reason", ""))
+    row.update({k: v for k, v in res.items() if k != "traceback"})
+    if row["status"] == "ok":
+        f = flops(wl, "fwd") / (res["fwd_ms"]["median"] * 1e-3) / 1e12
+        row["tflops"] = floor[wl.dtype] = f
+        con.print(f"{'floor':>14} matmul {wl.dtype:<9} {res['fwd_ms']['median']:9.1f} ms -> {f * 1e3:.1f} GFLOP/s")
+    else:
+        con.print(f"[red]floor matmul failed: {escape(row['reason'])}[/red]")
+    return row
+
+
+def run(workloads: list[Workload], provs: list[P.Provider], cfg: RunConfig,
+        console: Console) -> tuple[list[dict], dict]:
+    """Measure every (workload, provider), each in a fresh process; returns (rows, floor TFLOP/s by dtype)."""
+    plan, rows, same_as = _plan(workloads, provs, cfg)
+    floors, work = [x for x in plan if x[1] is None], [x for x in plan if x[1] is not None]
     floor: dict[str, float] = {}
-    floor_rows: list[dict] = []
+    loads: list[float] = [os.getloadavg()[0]]
     cols = (SpinnerColumn(), TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(),
             TextColumn("elapsed"), TimeElapsedColumn())
-    loads: list[float] = []
 
     def keep(row: dict) -> None:
         if cfg.rows_log:
             with open(cfg.rows_log, "a") as f:
                 f.write(json.dumps(row, default=str) + "\n")
 
-    def spec_for(wl: Workload, name: str, is_floor: bool) -> dict:
-        return {
-            "workload": wl.to_dict(), "provider": name, "device": cfg.device,
-            "reps": max(cfg.reps, 5) if is_floor else cfg.reps, "warmup": max(cfg.warmup, 1) if is_floor else cfg.warmup,
-            "n_sets": cfg.n_sets, "seed": cfg.seed, "accuracy_rows": cfg.accuracy_rows, "rep_ms": cfg.rep_ms,
-            "threads": cfg.threads, "options": cfg.options,
-        }
-
-    def measure(wl: Workload, p: P.Provider | None) -> dict:
-        loads.append(os.getloadavg()[0])
-        res = _spawn(spec_for(wl, p.name if p else "matmul", p is None), cfg.timeout_s)
-        loads.append(os.getloadavg()[0])
-        return res
-
     with Progress(*cols, console=console, transient=False) as prog:
-        task = prog.add_task("starting", total=len(plan))
-        # the floor first and alone: every row's "% floor" needs it
-        for wl, p, _ in [x for x in plan if x[1] is None]:
-            prog.update(task, description=f"{wl.name} | floor")
-            res = measure(wl, None)
-            row = _row(wl, "matmul", "plain GEMM (floor)", res.get("status", "error"), res.get("reason", ""))
-            row.update({k: v for k, v in res.items() if k != "traceback"})
-            if row["status"] == "ok":
-                f = flops(wl, "fwd") / (res["fwd_ms"]["median"] * 1e-3) / 1e12
-                row["tflops"] = f
-                floor[wl.dtype] = f
-                prog.console.print(f"{'floor':>14} matmul {wl.dtype:<9} {res['fwd_ms']['median']:9.1f} ms "
-                                   f"-> {f * 1e3:.1f} GFLOP/s")
-            else:
-                prog.console.print(f"[red]floor matmul failed: {escape(row['reason'])}[/red]")
-            floor_rows.append(row)
-            keep(row)
+        task = prog.add_task("floor", total=len(plan))
+        floor_rows = []
+        for wl, _ in floors:  # the floor first and alone
+            (res,) = run_fresh([_spec(wl, "matmul", cfg)], cfg.device, cfg.timeout_s)
+            floor_rows.append(_floor_row(wl, res, floor, prog.console))
+            keep(floor_rows[-1])
             prog.advance(task)
-        work = [(wl, p) for wl, p, _ in plan if p is not None]
-        with ThreadPoolExecutor(max_workers=max(1, cfg.jobs)) as pool:
-            futs = {}
-            for wl, p in work:
-                futs[pool.submit(measure, wl, p)] = (wl, p)
-            for fut in as_completed(futs) if cfg.jobs > 1 else futs:
-                wl, p = futs[fut]
-                if cfg.jobs == 1:
-                    prog.update(task, description=f"{wl.name} | {p.name}")
-                res = fut.result()
-                row = _finish_row(_row(wl, p.name, p.label, res.get("status", "error"), res.get("reason", "")),
-                                  wl, res, floor)
-                rows.append(row)
-                keep(row)
-                prog.console.print(_one_line(row))
-                prog.advance(task)
+        by_spec = {}
+
+        def done(spec: dict, res: dict) -> None:
+            wl, p = by_spec[id(spec)]
+            loads.append(os.getloadavg()[0])
+            row = _finish_row(_row(wl, p.name, p.label, res.get("status", "error"), res.get("reason", "")),
+                              wl, res, floor)
+            rows.append(row)
+            keep(row)
+            prog.console.print(_one_line(row))
+            prog.update(task, description=f"{wl.name} | {p.name}")
+            prog.advance(task)
+
+        specs = []
+        for wl, p in work:
+            specs.append(_spec(wl, p.name, cfg))
+            by_spec[id(specs[-1])] = (wl, p)
+        run_fresh(specs, cfg.device, cfg.timeout_s, jobs=cfg.jobs, on_result=done)
         prog.update(task, description="done")
     for wl, p, src in same_as:
         orig = next(r for r in rows if r["workload"] == src.name and r["provider"] == p.name)
         row = {**orig, **_row(wl, p.name, p.label, orig["status"], orig["reason"]), "same_as": src.name}
-        for k in ("fwd_ms", "bwd_ms", "total_ms"):
-            if k in orig:
-                row[k] = dict(orig[k])
-        rows.append(row)
+        rows.append({**row, **{k: dict(orig[k]) for k in ("fwd_ms", "bwd_ms", "total_ms") if k in orig}})
     # a measuring process itself keeps about `cores` threads busy; well above that, something else ran too
-    if loads and max(loads) > 1.5 * (os.cpu_count() or 1):
+    if max(loads) > 1.5 * (os.cpu_count() or 1):
         console.print(f"[yellow]load average reached {max(loads):.1f} on {os.cpu_count()} cores during this run: "
                       f"other processes competed for the CPU, so times are noisier than usual[/yellow]")
-
     order = {w.name: i for i, w in enumerate(workloads)}
     porder = {p.name: i for i, p in enumerate(provs)}
     rows.sort(key=lambda r: (order.get(r["workload"], 1 << 20), porder.get(r["provider"], 1 << 20)))
     add_ratios(rows)
-    return floor_rows + rows, {"floor_tflops": floor, "loadavg_max": max(loads) if loads else None,
-                               "loadavg_min": min(loads) if loads else None}
+    return floor_rows + rows, {"floor_tflops": floor, "loadavg_max": max(loads), "loadavg_min": min(loads)}
