@@ -130,14 +130,14 @@ def run_point(spec: dict) -> dict:
         import gc
 
         gc.collect()
-        rss0 = measure._rss_mb()
-        measure._reset_peak()
+        rss0 = measure.rss_mb()
+        measure.reset_peak()
         times = []
         for _ in range(spec["reps"]):
             t0 = time.perf_counter()
             step()
             times.append((time.perf_counter() - t0) * 1e3)
-        res["peak_extra_mb"] = max(0.0, measure._peak_rss_mb() - rss0)
+        res["peak_extra_mb"] = max(0.0, measure.peak_rss_mb() - rss0)
     res["ms"] = statistics.median(times)
     res["ms_all"] = times
     sizes = ks.sizes()

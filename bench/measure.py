@@ -50,7 +50,7 @@ def summarize(samples_ms: list[float]) -> dict:
 # CPU
 # ---------------------------------------------------------------------------------------------------
 
-def _rss_mb() -> float:
+def rss_mb() -> float:
     """Resident set size now."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / MB
@@ -60,7 +60,7 @@ def _ru_maxrss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
 
 
-def _peak_rss_mb() -> float:
+def peak_rss_mb() -> float:
     """This address space's peak RSS since the last reset (VmHWM); getrusage's where /proc is missing."""
     try:
         with open("/proc/self/status") as f:
@@ -72,7 +72,7 @@ def _peak_rss_mb() -> float:
     return _ru_maxrss_mb()
 
 
-def _reset_peak() -> bool:
+def reset_peak() -> bool:
     """Reset the kernel's peak-RSS mark to the current RSS (Linux >= 4.0); False if that is not possible."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -82,7 +82,7 @@ def _reset_peak() -> bool:
         return False
 
 
-def _trim() -> None:
+def trim() -> None:
     """Collect garbage and hand freed heap pages back to the OS, so the RSS baseline is live data only."""
     gc.collect()
     try:
@@ -111,34 +111,34 @@ def _keep(out: dict, grads, rows: int) -> dict:
 
 
 def measure_cpu(op: Op, states: list[dict], reps: int, warmup: int, keep_rows: int) -> dict:
-    rss_inputs = _rss_mb()
+    rss_inputs = rss_mb()
     first_ms = first_mb = None
     with torch.set_grad_enabled(op.needs_grad):
         for i in range(warmup):
             if i == 0:  # the fresh process's first step: what lazy imports and first-call set-up cost a user
-                _trim()
-                base = _rss_mb()
-                _reset_peak()
+                trim()
+                base = rss_mb()
+                reset_peak()
                 t0 = time.perf_counter()
             out, grads = _step(op, states[i % len(states)])
             if i == 0:
-                first_ms, first_mb = (time.perf_counter() - t0) * 1e3, _peak_rss_mb() - base
+                first_ms, first_mb = (time.perf_counter() - t0) * 1e3, peak_rss_mb() - base
             del out, grads
         fwd_ms, bwd_ms, tot_ms, fwd_mb, tot_mb, bases, ru = [], [], [], [], [], [], []
         kept = {}
         reset_ok = True
         for r in range(reps):
             st = states[r % len(states)]
-            _trim()
-            base = _rss_mb()
-            reset_ok &= _reset_peak()
+            trim()
+            base = rss_mb()
+            reset_ok &= reset_peak()
             t0 = time.perf_counter()
             out = op.forward(st)
             t1 = time.perf_counter()
-            peak_f = _peak_rss_mb()
+            peak_f = peak_rss_mb()
             grads = torch.autograd.grad(out["loss"], st["wrt"]) if op.needs_grad else None
             t2 = time.perf_counter()
-            peak_t = _peak_rss_mb()
+            peak_t = peak_rss_mb()
             ru.append(_ru_maxrss_mb() - base)
             fwd_ms.append((t1 - t0) * 1e3)
             tot_ms.append((t2 - t0) * 1e3)

@@ -196,15 +196,15 @@ def _timed_steps(step, model, inputs, reps: int, cuda: bool) -> dict:
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
         else:
-            measure._trim()
-            base = measure._rss_mb() * measure.MB
-            measure._reset_peak()
+            measure.trim()
+            base = measure.rss_mb() * measure.MB
+            measure.reset_peak()
         t0 = time.perf_counter()
         losses.append(step(inputs))
         if cuda:
             torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
-        peak = torch.cuda.max_memory_allocated() if cuda else measure._peak_rss_mb() * measure.MB
+        peak = torch.cuda.max_memory_allocated() if cuda else measure.peak_rss_mb() * measure.MB
         bases.append(base / measure.MB)
         extras.append((peak - base) / measure.MB)
         totals.append(peak / measure.MB)
