@@ -48,7 +48,7 @@ def _pack(row: torch.Tensor, col: torch.Tensor, values: torch.Tensor, n: int, fi
     cols = torch.zeros((n, m), dtype=torch.int64, device=row.device)
     if m:
         slot = torch.arange(row.numel(), device=row.device) - (counts.cumsum(0) - counts).index_select(0, row)
-        flat = row * m + slot  # 1-D scatters: several times faster on a CPU than a 2-D index_put
+        flat = row * m + slot  # 1-D scatters: faster on a CPU than a 2-D index_put
         vals.view(-1).scatter_(0, flat, values)
         cols.view(-1).scatter_(0, flat, col)
     return vals, cols
@@ -303,7 +303,7 @@ def _above(
     v0: int,  # id of the block's first column
 ) -> tuple[torch.Tensor, torch.Tensor]:  # values [n, m], ids [n, m]: each row's entries > floor, padded with -inf
     """The entries of each row strictly above ``floor``, packed left (``m``: the most any row has). On a CPU, where
-    ``topk`` of a block costs several times its GEMM's share (83 ms for 1024 x 4096 at k=65, one thread); CUDA's
+    ``topk`` of a block (k=65: a partial sort of every row) costs far more than reading it once; CUDA's
     ``topk`` is fast and reads nothing back to the host, so a GPU takes each block's ``topk`` instead.
 
     Once the floor is a few blocks' best, a block brings each row a handful of such entries, so only the segments
@@ -319,7 +319,7 @@ def _above(
     seg = segs.index_select(0, r * S + b)  # [s, 32] the segments that pass
     above = seg > floor.view(-1).index_select(0, r)[:, None]
     i, j = above.nonzero().unbind(1)
-    # index_select, not seg[above] or r[i]: a boolean or tensor index is an order of magnitude slower on a CPU
+    # index_select, not seg[above] or r[i]: boolean and tensor indexing are slower on a CPU
     row, col = r.index_select(0, i), b.index_select(0, i) * _SEG + j
     val = seg.view(-1).index_select(0, i * _SEG + j)
     if whole < C:  # the block's last, partial segment: looked into directly
