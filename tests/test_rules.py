@@ -284,3 +284,58 @@ def test_every_rule_keeps_a_rows_set_whatever_the_batch():
             m = apply_rule(z, r, pos)
             for i in range(z.shape[0]):
                 assert torch.equal(m[i], apply_rule(z[i : i + 1], r, pos[i : i + 1])[0]), (r, i)
+
+
+def _floor_rows(V, k, seed):
+    """Rows for the segment floor: tied_logits' (a constant row, -inf thirds, one finite entry, small multiples of
+    1/4), smooth rows, and a row whose k largest (5.0, in k distinct segments) stand above a constant rest: the
+    floor is the rest's value, the buffer holds exactly the k fives, and the floor's padding lies past them."""
+    z = torch.cat([tied_logits(6, V, seed), torch.randn(3, V, generator=torch.Generator().manual_seed(seed))])
+    five = torch.zeros(1, V)
+    five[0, torch.arange(k) * rules._SEG + 3] = 5.0
+    return torch.cat([z, five])
+
+
+@pytest.mark.parametrize("cols", [2500, 1111, 700])
+def test_select_top_k_segment_floor_equals_apply_rule(cols, monkeypatch):
+    """Blocks of at least c = k + 1 whole segments: the first takes its floor from its segment maxima, not from a
+    topk of the block (no topk of a block's width runs), and every later block adds only its entries above the
+    floor. The kept sets are apply_rule's; only rows with a tie at the k-th value are recomputed whole."""
+    V = 2500
+    widths, asked = [], []
+    real_topk = torch.topk
+
+    def topk(x, k, *args, **kwargs):
+        if not asked and k > 1:  # the running top-(k+1)'s, not apply_rule's on the rows recomputed whole nor
+            widths.append(x.shape[-1])  # transformers' min_p's top-1 on whole rows of top_k's survivors
+        return real_topk(x, k, *args, **kwargs)
+
+    for r in (SR(top_k=3), SR(top_k=5, ties="index"), SR(top_k=20, top_p=0.9), SR(top_k=20, min_p=0.2),
+              SR(top_k=4, order="transformers", top_p=0.7, min_p=0.1)):
+        z = _floor_rows(V, r.top_k, r.top_k)
+        n = z.shape[0]
+
+        def full_rows(rr, z=z):
+            asked.extend(rr.tolist())
+            return z.index_select(0, rr)
+
+        widths.clear(), asked.clear()
+        monkeypatch.setattr(torch, "topk", topk)
+        got = rules._select_top_k(lambda v0, v1, z=z: z[:, v0:v1].clone(), full_rows, n, V, cols, r, None, CPU)
+        monkeypatch.setattr(torch, "topk", real_topk)
+        assert torch.equal(_as_mask(*got, n, V), apply_rule(z, r)), (r, cols)
+        assert max(widths) < cols // 2, (r, cols, widths)  # segment maxima and buffers, never a block
+        assert 0 in asked and n - 1 not in asked and 4 not in asked, (r, asked)  # constant row: tie; fives: none
+
+
+def test_running_top_holds_the_c_largest_with_their_multiplicity():
+    """_running_top's buffer against a sort of the row: the c largest values exactly (ties and -inf included), at
+    block widths that take the segment floor, the per-block topk, or both."""
+    V = 3000
+    z = torch.cat([tied_logits(6, V, 7), torch.randn(2, V, generator=torch.Generator().manual_seed(7))])
+    for c, cols in itertools.product((1, 4, 30), (V, 1500, 977, 100, 31)):
+        top_v, top_i = rules._running_top(((v0, z[:, v0 : v0 + cols].clone()) for v0 in range(0, V, cols)), c)
+        want = torch.sort(z, dim=-1, descending=True).values[:, :c]
+        assert torch.equal(top_v, want), (c, cols)
+        real = top_v > want[:, -1:]  # entries above the c-th value: their ids are exact
+        assert torch.equal(z.gather(1, top_i)[real], top_v[real]), (c, cols)

@@ -9,8 +9,10 @@ per chunk (one GEMM per tile, cuBLAS on CUDA with a float32 result, so no logit 
 ``[N, V]``; the target is added where the rule dropped it, and the kept ids are appended to a CSR ``KeptSet``:
 
 * a rule with top_k, ``_select_top_k``: each chunk of many tokens walks the vocabulary in blocks, each block merged
-  into a running top-(k+1) per row: no sort of a row, GEMMs as wide as the full path's, one bounded tile. Cost
-  ``2 N H V`` FLOPs plus a pass over each block. What follows top_k (top_p, transformers' min_p) then runs on whole
+  into a running top-(k+1) per row (``_running_top``): no sort of a row, GEMMs as wide as the full path's, one
+  bounded tile. Cost ``2 N H V`` FLOPs plus, on a CPU, one read of each block for its 32-column segment maxima
+  and a look into the few segments above each row's floor (no ``topk`` of a block; a GPU takes each block's
+  ``topk``). What follows top_k (top_p, transformers' min_p) then runs on whole
   rows holding only top_k's survivors, the same functions ``apply_rule`` runs after its top_k: top_p sorts the
   survivors only (``_sort_desc``'s bound), never a row;
 * a rule without top_k: whole rows per chunk (``[chunk, V]``: 16 MB on a CPU, 128 MB on CUDA), ``apply_rule`` on the
@@ -46,8 +48,9 @@ def _pack(row: torch.Tensor, col: torch.Tensor, values: torch.Tensor, n: int, fi
     cols = torch.zeros((n, m), dtype=torch.int64, device=row.device)
     if m:
         slot = torch.arange(row.numel(), device=row.device) - (counts.cumsum(0) - counts).index_select(0, row)
-        vals[row, slot] = values
-        cols[row, slot] = col
+        flat = row * m + slot  # 1-D scatters: faster on a CPU than a 2-D index_put
+        vals.view(-1).scatter_(0, flat, values)
+        cols.view(-1).scatter_(0, flat, col)
     return vals, cols
 
 
@@ -282,36 +285,99 @@ def _after_top_k(rule: SamplerRule) -> bool:
     return rule.top_p < 1.0 or (rule.min_p > 0.0 and rule.order == "transformers")
 
 
-_SEG = 32  # columns per segment in _above's first pass
+_SEG = 32  # columns per segment: the running selection reads a block's segment maxima first
+_MERGE = 2  # the running buffer is cut back to c entries once it holds _MERGE * c
+
+
+def _seg_max(z: torch.Tensor) -> torch.Tensor:  # [n, C // _SEG]
+    """The maxima of each row's whole ``_SEG``-column segments (one vectorised read of the block)."""
+    n, C = z.shape
+    S = C // _SEG
+    return z[:, : S * _SEG].reshape(n, S, _SEG).amax(dim=-1)
 
 
 def _above(
-    z: torch.Tensor,  # [n, C] a block of logits, rows contiguous
-    floor: torch.Tensor,  # [n, 1] each row's buffer minimum
+    z: torch.Tensor,  # [n, C] a block of logits
+    seg_max: torch.Tensor,  # [n, C // _SEG] its segment maxima (_seg_max)
+    floor: torch.Tensor,  # [n, 1] each row's floor
     v0: int,  # id of the block's first column
 ) -> tuple[torch.Tensor, torch.Tensor]:  # values [n, m], ids [n, m]: each row's entries > floor, padded with -inf
     """The entries of each row strictly above ``floor``, packed left (``m``: the most any row has). On a CPU, where
-    ``topk`` of a block costs several times its GEMM's share (95 ms for 1024 x 4096 at k=65, one thread); CUDA's
+    ``topk`` of a block (k=65: a partial sort of every row) costs far more than reading it once; CUDA's
     ``topk`` is fast and reads nothing back to the host, so a GPU takes each block's ``topk`` instead.
 
-    Once the buffer holds a few blocks' best, a block brings each row a handful of such entries, so the block is
-    read once for the maxima of its 32-column segments (a vectorised reduction, no mask of the block), and only
-    the segments whose maximum passes are looked into. An entry equal to the buffer's smallest value cannot change
-    which values the buffer holds, only which of equal ids: ``_select_top_k``'s tie check sees that case whatever
-    was dropped."""
+    Once the floor is a few blocks' best, a block brings each row a handful of such entries, so only the segments
+    whose maximum passes are looked into (gathered as whole rows of a ``[n * S, 32]`` view, no mask of the block).
+    Dropping an entry equal to the floor is safe: ``_select_top_k`` keeps the floor's value itself, and its tie
+    check sees when such an entry could have been kept."""
+    z = z.contiguous()
     n, C = z.shape
-    whole = C - C % _SEG
-    seg_max = z[:, :whole].reshape(n, whole // _SEG, _SEG).amax(dim=-1)  # [n, C // 32]
+    S = C // _SEG
+    whole = S * _SEG
     r, b = (seg_max > floor).nonzero().unbind(1)  # row-major
-    seg = z[:, :whole].reshape(n, whole // _SEG, _SEG)[r, b]  # [s, 32] the segments that pass
-    i, j = (seg > floor.index_select(0, r)).nonzero().unbind(1)
+    segs = z.view(n * S, _SEG) if whole == C else z[:, :whole].reshape(n * S, _SEG)
+    seg = segs.index_select(0, r * S + b)  # [s, 32] the segments that pass
+    above = seg > floor.view(-1).index_select(0, r)[:, None]
+    i, j = above.nonzero().unbind(1)
+    # index_select, not seg[above] or r[i]: boolean and tensor indexing are slower on a CPU
     row, col = r.index_select(0, i), b.index_select(0, i) * _SEG + j
+    val = seg.view(-1).index_select(0, i * _SEG + j)
     if whole < C:  # the block's last, partial segment: looked into directly
         r2, c2 = (z[:, whole:] > floor).nonzero().unbind(1)
         row, col = torch.cat([row, r2]), torch.cat([col, c2 + whole])
+        val = torch.cat([val, z[:, whole:][r2, c2]])
         order = torch.sort(row * C + col).indices  # back to row-major
-        row, col = row.index_select(0, order), col.index_select(0, order)
-    return _pack(row, col + v0, z[row, col], n, -math.inf)
+        row, col, val = row.index_select(0, order), col.index_select(0, order), val.index_select(0, order)
+    return _pack(row, col + v0, val, n, -math.inf)
+
+
+def _cut(top_v: torch.Tensor, top_i: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``c`` largest of each row's buffer (values descending, with their ids); narrower buffers as they are."""
+    if top_v.shape[1] <= c:
+        return top_v, top_i
+    top_v, sel = torch.topk(top_v, c, dim=-1)
+    return top_v, top_i.gather(1, sel)
+
+
+def _running_top(
+    blocks,  # iterable of (v0, [n, C] transformed logits)
+    c: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # each row's c largest values [n, c] descending, and ids
+    """Each row's ``c`` largest values with their multiplicity, from its vocabulary blocks, never a sort of a row.
+
+    A row's ``floor`` is a value that at least ``c`` of its entries reach, and every entry left out is <= it. The
+    first block of at least ``c`` whole segments gives one without a ``topk`` of the block: its ``c``-th largest
+    segment maximum (the maxima are ``c`` distinct entries); until one exists, each block's own ``topk``. From
+    then on a block adds its entries above the floor (``_above``), and when the buffer holds ``_MERGE * c`` it is
+    cut back to its ``c`` largest, whose smallest raises the floor. At the end the buffer, padded with the floor's
+    value (at least ``c`` entries reach it, and every entry above it is in the buffer), gives exactly the ``c``
+    largest values; a padding entry's id (0) is unknown, which ``_select_top_k``'s tie check covers: a padding
+    entry among the first ``k`` means the ``k``-th and ``(k + 1)``-th values are both the floor."""
+    top_v = top_i = floor = None
+    for v0, z in blocks:
+        sm = None
+        if floor is None and not z.is_cuda and z.shape[1] // _SEG >= c:
+            sm = _seg_max(z)
+            floor = torch.topk(sm, c, dim=-1).values[:, -1:]
+        if floor is None or z.is_cuda:  # the block's own topk
+            bv, bi = torch.topk(z, min(c, z.shape[1]), dim=-1)
+            bi += v0
+        else:  # CPU: only values above the floor can enter (few, once a few blocks are seen)
+            bv, bi = _above(z, _seg_max(z) if sm is None else sm, floor, v0)
+        if top_v is not None:
+            bv, bi = torch.cat([top_v, bv], dim=1), torch.cat([top_i, bi], dim=1)
+        top_v, top_i = bv, bi
+        if top_v.shape[1] >= (_MERGE * c if floor is not None and not z.is_cuda else c + 1):
+            top_v, top_i = _cut(top_v, top_i, c)
+            if top_v.shape[1] == c and not z.is_cuda:
+                floor = top_v[:, -1:] if floor is None else torch.maximum(floor, top_v[:, -1:])
+    if floor is not None:  # the floor's value, c times: fills the places of entries equal to it left out
+        top_v = torch.cat([top_v, floor.expand(-1, c)], dim=1)
+        top_i = torch.cat([top_i, top_i.new_zeros((top_i.shape[0], c))], dim=1)
+    if top_v.shape[1] > c:
+        return _cut(top_v, top_i, c)
+    top_v, o = torch.sort(top_v, dim=-1, descending=True)  # a buffer never cut: blocks' topk side by side
+    return top_v, top_i.gather(1, o)
 
 
 def _select_top_k(
@@ -325,14 +391,14 @@ def _select_top_k(
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (row [m], id [m]) kept pairs, rows ascending, ids ascending within a row
     """``apply_rule``'s kept set for a ``_bounded`` rule, from the logits in vocabulary blocks (GEMMs over every row
-    of the chunk: wide, not a few whole rows) and a running top-``(k + 1)`` of each row, never a sort of a row.
+    of the chunk: wide, not a few whole rows) and a running top-``(k + 1)`` of each row (``_running_top``), never a
+    sort of a row.
 
-    Exact by construction: the buffer holds the ``k + 1`` largest values of the row (with their multiplicity;
-    ``topk`` of each block, then of the buffer and the block's, keeps every value that fewer than ``k + 1`` others
-    exceed or equal). When its ``(k + 1)``-th value is below the k-th, the first k entries are exactly the ids
-    with a value >= the k-th: top_k's set under either tie rule. Where they are equal, ids equal to the k-th value
-    may have been dropped, and which of them a rule keeps depends on all of them: those rows (rare with real logits)
-    are recomputed whole and handed to ``apply_rule`` itself. vLLM's min_p keeps ``z >= z_max + log(min_p)``, a
+    Exact by construction: the buffer holds the ``k + 1`` largest values of the row (with their multiplicity).
+    When its ``(k + 1)``-th value is below the k-th, the first k entries are exactly the ids with a value >= the
+    k-th: top_k's set under either tie rule. Where they are equal, ids equal to the k-th value may have been
+    dropped, and which of them a rule keeps depends on all of them: those rows (rare with real logits) are
+    recomputed whole and handed to ``apply_rule`` itself. vLLM's min_p keeps ``z >= z_max + log(min_p)``, a
     threshold every top-k survivor of it passes in the same order (``z_max`` is the buffer's first value), and
     min_tokens sets the stop ids to ``-inf`` block by block, as ``apply_rule`` does on the whole row. Stages past
     top_k (``_after_top_k``) see only its survivors, so ``_finish_after_top_k`` rebuilds exactly the tile they get
@@ -340,24 +406,18 @@ def _select_top_k(
     k = min(rule.top_k, V)
     c = min(k + 1, V)
     stops, early = _stop_ids(rule, V, positions, device)
-    top_v = top_i = None
-    for v0 in range(0, V, cols):
-        v1 = min(v0 + cols, V)
-        z = block(v0, v1)
-        if stops is not None:
-            s = stops[(stops >= v0) & (stops < v1)] - v0
-            if s.numel():
-                z[:, s] = z[:, s].masked_fill(early[:, None], -math.inf)
-        if top_v is None or top_v.shape[1] < c or z.is_cuda:  # the block's own topk
-            bv, bi = torch.topk(z, min(c, v1 - v0), dim=-1)
-            bi += v0
-        else:  # CPU: only values above the buffer's smallest can enter it (few, once a few blocks are seen)
-            bv, bi = _above(z, top_v[:, -1:], v0)
-        if top_v is not None:
-            bv, bi = torch.cat([top_v, bv], dim=1), torch.cat([top_i, bi], dim=1)
-            bv, sel = torch.topk(bv, min(c, bv.shape[1]), dim=-1)
-            bi = bi.gather(1, sel)
-        top_v, top_i = bv, bi
+
+    def blocks():
+        for v0 in range(0, V, cols):
+            v1 = min(v0 + cols, V)
+            z = block(v0, v1)
+            if stops is not None:
+                s = stops[(stops >= v0) & (stops < v1)] - v0
+                if s.numel():
+                    z[:, s] = z[:, s].masked_fill(early[:, None], -math.inf)
+            yield v0, z
+
+    top_v, top_i = _running_top(blocks(), c)
     # top_v [n, c]: each row's c largest values, descending; top_i their ids
     width = top_v.shape[1]
     keep = (top_v > -math.inf) & (torch.arange(width, device=device) < k)
