@@ -48,7 +48,7 @@ import torch
 
 from fastrl.ops import torch_backend as TB
 from fastrl.ops._gemm import addmm_f32, cuda_f32_out, mm_f32
-from fastrl.ops.budget import tile_budget
+from fastrl.ops.budget import kept_capacity
 from fastrl.ops.config import Head, LogitTransform
 from fastrl.ops.custom_ops import (
     PackedOptions, _empty, _grad_rows, _head_grads, _head_grads_like, _input_grads, _layout, _live_rows, _op,
@@ -63,20 +63,16 @@ __all__ = ["KeptOptions", "Head", "entry_logits", "entry_backward", "segment_lse
            "chunk_plan", "capacity", "entries"]
 
 def capacity(device: torch.device, tile_elems: int = 0, cap: int = 0) -> tuple[int, int]:
-    """(tile_elems, cap) of the engine on ``device``, the one capacity rule: the values given (an op's options), 0
-    meaning the ``kept`` tile budget (``fastrl.ops.budget``): the ``[rows, |U|]`` float32 tile of a union unit (the
-    per-row plan's gathered ``[rows, K, H]`` block), and the most ids a union unit may hold."""
-    b = tile_budget("kept", device)
-    return tile_elems or b.elems, cap or b.cap
+    """(tile_elems, cap) of the engine on ``device`` (``fastrl.ops.budget.kept_capacity``, the one capacity rule)."""
+    return kept_capacity(device, tile_elems, cap)
 
 
 def build_plan(support: KeptSet, V: int, device: torch.device, host_sync: bool) -> PlanChoice:
-    """The one place a kept set's plan is chosen (``fused_logprobs``, ``policy_loss``, ``fused_divergence``): the
-    support's final rows (ignored rows already dropped where the host may be read), V, the device (its capacity)
-    and whether the host may be read. ``print(build_plan(...))`` says which plan, what it computes and why;
-    ``.arg()`` is the ops' plan argument, ``.tile_elems`` / ``.cap`` their options."""
-    tile, cap = capacity(device)
-    return kept_plan.choose(support.ids, support.offsets, V, support.width, support.overlap, host_sync, tile, cap)
+    """The plan of ``support``'s final rows (ignored rows already dropped where the host may be read) over ``V`` ids
+    on ``device`` (``fastrl.ops.kept_plan.choose_for``, the one place a kept set's plan is chosen, which
+    ``KeptSet.describe_plan`` prints too). ``.arg()`` is the ops' plan argument, ``.tile_elems`` / ``.cap`` their
+    options."""
+    return kept_plan.choose_for(support.ids, support.offsets, V, support.width, support.overlap, host_sync, device)
 
 
 def dead_rows(active: torch.Tensor | None, found: torch.Tensor | None, *xs: torch.Tensor | None):
