@@ -248,7 +248,7 @@ def _one_pass(
 
         if g_kl is not None:
             G = tile_grad_kl_(z, zr, ck.t, lse, ent, lse_r, kl_c, g_lp, g_en, g_kl, tf)
-            h_mm = TB._f32(ck.h)
+            h_mm = TB.upcast(ck.h)
         elif sm90:
             G = S.chunk_grad(exp_tile, ck.t, zt, lse, ent, g_lp, g_en, tf)
             h_mm = ck.h
@@ -261,7 +261,7 @@ def _one_pass(
                 if g is not None:
                     has_grad |= g != 0
             G = TB.grad_from_logits_(z, ck.t, 0, lse, ent, g_lp, g_en, has_grad, tf)
-            h_mm = TB._f32(ck.h)
+            h_mm = TB.upcast(ck.h)
         if need_h:
             if w_mm is not None:
                 gh_c = torch.mm(G, w_mm)
@@ -269,7 +269,7 @@ def _one_pass(
                 gh_c = torch.zeros((n, H), dtype=cdt, device=dev)
                 step = TB.tile_columns(n, V)
                 for v0 in range(0, V, step):
-                    gh_c.addmm_(G[:, v0 : v0 + step], TB._f32(weight[v0 : v0 + step]))
+                    gh_c.addmm_(G[:, v0 : v0 + step], TB.upcast(weight[v0 : v0 + step]))
             ck.put_(grad_h, gh_c)
         if need_w:
             if single:  # G and h in one dtype: the GEMM accumulates in float32 and rounds once, as the cast did

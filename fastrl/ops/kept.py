@@ -122,7 +122,7 @@ def unit_logits(head: Head, u: Unit, out: torch.Tensor) -> torch.Tensor:
     if cuda_f32_out(t.device) or w_u.dtype == t.dtype:
         mm_f32(h_u, w_u.T, out=t)
     else:  # low-precision operands on a CPU: the products in float32 (bf16 x bf16 is exact there)
-        torch.mm(TB._f32(h_u), TB._f32(w_u).T, out=t)
+        torch.mm(TB.upcast(h_u), TB.upcast(w_u).T, out=t)
     if head.bias is not None:
         t += head.bias.index_select(0, u.cols).to(t.dtype)
     head.tf.apply_(t)

@@ -124,49 +124,23 @@ def linear_backward(
 
         return sm90.linear_backward(hidden, weight, bias, targets, lse, entropy, grad_logp, grad_entropy,
                                     opts.tf, need, opts.vocab_chunk)
+    return _sliced_backward(hidden, weight, bias, targets, lse, entropy, grad_logp, grad_entropy, opts, need)
+
+
+def _sliced_backward(hidden, weight, bias, targets, lse, entropy, grad_logp, grad_entropy, opts: LinearOptions,
+                     need: tuple[bool, bool, bool]):
+    """``linear_backward`` on the torch and triton-fused backends: one vocabulary slice's G at a time."""
     need_h, need_w, need_b = need
     N, H = hidden.shape
     V = weight.shape[0]
-    tf = opts.tf
     cdt = torch_backend.acc_dtype(hidden.dtype)
     grad_h = torch.zeros((N, H), dtype=cdt, device=hidden.device) if need_h else None
     grad_w = torch.empty_like(weight) if need_w else None
     grad_b = torch.empty((V,), dtype=cdt, device=hidden.device) if need_b else None
-
-    if opts.backend == "triton-fused":
-        from fastrl.kernels import linear_logprob as K
-
-        from fastrl.ops.hybrid import tile_columns
-
-        cols = tile_columns(N, V, opts.vocab_chunk)  # the [N, V_blk] G tile: the same budget as the hybrid path
-        buf = torch.empty((N, cols), dtype=hidden.dtype, device=hidden.device)
-        h_mm = hidden
-    else:
-        has_grad = torch.zeros(N, dtype=torch.bool, device=hidden.device)
-        if grad_logp is not None:
-            has_grad |= grad_logp != 0
-        if grad_entropy is not None:
-            has_grad |= grad_entropy != 0
-        cols = torch_backend.tile_columns(N, V, opts.vocab_chunk)
-        h_mm = torch_backend._f32(hidden)
-        tile = torch.empty(N * cols, dtype=cdt, device=hidden.device)
-
+    cols, h_mm, slice_grad = _slice_grads(hidden, weight, bias, targets, lse, entropy, grad_logp, grad_entropy, opts)
     for v0 in range(0, V, cols):
         v1 = min(v0 + cols, V)
-        b_blk = bias[v0:v1] if bias is not None else None
-        if opts.backend == "triton-fused":
-            G = buf[:, : v1 - v0]
-            if N > 0:
-                K.linear_grad_block(
-                    hidden, weight[v0:v1], b_blk, targets, v0, lse, entropy, grad_logp, grad_entropy, G,
-                    logit_scale=tf.logit_scale, softcap=tf.softcap, temperature=tf.temperature,
-                )
-            w_mm = weight[v0:v1]
-        else:
-            G = torch_backend.grad_block(
-                h_mm, weight, bias, targets, v0, v1, lse, entropy, grad_logp, grad_entropy, has_grad, tf, buf=tile
-            )
-            w_mm = torch_backend._f32(weight[v0:v1])
+        G, w_mm = slice_grad(v0, v1)
         if need_w:
             if G.dtype == grad_w.dtype and h_mm.dtype == grad_w.dtype:
                 torch.mm(G.T, h_mm, out=grad_w[v0:v1])  # written in place: no [V_blk, H] temporary
@@ -181,6 +155,46 @@ def linear_backward(
         grad_w,
         grad_b.to(bias.dtype) if need_b else None,
     )
+
+
+def _slice_grads(hidden, weight, bias, targets, lse, entropy, grad_logp, grad_entropy, opts: LinearOptions):
+    """(columns per slice, hidden as the weight-gradient GEMM reads it, ``(v0, v1) -> (G [N, v1 - v0], W slice as
+    the hidden-gradient GEMM reads it)``) of the torch or triton-fused backend."""
+    N, V, tf = hidden.shape[0], weight.shape[0], opts.tf
+    if opts.backend == "triton-fused":
+        from fastrl.kernels import linear_logprob as K
+
+        from fastrl.ops.hybrid import tile_columns
+
+        cols = tile_columns(N, V, opts.vocab_chunk)  # the [N, V_blk] G tile: the same budget as the hybrid path
+        buf = torch.empty((N, cols), dtype=hidden.dtype, device=hidden.device)
+
+        def fused(v0: int, v1: int):
+            G = buf[:, : v1 - v0]
+            b_blk = bias[v0:v1] if bias is not None else None
+            K.linear_grad_block(
+                hidden, weight[v0:v1], b_blk, targets, v0, lse, entropy, grad_logp, grad_entropy, G,
+                logit_scale=tf.logit_scale, softcap=tf.softcap, temperature=tf.temperature,
+            )
+            return G, weight[v0:v1]
+
+        return cols, hidden, fused
+    has_grad = torch.zeros(N, dtype=torch.bool, device=hidden.device)
+    if grad_logp is not None:
+        has_grad |= grad_logp != 0
+    if grad_entropy is not None:
+        has_grad |= grad_entropy != 0
+    cols = torch_backend.tile_columns(N, V, opts.vocab_chunk)
+    h_mm = torch_backend.upcast(hidden)
+    tile = torch.empty(N * cols, dtype=torch_backend.acc_dtype(hidden.dtype), device=hidden.device)
+
+    def torch_slice(v0: int, v1: int):
+        G = torch_backend.grad_block(
+            h_mm, weight, bias, targets, v0, v1, lse, entropy, grad_logp, grad_entropy, has_grad, tf, buf=tile
+        )
+        return G, torch_backend.upcast(weight[v0:v1])
+
+    return cols, h_mm, torch_slice
 
 
 # ---------------------------------------------------------------------------------------------------------
