@@ -20,15 +20,16 @@ import torch
 
 from fastrl.ops import torch_backend
 from fastrl.ops.custom_ops import (
-    PackedOptions, _acc, _empty, _grad_rows, _head_grads, _head_grads_like, _input_grads, _layout, _live_rows, _op,
-    _or_none, _refuse_double_backward, host_sync_enabled,
+    PackedOptions, acc_dtype, define_op, empty_output, grad_rows, head_grads, head_grads_like, host_sync_enabled,
+    input_grads, layout_of, live_rows, or_none, refuse_double_backward,
 )
 from fastrl.ops._checks import autocast_inputs, check_finite_outputs, check_linear_inputs, check_targets, dense_bias
 from fastrl.ops._gemm import addmm_f32
 from fastrl.ops.backend import is_triton, resolve_backend
 from fastrl.ops.config import LogitTransform
 
-__all__ = ["fused_logprobs", "linear_stats", "linear_backward", "compact_rows", "host_sync_enabled", "LinearOptions"]
+__all__ = ["fused_logprobs", "run_logprobs", "linear_stats", "linear_backward", "compact_rows", "host_sync_enabled",
+           "LinearOptions"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +57,7 @@ class LinearOptions(PackedOptions):
         return LogitTransform(temperature=self.temperature, logit_scale=self.logit_scale, softcap=self.softcap)
 
 
-LinearOptions._LAYOUT = _layout(LinearOptions)
+LinearOptions._LAYOUT = layout_of(LinearOptions)
 
 
 def linear_stats(
@@ -202,7 +203,7 @@ def _slice_grads(hidden, weight, bias, targets, lse, entropy, grad_logp, grad_en
 # ---------------------------------------------------------------------------------------------------------
 
 
-@_op("linear_logprob")
+@define_op("linear_logprob")
 def linear_logprob(
     hidden: torch.Tensor,  # [N, H]
     weight: torch.Tensor,  # [V, H]
@@ -214,9 +215,9 @@ def linear_logprob(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # logp [N], entropy [N] (or [0]), lse [N]
     o = LinearOptions.unpack(opt_str, opt_float, opt_int)
     if hidden.shape[0] == 0:  # three distinct empty outputs (an op's outputs may not alias one another)
-        e = hidden.new_zeros((0,), dtype=_acc(hidden.dtype))
+        e = hidden.new_zeros((0,), dtype=acc_dtype(hidden.dtype))
         return e, e.clone(), e.clone()
-    active, h = _live_rows(targets, hidden, o)
+    active, h = live_rows(targets, hidden, o)
     with torch.autocast(hidden.device.type, enabled=False):
         lse, zt, ent = linear_stats(h, weight, bias, targets, o.tf, o.backend, o.with_entropy, o.vocab_chunk)
     logp = zt - lse
@@ -228,15 +229,15 @@ def linear_logprob(
         logp = torch.where(bad, nan, torch.where(active, logp, zero))
         if ent is not None:
             ent = torch.where(bad, nan, torch.where(active, ent, zero))
-    return logp, (ent if ent is not None else _empty(logp)), lse
+    return logp, (ent if ent is not None else empty_output(logp)), lse
 
 
 @linear_logprob.register_fake
 def _(hidden, weight, bias, targets, opt_str, opt_float, opt_int):
     o = LinearOptions.unpack_symbolic(opt_str, opt_float, opt_int)
     N = hidden.shape[0]
-    logp = hidden.new_empty((N,), dtype=_acc(hidden.dtype))
-    return logp, (torch.empty_like(logp) if o.with_entropy else _empty(logp)), torch.empty_like(logp)
+    logp = hidden.new_empty((N,), dtype=acc_dtype(hidden.dtype))
+    return logp, (torch.empty_like(logp) if o.with_entropy else empty_output(logp)), torch.empty_like(logp)
 
 
 def _linear_setup(ctx, inputs, output):
@@ -250,9 +251,9 @@ def _linear_setup(ctx, inputs, output):
 
 
 def _linear_backward(ctx, grad_logp, grad_ent, _grad_lse):
-    _refuse_double_backward("fastrl.fused_logprobs")
+    refuse_double_backward("fastrl.fused_logprobs")
     hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
-    ent = _or_none(ent)
+    ent = or_none(ent)
     if ent is None:  # no entropy was computed: nothing flows back through its (empty) output
         grad_ent = None
     need = tuple(ctx.needs_input_grad[:3])
@@ -261,13 +262,13 @@ def _linear_backward(ctx, grad_logp, grad_ent, _grad_lse):
     gh, gw, gb = torch.ops.fastrl.linear_logprob_backward(
         grad_logp, grad_ent, hidden, weight, bias, targets, lse, ent, *ctx.options, *need
     )
-    return _input_grads(need, (gh, gw, gb), 7)
+    return input_grads(need, (gh, gw, gb), 7)
 
 
 linear_logprob.register_autograd(_linear_backward, setup_context=_linear_setup)
 
 
-@_op("linear_logprob_backward")
+@define_op("linear_logprob_backward")
 def linear_logprob_backward(
     grad_logp: Optional[torch.Tensor],  # [N]
     grad_entropy: Optional[torch.Tensor],  # [N]
@@ -285,20 +286,20 @@ def linear_logprob_backward(
     need_bias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # grad hidden [N, H], weight [V, H], bias [V] (or [0])
     o = LinearOptions.unpack(opt_str, opt_float, opt_int)
-    active, h = _live_rows(targets, hidden, o)
+    active, h = live_rows(targets, hidden, o)
     cdt = lse.dtype
 
     need = (need_hidden, need_weight, need_bias and bias is not None)
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
-        gh, gw, gb = linear_backward(h, weight, bias, targets, lse, entropy, _grad_rows(grad_logp, active, cdt),
-                                     _grad_rows(grad_entropy, active, cdt), o, need)
-    return _head_grads(gh, gw, gb, hidden, weight)
+        gh, gw, gb = linear_backward(h, weight, bias, targets, lse, entropy, grad_rows(grad_logp, active, cdt),
+                                     grad_rows(grad_entropy, active, cdt), o, need)
+    return head_grads(gh, gw, gb, hidden, weight)
 
 
 @linear_logprob_backward.register_fake
 def _(grad_logp, grad_entropy, hidden, weight, bias, targets, lse, entropy, opt_str, opt_float, opt_int,
       need_hidden, need_weight, need_bias):
-    return _head_grads_like(hidden, weight, bias, need_hidden, need_weight, need_bias)
+    return head_grads_like(hidden, weight, bias, need_hidden, need_weight, need_bias)
 
 
 def compact_rows(active: torch.Tensor) -> torch.Tensor | None:  # [N] bool -> [A] int64 row ids, or None
@@ -442,6 +443,25 @@ def fused_logprobs(
         return _support_logprobs(hidden, weight, bias, targets, tf, with_entropy, ignore_index, check_finite, name,
                                  vocab_chunk, support, bool(return_kept_mass), positions, host_sync)
 
+    return run_logprobs(hidden, weight, bias, targets, tf, name, with_entropy=with_entropy, ignore_index=ignore_index,
+                        check_finite=check_finite, vocab_chunk=vocab_chunk, sync=sync)
+
+
+def run_logprobs(
+    hidden: torch.Tensor,  # [N, H] or [B, T, H], autocast applied
+    weight: torch.Tensor,  # [V, H]
+    bias: torch.Tensor | None,  # [V] dense
+    targets: torch.Tensor,  # hidden's leading shape
+    tf: LogitTransform,
+    backend: str,  # concrete (fastrl.ops.backend.resolve_backend)
+    *,
+    with_entropy: bool,
+    ignore_index: int,
+    check_finite: bool,
+    vocab_chunk: int | None,
+    sync: bool,  # host reads allowed (fastrl.ops.custom_ops.host_sync_enabled)
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``fused_logprobs`` (the full softmax) on inputs its caller has checked: the op, nothing checked again."""
     lead = tuple(targets.shape)
     h = unit_stride(hidden.reshape(-1, hidden.shape[-1]))
     w = unit_stride(weight)
@@ -452,7 +472,7 @@ def fused_logprobs(
     h_live, t_live = (h, t) if idx is None else (h.index_select(0, idx), t.index_select(0, idx))
     opts = LinearOptions(
         temperature=float(tf.temperature), logit_scale=float(tf.logit_scale),
-        softcap=None if tf.softcap is None else float(tf.softcap), backend=name, with_entropy=with_entropy,
+        softcap=None if tf.softcap is None else float(tf.softcap), backend=backend, with_entropy=with_entropy,
         vocab_chunk=vocab_chunk, ignore_index=ignore_index, all_live=sync,
     )
     # Autograd (when any input needs grad) is the op's registered backward; under no_grad it is path C, the
