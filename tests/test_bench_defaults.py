@@ -322,7 +322,7 @@ def test_fused_logprobs_tells_the_dispatch_what_work_it_is(monkeypatch):
 def test_policy_loss_tells_the_dispatch_it_is_a_loss(monkeypatch):
     """policy_loss asks for the 'loss' kind's measured default (the one-pass kernel), not today's choice."""
     import fastrl
-    from fastrl.losses import policy
+    from fastrl.ops import policy_run
 
     seen = []
 
@@ -330,7 +330,7 @@ def test_policy_loss_tells_the_dispatch_it_is_a_loss(monkeypatch):
         seen.append(kw)
         return backend.resolve_backend(device, requested, **kw)
 
-    monkeypatch.setattr(policy, "resolve_backend", spy)
+    monkeypatch.setattr(policy_run, "resolve_backend", spy)
     B, T, H, V = 2, 3, 8, 11
     hidden, weight = torch.randn(B, T, H, requires_grad=True), torch.randn(V, H)
     targets, mask = torch.randint(0, V, (B, T)), torch.ones(B, T)

@@ -20,7 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import fastrl
-from fastrl.losses import one_pass
+from fastrl.ops import one_pass
 from fastrl.ops import budget, divergence_torch, hybrid, kept, rules, torch_backend
 from fastrl.ops.budget import TileBudget, tile_budget
 
@@ -51,7 +51,7 @@ def test_every_path_reads_its_budget(monkeypatch):
     assert rules._rows_per_tile(1000, cpu) == 7
     _shrink(monkeypatch, "one-pass", elems=5 * 1000)
     _shrink(monkeypatch, "one-pass-frozen", elems=3 * 1000)
-    assert one_pass._chunk_budget(1000, cpu, True, None) == 5 and one_pass._chunk_budget(1000, cpu, False, None) == 3
+    assert one_pass.chunk_budget(1000, cpu, True, None) == 5 and one_pass.chunk_budget(1000, cpu, False, None) == 3
     _shrink(monkeypatch, "divergence", elems=8 * 128)
     assert [(t.rows.start, t.v0, t.v1) for t in divergence_torch._tiles(8, 300)] == [(0, 0, 128), (0, 128, 256),
                                                                                       (0, 256, 300)]
@@ -201,11 +201,11 @@ def test_one_pass_chunk_budget_reads_device_memory(monkeypatch):
     cuda = torch.device("cuda")
     monkeypatch.setattr(budget, "device_memory", lambda device: 80 * GiB)
     w1 = dict(dtype=torch.bfloat16, tokens=16384, H=4096)
-    assert one_pass._chunk_budget(W_V, cuda, True, None, "triton-sm90", **w1) == 16384
-    assert one_pass._chunk_budget(W_V, cuda, True, None, "triton-hybrid", **w1) == 1664
-    assert one_pass._chunk_budget(W_V, cuda, False, None, "triton-sm90", **w1) == (1 << 26) // W_V // 128 * 128
-    assert one_pass._chunk_budget(W_V, cuda, True, 512, "triton-sm90", **w1) == 512
-    assert one_pass._chunk_budget(W_V, torch.device("cpu"), True, None, "triton-sm90", **w1) == (8 << 20) // W_V
+    assert one_pass.chunk_budget(W_V, cuda, True, None, "triton-sm90", **w1) == 16384
+    assert one_pass.chunk_budget(W_V, cuda, True, None, "triton-hybrid", **w1) == 1664
+    assert one_pass.chunk_budget(W_V, cuda, False, None, "triton-sm90", **w1) == (1 << 26) // W_V // 128 * 128
+    assert one_pass.chunk_budget(W_V, cuda, True, 512, "triton-sm90", **w1) == 512
+    assert one_pass.chunk_budget(W_V, torch.device("cpu"), True, None, "triton-sm90", **w1) == (8 << 20) // W_V
     monkeypatch.setattr(budget, "device_memory", lambda device: None)  # unknown: the safe default
-    assert one_pass._chunk_budget(W_V, cuda, True, None, "triton-sm90", **w1) == 1664
+    assert one_pass.chunk_budget(W_V, cuda, True, None, "triton-sm90", **w1) == 1664
     assert budget.device_memory(torch.device("cpu")) is None

@@ -195,9 +195,11 @@ def _opcheck_cases():
     N = h.shape[0]
     lse = torch.randn(N)
     cfg = PolicyLossConfig(loss_type="dapo", beta=0.04, entropy_coef=0.01, temperature=0.7)
-    pol = one_pass.PolicyOptions(softcap=4.0, need_bias=True, compact=False, chunk_rows=3).pack(cfg)
+    pol = one_pass.PolicyOptions(softcap=4.0, need_bias=True, compact=False, chunk_rows=3,
+                                n_metrics=len(one_pass.metric_names(cfg))).pack(cfg)
     cfg_exact = PolicyLossConfig(loss_type="grpo", beta=0.04, kl_estimator="exact", temperature=0.7)
-    pol_exact = one_pass.PolicyOptions(softcap=4.0, need_bias=True, compact=False, chunk_rows=3).pack(cfg_exact)
+    pol_exact = one_pass.PolicyOptions(softcap=4.0, need_bias=True, compact=False, chunk_rows=3,
+                                      n_metrics=len(one_pass.metric_names(cfg_exact))).pack(cfg_exact)
     kl = torch.rand(2, 4, requires_grad=True)  # the exact KL enters as an input with its own gradient
     eff = torch.where(x["mask"], x["targets"], -100)
     v = torch.randn(2, 4, requires_grad=True)

@@ -20,8 +20,9 @@ import pytest
 import torch
 
 import fastrl
-from fastrl.losses import one_pass as OP
+from fastrl.ops import one_pass as OP
 from fastrl.losses import policy as P
+from fastrl.ops import policy_run
 from fastrl.losses.config import LOSS_TYPES, PolicyLossConfig
 from fastrl.reference import divergence_reference, logprobs_reference, policy_loss_from_logprobs
 
@@ -94,14 +95,14 @@ def force_path(monkeypatch, path: str) -> list:
     """Make ``policy_loss`` take ``path`` ("one_pass" / "two_pass"); the returned list records one-pass calls."""
     calls = []
     if path == "two_pass":
-        monkeypatch.setattr(OP, "_chunks", lambda *a, **k: None)
-    real = OP._one_pass
+        monkeypatch.setattr(OP, "live_chunks", lambda *a, **k: None)
+    real = OP.run
 
     def spy(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(OP, "_one_pass", spy)
+    monkeypatch.setattr(OP, "run", spy)
     return calls
 
 
@@ -268,8 +269,8 @@ def test_bad_input_named_errors(monkeypatch):
     from fastrl.ops import divergence
 
     monkeypatch.setattr(divergence, "fused_divergence", no_kernel)
-    monkeypatch.setattr(P, "fused_logprobs", no_kernel)
-    monkeypatch.setattr(OP, "_one_pass", no_kernel)
+    monkeypatch.setattr(policy_run, "run_logprobs", no_kernel)
+    monkeypatch.setattr(OP, "run", no_kernel)
     cases = [
         (exact, dict(ref_logprobs=x["old_logprobs"]), ValueError, "ref_logprobs must be None"),
         (exact, dict(ref_hidden=None), ValueError, "ref_hidden is None"),

@@ -15,7 +15,7 @@ import fastrl
 from fastrl.kernels import persistent_grad as PG
 from fastrl.kernels import persistent_stats as PS
 from fastrl.kernels import tuning
-from fastrl.losses import one_pass as one_pass_mod
+from fastrl.ops import one_pass as one_pass_mod
 from fastrl.losses.config import PolicyLossConfig
 from fastrl.ops import sm90
 from fastrl.ops.backend import BACKENDS, CONCRETE, resolve_backend
@@ -200,8 +200,8 @@ def test_deterministic():
 def test_one_pass_loss_on_scaled_exps(config, dtype, monkeypatch):
     """policy_loss on triton-sm90 takes the one-pass path on the scaled-exp tile and matches float64."""
     calls = []
-    real = one_pass_mod._one_pass
-    monkeypatch.setattr(one_pass_mod, "_one_pass", lambda *a, **k: calls.append(a[9]) or real(*a, **k))
+    real = one_pass_mod.run
+    monkeypatch.setattr(one_pass_mod, "run", lambda *a, **k: calls.append(a[5]) or real(*a, **k))
     stats = []
     real_stats = sm90.chunk_stats
     monkeypatch.setattr(sm90, "chunk_stats", lambda *a, **k: stats.append(1) or real_stats(*a, **k))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fastrl
-from fastrl.losses import one_pass as one_pass_mod
+from fastrl.ops import one_pass as one_pass_mod
 from fastrl.losses.config import CLIPPED_LOSS_TYPES, LOSS_TYPES, PolicyLossConfig
 from fastrl.reference import logprobs_reference, policy_loss_from_logprobs
 
@@ -134,13 +134,13 @@ def test_bf16_inputs_are_more_accurate_than_pytorch(backend):
 
 def _spy_paths(monkeypatch):
     calls = []
-    real = one_pass_mod._one_pass
+    real = one_pass_mod.run
 
     def spy(*args, **kwargs):
-        calls.append(args[10])  # the chunks: ranges of live (in-mask) rows
+        calls.append(args[6])  # the chunks: ranges of live (in-mask) rows
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(one_pass_mod, "_one_pass", spy)
+    monkeypatch.setattr(one_pass_mod, "run", spy)
     return calls
 
 

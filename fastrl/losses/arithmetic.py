@@ -8,6 +8,7 @@ and PPO's clipped value loss (``value_loss_reference``). Nothing here touches lo
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -195,172 +196,208 @@ def policy_loss_from_logprobs(
         logprobs, entropy, advantages, mask, config, old_logprobs, ref_logprobs, importance_weights, sampling_logprobs,
         per_token_kl,
     )
-    dtype, device = logprobs.dtype, logprobs.device
-    B, T = logprobs.shape
-    mask_b = mask if mask.dtype == torch.bool else mask != 0
-    m = mask_b.to(dtype)
-    zero = torch.zeros((), dtype=dtype, device=device)
-
-    def masked(x: torch.Tensor, fill: torch.Tensor = zero) -> torch.Tensor:
-        # Masked entries never reach the loss; replacing them (not multiplying by 0) keeps inf/NaN there out
-        # of every sum and every gradient.
-        return torch.where(mask_b, x.to(dtype), fill)
-
-    def masked_mean(x: torch.Tensor) -> torch.Tensor:  # over masked tokens, 0 when there are none
-        return masked(x).sum() / m.sum().clamp(min=1.0)
-
-    def global_masked_mean(x: torch.Tensor) -> torch.Tensor:
-        # TRL: a [B, 1] value (sequence-level ratio) is averaged over ALL B rows, fully masked ones included.
-        # (TRL decides by x.shape[1] == 1, which for T == 1 would also drop the mask of per-token values;
-        # here T == 1 keeps the mask.)
-        if x.shape[1] == 1 and T > 1:
-            return x.sum() / B
-        return masked_mean(x)
-
-    logp = masked(logprobs)
-    ent = None if entropy is None else masked(entropy)
-    old = logp.detach() if old_logprobs is None else masked(old_logprobs.detach())
-    adv = advantages.detach().to(dtype)
-    adv = adv.unsqueeze(1) if adv.dim() == 1 else masked(adv)
+    mk = _Masking(mask, logprobs)
+    logp = mk.masked(logprobs)
+    ent = None if entropy is None else mk.masked(entropy)
+    old = logp.detach() if old_logprobs is None else mk.masked(old_logprobs.detach())
+    adv = advantages.detach().to(mk.dtype)
+    adv = adv.unsqueeze(1) if adv.dim() == 1 else mk.masked(adv)
     is_w = None
     if importance_weights is not None:
-        is_w = importance_weights.detach().to(dtype)
+        is_w = importance_weights.detach().to(mk.dtype)
         is_w = is_w.unsqueeze(1) if is_w.dim() == 1 else is_w
 
     entropy_mask = None
     if config.top_entropy_quantile < 1.0:
-        entropy_mask = _high_entropy_mask(ent.detach(), mask_b, 1 - config.top_entropy_quantile)
-
+        entropy_mask = _high_entropy_mask(ent.detach(), mk.mask, 1 - config.top_entropy_quantile)
     log_ratio = logp - old
+    coef_1 = torch.exp(_log_importance_weights(log_ratio, mk, config))  # [B, T] or [B, 1]
+    per_token_kl = _kl_term(logp, ref_logprobs, per_token_kl, coef_1, mk, config)
+    term = _policy_term(logp, adv, coef_1, log_ratio, is_w, mk, config)
+    per_token_loss = _weighted(term.loss, logp, old, adv, is_w, entropy_mask, per_token_kl, sampling_logprobs, mk,
+                               config)
+    loss = _normalised(mk.masked(per_token_loss), mk, num_items_in_batch, config)
+    policy_loss = loss.detach()
+    if config.entropy_coef != 0.0:
+        # TRL: mean entropy over the tokens the policy term acts on, whatever the loss type's normaliser.
+        effective_mask = mk.m if entropy_mask is None else mk.m * entropy_mask
+        entropy_loss = (ent * effective_mask).sum() / effective_mask.sum().clamp(min=1.0)
+        loss = loss - config.entropy_coef * entropy_loss
+    if not with_metrics:
+        return loss, {}
+    with torch.no_grad():
+        return loss, _metrics(policy_loss, per_token_kl, ent, coef_1.detach(), log_ratio, adv, term, mk, config)
+
+
+class _Masking:
+    """The completion mask of one loss call, and the masked reductions every term and metric uses."""
+
+    def __init__(self, mask: torch.Tensor, logprobs: torch.Tensor):
+        self.dtype, self.device = logprobs.dtype, logprobs.device
+        self.B, self.T = logprobs.shape
+        self.mask = mask if mask.dtype == torch.bool else mask != 0  # [B, T] bool
+        self.m = self.mask.to(self.dtype)  # [B, T] in the compute dtype
+        self.zero = torch.zeros((), dtype=self.dtype, device=self.device)
+
+    def masked(self, x: torch.Tensor, fill: torch.Tensor | None = None) -> torch.Tensor:
+        # Masked entries never reach the loss; replacing them (not multiplying by 0) keeps inf/NaN there out
+        # of every sum and every gradient.
+        return torch.where(self.mask, x.to(self.dtype), self.zero if fill is None else fill)
+
+    def mean(self, x: torch.Tensor) -> torch.Tensor:  # over masked tokens, 0 when there are none
+        return self.masked(x).sum() / self.m.sum().clamp(min=1.0)
+
+    def global_mean(self, x: torch.Tensor) -> torch.Tensor:
+        # TRL: a [B, 1] value (sequence-level ratio) is averaged over ALL B rows, fully masked ones included.
+        # (TRL decides by x.shape[1] == 1, which for T == 1 would also drop the mask of per-token values;
+        # here T == 1 keeps the mask.)
+        if x.shape[1] == 1 and self.T > 1:
+            return x.sum() / self.B
+        return self.mean(x)
+
+
+@dataclasses.dataclass
+class _PolicyTerm:
+    """The loss type's per-token policy term and what its metrics read."""
+
+    loss: torch.Tensor  # [B, T] (or [B, 1] broadcast)
+    capped: torch.Tensor | None = None  # clipped types: the (delta-capped) ratio
+    clipped: torch.Tensor | None = None  # clipped types: the clipped term is the one the loss takes
+    phi_seq: torch.Tensor | None = None  # vespo
+
+
+def _log_importance_weights(log_ratio: torch.Tensor, mk: _Masking, config: PolicyLossConfig) -> torch.Tensor:
     if config.importance_sampling_level == "token":
-        log_importance_weights = log_ratio
-    else:
-        log_importance_weights = (log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1.0)
-        log_importance_weights = log_importance_weights.unsqueeze(-1)
-    coef_1 = torch.exp(log_importance_weights)  # [B, T] or [B, 1]
+        return log_ratio
+    return ((log_ratio * mk.m).sum(-1) / mk.m.sum(-1).clamp(min=1.0)).unsqueeze(-1)
 
+
+def _kl_term(logp, ref_logprobs, per_token_kl, coef_1, mk: _Masking, config: PolicyLossConfig):
+    """The per-token KL term ([B, T]) or None (beta 0)."""
     if config.beta == 0.0:
-        per_token_kl = None
-    elif config.kl_estimator == "exact":
-        per_token_kl = masked(per_token_kl)  # no ratio: already the expectation over the next token
-    else:
-        per_token_kl = kl_estimate(logp, masked(ref_logprobs.detach()), config.kl_estimator)
-        if config.use_bias_correction_kl:
-            per_token_kl = per_token_kl * coef_1
+        return None
+    if config.kl_estimator == "exact":
+        return mk.masked(per_token_kl)  # no ratio: already the expectation over the next token
+    kl = kl_estimate(logp, mk.masked(ref_logprobs.detach()), config.kl_estimator)
+    return kl * coef_1 if config.use_bias_correction_kl else kl
 
+
+def _policy_term(logp, adv, coef_1, log_ratio, is_w, mk: _Masking, config: PolicyLossConfig) -> _PolicyTerm:
     loss_type = config.loss_type
-    phi_seq = clipped = None
     if loss_type == "cispo":
         clamped_ratios = torch.clamp(coef_1, max=config.epsilon_high).detach()
-        per_token_loss = -clamped_ratios * adv * logp
-    elif loss_type in CLIPPED_LOSS_TYPES:
+        return _PolicyTerm(-clamped_ratios * adv * logp)
+    if loss_type in CLIPPED_LOSS_TYPES:
         coef_2 = torch.clamp(coef_1, 1 - config.epsilon_low, 1 + config.epsilon_high)
         # TRL rebinds coef_1 to the delta-capped ratio; its clip metrics below read the capped one too.
         capped = coef_1 if config.delta is None else torch.clamp(coef_1, max=config.delta)
         per_token_loss1 = capped * adv
         per_token_loss2 = coef_2 * adv
-        per_token_loss = -torch.min(per_token_loss1, per_token_loss2)
-        clipped = per_token_loss2 < per_token_loss1  # the clipped term is the one the loss takes
-    elif loss_type == "sapo":
+        # the clipped term is the one the loss takes
+        return _PolicyTerm(-torch.min(per_token_loss1, per_token_loss2), capped, per_token_loss2 < per_token_loss1)
+    if loss_type == "sapo":
         # torch.where on Python scalars gives TRL's temperatures in the default dtype (float32): 1.05 is rounded
         # there, so mirror it, then compute in the compute dtype.
-        temperatures = torch.where(adv > 0, config.sapo_temperature_pos, config.sapo_temperature_neg).to(dtype)
+        temperatures = torch.where(adv > 0, config.sapo_temperature_pos, config.sapo_temperature_neg).to(mk.dtype)
         soft_coef_1 = torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures
-        per_token_loss = -soft_coef_1 * adv
-    else:  # vespo
-        phi_seq = _vespo_gamma_weights(adv, log_ratio, m, is_w, config)
-        per_token_loss = -phi_seq * adv * logp
+        return _PolicyTerm(-soft_coef_1 * adv)
+    phi_seq = _vespo_gamma_weights(adv, log_ratio, mk.m, is_w, config)  # vespo
+    return _PolicyTerm(-phi_seq * adv * logp, phi_seq=phi_seq)
 
+
+def _weighted(per_token_loss, logp, old, adv, is_w, entropy_mask, per_token_kl, sampling_logprobs, mk: _Masking,
+              config: PolicyLossConfig) -> torch.Tensor:
+    """The policy term times the off-policy mask, the entropy mask and the IS weights, plus ``beta * KL``."""
     if config.off_policy_mask_threshold is not None:
-        sampling = old if sampling_logprobs is None else masked(sampling_logprobs.detach())
+        sampling = old if sampling_logprobs is None else mk.masked(sampling_logprobs.detach())
         kl_div = torch.nan_to_num(sampling - logp.detach(), nan=0.0)
-        avg_seq_kl = (kl_div * m).sum(dim=1, keepdim=True) / m.sum(dim=1, keepdim=True).clamp(min=1.0)
-        off_policy_mask = ((adv >= 0) | (avg_seq_kl <= config.off_policy_mask_threshold)).to(dtype)
+        avg_seq_kl = (kl_div * mk.m).sum(dim=1, keepdim=True) / mk.m.sum(dim=1, keepdim=True).clamp(min=1.0)
+        off_policy_mask = ((adv >= 0) | (avg_seq_kl <= config.off_policy_mask_threshold)).to(mk.dtype)
         per_token_loss = per_token_loss * off_policy_mask
     if entropy_mask is not None:
         per_token_loss = per_token_loss * entropy_mask
-    if is_w is not None and loss_type != "vespo":  # vespo folded the IS ratio into phi
-        if is_w.shape[1] == T:
-            is_w = masked(is_w, torch.ones((), dtype=dtype, device=device))
+    if is_w is not None and config.loss_type != "vespo":  # vespo folded the IS ratio into phi
+        if is_w.shape[1] == mk.T:
+            is_w = mk.masked(is_w, torch.ones((), dtype=mk.dtype, device=mk.device))
         per_token_loss = per_token_loss * is_w
     if per_token_kl is not None:
         per_token_loss = per_token_loss + config.beta * per_token_kl
+    return per_token_loss
 
-    token_sum = masked(per_token_loss)  # [B, T]; TRL's per_token_loss * mask
+
+def _normalised(token_sum, mk: _Masking, num_items_in_batch, config: PolicyLossConfig) -> torch.Tensor:
+    """The loss type's normaliser over ``token_sum`` ([B, T], TRL's ``per_token_loss * mask``)."""
+    loss_type, m = config.loss_type, mk.m
     if loss_type in ("grpo", "sapo"):
-        loss = (token_sum.sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
-    elif loss_type == "bnpo":
-        loss = token_sum.sum() / m.sum().clamp(min=1.0)
-    elif loss_type == "dr_grpo":
-        loss = token_sum.sum() / (B * config.max_completion_length)
-    elif loss_type in ("cispo", "dapo", "vespo"):
+        return (token_sum.sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
+    if loss_type == "bnpo":
+        return token_sum.sum() / m.sum().clamp(min=1.0)
+    if loss_type == "dr_grpo":
+        return token_sum.sum() / (mk.B * config.max_completion_length)
+    if loss_type in ("cispo", "dapo", "vespo"):
         if num_items_in_batch is None:
             normalizer = m.sum()
         elif isinstance(num_items_in_batch, torch.Tensor):
-            normalizer = num_items_in_batch.detach().to(device=device, dtype=dtype).reshape(())
+            normalizer = num_items_in_batch.detach().to(device=mk.device, dtype=mk.dtype).reshape(())
         else:
             # torch.full, not torch.tensor: a host-to-device copy would wait for every queued kernel
-            normalizer = torch.full((), float(num_items_in_batch), dtype=dtype, device=device)
-        loss = token_sum.sum() / normalizer.clamp(min=1.0)
-    else:  # luspo
-        loss = token_sum.sum(-1).mean()
-    policy_loss = loss.detach()
+            normalizer = torch.full((), float(num_items_in_batch), dtype=mk.dtype, device=mk.device)
+        return token_sum.sum() / normalizer.clamp(min=1.0)
+    return token_sum.sum(-1).mean()  # luspo
 
+
+def _metrics(policy_loss, per_token_kl, ent, ratio, log_ratio, adv, term: _PolicyTerm, mk: _Masking,
+             config: PolicyLossConfig) -> dict[str, torch.Tensor]:
+    """The metrics, named where they are computed (their order is the dict's)."""
+    metrics: dict[str, torch.Tensor] = {}
     if config.entropy_coef != 0.0:
-        # TRL: mean entropy over the tokens the policy term acts on, whatever the loss type's normaliser.
-        effective_mask = m if entropy_mask is None else m * entropy_mask
-        entropy_loss = (ent * effective_mask).sum() / effective_mask.sum().clamp(min=1.0)
-        loss = loss - config.entropy_coef * entropy_loss
+        metrics["policy_loss"] = policy_loss
+        metrics["entropy_coef"] = torch.full((), config.entropy_coef, dtype=mk.dtype, device=mk.device)
+    if per_token_kl is not None:
+        metrics["kl"] = mk.global_mean(per_token_kl.detach())
+    if ent is not None:
+        metrics["entropy"] = mk.global_mean(ent.detach())
+    if config.loss_type in CLIPPED_LOSS_TYPES:
+        metrics.update(_clip_metrics(term, adv, mk, config))
+    elif config.loss_type == "cispo":
+        is_cispo_clipped = ((ratio > config.epsilon_high) & (adv > 0)).to(mk.dtype)
+        metrics["cispo_clip_ratio"] = mk.global_mean(is_cispo_clipped)
+        metrics["policy/clipfrac_avg"] = mk.mean((ratio > config.epsilon_high).to(mk.dtype))
+    elif config.loss_type == "vespo":
+        metrics["vespo/phi_seq_mean"] = mk.global_mean(term.phi_seq)
+    metrics["policy/approxkl_avg"] = 0.5 * mk.mean(log_ratio.detach() ** 2)
+    if ent is not None:
+        metrics["policy/entropy_avg"] = mk.mean(ent.detach())
+    ratio_mean = mk.mean(ratio)
+    metrics["val/ratio"] = ratio_mean
+    metrics["val/ratio_var"] = mk.masked((ratio - ratio_mean) ** 2).sum() / (mk.m.sum() - 1).clamp(min=1.0)
+    return metrics
 
-    if not with_metrics:
-        return loss, {}
-    with torch.no_grad():
-        metrics: dict[str, torch.Tensor] = {}
-        if config.entropy_coef != 0.0:
-            metrics["policy_loss"] = policy_loss
-            metrics["entropy_coef"] = torch.full((), config.entropy_coef, dtype=dtype, device=device)
-        if per_token_kl is not None:
-            metrics["kl"] = global_masked_mean(per_token_kl.detach())
-        if ent is not None:
-            metrics["entropy"] = global_masked_mean(ent.detach())
-        ratio = coef_1.detach()
-        if loss_type in CLIPPED_LOSS_TYPES:
-            capped = capped.detach()
-            is_low = ((capped < 1 - config.epsilon_low) & (adv < 0)).to(dtype)
-            is_high = ((capped > 1 + config.epsilon_high) & (adv > 0)).to(dtype)
-            is_region = torch.maximum(is_low, is_high)
-            metrics["clip_ratio/low_mean"] = global_masked_mean(is_low)
-            metrics["clip_ratio/high_mean"] = global_masked_mean(is_high)
-            metrics["clip_ratio/region_mean"] = global_masked_mean(is_region)
-            # TRL: nanmin / nanmax over per-sequence means (x * mask).sum(-1) / mask.sum(-1), where a fully masked
-            # row is 0/0 = NaN and skipped; an all-NaN batch would log NaN, here 0.
-            if is_low.shape[1] == 1 and T > 1:
-                row_low, row_high = is_low.squeeze(1), is_high.squeeze(1)
-                row_ok = torch.ones(B, dtype=torch.bool, device=device)
-            else:
-                counts = m.sum(-1)
-                row_low = masked(is_low).sum(-1) / counts.clamp(min=1.0)
-                row_high = masked(is_high).sum(-1) / counts.clamp(min=1.0)
-                row_ok = counts > 0
-            inf = torch.full((), float("inf"), dtype=dtype, device=device)
-            low_min = torch.where(row_ok, row_low, inf).min()
-            high_max = torch.where(row_ok, row_high, -inf).max()
-            metrics["clip_ratio/low_min"] = torch.where(row_ok.any(), low_min, zero)
-            metrics["clip_ratio/high_max"] = torch.where(row_ok.any(), high_max, zero)
-            metrics["policy/clipfrac_avg"] = masked_mean(clipped.to(dtype))
-        elif loss_type == "cispo":
-            is_cispo_clipped = ((ratio > config.epsilon_high) & (adv > 0)).to(dtype)
-            metrics["cispo_clip_ratio"] = global_masked_mean(is_cispo_clipped)
-            metrics["policy/clipfrac_avg"] = masked_mean((ratio > config.epsilon_high).to(dtype))
-        elif loss_type == "vespo":
-            metrics["vespo/phi_seq_mean"] = global_masked_mean(phi_seq)
-        metrics["policy/approxkl_avg"] = 0.5 * masked_mean(log_ratio.detach() ** 2)
-        if ent is not None:
-            metrics["policy/entropy_avg"] = masked_mean(ent.detach())
-        ratio_mean = masked_mean(ratio)
-        metrics["val/ratio"] = ratio_mean
-        metrics["val/ratio_var"] = masked((ratio - ratio_mean) ** 2).sum() / (m.sum() - 1).clamp(min=1.0)
-    return loss, metrics
+
+def _clip_metrics(term: _PolicyTerm, adv, mk: _Masking, config: PolicyLossConfig) -> dict[str, torch.Tensor]:
+    capped, dtype, zero = term.capped.detach(), mk.dtype, mk.zero
+    is_low = ((capped < 1 - config.epsilon_low) & (adv < 0)).to(dtype)
+    is_high = ((capped > 1 + config.epsilon_high) & (adv > 0)).to(dtype)
+    is_region = torch.maximum(is_low, is_high)
+    out = {"clip_ratio/low_mean": mk.global_mean(is_low), "clip_ratio/high_mean": mk.global_mean(is_high),
+           "clip_ratio/region_mean": mk.global_mean(is_region)}
+    # TRL: nanmin / nanmax over per-sequence means (x * mask).sum(-1) / mask.sum(-1), where a fully masked
+    # row is 0/0 = NaN and skipped; an all-NaN batch would log NaN, here 0.
+    if is_low.shape[1] == 1 and mk.T > 1:
+        row_low, row_high = is_low.squeeze(1), is_high.squeeze(1)
+        row_ok = torch.ones(mk.B, dtype=torch.bool, device=mk.device)
+    else:
+        counts = mk.m.sum(-1)
+        row_low = mk.masked(is_low).sum(-1) / counts.clamp(min=1.0)
+        row_high = mk.masked(is_high).sum(-1) / counts.clamp(min=1.0)
+        row_ok = counts > 0
+    inf = torch.full((), float("inf"), dtype=dtype, device=mk.device)
+    low_min = torch.where(row_ok, row_low, inf).min()
+    high_max = torch.where(row_ok, row_high, -inf).max()
+    out["clip_ratio/low_min"] = torch.where(row_ok.any(), low_min, zero)
+    out["clip_ratio/high_max"] = torch.where(row_ok.any(), high_max, zero)
+    out["policy/clipfrac_avg"] = mk.mean(term.clipped.to(dtype))
+    return out
 
 
 def value_loss_reference(

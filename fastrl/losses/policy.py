@@ -10,7 +10,7 @@ Three execution paths, chosen by the configuration (never by the user), with the
   ``torch.ops.fastrl.policy_loss_one_pass`` (``fastrl.losses.one_pass``), one node under ``torch.compile``.
   With ``kl_estimator="exact"`` on the torch backend the reference's tile is computed next to the policy's in
   each chunk (``fastrl.losses.exact_kl``).
-* over a support (``support=``): the same op on the kept-set engine (``fastrl.losses.one_pass_kept``): every
+* over a support (``support=``): the same op on the kept-set engine (``fastrl.ops.one_pass_kept``): every
   value over the kept ids first, then the loss gradient once, for every loss type.
 * two pass (path A, 8NHV): ``fused_logprobs`` + the loss arithmetic under autograd, for everything else
   (e.g. ``top_entropy_quantile`` < 1, which compares every token's entropy with a batch quantile, or a
@@ -23,29 +23,27 @@ one-pass path it is differentiated with respect to a [B, T] buffer of log-probs 
 yet computed hold placeholders; for a token- (or sequence-) separable loss the gradient of the rows just computed
 does not depend on those placeholders.
 
-``policy_loss`` reads as its steps: ``_checked`` (arguments, before any kernel), ``_value_checks`` (the values,
-or the no-sync path's NaN poison), ``_support`` (a kept set, checked or replayed), then one of ``_kept_loss``,
-``_one_pass_loss``, ``_two_pass_loss``.
+``policy_loss`` checks once, plans once, then runs: ``_loss_side`` checks the loss's own inputs (types, shapes by a dry
+run of the loss arithmetic, then the values, or the no-sync path's NaN flag) into a ``fastrl.ops.policy_run.LossSpec``;
+``fastrl.ops.policy_run.plan`` checks the LM head (autocast, arguments, backend) and resolves the support, the path and
+the op's chunks and options into one frozen ``LossPlan``; ``fastrl.ops.policy_run.run`` runs it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from torch import nn
 
-from fastrl.losses import one_pass
 from fastrl.losses._checks import check_loss_inputs, check_loss_values, loss_values_bad
 from fastrl.losses.config import PolicyLossConfig
-from fastrl.losses.exact_kl import check_kl_finite, check_ref_inputs, exact_reference_kl
-from fastrl.losses.one_pass import _IGNORE, PolicyOptions, _chunk_budget, _LossInputs, metric_keys
-from fastrl.ops import torch_backend as TB
-from fastrl.ops._checks import autocast_inputs, check_finite_outputs, check_linear_inputs, check_targets, dense_bias
-from fastrl.ops.backend import is_triton, resolve_backend
-from fastrl.ops.config import LogitTransform
+from fastrl.losses.exact_kl import check_ref_inputs, exact_reference_kl
+from fastrl.losses.one_pass import LossInputs, PolicyOptions
+from fastrl.ops import policy_run
 from fastrl.ops.custom_ops import host_sync_enabled
-from fastrl.ops.linear_logprob import compact_rows, fused_logprobs, unit_stride
+from fastrl.ops.one_pass import IGNORE
 
 __all__ = ["policy_loss", "FusedPolicyLoss", "exact_reference_kl"]
 
@@ -197,59 +195,29 @@ def policy_loss(
         loss.backward()  # fills hidden.grad and weight.grad
         print(loss.item(), metrics["clip_ratio/region_mean"].item(), metrics["entropy"].item())
     """
-    c = _checked(hidden, weight, targets, advantages, mask, config, old_logprobs, ref_logprobs, bias,
-                 importance_weights, num_items_in_batch, sampling_logprobs, ref_hidden, ref_weight, ref_bias,
-                 logit_scale, softcap, backend, chunk_tokens, check_finite, host_sync)
-    poison = _value_checks(c, advantages, mask, old_logprobs, ref_logprobs, importance_weights, num_items_in_batch)
-    kept, outside = _support(c, support, positions)
-    loss, metrics, logp = _kept_loss(c, kept) if kept is not None else _full_vocabulary_loss(c, chunk_tokens)
-    if support is not None:
-        metrics.update(_support_metrics(c, kept, outside, support))
-    loss = loss if poison is None else loss * poison
+    spec, bad = _loss_side(hidden, weight, targets, advantages, mask, config, old_logprobs, ref_logprobs,
+                           importance_weights, num_items_in_batch, sampling_logprobs, ref_hidden, ref_weight, ref_bias,
+                           chunk_tokens, check_finite, host_sync)
+    plan = policy_run.plan(spec, hidden, weight, bias, targets, logit_scale, softcap, backend, chunk_tokens, support,
+                           positions)
+    loss, metrics, logp = policy_run.run(plan)
+    loss = loss if bad is None else loss * torch.where(bad, float("nan"), 1.0).to(loss.dtype)
     if return_logprobs:
-        return loss, metrics, torch.where(c.in_mask, logp.detach().reshape(c.in_mask.shape), 0.0)
+        return loss, metrics, torch.where(spec.in_mask, logp.detach().reshape(spec.in_mask.shape), 0.0)
     return loss, metrics
 
 
-@dataclasses.dataclass
-class _Call:
-    """One ``policy_loss`` call, its arguments checked and resolved."""
-
-    hidden: torch.Tensor  # [B, T, H] (autocast applied)
-    weight: torch.Tensor  # [V, H]
-    bias: torch.Tensor | None  # [V] dense
-    targets: torch.Tensor  # [B, T] as given
-    eff_targets: torch.Tensor  # [B, T] int64, _IGNORE outside the mask
-    in_mask: torch.Tensor  # [B, T] bool
-    config: PolicyLossConfig
-    inputs: _LossInputs
-    tf: LogitTransform
-    backend: str  # concrete
-    sync: bool
-    host_sync: bool | None
-    check_finite: bool
-    exact_kl: bool  # the loss needs the exact KL (kl_estimator="exact", beta != 0)
-    ref: tuple  # (ref_hidden, ref_weight, ref_bias)
-
-    @property
-    def need(self) -> tuple[bool, bool, bool]:
-        return (self.hidden.requires_grad, self.weight.requires_grad,
-                self.bias is not None and self.bias.requires_grad)
-
-    @property
-    def grads(self) -> bool:
-        return torch.is_grad_enabled() and any(self.need)
-
-
-def _checked(hidden, weight, targets, advantages, mask, config, old_logprobs, ref_logprobs, bias, importance_weights,
-             num_items_in_batch, sampling_logprobs, ref_hidden, ref_weight, ref_bias, logit_scale, softcap, backend,
-             chunk_tokens, check_finite, host_sync) -> _Call:
-    """Every check that needs no tensor value, before any kernel runs; the loss inputs validated by a dry run."""
+def _loss_side(hidden, weight, targets, advantages, mask, config, old_logprobs, ref_logprobs, importance_weights,
+               num_items_in_batch, sampling_logprobs, ref_hidden, ref_weight, ref_bias, chunk_tokens, check_finite,
+               host_sync) -> tuple[policy_run.LossSpec, torch.Tensor | None]:
+    """Every check of the loss's own inputs, before any kernel runs: types, devices and shapes (a dry run of the
+    O(B T) loss arithmetic on zeros), then the values (raise in eager; on the no-sync path a device flag, returned
+    with the spec: the loss is multiplied by NaN where it is set)."""
     if not isinstance(config, PolicyLossConfig):
         raise TypeError(f"config must be a fastrl.PolicyLossConfig, got {type(config).__name__}")
-    hidden, weight, bias = autocast_inputs(hidden, weight, bias)
-    check_linear_inputs(hidden, weight, targets, bias)
-    bias = dense_bias(bias)
+    for name, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     check_loss_inputs(hidden, advantages=advantages, mask=mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                       importance_weights=importance_weights, sampling_logprobs=sampling_logprobs,
                       num_items_in_batch=num_items_in_batch)
@@ -262,173 +230,53 @@ def _checked(hidden, weight, targets, advantages, mask, config, old_logprobs, re
     exact_kl = check_ref_inputs(config, hidden, weight, ref_logprobs, ref_hidden, ref_weight, ref_bias)
     if tuple(mask.shape) != tuple(targets.shape):
         raise ValueError(f"mask must have targets' shape {tuple(targets.shape)}, got {tuple(mask.shape)}")
+    if tuple(targets.shape) != (B, T):
+        raise ValueError(f"targets must have hidden's leading shape {(B, T)}, got {tuple(targets.shape)}")
     if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or chunk_tokens <= 0):
         raise ValueError(f"chunk_tokens must be None or a positive int, got {chunk_tokens!r}")
-    tf = LogitTransform(temperature=config.temperature, logit_scale=logit_scale, softcap=softcap)
+    num_items = num_items_in_batch  # as the op takes it: a 0-dim tensor on hidden's device
     if isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch.device != hidden.device:
         # once here rather than in every one-pass chunk's loss: a host-to-device copy waits for all queued work
-        num_items_in_batch = num_items_in_batch.to(hidden.device)
-    inputs = _LossInputs(advantages, mask, old_logprobs, ref_logprobs, importance_weights,
-                         num_items_in_batch, sampling_logprobs)
-    # Validate every loss input (shapes, missing ref log-probs, ...) before any kernel runs: a dry run of
-    # the O(B T) loss arithmetic on zeros.
+        num_items = num_items_in_batch = num_items_in_batch.to(hidden.device)
+    elif num_items is not None and not isinstance(num_items, torch.Tensor):
+        num_items = torch.full((), float(num_items), dtype=torch.float64, device=hidden.device)
+    inputs = LossInputs(advantages, mask, old_logprobs, ref_logprobs, importance_weights,
+                        num_items_in_batch, sampling_logprobs)
+    # Validate every loss input (shapes, missing ref log-probs, ...) before any kernel runs: a dry run of the
+    # O(B T) loss arithmetic on zeros, in the compute dtype (float64 for float64 inputs, else float32)
     with torch.no_grad():
-        z0 = torch.zeros((B, T), dtype=TB.acc_dtype(hidden.dtype), device=hidden.device)
-        (dataclasses.replace(inputs, per_token_kl=z0) if exact_kl else inputs).loss(z0, z0, config)
-    name = resolve_backend(hidden.device, backend, kind="loss", H=hidden.shape[-1], dtype=hidden.dtype,
-                           tensors=(hidden, weight))
-    if is_triton(name) and hidden.dtype == torch.float64:
-        raise TypeError("the triton backends compute from float32, bfloat16 or float16 inputs; use backend='torch' "
-                        "for float64")
+        z0 = torch.zeros((B, T), dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)
+        _, dry = (dataclasses.replace(inputs, per_token_kl=z0) if exact_kl else inputs).loss(z0, z0, config)
     in_mask = mask.bool()
-    eff_targets = torch.where(in_mask, targets.to(torch.int64), torch.full_like(targets, _IGNORE, dtype=torch.int64))
-    return _Call(hidden, weight, bias, targets, eff_targets, in_mask, config, inputs, tf, name,
-                 host_sync_enabled(host_sync), host_sync, check_finite, exact_kl, (ref_hidden, ref_weight, ref_bias))
-
-
-def _value_checks(c: _Call, advantages, mask, old_logprobs, ref_logprobs, importance_weights,
-                  num_items_in_batch) -> torch.Tensor | None:
-    """The checks that read values: raise (eager), or return the no-sync path's poison (NaN where a check fails,
-    1 elsewhere: the loss is multiplied by it) without a host read."""
-    V = c.weight.shape[0]
-    num_items = c.inputs.num_items_in_batch
-    if not c.sync:
-        bad = loss_values_bad(c.targets, advantages, mask, config=c.config, num_items_in_batch=num_items,
-                              ignore_index=_IGNORE, vocab_size=V)
-        return torch.where(bad, float("nan"), 1.0).to(TB.acc_dtype(c.hidden.dtype))
-    check_loss_values(c.targets, advantages, mask, config=c.config, old_logprobs=old_logprobs,
-                      ref_logprobs=ref_logprobs, importance_weights=importance_weights, num_items_in_batch=num_items,
-                      ignore_index=_IGNORE, check_finite=c.check_finite)
-    check_targets(c.eff_targets, V, _IGNORE)
-    return None
-
-
-def _support(c: _Call, support, positions):
-    """(KeptSet | None, outside | None): a KeptSet checked against the targets, a rule replayed on the policy's own
-    logits (no grad), None for no support or a rule that keeps every id."""
-    if support is None:
-        return None, None
-    from fastrl.ops.kept import resolve_support
-
-    return resolve_support(support, c.hidden, c.weight, c.bias, c.eff_targets, c.tf, _IGNORE, positions, c.backend,
-                           c.host_sync)
-
-
-def _support_metrics(c: _Call, kept, outside, support) -> dict[str, torch.Tensor]:
-    """``sampling/kept_size_mean`` over the tokens in the mask and, for a rule, ``sampling/label_outside_frac``."""
-    from fastrl.ops.support import SamplerRule
-
-    dt = TB.acc_dtype(c.hidden.dtype)
-    live = c.in_mask.reshape(-1)
-    count = live.sum().clamp(min=1).to(dt)
-    if kept is None:  # a rule that keeps every id
-        sizes = torch.full(live.shape, c.weight.shape[0], dtype=dt, device=live.device)
+    eff_targets = torch.where(in_mask, targets.to(torch.int64), torch.full_like(targets, IGNORE, dtype=torch.int64))
+    sync = host_sync_enabled(host_sync)
+    if sync:
+        check_loss_values(targets, advantages, mask, config=config, old_logprobs=old_logprobs,
+                          ref_logprobs=ref_logprobs, importance_weights=importance_weights,
+                          num_items_in_batch=num_items_in_batch, ignore_index=IGNORE, check_finite=check_finite)
+        bad = None
     else:
-        sizes = kept.sizes().to(dt)
-    out = {"sampling/kept_size_mean": torch.where(live, sizes, 0).sum() / count}
-    if isinstance(support, SamplerRule):
-        out["sampling/label_outside_frac"] = (outside.reshape(-1) & live).sum().to(dt) / count
-    return out
+        bad = loss_values_bad(targets, advantages, mask, config=config, num_items_in_batch=num_items_in_batch,
+                              ignore_index=IGNORE, vocab_size=weight.shape[0])
+    spec = policy_run.LossSpec(
+        eff_targets, in_mask, config.temperature, config.one_pass_granularity, exact_kl,
+        (ref_hidden, ref_weight, ref_bias),
+        loss=functools.partial(_two_pass_loss, inputs, config), pack=functools.partial(_pack_options, config),
+        loss_tensors=(advantages, mask, old_logprobs, ref_logprobs, importance_weights, num_items, sampling_logprobs),
+        metric_names=tuple(dry), sync=sync, host_sync=host_sync,
+        check_finite=check_finite)
+    return spec, bad
 
 
-def _options(c: _Call, **extra) -> PolicyOptions:
-    need = c.need if c.grads else (False, False, False)
-    return PolicyOptions(
-        logit_scale=float(c.tf.logit_scale), softcap=None if c.tf.softcap is None else float(c.tf.softcap),
-        backend=c.backend, need_hidden=need[0], need_weight=need[1], need_bias=need[2], compact=c.sync, **extra,
-    )
+def _two_pass_loss(inputs: LossInputs, config: PolicyLossConfig, logp, ent, per_token_kl):
+    """The loss and its metrics on [B, T] log-probs and entropies (the two-pass path, under autograd)."""
+    return (inputs if per_token_kl is None else dataclasses.replace(inputs, per_token_kl=per_token_kl)).loss(
+        logp, ent, config)
 
 
-def _op(c: _Call, opts: PolicyOptions, chunks: list[int], per_token_kl=None, ref=(None, None, None),
-        support=(None, None)):
-    """``fastrl::policy_loss_one_pass`` on the call's tensors: (loss, metrics, per-token log-probs [B * T])."""
-    B, T, H = c.hidden.shape
-    i = c.inputs
-    num_items = i.num_items_in_batch
-    if num_items is not None and not isinstance(num_items, torch.Tensor):
-        num_items = torch.full((), float(num_items), dtype=torch.float64, device=c.hidden.device)
-    detached = tuple(None if t is None else t.detach() for t in ref)  # the reference gets no gradient
-    # the exact KL given as a tensor (with its own graph) enters as an input: the op returns d loss / d KL with the
-    # loss, and its backward hands grad_out times that to the KL's graph
-    loss, mvec, _, _, _, logp_all, ent_all, _, kl = torch.ops.fastrl.policy_loss_one_pass(
-        c.hidden, unit_stride(c.weight), c.bias, c.eff_targets, i.advantages, i.mask, i.old_logprobs, i.ref_logprobs,
-        i.importance_weights, num_items, i.sampling_logprobs, per_token_kl, *detached, *support, chunks,
-        *opts.pack(c.config),
-    )
-    if c.sync and c.check_finite:
-        live = c.eff_targets.reshape(-1) != _IGNORE
-        check_finite_outputs(logp_all, ent_all, live, c.hidden.detach().reshape(B * T, H), (B, T))
-        if kl.numel():
-            check_kl_finite(kl, live, c.hidden.detach(), ref[0], (B, T))
-    return loss, dict(zip(metric_keys(c.config), mvec.unbind(0))), logp_all
-
-
-def _kept_loss(c: _Call, kept):
-    """The loss over a support: the one-pass op on the kept-set engine (the exact KL over the support inside it)."""
-    from fastrl.ops.kept import build_plan
-
-    # planned on the rows the op computes: in eager the live ones (it drops the rest first), else every row
-    idx = compact_rows(c.eff_targets.reshape(-1) != _IGNORE) if c.sync else None
-    rows = kept if idx is None else kept[idx]
-    plan = build_plan(rows, c.weight.shape[0], c.hidden.device, c.sync)
-    opts = _options(c, tile_elems=plan.tile_elems, cap=plan.cap)
-    return _op(c, opts, plan.arg(), ref=c.ref if c.exact_kl else (None, None, None), support=(kept.ids, kept.offsets))
-
-
-def _full_vocabulary_loss(c: _Call, chunk_tokens: int | None):
-    """Path B when the loss allows it (its gradient is known chunk by chunk; "triton-fused" promises that no logit
-    is ever stored, so there the loss takes path A on the fused kernels: 8NHV instead of 6NHV, but no [chunk, V]
-    tile and no float32 [V, H] weight-gradient accumulator), else path A."""
-    if c.grads and c.config.one_pass_granularity is not None and c.backend != "triton-fused":
-        chunks = _one_pass_chunks(c, chunk_tokens)
-        if chunks is not None:
-            return _one_pass_loss(c, chunks, chunk_tokens)
-    return _two_pass_loss(c)
-
-
-def _one_pass_chunks(c: _Call, chunk_tokens: int | None) -> list[tuple[int, int]] | None:
-    """The one-pass path's chunks: ranges of live rows (eager), [] for fixed chunks (no-sync), None when a
-    sequence does not fit in one chunk (then two passes it is)."""
-    V, (B, T, H) = c.weight.shape[0], c.hidden.shape
-    need_w = c.need[1]
-    if c.sync:
-        return one_pass._chunks(c.in_mask, c.config.one_pass_granularity, V, c.hidden.device, need_w, chunk_tokens,
-                                c.backend, c.hidden.dtype, H)
-    # fixed chunks over all rows, from shapes alone
-    budget = _chunk_budget(V, c.hidden.device, need_w, chunk_tokens, c.backend, c.hidden.dtype, B * T, H)
-    return [] if c.config.one_pass_granularity == "token" or T <= budget else None
-
-
-def _one_pass_loss(c: _Call, chunks: list[tuple[int, int]], chunk_tokens: int | None):
-    """Path B. The exact KL, if any: inside the chunks on the torch backend (the reference's tile next to the
-    policy's), else its own ``fused_divergence`` pass whose [B, T] result enters the op."""
-    B, T, H = c.hidden.shape
-    opts = _options(c, chunk_rows=_chunk_budget(c.weight.shape[0], c.hidden.device, c.need[1], chunk_tokens, c.backend,
-                                                 c.hidden.dtype, B * T, H))
-    flat = [x for pair in chunks for x in pair]
-    if not c.exact_kl:
-        return _op(c, opts, flat)
-    if not is_triton(c.backend):
-        return _op(c, opts, flat, ref=c.ref)
-    return _op(c, opts, flat, per_token_kl=_outside_kl(c))
-
-
-def _two_pass_loss(c: _Call):
-    """Path A (or forward-only under no_grad): the same loss on fused per-token outputs."""
-    logp, ent = fused_logprobs(
-        c.hidden, c.weight, c.eff_targets, bias=c.bias, temperature=c.tf.temperature, logit_scale=c.tf.logit_scale,
-        softcap=c.tf.softcap, with_entropy=True, ignore_index=_IGNORE, check_finite=c.check_finite,
-        backend=c.backend, host_sync=c.sync,
-    )
-    inputs = c.inputs if not c.exact_kl else dataclasses.replace(c.inputs, per_token_kl=_outside_kl(c))
-    return (*inputs.loss(logp, ent, c.config), logp)
-
-
-def _outside_kl(c: _Call) -> torch.Tensor:
-    """The exact KL as its own ``fused_divergence`` pass (under autograd: its gradient reaches the policy through
-    its own graph)."""
-    return exact_reference_kl(c.hidden, c.weight, c.bias, *c.ref, c.in_mask, c.tf, c.backend, c.check_finite,
-                              host_sync=c.host_sync)
+def _pack_options(config: PolicyLossConfig, **fields) -> tuple[str, list[float], list[int]]:
+    """The op's three option arguments: ``PolicyOptions(**fields)`` and the loss config."""
+    return PolicyOptions(**fields).pack(config)
 
 
 class FusedPolicyLoss(nn.Module):

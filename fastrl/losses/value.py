@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from fastrl.losses.arithmetic import check_value_inputs, value_loss_reference
-from fastrl.ops.custom_ops import _autograd_inside, _op, _refuse_double_backward
+from fastrl.ops.custom_ops import autograd_inside, define_op, refuse_double_backward
 
 __all__ = ["value_loss", "value_loss_op"]
 
@@ -21,7 +21,7 @@ __all__ = ["value_loss", "value_loss_op"]
 # ---------------------------------------------------------------------------------------------------------
 
 
-@_op("value_loss")
+@define_op("value_loss")
 def value_loss_op(
     values: torch.Tensor,  # [B, T]
     old_values: torch.Tensor,
@@ -47,7 +47,7 @@ def _value_setup(ctx, inputs, output):
 
 
 def _value_backward(ctx, grad_loss, _grad_clipfrac):
-    _refuse_double_backward("fastrl.value_loss")
+    refuse_double_backward("fastrl.value_loss")
     if grad_loss is None or not ctx.needs_input_grad[0]:
         return None, None, None, None, None
     values, old_values, returns, mask = ctx.saved_tensors
@@ -58,13 +58,13 @@ def _value_backward(ctx, grad_loss, _grad_clipfrac):
 value_loss_op.register_autograd(_value_backward, setup_context=_value_setup)
 
 
-@_op("value_loss_backward")
+@define_op("value_loss_backward")
 def value_loss_backward(
     grad_loss: torch.Tensor, values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
     mask: torch.Tensor, cliprange_value: float,
 ) -> torch.Tensor:  # [B, T]
     # the gradient of the one definition of the loss, by autograd over it (O(B T), no logits involved)
-    with _autograd_inside(), torch.enable_grad():
+    with autograd_inside(), torch.enable_grad():
         v = values.detach().requires_grad_()
         loss, _ = value_loss_reference(v, old_values, returns, mask, cliprange_value)
         (g,) = torch.autograd.grad(loss, v, grad_loss)

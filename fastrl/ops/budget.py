@@ -214,3 +214,11 @@ def grad_columns(rows: int, V: int, dtype: torch.dtype, device: torch.device | s
     else:
         elems = total_memory // MEMORY_SHARES["sm90-grad"] // torch.empty((), dtype=dtype).element_size()
     return tile_columns(rows, V, multiple=multiple, tile_elems=elems)
+
+
+def kept_capacity(device: torch.device | str | None, tile_elems: int = 0, cap: int = 0) -> tuple[int, int]:
+    """(tile_elems, cap) of the kept-set engine on ``device``, the one capacity rule: the values given (an op's
+    options), 0 meaning the ``kept`` tile budget: the ``[rows, |U|]`` float32 tile of a union unit (the per-row plan's
+    gathered ``[rows, K, H]`` block), and the most ids a union unit may hold."""
+    b = tile_budget("kept", device)
+    return tile_elems or b.elems, cap or b.cap

@@ -26,7 +26,7 @@ from the dataclass); a tensor is a new ``Optional[torch.Tensor]`` argument of th
 saved in its ``setup_context`` if the backward needs it, with one more ``None`` in the backward's return tuple.
 
 Ops that run autograd inside their implementation (the one-pass loss differentiates the loss arithmetic per
-chunk, the value loss's backward differentiates its formula) re-enable autograd with ``_autograd_inside``:
+chunk, the value loss's backward differentiates its formula) re-enable autograd with ``autograd_inside``:
 a custom op's implementation runs below the autograd dispatch key, where nothing records a graph.
 
 Double backward: every backward here is a forward-only computation (the one-pass loss even formed its
@@ -48,7 +48,9 @@ import torch
 
 from fastrl.ops.torch_backend import acc_dtype
 
-__all__ = ["DoubleBackwardError", "IMPLEMENTATIONS", "PackedOptions", "host_sync_enabled"]
+__all__ = ["DoubleBackwardError", "IMPLEMENTATIONS", "PackedOptions", "host_sync_enabled", "define_op",
+           "refuse_double_backward", "autograd_inside", "layout_of", "empty_output", "or_none", "zero_rows", "live_rows",
+           "grad_rows", "head_grads", "head_grads_like", "input_grads", "acc_dtype"]
 
 
 # op name -> its Python implementation (what the op runs; tests run it under a dispatch mode to see inside)
@@ -60,7 +62,7 @@ _LIB = torch.library.Library("fastrl", "FRAGMENT")
 
 
 class _OpDef:
-    """What ``@_op`` returns: the op's two registration hooks (as ``torch.library.custom_op``'s object has them)."""
+    """What ``@define_op`` returns: the op's two registration hooks (as ``torch.library.custom_op``'s object has them)."""
 
     def __init__(self, name: str):
         self.qualname = f"fastrl::{name}"
@@ -100,7 +102,7 @@ def _hidden_from_dynamo(fn):
     return run
 
 
-def _op(name: str):
+def define_op(name: str):
     """Define ``fastrl::<name>`` from a typed Python function (its schema inferred as ``torch.library.custom_op``
     does; no argument mutated, tagged pt2-compliant) and register the function as its implementation for every
     device; records the implementation. Not ``custom_op`` itself: see ``_hidden_from_dynamo``."""
@@ -118,7 +120,7 @@ class DoubleBackwardError(RuntimeError):
     """A second derivative (``create_graph=True``) through a fastrl op, which has no differentiable backward."""
 
 
-def _refuse_double_backward(op: str) -> None:
+def refuse_double_backward(op: str) -> None:
     # autograd runs a backward with grad mode on only for create_graph=True; AOTAutograd traces the compiled
     # backward with grad mode off, so this fires for a real double backward only
     if torch.is_grad_enabled():
@@ -130,7 +132,7 @@ def _refuse_double_backward(op: str) -> None:
 
 
 @contextlib.contextmanager
-def _autograd_inside():
+def autograd_inside():
     """Record autograd graphs inside a custom op's implementation (which runs below the autograd key)."""
     K = torch._C.DispatchKey
     with torch._C._SetExcludeDispatchKeyGuard(K.AutogradFunctionality, False), \
@@ -152,7 +154,7 @@ def host_sync_enabled(host_sync: bool | None) -> bool:
 _NONE_INT = -(1 << 62)  # an Optional[int] field that is None (no option takes this value)
 
 
-def _layout(cls) -> tuple[tuple[str, str, bool], ...]:
+def layout_of(cls) -> tuple[tuple[str, str, bool], ...]:
     """(field name, kind "s" / "f" / "i" / "b", optional) of each field of a frozen dataclass, in field order."""
     hints = typing.get_type_hints(cls)
     out = []
@@ -209,82 +211,91 @@ class PackedOptions:
     ``pack()`` gives the op's three option arguments; ``unpack`` rebuilds the validated dataclass (cached: ops
     call it on every launch); ``unpack_symbolic`` gives the fields unvalidated, for fake implementations, where a
     float or int may be symbolic (``dynamic=True``), which neither the cache nor the dataclass checks can take.
-    A subclass sets ``_LAYOUT = _layout(Subclass)`` after its definition (a class attribute, read without a
+    A subclass sets ``_LAYOUT = layout_of(Subclass)`` after its definition (a class attribute, read without a
     cached call so that dynamo traces ``pack`` as plain attribute reads).
+
+    Options that travel with another frozen dataclass (the policy loss op's ``PolicyLossConfig``) name its class and
+    layout in ``_WITH`` (``((Config, layout_of(Config)), ...)``): ``pack(config)`` then packs both, in that order, and
+    ``unpack`` / ``unpack_symbolic`` return ``(options, config)``.
     """
 
     _LAYOUT: tuple = ()
+    _WITH: tuple = ()
 
-    def pack(self) -> tuple[str, list[float], list[int]]:
-        return _pack(((self, type(self)._LAYOUT),))
+    def pack(self, *companions) -> tuple[str, list[float], list[int]]:
+        layouts = (type(self)._LAYOUT,) + tuple(layout for _, layout in type(self)._WITH)
+        return _pack(tuple(zip((self, *companions), layouts)))
 
     @classmethod
     def unpack(cls, strs: str, floats, ints):
         return _unpack_cached(cls, strs, _key(floats), tuple(ints))
 
     @classmethod
-    def unpack_symbolic(cls, strs: str, floats, ints) -> types.SimpleNamespace:
-        (d,) = _unpack(strs, floats, ints, (cls._LAYOUT,))
-        return types.SimpleNamespace(**d)
+    def unpack_symbolic(cls, strs: str, floats, ints):
+        ds = _unpack(strs, floats, ints, (cls._LAYOUT, *(layout for _, layout in cls._WITH)))
+        out = tuple(types.SimpleNamespace(**d) for d in ds)
+        return out if cls._WITH else out[0]
 
 
 @functools.lru_cache(maxsize=512)
 def _unpack_cached(cls, strs: str, floats: tuple, ints: tuple):
     floats = tuple(math.nan if x is None else x for x in floats)
-    (d,) = _unpack(strs, floats, ints, (cls._LAYOUT,))
-    return cls(**d)
+    ds = _unpack(strs, floats, ints, (cls._LAYOUT, *(layout for _, layout in cls._WITH)))
+    out = (cls(**ds[0]),) + tuple(kind(**d) for (kind, _), d in zip(cls._WITH, ds[1:]))
+    return out if cls._WITH else out[0]
 
 
-def _empty(like: torch.Tensor) -> torch.Tensor:  # the "no tensor" output of an op (outputs cannot be None)
+def empty_output(like: torch.Tensor) -> torch.Tensor:  # the "no tensor" output of an op (outputs cannot be None)
     return like.new_empty((0,))
 
 
-def _or_none(t: torch.Tensor | None) -> torch.Tensor | None:
+def or_none(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None or t.numel() == 0 and t.dim() == 1 else t
 
 
-def _zero_rows(active: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+def zero_rows(active: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
     """``x`` [N, ...] with the rows outside ``active`` replaced by zeros (nothing they hold reaches a result)."""
     if active is None:
         return x
     return torch.where(active.view(-1, *([1] * (x.dim() - 1))), x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
-def _live_rows(targets: torch.Tensor, hidden: torch.Tensor, o):
+def live_rows(targets: torch.Tensor, hidden: torch.Tensor, o):
     """(active [N] bool, hidden with ignored rows zeroed) on an op's no-sync path (``o.all_live`` False: rows whose
     target is ``o.ignore_index`` are computed, so whatever they hold must not reach a result); (None, hidden)
     otherwise."""
     if o.all_live:
         return None, hidden
     active = targets != o.ignore_index
-    return active, _zero_rows(active, hidden)
+    return active, zero_rows(active, hidden)
 
 
-def _grad_rows(g: torch.Tensor | None, active: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+def grad_rows(g: torch.Tensor | None, active: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     """An incoming per-row gradient [N] in the compute dtype, zero at rows outside ``active`` (their G is then
     exactly 0), contiguous for the kernels; None stays None."""
-    return None if g is None else _zero_rows(active, g.to(dtype)).contiguous()
+    return None if g is None else zero_rows(active, g.to(dtype)).contiguous()
 
 
-def _head_grads(gh, gw, gb, hidden: torch.Tensor, weight: torch.Tensor):
+def head_grads(gh, gw, gb, hidden: torch.Tensor, weight: torch.Tensor):
     """A head backward op's three outputs: the gradients, an empty tensor where none was computed."""
-    return (gh if gh is not None else _empty(hidden), gw if gw is not None else _empty(weight),
-            gb if gb is not None else _empty(hidden))
+    return (gh if gh is not None else empty_output(hidden), gw if gw is not None else empty_output(weight),
+            gb if gb is not None else empty_output(hidden))
 
 
-def _head_grads_like(hidden, weight, bias, need_hidden: bool, need_weight: bool, need_bias: bool):
-    """The fake (meta) outputs of a head backward op: what ``_head_grads`` returns, by shape."""
-    return (torch.empty_like(hidden) if need_hidden else _empty(hidden),
-            torch.empty_like(weight) if need_weight else _empty(weight),
-            torch.empty_like(bias) if need_bias and bias is not None else _empty(hidden))
+def head_grads_like(hidden, weight, bias, need_hidden: bool, need_weight: bool, need_bias: bool):
+    """The fake (meta) outputs of a head backward op: what ``head_grads`` returns, by shape."""
+    return (torch.empty_like(hidden) if need_hidden else empty_output(hidden),
+            torch.empty_like(weight) if need_weight else empty_output(weight),
+            torch.empty_like(bias) if need_bias and bias is not None else empty_output(hidden))
 
 
-def _input_grads(need: tuple, grads: tuple, n_inputs: int) -> tuple:
+def input_grads(need: tuple, grads: tuple, n_inputs: int) -> tuple:
     """An op's registered backward result: the head's three gradients where ``need`` asks for them, None for the
     other ``n_inputs - 3`` inputs."""
     return tuple(g if n else None for g, n in zip(grads, need)) + (None,) * (n_inputs - 3)
 
 
-# the compute dtype of an op's outputs: the one rule, ``torch_backend.acc_dtype`` (float64 for float64 inputs, else
-# float32), under the name the ops import
-_acc = acc_dtype
+# the names fastrl.ops.divergence and fastrl.ops.kept_rules import (until they take the public ones above)
+_op, _refuse_double_backward, _autograd_inside, _layout = define_op, refuse_double_backward, autograd_inside, layout_of
+_empty, _or_none, _zero_rows, _live_rows, _grad_rows = empty_output, or_none, zero_rows, live_rows, grad_rows
+_head_grads, _head_grads_like, _input_grads, _acc = head_grads, head_grads_like, input_grads, acc_dtype

@@ -48,11 +48,11 @@ import torch
 
 from fastrl.ops import torch_backend as TB
 from fastrl.ops._gemm import addmm_f32, cuda_f32_out, mm_f32
-from fastrl.ops.budget import tile_budget
+from fastrl.ops.budget import kept_capacity
 from fastrl.ops.config import Head, LogitTransform
 from fastrl.ops.custom_ops import (
-    PackedOptions, _empty, _grad_rows, _head_grads, _head_grads_like, _input_grads, _layout, _live_rows, _op,
-    _or_none, _refuse_double_backward, host_sync_enabled,
+    PackedOptions, define_op, empty_output, grad_rows, head_grads, head_grads_like, host_sync_enabled, input_grads,
+    layout_of, live_rows, or_none, refuse_double_backward,
 )
 from fastrl.ops import kept_plan, kept_rows
 from fastrl.ops.kept_plan import KeptPlan, PlanChoice, Unit, host_bounds
@@ -63,20 +63,16 @@ __all__ = ["KeptOptions", "Head", "entry_logits", "entry_backward", "segment_lse
            "chunk_plan", "capacity", "entries"]
 
 def capacity(device: torch.device, tile_elems: int = 0, cap: int = 0) -> tuple[int, int]:
-    """(tile_elems, cap) of the engine on ``device``, the one capacity rule: the values given (an op's options), 0
-    meaning the ``kept`` tile budget (``fastrl.ops.budget``): the ``[rows, |U|]`` float32 tile of a union unit (the
-    per-row plan's gathered ``[rows, K, H]`` block), and the most ids a union unit may hold."""
-    b = tile_budget("kept", device)
-    return tile_elems or b.elems, cap or b.cap
+    """(tile_elems, cap) of the engine on ``device`` (``fastrl.ops.budget.kept_capacity``, the one capacity rule)."""
+    return kept_capacity(device, tile_elems, cap)
 
 
 def build_plan(support: KeptSet, V: int, device: torch.device, host_sync: bool) -> PlanChoice:
-    """The one place a kept set's plan is chosen (``fused_logprobs``, ``policy_loss``, ``fused_divergence``): the
-    support's final rows (ignored rows already dropped where the host may be read), V, the device (its capacity)
-    and whether the host may be read. ``print(build_plan(...))`` says which plan, what it computes and why;
-    ``.arg()`` is the ops' plan argument, ``.tile_elems`` / ``.cap`` their options."""
-    tile, cap = capacity(device)
-    return kept_plan.choose(support.ids, support.offsets, V, support.width, support.overlap, host_sync, tile, cap)
+    """The plan of ``support``'s final rows (ignored rows already dropped where the host may be read) over ``V`` ids
+    on ``device`` (``fastrl.ops.kept_plan.choose_for``, the one place a kept set's plan is chosen, which
+    ``KeptSet.describe_plan`` prints too). ``.arg()`` is the ops' plan argument, ``.tile_elems`` / ``.cap`` their
+    options."""
+    return kept_plan.choose_for(support.ids, support.offsets, V, support.width, support.overlap, host_sync, device)
 
 
 def dead_rows(active: torch.Tensor | None, found: torch.Tensor | None, *xs: torch.Tensor | None):
@@ -126,7 +122,7 @@ def unit_logits(head: Head, u: Unit, out: torch.Tensor) -> torch.Tensor:
     if cuda_f32_out(t.device) or w_u.dtype == t.dtype:
         mm_f32(h_u, w_u.T, out=t)
     else:  # low-precision operands on a CPU: the products in float32 (bf16 x bf16 is exact there)
-        torch.mm(TB._f32(h_u), TB._f32(w_u).T, out=t)
+        torch.mm(TB.upcast(h_u), TB.upcast(w_u).T, out=t)
     if head.bias is not None:
         t += head.bias.index_select(0, u.cols).to(t.dtype)
     head.tf.apply_(t)
@@ -366,7 +362,7 @@ class KeptOptions(PackedOptions):
         return LogitTransform(temperature=self.temperature, logit_scale=self.logit_scale, softcap=self.softcap)
 
 
-KeptOptions._LAYOUT = _layout(KeptOptions)
+KeptOptions._LAYOUT = layout_of(KeptOptions)
 
 
 def op_plan(ids: torch.Tensor, offsets: torch.Tensor, V: int, plan: list[int], tile_elems: int, cap: int,
@@ -377,7 +373,7 @@ def op_plan(ids: torch.Tensor, offsets: torch.Tensor, V: int, plan: list[int], t
     return KeptPlan.from_arg(ids, offsets, V, plan, tile, cap, backend)
 
 
-@_op("kept_logprob")
+@define_op("kept_logprob")
 def kept_logprob(
     hidden: torch.Tensor,  # [N, H]
     weight: torch.Tensor,  # [V, H]
@@ -393,20 +389,20 @@ def kept_logprob(
     # logp [N], entropy [N] (or [0]), lse_S [N], the kept entries' logits [nnz] (what the backward reads)
     o = KeptOptions.unpack(opt_str, opt_float, opt_int)
     cdt = TB.acc_dtype(hidden.dtype)
-    active, h = _live_rows(targets, hidden, o)
+    active, h = live_rows(targets, hidden, o)
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
         p = op_plan(ids, offsets, weight.shape[0], plan, o.tile_elems, o.cap, o.backend)
         (z,) = entry_logits(p, [Head(h, weight, bias, o.tf)], cdt)
         logp, ent, lse, found = logprob_stats(p, z, targets, o.with_entropy)
     logp, ent = dead_rows(active, found, logp, ent)
-    return logp, (ent if ent is not None else _empty(logp)), lse, z[: p.nnz].clone()
+    return logp, (ent if ent is not None else empty_output(logp)), lse, z[: p.nnz].clone()
 
 
 @kept_logprob.register_fake
 def _(hidden, weight, bias, targets, ids, offsets, plan, opt_str, opt_float, opt_int):
     o = KeptOptions.unpack_symbolic(opt_str, opt_float, opt_int)
     logp = hidden.new_empty((hidden.shape[0],), dtype=TB.acc_dtype(hidden.dtype))
-    return (logp, torch.empty_like(logp) if o.with_entropy else _empty(logp), torch.empty_like(logp),
+    return (logp, torch.empty_like(logp) if o.with_entropy else empty_output(logp), torch.empty_like(logp),
             hidden.new_empty((ids.shape[0],), dtype=TB.acc_dtype(hidden.dtype)))
 
 
@@ -423,9 +419,9 @@ def _kept_setup(ctx, inputs, output):
 
 
 def _kept_backward(ctx, grad_logp, grad_ent, _grad_lse, _grad_z):
-    _refuse_double_backward("fastrl.fused_logprobs (support=)")
+    refuse_double_backward("fastrl.fused_logprobs (support=)")
     hidden, weight, bias, targets, ids, offsets, lse, ent, z = ctx.saved_tensors
-    ent = _or_none(ent)
+    ent = or_none(ent)
     if ent is None:
         grad_ent = None
     need = tuple(ctx.needs_input_grad[:3])
@@ -433,13 +429,13 @@ def _kept_backward(ctx, grad_logp, grad_ent, _grad_lse, _grad_z):
         return (None,) * _KEPT_INPUTS
     gh, gw, gb = torch.ops.fastrl.kept_logprob_backward(
         grad_logp, grad_ent, hidden, weight, bias, targets, ids, offsets, z, lse, ent, ctx.plan, *ctx.options, *need)
-    return _input_grads(need, (gh, gw, gb), _KEPT_INPUTS)
+    return input_grads(need, (gh, gw, gb), _KEPT_INPUTS)
 
 
 kept_logprob.register_autograd(_kept_backward, setup_context=_kept_setup)
 
 
-@_op("kept_logprob_backward")
+@define_op("kept_logprob_backward")
 def kept_logprob_backward(
     grad_logp: Optional[torch.Tensor],  # [N]
     grad_entropy: Optional[torch.Tensor],  # [N]
@@ -461,22 +457,22 @@ def kept_logprob_backward(
     need_bias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # grad hidden [N, H], weight [V, H], bias [V] (or [0])
     o = KeptOptions.unpack(opt_str, opt_float, opt_int)
-    active, h = _live_rows(targets, hidden, o)
+    active, h = live_rows(targets, hidden, o)
     cdt = lse.dtype
 
     need = (need_hidden, need_weight, need_bias and bias is not None)
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
         p = op_plan(ids, offsets, weight.shape[0], plan, o.tile_elems, o.cap, o.backend)
-        G = logprob_grad(p, entries(z.to(cdt)), targets, lse, entropy, _grad_rows(grad_logp, active, cdt),
-                           _grad_rows(grad_entropy, active, cdt), o.tf)
+        G = logprob_grad(p, entries(z.to(cdt)), targets, lse, entropy, grad_rows(grad_logp, active, cdt),
+                           grad_rows(grad_entropy, active, cdt), o.tf)
         gh, gw, gb = entry_backward(p, Head(h, weight, bias, o.tf), G, need)
-    return _head_grads(gh, gw, gb, hidden, weight)
+    return head_grads(gh, gw, gb, hidden, weight)
 
 
 @kept_logprob_backward.register_fake
 def _(grad_logp, grad_entropy, hidden, weight, bias, targets, ids, offsets, z, lse, entropy, plan, opt_str, opt_float,
       opt_int, need_hidden, need_weight, need_bias):
-    return _head_grads_like(hidden, weight, bias, need_hidden, need_weight, need_bias)
+    return head_grads_like(hidden, weight, bias, need_hidden, need_weight, need_bias)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fastrl.ops.budget import kept_capacity
+
 __all__ = ["Unit", "KeptPlan", "PlanChoice", "chunk_plan", "host_bounds", "fixed_shape", "union_bound", "choose",
            "decode", "UNION_ADVANTAGE"]
 
@@ -182,6 +184,13 @@ class PlanChoice:
         if self.other is not None:
             s += f"; the other plan: {self.other} ({self.other / max(1, self.N):.1f} per token)"
         return s + f". Why: {self.reason}"
+
+
+def choose_for(ids: torch.Tensor, offsets: torch.Tensor, V: int, width: int | None, overlap: bool | None, sync: bool,
+               device: torch.device | str | None) -> PlanChoice:
+    """``choose`` with ``device``'s engine capacity (``fastrl.ops.budget.kept_capacity``): the one place a kept set's
+    plan is chosen (``fastrl.ops.kept.build_plan`` for the ops, ``KeptSet.describe_plan`` to print it)."""
+    return choose(ids, offsets, V, width, overlap, sync, *kept_capacity(device))
 
 
 def choose(ids: torch.Tensor, offsets: torch.Tensor, V: int, width: int | None, overlap: bool | None, sync: bool,

@@ -20,15 +20,16 @@ import torch
 
 from fastrl.ops import torch_backend
 from fastrl.ops.custom_ops import (
-    PackedOptions, _acc, _empty, _grad_rows, _head_grads, _head_grads_like, _input_grads, _layout, _live_rows, _op,
-    _or_none, _refuse_double_backward, host_sync_enabled,
+    PackedOptions, acc_dtype, define_op, empty_output, grad_rows, head_grads, head_grads_like, host_sync_enabled,
+    input_grads, layout_of, live_rows, or_none, refuse_double_backward,
 )
 from fastrl.ops._checks import autocast_inputs, check_finite_outputs, check_linear_inputs, check_targets, dense_bias
 from fastrl.ops._gemm import addmm_f32
 from fastrl.ops.backend import is_triton, resolve_backend
 from fastrl.ops.config import LogitTransform
 
-__all__ = ["fused_logprobs", "linear_stats", "linear_backward", "compact_rows", "host_sync_enabled", "LinearOptions"]
+__all__ = ["fused_logprobs", "run_logprobs", "linear_stats", "linear_backward", "compact_rows", "host_sync_enabled",
+           "LinearOptions"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +57,7 @@ class LinearOptions(PackedOptions):
         return LogitTransform(temperature=self.temperature, logit_scale=self.logit_scale, softcap=self.softcap)
 
 
-LinearOptions._LAYOUT = _layout(LinearOptions)
+LinearOptions._LAYOUT = layout_of(LinearOptions)
 
 
 def linear_stats(
@@ -124,49 +125,23 @@ def linear_backward(
 
         return sm90.linear_backward(hidden, weight, bias, targets, lse, entropy, grad_logp, grad_entropy,
                                     opts.tf, need, opts.vocab_chunk)
+    return _sliced_backward(hidden, weight, bias, targets, lse, entropy, grad_logp, grad_entropy, opts, need)
+
+
+def _sliced_backward(hidden, weight, bias, targets, lse, entropy, grad_logp, grad_entropy, opts: LinearOptions,
+                     need: tuple[bool, bool, bool]):
+    """``linear_backward`` on the torch and triton-fused backends: one vocabulary slice's G at a time."""
     need_h, need_w, need_b = need
     N, H = hidden.shape
     V = weight.shape[0]
-    tf = opts.tf
     cdt = torch_backend.acc_dtype(hidden.dtype)
     grad_h = torch.zeros((N, H), dtype=cdt, device=hidden.device) if need_h else None
     grad_w = torch.empty_like(weight) if need_w else None
     grad_b = torch.empty((V,), dtype=cdt, device=hidden.device) if need_b else None
-
-    if opts.backend == "triton-fused":
-        from fastrl.kernels import linear_logprob as K
-
-        from fastrl.ops.hybrid import tile_columns
-
-        cols = tile_columns(N, V, opts.vocab_chunk)  # the [N, V_blk] G tile: the same budget as the hybrid path
-        buf = torch.empty((N, cols), dtype=hidden.dtype, device=hidden.device)
-        h_mm = hidden
-    else:
-        has_grad = torch.zeros(N, dtype=torch.bool, device=hidden.device)
-        if grad_logp is not None:
-            has_grad |= grad_logp != 0
-        if grad_entropy is not None:
-            has_grad |= grad_entropy != 0
-        cols = torch_backend.tile_columns(N, V, opts.vocab_chunk)
-        h_mm = torch_backend._f32(hidden)
-        tile = torch.empty(N * cols, dtype=cdt, device=hidden.device)
-
+    cols, h_mm, slice_grad = _slice_grads(hidden, weight, bias, targets, lse, entropy, grad_logp, grad_entropy, opts)
     for v0 in range(0, V, cols):
         v1 = min(v0 + cols, V)
-        b_blk = bias[v0:v1] if bias is not None else None
-        if opts.backend == "triton-fused":
-            G = buf[:, : v1 - v0]
-            if N > 0:
-                K.linear_grad_block(
-                    hidden, weight[v0:v1], b_blk, targets, v0, lse, entropy, grad_logp, grad_entropy, G,
-                    logit_scale=tf.logit_scale, softcap=tf.softcap, temperature=tf.temperature,
-                )
-            w_mm = weight[v0:v1]
-        else:
-            G = torch_backend.grad_block(
-                h_mm, weight, bias, targets, v0, v1, lse, entropy, grad_logp, grad_entropy, has_grad, tf, buf=tile
-            )
-            w_mm = torch_backend._f32(weight[v0:v1])
+        G, w_mm = slice_grad(v0, v1)
         if need_w:
             if G.dtype == grad_w.dtype and h_mm.dtype == grad_w.dtype:
                 torch.mm(G.T, h_mm, out=grad_w[v0:v1])  # written in place: no [V_blk, H] temporary
@@ -183,12 +158,52 @@ def linear_backward(
     )
 
 
+def _slice_grads(hidden, weight, bias, targets, lse, entropy, grad_logp, grad_entropy, opts: LinearOptions):
+    """(columns per slice, hidden as the weight-gradient GEMM reads it, ``(v0, v1) -> (G [N, v1 - v0], W slice as
+    the hidden-gradient GEMM reads it)``) of the torch or triton-fused backend."""
+    N, V, tf = hidden.shape[0], weight.shape[0], opts.tf
+    if opts.backend == "triton-fused":
+        from fastrl.kernels import linear_logprob as K
+
+        from fastrl.ops.hybrid import tile_columns
+
+        cols = tile_columns(N, V, opts.vocab_chunk)  # the [N, V_blk] G tile: the same budget as the hybrid path
+        buf = torch.empty((N, cols), dtype=hidden.dtype, device=hidden.device)
+
+        def fused(v0: int, v1: int):
+            G = buf[:, : v1 - v0]
+            b_blk = bias[v0:v1] if bias is not None else None
+            K.linear_grad_block(
+                hidden, weight[v0:v1], b_blk, targets, v0, lse, entropy, grad_logp, grad_entropy, G,
+                logit_scale=tf.logit_scale, softcap=tf.softcap, temperature=tf.temperature,
+            )
+            return G, weight[v0:v1]
+
+        return cols, hidden, fused
+    has_grad = torch.zeros(N, dtype=torch.bool, device=hidden.device)
+    if grad_logp is not None:
+        has_grad |= grad_logp != 0
+    if grad_entropy is not None:
+        has_grad |= grad_entropy != 0
+    cols = torch_backend.tile_columns(N, V, opts.vocab_chunk)
+    h_mm = torch_backend.upcast(hidden)
+    tile = torch.empty(N * cols, dtype=torch_backend.acc_dtype(hidden.dtype), device=hidden.device)
+
+    def torch_slice(v0: int, v1: int):
+        G = torch_backend.grad_block(
+            h_mm, weight, bias, targets, v0, v1, lse, entropy, grad_logp, grad_entropy, has_grad, tf, buf=tile
+        )
+        return G, torch_backend.upcast(weight[v0:v1])
+
+    return cols, h_mm, torch_slice
+
+
 # ---------------------------------------------------------------------------------------------------------
 # the custom ops: fastrl::linear_logprob (statistics) and fastrl::linear_logprob_backward (its gradients)
 # ---------------------------------------------------------------------------------------------------------
 
 
-@_op("linear_logprob")
+@define_op("linear_logprob")
 def linear_logprob(
     hidden: torch.Tensor,  # [N, H]
     weight: torch.Tensor,  # [V, H]
@@ -200,9 +215,9 @@ def linear_logprob(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # logp [N], entropy [N] (or [0]), lse [N]
     o = LinearOptions.unpack(opt_str, opt_float, opt_int)
     if hidden.shape[0] == 0:  # three distinct empty outputs (an op's outputs may not alias one another)
-        e = hidden.new_zeros((0,), dtype=_acc(hidden.dtype))
+        e = hidden.new_zeros((0,), dtype=acc_dtype(hidden.dtype))
         return e, e.clone(), e.clone()
-    active, h = _live_rows(targets, hidden, o)
+    active, h = live_rows(targets, hidden, o)
     with torch.autocast(hidden.device.type, enabled=False):
         lse, zt, ent = linear_stats(h, weight, bias, targets, o.tf, o.backend, o.with_entropy, o.vocab_chunk)
     logp = zt - lse
@@ -214,15 +229,15 @@ def linear_logprob(
         logp = torch.where(bad, nan, torch.where(active, logp, zero))
         if ent is not None:
             ent = torch.where(bad, nan, torch.where(active, ent, zero))
-    return logp, (ent if ent is not None else _empty(logp)), lse
+    return logp, (ent if ent is not None else empty_output(logp)), lse
 
 
 @linear_logprob.register_fake
 def _(hidden, weight, bias, targets, opt_str, opt_float, opt_int):
     o = LinearOptions.unpack_symbolic(opt_str, opt_float, opt_int)
     N = hidden.shape[0]
-    logp = hidden.new_empty((N,), dtype=_acc(hidden.dtype))
-    return logp, (torch.empty_like(logp) if o.with_entropy else _empty(logp)), torch.empty_like(logp)
+    logp = hidden.new_empty((N,), dtype=acc_dtype(hidden.dtype))
+    return logp, (torch.empty_like(logp) if o.with_entropy else empty_output(logp)), torch.empty_like(logp)
 
 
 def _linear_setup(ctx, inputs, output):
@@ -236,9 +251,9 @@ def _linear_setup(ctx, inputs, output):
 
 
 def _linear_backward(ctx, grad_logp, grad_ent, _grad_lse):
-    _refuse_double_backward("fastrl.fused_logprobs")
+    refuse_double_backward("fastrl.fused_logprobs")
     hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
-    ent = _or_none(ent)
+    ent = or_none(ent)
     if ent is None:  # no entropy was computed: nothing flows back through its (empty) output
         grad_ent = None
     need = tuple(ctx.needs_input_grad[:3])
@@ -247,13 +262,13 @@ def _linear_backward(ctx, grad_logp, grad_ent, _grad_lse):
     gh, gw, gb = torch.ops.fastrl.linear_logprob_backward(
         grad_logp, grad_ent, hidden, weight, bias, targets, lse, ent, *ctx.options, *need
     )
-    return _input_grads(need, (gh, gw, gb), 7)
+    return input_grads(need, (gh, gw, gb), 7)
 
 
 linear_logprob.register_autograd(_linear_backward, setup_context=_linear_setup)
 
 
-@_op("linear_logprob_backward")
+@define_op("linear_logprob_backward")
 def linear_logprob_backward(
     grad_logp: Optional[torch.Tensor],  # [N]
     grad_entropy: Optional[torch.Tensor],  # [N]
@@ -271,20 +286,20 @@ def linear_logprob_backward(
     need_bias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # grad hidden [N, H], weight [V, H], bias [V] (or [0])
     o = LinearOptions.unpack(opt_str, opt_float, opt_int)
-    active, h = _live_rows(targets, hidden, o)
+    active, h = live_rows(targets, hidden, o)
     cdt = lse.dtype
 
     need = (need_hidden, need_weight, need_bias and bias is not None)
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
-        gh, gw, gb = linear_backward(h, weight, bias, targets, lse, entropy, _grad_rows(grad_logp, active, cdt),
-                                     _grad_rows(grad_entropy, active, cdt), o, need)
-    return _head_grads(gh, gw, gb, hidden, weight)
+        gh, gw, gb = linear_backward(h, weight, bias, targets, lse, entropy, grad_rows(grad_logp, active, cdt),
+                                     grad_rows(grad_entropy, active, cdt), o, need)
+    return head_grads(gh, gw, gb, hidden, weight)
 
 
 @linear_logprob_backward.register_fake
 def _(grad_logp, grad_entropy, hidden, weight, bias, targets, lse, entropy, opt_str, opt_float, opt_int,
       need_hidden, need_weight, need_bias):
-    return _head_grads_like(hidden, weight, bias, need_hidden, need_weight, need_bias)
+    return head_grads_like(hidden, weight, bias, need_hidden, need_weight, need_bias)
 
 
 def compact_rows(active: torch.Tensor) -> torch.Tensor | None:  # [N] bool -> [A] int64 row ids, or None
@@ -428,6 +443,25 @@ def fused_logprobs(
         return _support_logprobs(hidden, weight, bias, targets, tf, with_entropy, ignore_index, check_finite, name,
                                  vocab_chunk, support, bool(return_kept_mass), positions, host_sync)
 
+    return run_logprobs(hidden, weight, bias, targets, tf, name, with_entropy=with_entropy, ignore_index=ignore_index,
+                        check_finite=check_finite, vocab_chunk=vocab_chunk, sync=sync)
+
+
+def run_logprobs(
+    hidden: torch.Tensor,  # [N, H] or [B, T, H], autocast applied
+    weight: torch.Tensor,  # [V, H]
+    bias: torch.Tensor | None,  # [V] dense
+    targets: torch.Tensor,  # hidden's leading shape
+    tf: LogitTransform,
+    backend: str,  # concrete (fastrl.ops.backend.resolve_backend)
+    *,
+    with_entropy: bool,
+    ignore_index: int,
+    check_finite: bool,
+    vocab_chunk: int | None,
+    sync: bool,  # host reads allowed (fastrl.ops.custom_ops.host_sync_enabled)
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``fused_logprobs`` (the full softmax) on inputs its caller has checked: the op, nothing checked again."""
     lead = tuple(targets.shape)
     h = unit_stride(hidden.reshape(-1, hidden.shape[-1]))
     w = unit_stride(weight)
@@ -438,7 +472,7 @@ def fused_logprobs(
     h_live, t_live = (h, t) if idx is None else (h.index_select(0, idx), t.index_select(0, idx))
     opts = LinearOptions(
         temperature=float(tf.temperature), logit_scale=float(tf.logit_scale),
-        softcap=None if tf.softcap is None else float(tf.softcap), backend=name, with_entropy=with_entropy,
+        softcap=None if tf.softcap is None else float(tf.softcap), backend=backend, with_entropy=with_entropy,
         vocab_chunk=vocab_chunk, ignore_index=ignore_index, all_live=sync,
     )
     # Autograd (when any input needs grad) is the op's registered backward; under no_grad it is path C, the

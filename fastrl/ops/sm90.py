@@ -7,8 +7,8 @@
   ``fastrl.ops.hybrid.sliced_backward`` (the same accumulation as the hybrid backend: ``grad_W`` slices written once,
   ``grad_h`` accumulated in float32). The slices are as wide as 1/128 of the device's memory allows
   (``fastrl.ops.budget.grad_columns``): each costs one read and write of the float32 ``[N, H]`` accumulator.
-* the one-pass policy loss (``fastrl.losses.one_pass``): ``chunk_stats`` runs the same forward kernel with the QuACK
-  scaled-exp layout (``e = 2^(z log2(e) - k)`` in the input dtype, one power-of-two ``k`` per row and vocabulary
+* the one-pass policy loss (its engine, ``fastrl.ops.one_pass``): ``chunk_stats`` runs the same forward kernel with
+  the QuACK scaled-exp layout (``e = 2^(z log2(e) - k)`` in the input dtype, one power-of-two ``k`` per row and vocabulary
   block) into a ``[chunk, V]`` tile, and ``chunk_grad`` turns that tile into ``G`` in place: half the bytes of the
   hybrid path's float32 logits tile, written and read once less. The chunks are as long as 1/16 of the device's
   memory allows (``fastrl.ops.budget.one_pass_rows``): W1 in one chunk on an 80 GB device, whose ``grad_W`` is then

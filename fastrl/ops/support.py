@@ -21,6 +21,8 @@ from typing import Sequence
 
 import torch
 
+from fastrl.ops.kept_plan import choose_for
+
 __all__ = ["KeptSet", "SamplerRule"]
 
 
@@ -225,9 +227,7 @@ class KeptSet:
         """Which plan the kept-set engine runs for this set (``fastrl.ops.kept.build_plan``), what it computes and
         why: ``print(ks.describe_plan())``. ``host_sync=False``: the choice of the no-sync path and
         ``torch.compile``. Ignored tokens are planned too here (the ops drop them first where the host may be read)."""
-        from fastrl.ops.kept import build_plan
-
-        return build_plan(self, self.vocab_size, self.device, host_sync)
+        return choose_for(self.ids, self.offsets, self.vocab_size, self.width, self.overlap, host_sync, self.device)
 
     def padded(self, pad_id: int = -1) -> torch.Tensor:  # [N, K_max] int64
         """Dense ``[N, K_max]`` ids, ``pad_id`` after each token's last id."""

@@ -12,7 +12,7 @@ import torch
 from fastrl.ops.budget import tile_columns
 from fastrl.ops.config import LogitTransform
 
-__all__ = ["tile_columns", "acc_dtype", "logits_block", "linear_stats", "stats_from_logits", "chunk_logits",
+__all__ = ["tile_columns", "acc_dtype", "upcast", "logits_block", "linear_stats", "stats_from_logits", "chunk_logits",
            "grad_from_logits_", "grad_block"]
 
 
@@ -21,9 +21,12 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _f32(x: torch.Tensor) -> torch.Tensor:
+def upcast(x: torch.Tensor) -> torch.Tensor:
     """Upcast to the compute dtype (a no-op for float32 and float64)."""
     return x.to(acc_dtype(x.dtype))
+
+
+_f32 = upcast  # the name fastrl.ops.rules reads
 
 
 def logits_block(
@@ -36,13 +39,13 @@ def logits_block(
     buf: torch.Tensor | None = None,  # flat buffer of >= N * (v1 - v0) elements to write into
 ) -> torch.Tensor:  # [N, v1 - v0] float32, transformed
     if buf is None:
-        y = torch.mm(h32, _f32(weight[v0:v1]).T)
+        y = torch.mm(h32, upcast(weight[v0:v1]).T)
     else:
         # one reused tile instead of a fresh allocation per block: the C allocator tends to keep freed
         # tiles mapped, which showed as ~60 MB of extra peak RSS at C1
-        y = torch.mm(h32, _f32(weight[v0:v1]).T, out=buf[: h32.shape[0] * (v1 - v0)].view(h32.shape[0], v1 - v0))
+        y = torch.mm(h32, upcast(weight[v0:v1]).T, out=buf[: h32.shape[0] * (v1 - v0)].view(h32.shape[0], v1 - v0))
     if bias is not None:
-        y += _f32(bias[v0:v1])
+        y += upcast(bias[v0:v1])
     return tf.apply_(y)
 
 
@@ -59,7 +62,7 @@ def linear_stats(
     N = hidden.shape[0]
     V = weight.shape[0]
     dev = hidden.device
-    h32 = _f32(hidden)
+    h32 = upcast(hidden)
     dt = h32.dtype
     m = torch.full((N,), float("-inf"), dtype=dt, device=dev)
     s = torch.zeros(N, dtype=dt, device=dev)
@@ -128,7 +131,7 @@ def chunk_logits(
     columns: int | None = None,
 ) -> torch.Tensor:
     """Transformed logits of a token chunk, in vocabulary blocks (bounded float32 copies of the weight)."""
-    h32 = _f32(hidden)
+    h32 = upcast(hidden)
     V = weight.shape[0]
     if weight.dtype == out.dtype:
         torch.mm(h32, weight.T, out=out)
@@ -136,9 +139,9 @@ def chunk_logits(
         step = tile_columns(hidden.shape[0], V, columns)
         for v0 in range(0, V, step):
             v1 = min(v0 + step, V)
-            out[:, v0:v1] = torch.mm(h32, _f32(weight[v0:v1]).T)
+            out[:, v0:v1] = torch.mm(h32, upcast(weight[v0:v1]).T)
     if bias is not None:
-        out += _f32(bias)
+        out += upcast(bias)
     return tf.apply_(out)
 
 

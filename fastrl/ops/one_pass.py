@@ -1,0 +1,404 @@
+"""The one-pass engine (path B, 6NHV FLOPs): chunks of rows whose logits are computed once, with the loss gradient
+formed in the forward.
+
+Each chunk of tokens has its logits computed once (float32 logits, or the ``triton-sm90`` scaled exps, with the row
+statistics), the per-row gradients of the loss w.r.t. log-prob, entropy (and exact KL) are asked of the caller, and
+``G = dL/dy`` and the three gradient GEMMs follow at once. The engine knows no loss: the custom op
+``fastrl::policy_loss_one_pass`` (``fastrl.losses.one_pass``) hands it the loss as a ``ChunkLoss`` (two functions
+over the ``[N]`` buffers of log-probs, entropies and KLs in which rows not yet computed hold placeholders). For a
+token- (or sequence-) separable loss the gradient of the rows just computed does not depend on those placeholders.
+
+With the exact KL inside the chunks (``ref``: the torch backend) the reference's tile is computed next to the
+policy's and the KL per row from the pair (``tile_stats_kl``), its gradient added to ``G`` (``tile_grad_kl_``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from fastrl.ops import torch_backend as TB
+from fastrl.ops._gemm import addmm_f32, mm_f32
+from fastrl.ops.backend import is_triton
+from fastrl.ops.budget import one_pass_rows, tile_budget
+from fastrl.ops.config import LogitTransform
+from fastrl.ops.linear_logprob import compact_rows
+
+__all__ = ["IGNORE", "ChunkLoss", "Chunk", "chunk_budget", "live_chunks", "plan_chunks", "fixed_chunks", "run",
+           "tile_stats_kl", "tile_grad_kl_"]
+
+IGNORE = -100  # the target id of a row outside the mask (the ops' ignore_index)
+
+
+def chunk_budget(V: int, device: torch.device, trained_head: bool, requested: int | None, backend: str = "torch",
+                 dtype: torch.dtype = torch.float32, tokens: int | None = None, H: int = 0) -> int:
+    """Rows per one-pass chunk (of ``tokens`` rows with hidden size ``H``): the requested number, else what fits the
+    device's [chunk, V] tile budget."""
+    if not requested and trained_head and backend == "triton-sm90" and device.type == "cuda" and tokens is not None:
+        # the scaled-exp tile in the input dtype, sized by the device's memory (budget's sm90-one-pass row): at W1 on
+        # an 80 GB device one chunk, so grad_W is one GEMM and the float32 [V, H] accumulator is never read back
+        return one_pass_rows(V, H, tokens, dtype, device)
+    # the [chunk, V] logits tile: long chunks with a trained head on a GPU (the float32 [V, H] accumulator is read and
+    # written once per chunk; 1664 rows at V=151936, 8 accumulator passes over W1's ~12k live tokens, extra memory
+    # about 1.25x TRL's at W1), a 256 MiB tile with a frozen one, 32 MB on a CPU (fastrl.ops.budget)
+    rows = tile_budget("one-pass" if trained_head else "one-pass-frozen", device).elems // V
+    # on a GPU, whole 128-row blocks keep the GEMMs on full tiles; a CPU keeps its small tile (memory first)
+    return requested or (max(128, rows // 128 * 128) if device.type == "cuda" else max(1, rows))
+
+
+def live_chunks(
+    live: torch.Tensor,  # [B, T] bool: tokens that are scored (in the mask)
+    granularity: str,
+    V: int,
+    device: torch.device,
+    trained_head: bool,
+    requested: int | None,
+    backend: str = "torch",
+    dtype: torch.dtype = torch.float32,
+    H: int = 0,
+) -> list[tuple[int, int]] | None:
+    """One-pass chunks as ranges of *live* rows (row-major order): whole sequences when the loss couples the
+    tokens of a sequence; None when a sequence does not fit in one chunk (then two passes it is)."""
+    n_live = int(live.sum())  # one host sync: chunk boundaries are host-side ranges
+    budget = chunk_budget(V, device, trained_head, requested, backend, dtype, n_live, H)
+    if granularity == "token":
+        return [(c0, min(c0 + budget, n_live)) for c0 in range(0, n_live, budget)]
+    per_seq = live.sum(1).tolist()
+    if max(per_seq, default=0) > budget:
+        return None
+    out, start, size = [], 0, 0
+    for n in per_seq:
+        if size + n > budget:
+            out.append((start, start + size))
+            start, size = start + size, 0
+        size += n
+    if size:
+        out.append((start, start + size))
+    return out
+
+
+def plan_chunks(live: torch.Tensor, granularity: str, V: int, trained_head: bool, requested: int | None,
+                backend: str, dtype: torch.dtype, H: int, sync: bool) -> tuple[list[tuple[int, int]] | None, int]:
+    """(the op's chunks, rows per chunk) for ``live`` [B, T] (the tokens in the mask): ranges of live rows (``sync``:
+    host reads allowed), [] for fixed chunks over all rows (no-sync, from shapes alone), None when a sequence does
+    not fit in one chunk (then two passes it is)."""
+    (B, T), device = live.shape, live.device
+    rows = chunk_budget(V, device, trained_head, requested, backend, dtype, B * T, H)
+    if sync:
+        return live_chunks(live, granularity, V, device, trained_head, requested, backend, dtype, H), rows
+    return ([] if granularity == "token" or T <= rows else None), rows
+
+
+def fixed_chunks(B: int, T: int, granularity: str, chunk_rows: int) -> list[tuple[int, int]]:
+    """Row ranges over all B*T rows, chosen from shapes only (the no-sync path): ``chunk_rows`` tokens, or as many
+    whole sequences as fit (the caller has checked that one does)."""
+    N = B * T
+    step = chunk_rows if granularity == "token" else max(1, chunk_rows // T) * T
+    return [(c0, min(c0 + step, N)) for c0 in range(0, N, step)]
+
+
+@dataclass
+class Chunk:
+    """One chunk of rows: its hidden states and targets, and where its rows live among the N rows."""
+
+    c0: int
+    c1: int
+    rows: torch.Tensor | None  # the live rows' ids (compact), or None: rows c0:c1
+    h: torch.Tensor  # [n, H]
+    t: torch.Tensor  # [n]
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:  # [N, ...] -> [n, ...]
+        return x[self.c0 : self.c1] if self.rows is None else x.index_select(0, self.rows)
+
+    def put_(self, dst: torch.Tensor, x: torch.Tensor) -> None:  # dst[rows] = x
+        if self.rows is None:
+            dst[self.c0 : self.c1] = x
+        else:
+            dst.index_copy_(0, self.rows, x.to(dst.dtype))
+
+
+@dataclass(frozen=True)
+class ChunkLoss:
+    """The loss as the engine sees it (the caller's; the engine knows no loss).
+
+    ``grads(chunk, logp [N], entropy [N], kl [N] | None)``: d loss / d (logp, entropy, KL) at the chunk's rows (each
+    [n] or None), the rows not yet computed holding placeholders. ``final(logp, entropy, kl)``: (loss, metrics,
+    d loss / d the caller's own per-token KL or None) once every row is computed. ``logp_init``: [N] the log-prob
+    placeholders (ratio 1 against the old log-probs), None: zeros."""
+
+    grads: Callable
+    final: Callable
+    logp_init: torch.Tensor | None = None
+
+
+def _chunk(hidden, targets, idx, live, c0: int, c1: int, compact: bool) -> Chunk:
+    rows = None if idx is None else idx[c0:c1]
+    h = hidden[c0:c1] if rows is None else hidden.index_select(0, rows)
+    if not compact:  # rows outside the mask: zeroed, so that whatever they hold cannot reach grad_W
+        h = torch.where(live[c0:c1, None], h, torch.zeros((), dtype=h.dtype, device=h.device))
+    return Chunk(c0, c1, rows, h, targets[c0:c1] if rows is None else targets.index_select(0, rows))
+
+
+def run(
+    hidden: torch.Tensor,  # [N, H]
+    weight: torch.Tensor,  # [V, H]
+    bias: torch.Tensor | None,  # [V] contiguous
+    targets: torch.Tensor,  # [N], IGNORE where masked out
+    tf: LogitTransform,
+    backend: str,
+    chunks: list[tuple[int, int]],  # ranges of live rows (compact), else of all rows
+    need: tuple[bool, bool, bool],
+    loss: ChunkLoss,
+    compact: bool = True,  # False: no host sync; rows outside the mask are computed (zeroed hidden, no gradient)
+    ref: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,  # the exact KL's (hidden, W, b)
+) -> tuple[torch.Tensor, dict, tuple, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(loss, metrics, (grad_h, grad_w, grad_b), logp [N], entropy [N], d loss / d the caller's KL | None, the exact
+    KL computed here [N] | None)."""
+    assert ref is None or not is_triton(backend), "the exact KL inside the chunks runs on the torch backend's tiles"
+    live = targets != IGNORE
+    # live rows only: padding costs nothing and cannot poison grad_W (compact); or every row, with the hidden
+    # states of rows outside the mask zeroed so that whatever they hold cannot reach grad_W either
+    idx = compact_rows(live) if compact else None
+    rows = _Rows(hidden, loss.logp_init, ref is not None)
+    tiles = _Tiles(hidden, weight, bias, tf, backend, max((c1 - c0 for c0, c1 in chunks), default=0), ref)
+    acc = _Grads(hidden, weight, bias, need, single=len(chunks) == 1, direct=weight.dtype == tiles.cdt or tiles.triton)
+    for c0, c1 in chunks:
+        ck = _chunk(hidden, targets, idx, live, c0, c1, compact)
+        ref_h = None if ref is None else _chunk(ref[0], targets, idx, live, c0, c1, compact).h
+        st = tiles.stats(ck, ref_h)
+        rows.put_(ck, st)
+        g_lp, g_en, g_kl = loss.grads(ck, rows.logp, rows.ent, rows.kl)
+        if g_lp is None and g_en is None and g_kl is None:
+            continue
+        G, h_mm = tiles.grad(ck, st, g_lp, g_en, g_kl)
+        acc.add_(ck, G, h_mm)
+    # the float32 logits tiles (1 GiB at W1) are dead: free them before grad_W's cast allocates its copy
+    tiles.free()
+    total, metrics, grad_kl = loss.final(rows.logp, rows.ent, rows.kl)
+    return total, metrics, acc.result(), rows.logp, rows.ent, grad_kl, rows.kl
+
+
+class _Rows:
+    """The [N] buffers of log-probs, entropies (and exact KLs): placeholders until a chunk computes its rows (ratio 1
+    against the old log-probs, zero entropy, zero KL)."""
+
+    def __init__(self, hidden: torch.Tensor, logp_init: torch.Tensor | None, with_kl: bool):
+        N, cdt, dev = hidden.shape[0], TB.acc_dtype(hidden.dtype), hidden.device
+        self.logp = logp_init.detach().reshape(-1).to(cdt).clone() if logp_init is not None else torch.zeros(
+            N, dtype=cdt, device=dev)
+        self.ent = torch.zeros(N, dtype=cdt, device=dev)
+        self.kl = torch.zeros(N, dtype=cdt, device=dev) if with_kl else None
+
+    def put_(self, ck: Chunk, st: _Stats) -> None:
+        ck.put_(self.logp, st.zt - st.lse)
+        ck.put_(self.ent, st.ent)
+        if st.kl is not None:
+            ck.put_(self.kl, st.kl)
+
+
+@dataclass
+class _Stats:
+    """One chunk's tiles and row statistics."""
+
+    z: torch.Tensor | None  # [n, V] the policy's logits (None: the sm90 scaled-exp tile holds them)
+    lse: torch.Tensor  # [n]
+    zt: torch.Tensor  # [n]
+    ent: torch.Tensor  # [n]
+    zr: torch.Tensor | None = None  # [n, V] the reference's (the exact KL in the chunks)
+    kl: torch.Tensor | None = None  # [n]
+    lse_r: torch.Tensor | None = None  # [n]
+
+
+class _Tiles:
+    """The chunk tiles of one backend, allocated once for the longest chunk: the logits (or scaled exps) and row
+    statistics, then ``G`` in their storage."""
+
+    def __init__(self, hidden, weight, bias, tf: LogitTransform, backend: str, chunk: int, ref):
+        V, cdt, dev = weight.shape[0], TB.acc_dtype(hidden.dtype), hidden.device
+        self.weight, self.bias, self.tf, self.ref = weight, bias, tf, ref
+        self.cdt, self.out_dtype = cdt, hidden.dtype
+        self.triton, self.sm90 = is_triton(backend), backend == "triton-sm90"
+        if self.triton:
+            from fastrl.kernels import logits_fold as F
+            from fastrl.ops import sm90 as S
+
+            self.F, self.S = F, S
+        # sm90: scaled exps in the input dtype instead of float32 logits (fastrl.ops.sm90)
+        self.zbuf = torch.empty(0 if self.sm90 else chunk * V, dtype=cdt, device=dev)
+        self.zrbuf = torch.empty(chunk * V, dtype=cdt, device=dev) if ref is not None else None
+        self.exp_tile = self.S.ExpTile(chunk, hidden, weight, bias, tf) if self.sm90 else None
+        self.stats_buf = torch.empty((4, chunk), dtype=torch.float32, device=dev) if self.triton else None
+        self.w_mm = weight if weight.dtype == cdt or self.triton else None
+        self.tkw = dict(logit_scale=tf.logit_scale, softcap=tf.softcap, temperature=tf.temperature)
+
+    def stats(self, ck: Chunk, ref_h: torch.Tensor | None) -> _Stats:
+        n, V = ck.h.shape[0], self.weight.shape[0]
+        w, b, tf = self.weight, self.bias, self.tf
+        if self.sm90:
+            return _Stats(None, *self.S.chunk_stats(self.exp_tile, ck.h, w, b, ck.t, tf))
+        z = self.zbuf[: n * V].view(n, V)
+        if self.triton:
+            # raw logits from cuBLAS in float32; the fold and G kernels apply bias and transform on the fly
+            mm_f32(ck.h, w.T, out=z)
+            st = self.stats_buf[:, :n]
+            self.F.fold_tile(z, b, ck.t, 0, st, first=True, with_entropy=True, **self.tkw)
+            return _Stats(z, *self.F.finish_stats(st, True))
+        TB.chunk_logits(ck.h, w, b, tf, out=z)
+        if ref_h is None:
+            return _Stats(z, *TB.stats_from_logits(z, ck.t))
+        # the reference's tile next to the policy's, and the KL from the pair
+        zr = self.zrbuf[: n * V].view(n, V)
+        TB.chunk_logits(ref_h, self.ref[1], self.ref[2], tf, out=zr)
+        lse, zt, ent, kl, lse_r = tile_stats_kl(z, zr, ck.t)
+        return _Stats(z, lse, zt, ent, zr, kl, lse_r)
+
+    def grad(self, ck: Chunk, st: _Stats, g_lp, g_en, g_kl) -> tuple[torch.Tensor, torch.Tensor]:
+        """(G = dL/dy [n, V], the chunk's hidden states as the gradient GEMMs read them)."""
+        if g_kl is not None:
+            return tile_grad_kl_(st.z, st.zr, ck.t, st.lse, st.ent, st.lse_r, st.kl, g_lp, g_en, g_kl, self.tf), \
+                TB.upcast(ck.h)
+        if self.sm90:
+            return self.S.chunk_grad(self.exp_tile, ck.t, st.zt, st.lse, st.ent, g_lp, g_en, self.tf), ck.h
+        if self.triton:
+            return self.F.grad_tile(st.z, self.bias, ck.t, 0, st.lse, st.ent, g_lp, g_en, out_dtype=self.out_dtype,
+                                    **self.tkw), ck.h
+        has_grad = torch.zeros(ck.h.shape[0], dtype=torch.bool, device=ck.h.device)
+        for g in (g_lp, g_en):
+            if g is not None:
+                has_grad |= g != 0
+        return TB.grad_from_logits_(st.z, ck.t, 0, st.lse, st.ent, g_lp, g_en, has_grad, self.tf), TB.upcast(ck.h)
+
+    def free(self) -> None:
+        self.zbuf = self.zrbuf = self.stats_buf = self.exp_tile = None
+
+
+class _Grads:
+    """The gradient GEMMs' accumulators: grad_h rows written per chunk, grad_W (one GEMM over every row when there is
+    one chunk: no float32 [V, H] accumulator, 8 V H bytes saved), grad_b."""
+
+    def __init__(self, hidden, weight, bias, need: tuple[bool, bool, bool], single: bool, direct: bool):
+        V, H, cdt, dev = weight.shape[0], hidden.shape[1], TB.acc_dtype(hidden.dtype), hidden.device
+        self.need, self.single, self.weight, self.bias, self.cdt = need, single, weight, bias, cdt
+        self.direct = direct  # grad_h = G W straight (W in G's dtype)
+        self.h = torch.zeros_like(hidden) if need[0] else None
+        self.w = torch.zeros((V, H), dtype=cdt, device=dev) if need[1] and not single else None
+        self.b = torch.zeros(V, dtype=cdt, device=dev) if need[2] else None
+
+    def add_(self, ck: Chunk, G: torch.Tensor, h_mm: torch.Tensor) -> None:
+        need_h, need_w, need_b = self.need
+        if need_h:
+            ck.put_(self.h, self._grad_h(G))
+        if need_w:
+            if self.single:  # G and h in one dtype: the GEMM accumulates in float32 and rounds once, as the cast did
+                self.w = torch.mm(G.T, h_mm)  # (as path A's grad_W slices in hybrid.sliced_backward)
+            else:
+                addmm_f32(self.w, G.T, h_mm)
+        if need_b:
+            self.b += G.sum(0, dtype=self.cdt)
+
+    def _grad_h(self, G: torch.Tensor) -> torch.Tensor:
+        weight, cdt = self.weight, self.cdt
+        if self.direct:
+            return torch.mm(G, weight)
+        # low-precision weight on the torch backend: float32 copies of bounded slices only
+        n, V = G.shape
+        gh = torch.zeros((n, weight.shape[1]), dtype=cdt, device=G.device)
+        step = TB.tile_columns(n, V)
+        for v0 in range(0, V, step):
+            gh.addmm_(G[:, v0 : v0 + step], TB.upcast(weight[v0 : v0 + step]))
+        return gh
+
+    def result(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        need_h, need_w, need_b = self.need
+        grad_w = (torch.zeros_like(self.weight) if self.w is None else self.w.to(self.weight.dtype)) if need_w else None
+        return self.h, grad_w, self.b.to(self.bias.dtype) if need_b else None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the exact KL's terms on a chunk's [n, V] tiles
+# ---------------------------------------------------------------------------------------------------------
+
+
+def tile_stats_kl(
+    z: torch.Tensor,  # [n, V] the policy's transformed logits (left unchanged)
+    zr: torch.Tensor,  # [n, V] the reference's (left unchanged)
+    targets: torch.Tensor,  # [n]; ids outside [0, V) give target logit 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # lse, z_t, H, KL, lse_ref [n]
+    """The policy's row statistics and ``KL(p || p_ref)`` from both tiles, one bounded vocabulary block at a time:
+    a pass over the reference's tile for its lse, one over the policy's for ``s = sum e^d``, ``sum e^d d`` (the
+    entropy) and ``sum e^d (z - z_ref)`` (``d = z - max``), so ``KL = sum e^d (z - z_ref) / s - lse + lse_ref``:
+    the logit difference is taken per element, before any large sum (no cancellation between two big sums)."""
+    n, V = z.shape
+    lse_r = _lse(zr)
+    m = z.amax(dim=1)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    s, u, w = torch.zeros_like(m), torch.zeros_like(m), torch.zeros_like(m)
+    step = _block_columns(z)
+    for v0 in range(0, V, step):
+        zb = z[:, v0 : v0 + step]
+        d = zb - m[:, None]
+        e = torch.exp(d)
+        s += e.sum(1)
+        u += d.mul_(e).sum(1)
+        w += torch.sub(zb, zr[:, v0 : v0 + step], out=d).mul_(e).sum(1)
+    log_s = torch.log(s)
+    lse = m + log_s
+    inside = (targets >= 0) & (targets < V)
+    zt = torch.where(inside, z.gather(1, targets.clamp(0, V - 1)[:, None]).squeeze(1), 0.0)
+    return lse, zt, log_s - u / s, w / s - lse + lse_r, lse_r
+
+
+def _block_columns(z: torch.Tensor) -> int:
+    """Vocabulary columns per block of an [n, V] tile: the ``exact-kl`` budget (a CPU core's L2: the passes over a
+    block then run from cache)."""
+    n, V = z.shape
+    return TB.tile_columns(n, V, tile_elems=tile_budget("exact-kl", z.device).elems)
+
+
+def _lse(z: torch.Tensor) -> torch.Tensor:  # [n, V] -> [n], blockwise (no tile-sized temporary)
+    n, V = z.shape
+    m = z.amax(dim=1)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    s = torch.zeros_like(m)
+    step = _block_columns(z)
+    for v0 in range(0, V, step):
+        s += torch.exp(z[:, v0 : v0 + step] - m[:, None]).sum(1)
+    return m + torch.log(s)
+
+
+def tile_grad_kl_(
+    z: torch.Tensor,  # [n, V] the policy's transformed logits; overwritten with G
+    zr: torch.Tensor,  # [n, V] the reference's; overwritten (scratch)
+    targets: torch.Tensor,  # [n]
+    lse: torch.Tensor, ent: torch.Tensor, lse_r: torch.Tensor, kl: torch.Tensor,  # [n] each
+    g_lp: torch.Tensor | None, g_en: torch.Tensor | None, g_kl: torch.Tensor,  # [n] d loss / d (logp, H, KL)
+    tf: LogitTransform,
+) -> torch.Tensor:  # G = dL/dy [n, V] in z's storage
+    """``G`` of a chunk whose loss reads log-probs, entropies and the exact KL, in one set of passes: with
+    ``ls = z - lse``, ``lr = z_ref - lse_ref``, ``p = e^ls``,
+
+        G = p ((g_kl - g_en) ls - g_kl lr - g_lp - g_en H - g_kl KL) + g_lp 1[j = t]      (times dz/dy)
+
+    (logp: ``1[j = t] - p``; entropy: ``-p (ls + H)``; KL: ``p (ls - lr - KL)``)."""
+    n, V = z.shape
+    zero = torch.zeros_like(lse)
+    g_lp = zero if g_lp is None else g_lp
+    g_en = zero if g_en is None else g_en
+    a, b = (g_kl - g_en)[:, None], (-g_kl)[:, None]
+    c = (-g_lp - g_en * ent - g_kl * kl)[:, None]
+    step = _block_columns(z)
+    for v0 in range(0, V, step):
+        zb, rb = z[:, v0 : v0 + step], zr[:, v0 : v0 + step]
+        dzdy = tf.dz_dy(zb)  # a float, or a block with a softcap (taken before zb is reused)
+        ls = zb.sub_(lse[:, None])
+        p = torch.exp(ls)
+        g = ls.mul_(a).addcmul_(rb.sub_(lse_r[:, None]), b).add_(c).mul_(p)
+        local = targets - v0
+        hit = (local >= 0) & (local < g.shape[1])
+        g.scatter_add_(1, local.clamp(0, g.shape[1] - 1)[:, None], torch.where(hit, g_lp, zero)[:, None])
+        if not isinstance(dzdy, float) or dzdy != 1.0:
+            g.mul_(dzdy)
+    return z

@@ -1,0 +1,254 @@
+"""Planning and running a policy loss: ``fastrl.policy_loss`` checks its inputs (the loss's as a ``LossSpec``, the LM
+head's), ``plan`` resolves the call into one frozen ``LossPlan`` and ``run`` executes it, on one of three paths, with
+the same numbers:
+
+* ``"one-pass"``: the custom op ``fastrl::policy_loss_one_pass`` over vocabulary chunks (``fastrl.ops.one_pass``);
+* ``"kept"``: the same op over a support, on the kept-set engine (``fastrl.ops.one_pass_kept``);
+* ``"two-pass"``: ``fastrl.fused_logprobs``'s op (``run_logprobs``: nothing checked twice), then the spec's loss
+  under autograd.
+
+The ops know no loss: the spec carries it (``LossSpec.loss`` for the two-pass path; the op's packed options, from
+``LossSpec.pack``, and loss tensors for the others, which ``fastrl.losses.one_pass`` turns back into the loss). The
+exact reference KL (``kl_estimator="exact"``) is inside the op's chunks where the plan says so, else its own
+``fused_divergence`` pass (``exact_reference_kl``) whose [B, T] result enters the loss with its own graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from fastrl.ops import one_pass
+from fastrl.ops import torch_backend as TB
+from fastrl.ops._checks import autocast_inputs, check_finite_outputs, check_linear_inputs, check_targets, dense_bias
+from fastrl.ops.backend import is_triton, resolve_backend
+from fastrl.ops.config import LogitTransform
+from fastrl.ops.kept import build_plan, resolve_support
+from fastrl.ops.linear_logprob import compact_rows, run_logprobs, unit_stride
+from fastrl.ops.one_pass import IGNORE
+from fastrl.ops.support import KeptSet, SamplerRule
+
+__all__ = ["LossSpec", "LossPlan", "plan", "run", "exact_reference_kl", "check_kl_finite"]
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """What the ops need to know of a checked loss (``fastrl.losses.policy`` builds it; the ops know no loss)."""
+
+    eff_targets: torch.Tensor  # [B, T] int64, IGNORE outside the mask
+    in_mask: torch.Tensor  # [B, T] bool
+    temperature: float  # the loss config's (the logit transform's last step)
+    granularity: str | None  # PolicyLossConfig.one_pass_granularity: None, "token" or "sequence"
+    exact_kl: bool  # the loss needs the exact KL (kl_estimator="exact", beta != 0)
+    ref: tuple  # the exact KL's (ref_hidden, ref_weight, ref_bias)
+    loss: Callable  # (logp [B, T], entropy [B, T], per_token_kl [B, T] | None) -> (loss, metrics): two passes
+    pack: Callable  # (**op option fields) -> the op's packed options (the loss config travels with them)
+    loss_tensors: tuple  # the op's (advantages, mask, old, ref, importance weights, num_items [] | None, sampling)
+    metric_names: tuple[str, ...]  # as the loss arithmetic names them, in its order
+    sync: bool  # host reads allowed
+    host_sync: bool | None  # as given
+    check_finite: bool
+
+
+@dataclass(frozen=True)
+class LossPlan:
+    """One ``policy_loss`` call, checked and resolved: what to run and on what."""
+
+    spec: LossSpec
+    hidden: torch.Tensor  # [B, T, H] (autocast applied)
+    weight: torch.Tensor  # [V, H]
+    bias: torch.Tensor | None  # [V] dense
+    tf: LogitTransform
+    backend: str  # concrete
+    path: str  # "one-pass" | "kept" | "two-pass"
+    options: tuple = ("", (), ())  # the op's packed options
+    chunks: tuple[int, ...] = ()  # the op's chunks: flattened live-row ranges, [] (fixed chunks), or the kept plan
+    kl: str | None = None  # where the exact KL is computed: "inside" (the op's chunks), "outside" (its own pass)
+    support: KeptSet | None = None  # the checked KeptSet ("kept")
+    support_metrics: dict | None = None  # sampling/* metrics, computed when the support was resolved
+
+
+def plan(spec: LossSpec, hidden, weight, bias, targets, logit_scale: float, softcap: float | None,
+         backend: str | None, chunk_tokens: int | None, support, positions) -> LossPlan:
+    """The LM head checked (after autocast) and its backend resolved, then the path (over the support, one pass, or
+    two) and the op's chunks and options."""
+    hidden, weight, bias = autocast_inputs(hidden, weight, bias)
+    check_linear_inputs(hidden, weight, targets, bias)
+    bias = dense_bias(bias)
+    if spec.sync:
+        check_targets(spec.eff_targets, weight.shape[0], IGNORE)
+    tf = LogitTransform(temperature=spec.temperature, logit_scale=logit_scale, softcap=softcap)
+    backend = resolve_backend(hidden.device, backend, kind="loss", H=hidden.shape[-1], dtype=hidden.dtype,
+                              tensors=(hidden, weight))
+    if is_triton(backend) and hidden.dtype == torch.float64:
+        raise TypeError("the triton backends compute from float32, bfloat16 or float16 inputs; use backend='torch' "
+                        "for float64")
+    head = dict(spec=spec, hidden=hidden, weight=weight, bias=bias, tf=tf, backend=backend)
+    need = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
+    grads = torch.is_grad_enabled() and any(need)
+    need = need if grads else (False, False, False)
+    if support is not None:
+        kept, outside = resolve_support(support, hidden, weight, bias, spec.eff_targets, tf, IGNORE, positions,
+                                        backend, spec.host_sync)
+        head["support_metrics"] = support_metrics(kept, outside, spec.in_mask, weight.shape[0],
+                                                  isinstance(support, SamplerRule), TB.acc_dtype(hidden.dtype))
+        if kept is not None:
+            return _kept_plan(head, kept, need)
+    if grads and spec.granularity is not None and backend != "triton-fused":
+        one = _one_pass_plan(head, need, chunk_tokens)
+        if one is not None:
+            return one
+    # Path A (or forward-only under no_grad): "triton-fused" promises that no logit is ever stored, so there the
+    # loss takes path A on the fused kernels: 8NHV instead of 6NHV, but no [chunk, V] tile and no float32 [V, H]
+    # weight-gradient accumulator
+    return LossPlan(**head, path="two-pass", kl="outside" if spec.exact_kl else None)
+
+
+def support_metrics(kept: KeptSet | None, outside: torch.Tensor | None, in_mask: torch.Tensor, V: int, rule: bool,
+                    dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """``sampling/kept_size_mean`` over the tokens in ``in_mask`` and, for a rule, ``sampling/label_outside_frac`` (the
+    fraction of those whose target the rule dropped). ``kept`` None: a rule that keeps every id."""
+    live = in_mask.reshape(-1)
+    count = live.sum().clamp(min=1).to(dtype)
+    if kept is None:
+        sizes = torch.full(live.shape, V, dtype=dtype, device=live.device)
+    else:
+        sizes = kept.sizes().to(dtype)
+    out = {"sampling/kept_size_mean": torch.where(live, sizes, 0).sum() / count}
+    if rule:
+        out["sampling/label_outside_frac"] = (outside.reshape(-1) & live).sum().to(dtype) / count
+    return out
+
+
+def _options(head: dict, need, **extra) -> tuple:
+    """The op's packed options."""
+    spec, tf = head["spec"], head["tf"]
+    return spec.pack(
+        logit_scale=float(tf.logit_scale), softcap=None if tf.softcap is None else float(tf.softcap),
+        backend=head["backend"], need_hidden=need[0], need_weight=need[1], need_bias=need[2], compact=spec.sync,
+        n_metrics=len(spec.metric_names), **extra,
+    )
+
+
+def _kept_plan(head: dict, kept: KeptSet, need) -> LossPlan:
+    """The loss over a support: the one-pass op on the kept-set engine (the exact KL over the support inside it)."""
+    spec = head["spec"]
+    # planned on the rows the op computes: in eager the live ones (it drops the rest first), else every row
+    idx = compact_rows(spec.eff_targets.reshape(-1) != IGNORE) if spec.sync else None
+    rows = kept if idx is None else kept[idx]
+    choice = build_plan(rows, head["weight"].shape[0], head["hidden"].device, spec.sync)
+    opts = _options(head, need, tile_elems=choice.tile_elems, cap=choice.cap)
+    return LossPlan(**head, path="kept", options=opts, chunks=tuple(choice.arg()), support=kept,
+                    kl="inside" if spec.exact_kl else None)
+
+
+def _one_pass_plan(head: dict, need, chunk_tokens: int | None) -> LossPlan | None:
+    """Path B, or None when a sequence does not fit in one chunk (then two passes it is). The exact KL, if any:
+    inside the chunks on the torch backend (the reference's tile next to the policy's), else its own
+    ``fused_divergence`` pass whose [B, T] result enters the op."""
+    spec, hidden, weight, backend = head["spec"], head["hidden"], head["weight"], head["backend"]
+    chunks, rows = one_pass.plan_chunks(spec.in_mask, spec.granularity, weight.shape[0], need[1], chunk_tokens,
+                                        backend, hidden.dtype, hidden.shape[-1], spec.sync)
+    if chunks is None:
+        return None
+    kl = None if not spec.exact_kl else "outside" if is_triton(backend) else "inside"
+    return LossPlan(**head, path="one-pass", options=_options(head, need, chunk_rows=rows),
+                    chunks=tuple(x for pair in chunks for x in pair), kl=kl)
+
+
+def run(plan: LossPlan) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """(loss, metrics, per-token log-probs [B * T]) of the planned call."""
+    spec = plan.spec
+    kl = exact_reference_kl(plan.hidden, plan.weight, plan.bias, *spec.ref, spec.in_mask, plan.tf, plan.backend,
+                            spec.check_finite, host_sync=spec.host_sync) if plan.kl == "outside" else None
+    if plan.path == "two-pass":
+        loss, metrics, logp = _two_pass(plan, kl)
+    else:
+        loss, metrics, logp = _op(plan, kl)
+    if plan.support_metrics:
+        metrics.update(plan.support_metrics)
+    return loss, metrics, logp
+
+
+def _op(plan: LossPlan, per_token_kl: torch.Tensor | None):
+    """``fastrl::policy_loss_one_pass`` on the plan's tensors."""
+    B, T, H = plan.hidden.shape
+    spec = plan.spec
+    ref = spec.ref if plan.kl == "inside" else (None, None, None)
+    detached = tuple(None if t is None else t.detach() for t in ref)  # the reference gets no gradient
+    support = (plan.support.ids, plan.support.offsets) if plan.path == "kept" else (None, None)
+    # the exact KL given as a tensor (with its own graph) enters as an input: the op returns d loss / d KL with the
+    # loss, and its backward hands grad_out times that to the KL's graph
+    loss, mvec, _, _, _, logp_all, ent_all, _, kl = torch.ops.fastrl.policy_loss_one_pass(
+        plan.hidden, unit_stride(plan.weight), plan.bias, spec.eff_targets, *spec.loss_tensors, per_token_kl,
+        *detached, *support, list(plan.chunks), *plan.options,
+    )
+    if spec.sync and spec.check_finite:
+        live = spec.eff_targets.reshape(-1) != IGNORE
+        check_finite_outputs(logp_all, ent_all, live, plan.hidden.detach().reshape(B * T, H), (B, T))
+        if kl.numel():
+            check_kl_finite(kl, live, plan.hidden.detach(), ref[0], (B, T))
+    return loss, dict(zip(spec.metric_names, mvec.unbind(0))), logp_all
+
+
+def _two_pass(plan: LossPlan, per_token_kl: torch.Tensor | None):
+    """Path A (or forward-only under no_grad): the plan's loss on fused per-token outputs."""
+    tf, spec = plan.tf, plan.spec
+    logp, ent = run_logprobs(plan.hidden, plan.weight, plan.bias, spec.eff_targets, tf, plan.backend,
+                             with_entropy=True, ignore_index=IGNORE, check_finite=spec.check_finite, vocab_chunk=None,
+                             sync=spec.sync)
+    return (*spec.loss(logp, ent, per_token_kl), logp)
+
+
+def exact_reference_kl(
+    hidden: torch.Tensor,  # [B, T, H], the policy; the KL's gradient flows to it, weight and bias
+    weight: torch.Tensor,  # [V, H]
+    bias: torch.Tensor | None,  # [V]
+    ref_hidden: torch.Tensor,  # [B, T, H_ref], a constant
+    ref_weight: torch.Tensor,  # [V, H_ref], a constant
+    ref_bias: torch.Tensor | None,  # [V], a constant
+    mask: torch.Tensor,  # [B, T] bool
+    tf: LogitTransform,
+    backend: str,
+    check_finite: bool,
+    support=None,  # a KeptSet: both distributions renormalised over it (sampling replay)
+    ref_tf: LogitTransform | None = None,  # the reference's logit scale / softcap; None: the policy's
+    host_sync: bool | None = None,
+) -> torch.Tensor:  # [B, T]
+    """Per-token KL(pi_theta || pi_ref) over the whole vocabulary (or the support), 0 outside the mask, as its own
+    ``fused_divergence`` pass (beta=1, the policy as the student and the reference as the teacher, under the
+    policy's temperature; the reference's logit scale and softcap are the policy's unless ``ref_tf`` says
+    otherwise: a separate reference model with its own config)."""
+    from fastrl.ops.divergence import fused_divergence
+
+    ref_tf = tf if ref_tf is None else ref_tf
+    options = {} if support is None else {"support": support}
+    try:
+        return fused_divergence(
+            hidden, weight, ref_hidden.detach(), ref_weight.detach(), beta=1.0, temperature=tf.temperature, bias=bias,
+            teacher_bias=None if ref_bias is None else ref_bias.detach(), logit_scale=tf.logit_scale,
+            teacher_logit_scale=ref_tf.logit_scale, softcap=tf.softcap, teacher_softcap=ref_tf.softcap, mask=mask,
+            check_finite=check_finite, backend=backend, host_sync=host_sync, **options,
+        )
+    except (FloatingPointError, ValueError, TypeError) as e:
+        raise _as_ref_error(e) from None
+
+
+def _as_ref_error(e: Exception) -> Exception:
+    """fused_divergence's error, naming the arguments as the caller knows them (the reference is its teacher)."""
+    return type(e)(str(e).replace("teacher_", "ref_").replace("non-finite divergence", "non-finite exact KL"))
+
+
+def check_kl_finite(kl: torch.Tensor, live: torch.Tensor, hidden: torch.Tensor, ref_hidden: torch.Tensor,
+                    lead: tuple[int, ...]) -> None:
+    """Raise ``FloatingPointError`` naming the first counted token whose exact KL (computed in the one-pass chunks)
+    is not finite, and the input at fault: the message ``exact_reference_kl`` gives for the same input."""
+    from fastrl.ops.divergence import _check_finite
+
+    try:
+        _check_finite(kl, None, live, hidden.reshape(-1, hidden.shape[-1]),
+                      ref_hidden.reshape(-1, ref_hidden.shape[-1]), lead)
+    except FloatingPointError as e:
+        raise _as_ref_error(e) from None
