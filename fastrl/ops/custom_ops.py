@@ -295,7 +295,3 @@ def input_grads(need: tuple, grads: tuple, n_inputs: int) -> tuple:
     return tuple(g if n else None for g, n in zip(grads, need)) + (None,) * (n_inputs - 3)
 
 
-# the names fastrl.ops.divergence and fastrl.ops.kept_rules import (until they take the public ones above)
-_op, _refuse_double_backward, _autograd_inside, _layout = define_op, refuse_double_backward, autograd_inside, layout_of
-_empty, _or_none, _zero_rows, _live_rows, _grad_rows = empty_output, or_none, zero_rows, live_rows, grad_rows
-_head_grads, _head_grads_like, _input_grads, _acc = head_grads, head_grads_like, input_grads, acc_dtype

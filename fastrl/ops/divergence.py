@@ -193,7 +193,6 @@ def check_divergence_finite(div, ent, active, hidden, teacher_hidden, lead) -> N
                              "Pass check_finite=False to skip this check.")
 
 
-_check_finite = check_divergence_finite  # the name fastrl.losses.exact_kl imports (until it imports the public one)
 
 
 # ---------------------------------------------------------------------------------------------------------

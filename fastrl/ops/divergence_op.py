@@ -30,8 +30,8 @@ from fastrl.ops import divergence_torch
 from fastrl.ops.backend import is_triton
 from fastrl.ops.config import Head, LogitTransform
 from fastrl.ops.custom_ops import (
-    PackedOptions, _empty, _grad_rows, _head_grads, _head_grads_like, _input_grads, _layout, _op,
-    _refuse_double_backward, _zero_rows,
+    PackedOptions, define_op, empty_output, grad_rows, head_grads, head_grads_like, input_grads, layout_of,
+    refuse_double_backward, zero_rows,
 )
 from fastrl.ops.divergence_stats import FORWARD_KL, JSD, REVERSE_KL
 from fastrl.ops.torch_backend import acc_dtype
@@ -71,7 +71,7 @@ class DivergenceOptions(PackedOptions):
         return FORWARD_KL if self.beta == 0.0 else REVERSE_KL if self.beta == 1.0 else JSD
 
 
-DivergenceOptions._LAYOUT = _layout(DivergenceOptions)
+DivergenceOptions._LAYOUT = layout_of(DivergenceOptions)
 
 
 def _backend(o: DivergenceOptions):
@@ -114,7 +114,7 @@ def _forward(h, w, b, ht, wt, bt, active, ids, offsets, plan, o: DivergenceOptio
     return div, ent, lse_s, lse_t, aux, entries
 
 
-@_op("divergence")
+@define_op("divergence")
 def divergence_op(
     hidden: torch.Tensor,  # [N, H] the student
     weight: torch.Tensor,  # [V, H]
@@ -137,17 +137,17 @@ def divergence_op(
     N = hidden.shape[0]
     if N == 0:  # distinct empty outputs (an op's outputs may not alias one another)
         return tuple(hidden.new_zeros((0,), dtype=acc_dtype(hidden.dtype)) for _ in range(6))
-    h, ht = _zero_rows(active, hidden), _zero_rows(active, teacher_hidden)
+    h, ht = zero_rows(active, hidden), zero_rows(active, teacher_hidden)
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
         div, ent, lse_s, lse_t, aux, entries = _forward(h, weight, bias, ht, teacher_weight, teacher_bias, active,
                                                         support_ids, support_offsets, plan, o)
     if active is not None:
-        div, aux = _zero_rows(active, div), _zero_rows(active, aux)
-        ent = None if ent is None else _zero_rows(active, ent)
+        div, aux = zero_rows(active, div), zero_rows(active, aux)
+        ent = None if ent is None else zero_rows(active, ent)
     elif aux is div:  # the KLs: the divergence is what the backward reads
         aux = div.clone()
-    return (div, (ent if ent is not None else _empty(div)), lse_s, lse_t, aux,
-            entries if entries is not None else _empty(div))
+    return (div, (ent if ent is not None else empty_output(div)), lse_s, lse_t, aux,
+            entries if entries is not None else empty_output(div))
 
 
 @divergence_op.register_fake
@@ -155,8 +155,8 @@ def _(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, active
       opt_str, opt_float, opt_int):
     o = DivergenceOptions.unpack_symbolic(opt_str, opt_float, opt_int)
     div = hidden.new_empty((hidden.shape[0],), dtype=acc_dtype(hidden.dtype))
-    entries = _empty(div) if support_ids is None else div.new_empty((2, support_ids.shape[0]))
-    return (div, torch.empty_like(div) if o.with_entropy else _empty(div), torch.empty_like(div),
+    entries = empty_output(div) if support_ids is None else div.new_empty((2, support_ids.shape[0]))
+    return (div, torch.empty_like(div) if o.with_entropy else empty_output(div), torch.empty_like(div),
             torch.empty_like(div), torch.empty_like(div), entries)
 
 
@@ -175,7 +175,7 @@ def _divergence_setup(ctx, inputs, output):
 
 
 def _divergence_backward(ctx, grad_div, grad_ent, _grad_lse_s, _grad_lse_t, _grad_aux, _grad_entries):
-    _refuse_double_backward("fastrl.fused_divergence")
+    refuse_double_backward("fastrl.fused_divergence")
     (hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, active, ids, offsets, lse_s, lse_t, aux, ent,
      entries) = ctx.saved_tensors
     if not ctx.with_entropy:  # no entropy was computed: nothing flows back through its (empty) output
@@ -186,13 +186,13 @@ def _divergence_backward(ctx, grad_div, grad_ent, _grad_lse_s, _grad_lse_t, _gra
     gh, gw, gb = torch.ops.fastrl.divergence_backward(
         grad_div, grad_ent, hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, active, ids, offsets,
         ctx.plan, lse_s, lse_t, aux, ent, entries, *ctx.options, *need)
-    return _input_grads(need, (gh, gw, gb), _DIV_INPUTS)
+    return input_grads(need, (gh, gw, gb), _DIV_INPUTS)
 
 
 divergence_op.register_autograd(_divergence_backward, setup_context=_divergence_setup)
 
 
-@_op("divergence_backward")
+@define_op("divergence_backward")
 def divergence_backward_op(
     grad_div: Optional[torch.Tensor],  # [N]
     grad_entropy: Optional[torch.Tensor],  # [N]
@@ -221,12 +221,12 @@ def divergence_backward_op(
     o = DivergenceOptions.unpack(opt_str, opt_float, opt_int)
     need = (need_hidden, need_weight, need_bias and bias is not None)
     if hidden.shape[0] == 0:  # no token: nothing flows back
-        return (torch.zeros_like(hidden) if need[0] else _empty(hidden),
-                torch.zeros_like(weight) if need[1] else _empty(weight),
-                torch.zeros_like(bias) if need[2] else _empty(hidden))
+        return (torch.zeros_like(hidden) if need[0] else empty_output(hidden),
+                torch.zeros_like(weight) if need[1] else empty_output(weight),
+                torch.zeros_like(bias) if need[2] else empty_output(hidden))
     cdt = lse_s.dtype
-    gd, ge = _grad_rows(grad_div, active, cdt), _grad_rows(grad_entropy, active, cdt)
-    h, ht = _zero_rows(active, hidden), _zero_rows(active, teacher_hidden)
+    gd, ge = grad_rows(grad_div, active, cdt), grad_rows(grad_entropy, active, cdt)
+    h, ht = zero_rows(active, hidden), zero_rows(active, teacher_hidden)
     student, teacher = _heads(h, weight, bias, ht, teacher_weight, teacher_bias, o)
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
         if support_ids is not None:
@@ -237,11 +237,11 @@ def divergence_backward_op(
                                                   o.mode, o.beta, need)
         else:
             gh, gw, gb = _backend(o).backward(student, teacher, o, o.mode, lse_s, lse_t, aux, entropy, gd, ge, need)
-    return _head_grads(gh, gw, gb, hidden, weight)
+    return head_grads(gh, gw, gb, hidden, weight)
 
 
 @divergence_backward_op.register_fake
 def _(grad_div, grad_entropy, hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, active, support_ids,
       support_offsets, plan, lse_s, lse_t, aux, entropy, entries, opt_str, opt_float, opt_int, need_hidden, need_weight,
       need_bias):
-    return _head_grads_like(hidden, weight, bias, need_hidden, need_weight, need_bias)
+    return head_grads_like(hidden, weight, bias, need_hidden, need_weight, need_bias)

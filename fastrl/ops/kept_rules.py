@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from fastrl.ops.config import LogitTransform
-from fastrl.ops.custom_ops import PackedOptions, _layout, _op, host_sync_enabled
+from fastrl.ops.custom_ops import PackedOptions, define_op, host_sync_enabled, layout_of
 from fastrl.ops.support import KeptSet, SamplerRule
 
 __all__ = ["replay", "RuleOptions"]
@@ -52,10 +52,10 @@ class RuleOptions(PackedOptions):
                            stop_token_ids=stops, order=self.order, ties=self.ties)
 
 
-RuleOptions._LAYOUT = _layout(RuleOptions)
+RuleOptions._LAYOUT = layout_of(RuleOptions)
 
 
-@_op("replay_rule")
+@define_op("replay_rule")
 def replay_rule_op(
     hidden: torch.Tensor,  # [N, H]
     weight: torch.Tensor,  # [V, H]

@@ -245,10 +245,10 @@ def check_kl_finite(kl: torch.Tensor, live: torch.Tensor, hidden: torch.Tensor, 
                     lead: tuple[int, ...]) -> None:
     """Raise ``FloatingPointError`` naming the first counted token whose exact KL (computed in the one-pass chunks)
     is not finite, and the input at fault: the message ``exact_reference_kl`` gives for the same input."""
-    from fastrl.ops.divergence import _check_finite
+    from fastrl.ops.divergence import check_divergence_finite
 
     try:
-        _check_finite(kl, None, live, hidden.reshape(-1, hidden.shape[-1]),
+        check_divergence_finite(kl, None, live, hidden.reshape(-1, hidden.shape[-1]),
                       ref_hidden.reshape(-1, ref_hidden.shape[-1]), lead)
     except FloatingPointError as e:
         raise _as_ref_error(e) from None

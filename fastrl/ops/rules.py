@@ -486,7 +486,7 @@ def logits_tile(
     if cuda_f32_out(out.device) or weight.dtype == out.dtype:
         mm_f32(h, weight.T, out=out)
         if bias is not None:
-            out += TB._f32(bias)
+            out += TB.upcast(bias)
         return tf.apply_(out)
     return TB.chunk_logits(h, weight, bias, tf, out=out)
 

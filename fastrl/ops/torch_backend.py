@@ -26,7 +26,6 @@ def upcast(x: torch.Tensor) -> torch.Tensor:
     return x.to(acc_dtype(x.dtype))
 
 
-_f32 = upcast  # the name fastrl.ops.rules reads
 
 
 def logits_block(
