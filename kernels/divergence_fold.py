@@ -13,7 +13,7 @@ row in one pass, one program per row:
 * ``grad_kernel``: turns the student's tile into ``G = dL/dy_s`` for ``L = sum gd D + ge H_s``, written over the
   tile itself (a 2-byte G in the first half of each float32 row, as ``logits_fold.grad_tile``).
 
-The math is in ``fastrl/ops/divergence.py`` (and docs/design.md, "Divergences"); bias, scale, softcap and
+The math is in ``fastrl/ops/divergence_torch.py`` (and docs/design.md, "Divergences"); bias, scale, softcap and
 temperature are applied here on the fly, so the GEMMs stay plain GEMMs. Nothing here knows about autograd.
 """
 

@@ -15,7 +15,7 @@ them in registers. Three kernels, each a persistent grid:
   through TMA for the cuBLAS gradient GEMMs (as ``persistent_grad``; the teacher gets no gradient).
 
 Two float32 accumulators are live at once, so the tiles are 128x64 on sm_90 (``tuning``: ``sm90_div``). The math is in
-``fastrl/ops/divergence.py`` and docs/design.md ("Divergences"); nothing here knows about autograd.
+``fastrl/ops/divergence_torch.py`` and docs/design.md ("Divergences"); nothing here knows about autograd.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Each op lives in the module of its operation (``fastrl.ops.linear_logprob``: ``linear_logprob`` and its backward;
 ``fastrl.losses.one_pass``: ``policy_loss_one_pass``; ``fastrl.losses.value``: ``value_loss`` and its backward;
-``fastrl.ops.divergence``), registered when that module is imported; this module holds what they share.
+``fastrl.ops.divergence_op``: ``divergence`` and its backward), registered when that module is imported; this module holds what they share.
 
 Each op is opaque to the compiler: a fake implementation gives its output shapes (so ``fullgraph=True`` and
 ``dynamic=True`` trace it without running it) and ``register_autograd`` gives its backward, itself an op. The
