@@ -160,7 +160,7 @@ def _config(args, device: str) -> lmhead.RunConfig:
                       options={"liger_compiled": False}, jobs=2)
     if args.command == "c1":
         cfg.options = {**cfg.options, "fastrl_backend": "torch"}  # C1 is about the CPU path, named explicitly
-    cfg.mode = "smoke" if args.smoke else ("quick" if args.quick else "full")
+    cfg.mode = report.mode(args)
     for a, f in (("reps", "reps"), ("warmup", "warmup"), ("sets", "n_sets"), ("timeout", "timeout_s"), ("jobs", "jobs")):
         if getattr(args, a) is not None:
             setattr(cfg, f, getattr(args, a))
@@ -346,11 +346,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _out_dir(args, device_slug: str) -> Path:
-    """--out; else a new folder outside the repository (``report.new_out_dir``): committed results are written
-    only by a deliberate ``--out bench/results/<device>/``."""
-    if args.out:
-        return Path(args.out)
-    return report.new_out_dir(device_slug, f"{args.command}-smoke" if args.smoke else args.command)
+    """--out; else a new folder outside the repository: committed results are written only by a deliberate
+    ``--out bench/results/<device>/``."""
+    return report.out_dir(args, device_slug, args.command)
 
 
 def _list_command(args, device: str, con) -> int:
@@ -392,7 +390,7 @@ def _w5_command(args, device: str, con) -> int:
     env = report.environment(device)
     out_dir = _out_dir(args, env["device_slug"])
     opts = {"fastrl_backend": args.fastrl_backend} if args.fastrl_backend else {}
-    prefix = "w5" + ("-smoke" if args.smoke else "-quick" if args.quick else "")
+    prefix = report.prefix("w5", args)
     return w5.cli(args, device, con, env, out_dir, prefix, options=opts)
 
 
@@ -402,7 +400,7 @@ def _keptset_command(args, device: str, con) -> int:
 
     env = report.environment(device)
     out_dir = _out_dir(args, env["device_slug"])
-    prefix = "keptset" + ("-smoke" if args.smoke else "-quick" if args.quick else "")
+    prefix = report.prefix("keptset", args)
     return keptset.cli(args, device, con, env, out_dir, prefix)
 
 
@@ -543,7 +541,7 @@ def _measure(args, device: str, con) -> int:
     provs = P.select(args.providers or (C1_PROVIDERS if args.command == "c1" else None))
     env = report.environment(device)
     out_dir = _out_dir(args, env["device_slug"])
-    prefix = args.command + ("-smoke" if args.smoke else "-quick" if args.quick else "")
+    prefix = report.prefix(args.command, args)
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg.rows_log = str(out_dir / f"{prefix}.rows.jsonl")
     Path(cfg.rows_log).unlink(missing_ok=True)
