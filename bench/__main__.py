@@ -322,6 +322,14 @@ def _c1_targets(rows: list[dict], con) -> dict:
     return out
 
 
+def _sass_options(ap: argparse.ArgumentParser) -> None:
+    """Here, not in bench/sass.py: that module refuses to import under TRITON_INTERPRET (``python -m bench.sass``
+    has its own parser)."""
+    ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (default 90: H100 / H200)")
+    ap.add_argument("--only", help="only kernels whose name contains this")
+    ap.add_argument("--checked-only", action="store_true", help="only the variants the check covers")
+
+
 def _lazy(module: str, name: str, device: bool = True) -> Callable:
     """``bench.<module>.<name>``, imported when called: options (``add_options(ap)``) or a command (``command(args,
     device, con)``; ``device=False``: ``command(args, con)``) of a module the CLI does not import up front."""
@@ -460,33 +468,6 @@ def _targets_command(args, device: str, con) -> int:
         con.print(f"{f}: {len(run_rows)} rows")
     _gpu_targets(rows, con)
     return 0
-
-
-def _sass_options(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (default 90: H100 / H200)")
-    ap.add_argument("--only", help="only kernels whose name contains this")
-    ap.add_argument("--checked-only", action="store_true", help="only the variants the check covers")
-
-
-def _sass_command(args, device: str, con) -> int:
-    from bench import sass  # compiles for a GPU target: needs no GPU and no provider
-
-    return sass.main(["--arch", str(args.arch)] + (["--only", args.only] if args.only else [])
-                     + (["--checked-only"] if args.checked_only else []))
-
-
-def _roofline_options(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--results", help="folder whose */session.json and */*/session.json hold measured times (default "
-                    "bench/results)")
-    ap.add_argument("--memory-gib", type=float, help="device memory the sm90 tiles are sized for, GiB (default 80; 0: "
-                    "unknown, the budget's safe default)")
-
-
-def _roofline_command(args, device: str, con) -> int:
-    from bench import roofline  # arithmetic only: needs no GPU and no provider
-
-    return roofline.main((["--results", args.results] if args.results else [])
-                         + (["--memory-gib", str(args.memory_gib)] if args.memory_gib is not None else []))
 
 
 def _measure_w4(args, device: str, cfg, con) -> tuple[list, dict, float]:
@@ -679,7 +660,7 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             "Compiles every fastrl kernel at its default launch configuration for a GPU target (no GPU needed) and\n"
             "prints registers, stack, spill loads/stores, shared memory, tensor-core (HGMMA) and TMA instruction\n"
             "counts. Exits 1 when a checked kernel spills or a bf16/fp16 matmul kernel has no HGMMA (sm_90).",
-            (_sass_options,), _sass_command),
+            (_sass_options,), _lazy("sass", "command", device=False)),
     Command("roofline", "bytes moved and FLOPs of every implementation per workload, and the time they imply",
             "A model, no GPU: per workload (W1, W1-lp, W2, W2-lp, W3, divergence, kept set K=64) and\n"
             "implementation (cuBLAS floor, TRL, fastrl's hybrid, fused and triton-sm90 kernels, the kept-set\n"
@@ -687,7 +668,7 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             "imply at 700 TFLOP/s and 4.3 TB/s, the measured time where a committed bench/results session.json has\n"
             "one (else 'not measured'), and per target of issue 33 the design that meets it on paper, or none.\n"
             "See bench/roofline.py and docs/roofline.md.",
-            (_roofline_options,), _roofline_command),
+            (_lazy("roofline", "add_options"),), _lazy("roofline", "command", device=False)),
 )}
 
 
