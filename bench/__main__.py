@@ -208,7 +208,7 @@ def _want_w4(args, device: str) -> bool:
     return not args.smoke and (not args.quick or W4_IN_QUICK)
 
 
-def _list(device: str, con) -> int:
+def _list(args, device: str, con) -> int:
     con.print(f"[bold]device[/bold]: {report.device_name(device)}")
     for title, wls in (("GPU workloads", W.gpu_workloads()), ("CPU workloads (--quick)", W.cpu_workloads(True)),
                        ("CPU workloads", W.cpu_workloads(False))):
@@ -353,24 +353,10 @@ def main(argv: list[str] | None = None) -> int:
     return COMMANDS[args.command].run(args, device, con)
 
 
-def _out_dir(args, device_slug: str) -> Path:
-    """--out; else a new folder outside the repository: committed results are written only by a deliberate
-    ``--out bench/results/<device>/``."""
-    return report.out_dir(args, device_slug, args.command)
-
-
-def _list_command(args, device: str, con) -> int:
-    return _list(device, con)
-
-
 def _divergence_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--beta", help="comma list of betas (default 0,0.5,1)")
     ap.add_argument("--tokens", type=int, help="tokens N (default: by device; results go to divergence-nN.json)")
     ap.add_argument("--providers", help=f"comma list of {', '.join(divergence.PROVIDERS)} (default all)")
-
-
-def _divergence_command(args, device: str, con) -> int:
-    return divergence.cli(args, device, con)
 
 
 def _gpu_divergence(args, device: str, con) -> dict | None:
@@ -391,25 +377,6 @@ def _w5_options(ap: argparse.ArgumentParser) -> None:
                                         "fastrl+both (default all)")
     ap.add_argument("--lengths", help="W5: comma list of completion lengths to search (default: by device and mode)")
     ap.add_argument("--budget-mb", type=float, help="W5: one step-memory budget in MB (default: 24 and 80 GiB on CUDA)")
-
-
-def _w5_command(args, device: str, con) -> int:
-    """W5 has its own search and files (bench/w5.py)."""
-    env = report.environment(device)
-    out_dir = _out_dir(args, env["device_slug"])
-    opts = {"fastrl_backend": args.fastrl_backend} if args.fastrl_backend else {}
-    prefix = report.prefix("w5", args)
-    return w5.cli(args, device, con, env, out_dir, prefix, options=opts)
-
-
-def _keptset_command(args, device: str, con) -> int:
-    """Kept-set head vs full-vocabulary head (bench/keptset.py): its own points and files."""
-    from bench import keptset
-
-    env = report.environment(device)
-    out_dir = _out_dir(args, env["device_slug"])
-    prefix = report.prefix("keptset", args)
-    return keptset.cli(args, device, con, env, out_dir, prefix)
 
 
 def _targets_options(ap: argparse.ArgumentParser) -> None:
@@ -521,7 +488,7 @@ def _measure(args, device: str, con) -> int:
     want_w4 = _want_w4(args, device)
     provs = P.select(args.providers or (C1_PROVIDERS if args.command == "c1" else None))
     env = report.environment(device)
-    out_dir = _out_dir(args, env["device_slug"])
+    out_dir = report.out_dir(args, env["device_slug"], args.command)
     prefix = report.prefix(args.command, args)
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg.rows_log = str(out_dir / f"{prefix}.rows.jsonl")
@@ -565,7 +532,7 @@ def _measure(args, device: str, con) -> int:
     con.print("wrote " + ", ".join(str(p) for p in written + plots) + f"  ({elapsed + w4_s:.0f} s)")
     if args.command == "gpu" and not args.workload and not args.providers:  # the whole GPU set: keptset too
         con.print()
-        _keptset_command(args, device, con)
+        _lazy("keptset", "cli")(args, device, con)
     bad = [r for r in rows + w4_rows if r["status"] == "error"]
     return 1 if bad and args.smoke else 0
 
@@ -605,7 +572,7 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             "whose GRPO step (8 completions on CUDA, bf16) fits the budget (24 and 80 GiB on CUDA; a CPU-scaled variant\n"
             "in peak RSS), each point in a fresh process. Writes JSON / CSV and a plot of step memory against length.\n"
             "A full GPU run is long: split it with --workload and --providers.",
-            (_run_options, _w5_options), _w5_command),
+            (_run_options, _w5_options), w5.cli),
     Command("keptset", "the LM head over a kept set (K = 20, 64, 512) vs the full vocabulary",
             "fastrl.fused_logprobs forward + backward with support=KeptSet (K ids per token: Zipf-distributed ids that\n"
             "recur across tokens, and uniformly random disjoint ones) and with support=SamplerRule(top_k=64), against\n"
@@ -613,7 +580,7 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             "their ratios. V=151936; CPU: N=1024, H=512, float32 (85 s on a quiet 2-core machine with --threads 1, the\n"
             "run in bench/results/; 14 min once on a 2-core machine shared with other jobs); CUDA: W1 and W2 shapes,\n"
             "bf16 (also run at the end of `python -m bench gpu`). Target: K=64 fwd+bwd <= 0.1x the full path.",
-            (_run_options,), _keptset_command),
+            (_run_options,), _lazy("keptset", "cli")),
     Command("divergence", "student vs teacher head: fused_divergence vs TRL, Liger and torch, beta 0/0.5/1",
             "The per-token divergence between a student's and a teacher's LM head (bench/divergence.py), forward +\n"
             "backward, beta 0 (forward KL), 0.5 (TRL's generalized JSD), 1 (reverse KL): fastrl.fused_divergence,\n"
@@ -621,7 +588,7 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             "extra memory and error against float64, with issue 21's targets (CPU: <= 0.7x TRL's time at <= 0.5x its\n"
             "extra memory; GPU: <= 0.8x TRL's time). CUDA: N=16384, H=896, teacher 1536, V=151936, bf16; CPU:\n"
             "N=1024 (--quick 512), H=256, teacher 384, V=65536, float32.",
-            (_run_options, _divergence_options), _divergence_command),
+            (_run_options, _divergence_options), divergence.cli),
     Command("gap", "the vLLM-trainer log-prob gap: TRL, fastrl, fastrl + vLLM float32 head; replay off and on",
             "The gap between vLLM's log-probs of the sampled tokens and the trainer's (TRL's metrics\n"
             "sampling/sampling_logp_difference/* and the IS ratio) with TRL's colocated vLLM on a tiny Qwen2: stock\n"
@@ -636,7 +603,7 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             (_lazy("compiled_step", "add_options"),), _lazy("compiled_step", "command")),
     Command("list", "workloads and providers, and why a provider cannot run here",
             "The workloads (GPU and CPU sizes), the providers, and why a provider cannot run on this device.",
-            (_device_option,), _list_command),
+            (_device_option,), _list),
     Command("targets", "the GPU targets over the result files of several runs",
             "Reads the rows of finished runs (gpu*.json) or of runs stopped part-way (gpu*.rows.jsonl), computes the\n"
             "ratios against TRL within each run, and prints the GPU targets PASS/FAIL, as `python -m bench gpu` does\n"

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
@@ -273,7 +272,10 @@ def _path(p: dict) -> str:
     return p["mode"] + ("/union" if p.get("plan_kind") == "union" else "")
 
 
-def cli(args, device: str, con, env: dict, out_dir: Path, prefix: str) -> int:
+def cli(args, device: str, con) -> int:
+    """``python -m bench keptset`` (also run at the end of ``python -m bench gpu``): its own points and files."""
+    env = report.environment(device)
+    out_dir, prefix = report.out_dir(args, env["device_slug"], args.command), report.prefix("keptset", args)
     cuda = device == "cuda"
     reps = args.reps or (1 if args.smoke else (10 if cuda else 3))
     warmup = args.warmup if args.warmup is not None else (0 if args.smoke else (2 if cuda else 1))

@@ -46,7 +46,8 @@ def new_out_dir(device_slug: str, what: str = "bench") -> Path:
 
 
 def out_dir(args, device_slug: str, what: str) -> Path:
-    """``--out``; else a new folder outside the repository (``new_out_dir``, ``<what>-smoke`` under --smoke)."""
+    """``--out``; else a new folder outside the repository (``new_out_dir``, ``<what>-smoke`` under --smoke):
+    committed results are written only by a deliberate ``--out bench/results/<device>/``."""
     if args.out:
         return Path(args.out)
     return new_out_dir(device_slug, f"{what}-smoke" if args.smoke else what)

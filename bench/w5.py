@@ -442,11 +442,14 @@ def write_files(out_dir, prefix: str, plan: W5Plan, rows: list[dict], env: dict,
     return written
 
 
-def cli(args, device: str, con, env: dict, out_dir, prefix: str, options: dict | None = None) -> int:
-    """``python -m bench w5`` (``bench/__main__.py`` parses the shared options)."""
+def cli(args, device: str, con) -> int:
+    """``python -m bench w5`` (``bench/__main__.py`` parses the shared options): its own search and files."""
     from bench import report
 
-    mode = report.mode(args)
+    env = report.environment(device)
+    out_dir = report.out_dir(args, env["device_slug"], args.command)
+    prefix, mode = report.prefix("w5", args), report.mode(args)
+    options = {"fastrl_backend": args.fastrl_backend} if args.fastrl_backend else {}
     try:
         plan = with_overrides(plan_for(device, mode), archs=args.workload, lengths=args.lengths,
                               budget_mb=args.budget_mb, reps=args.reps, warmup=args.warmup, timeout_s=args.timeout,
