@@ -160,7 +160,7 @@ def _config(args, device: str) -> lmhead.RunConfig:
                       options={"liger_compiled": False}, jobs=2)
     if args.command == "c1":
         cfg.options = {**cfg.options, "fastrl_backend": "torch"}  # C1 is about the CPU path, named explicitly
-    cfg.mode = "smoke" if args.smoke else ("quick" if args.quick else "full")
+    cfg.mode = report.mode(args)
     for a, f in (("reps", "reps"), ("warmup", "warmup"), ("sets", "n_sets"), ("timeout", "timeout_s"), ("jobs", "jobs")):
         if getattr(args, a) is not None:
             setattr(cfg, f, getattr(args, a))
@@ -208,7 +208,7 @@ def _want_w4(args, device: str) -> bool:
     return not args.smoke and (not args.quick or W4_IN_QUICK)
 
 
-def _list(device: str, con) -> int:
+def _list(args, device: str, con) -> int:
     con.print(f"[bold]device[/bold]: {report.device_name(device)}")
     for title, wls in (("GPU workloads", W.gpu_workloads()), ("CPU workloads (--quick)", W.cpu_workloads(True)),
                        ("CPU workloads", W.cpu_workloads(False))):
@@ -322,6 +322,14 @@ def _c1_targets(rows: list[dict], con) -> dict:
     return out
 
 
+def _sass_options(ap: argparse.ArgumentParser) -> None:
+    """Here, not in bench/sass.py: that module refuses to import under TRITON_INTERPRET (``python -m bench.sass``
+    has its own parser)."""
+    ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (default 90: H100 / H200)")
+    ap.add_argument("--only", help="only kernels whose name contains this")
+    ap.add_argument("--checked-only", action="store_true", help="only the variants the check covers")
+
+
 def _lazy(module: str, name: str, device: bool = True) -> Callable:
     """``bench.<module>.<name>``, imported when called: options (``add_options(ap)``) or a command (``command(args,
     device, con)``; ``device=False``: ``command(args, con)``) of a module the CLI does not import up front."""
@@ -345,26 +353,10 @@ def main(argv: list[str] | None = None) -> int:
     return COMMANDS[args.command].run(args, device, con)
 
 
-def _out_dir(args, device_slug: str) -> Path:
-    """--out; else a new folder outside the repository (``report.new_out_dir``): committed results are written
-    only by a deliberate ``--out bench/results/<device>/``."""
-    if args.out:
-        return Path(args.out)
-    return report.new_out_dir(device_slug, f"{args.command}-smoke" if args.smoke else args.command)
-
-
-def _list_command(args, device: str, con) -> int:
-    return _list(device, con)
-
-
 def _divergence_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--beta", help="comma list of betas (default 0,0.5,1)")
     ap.add_argument("--tokens", type=int, help="tokens N (default: by device; results go to divergence-nN.json)")
     ap.add_argument("--providers", help=f"comma list of {', '.join(divergence.PROVIDERS)} (default all)")
-
-
-def _divergence_command(args, device: str, con) -> int:
-    return divergence.cli(args, device, con)
 
 
 def _gpu_divergence(args, device: str, con) -> dict | None:
@@ -385,25 +377,6 @@ def _w5_options(ap: argparse.ArgumentParser) -> None:
                                         "fastrl+both (default all)")
     ap.add_argument("--lengths", help="W5: comma list of completion lengths to search (default: by device and mode)")
     ap.add_argument("--budget-mb", type=float, help="W5: one step-memory budget in MB (default: 24 and 80 GiB on CUDA)")
-
-
-def _w5_command(args, device: str, con) -> int:
-    """W5 has its own search and files (bench/w5.py)."""
-    env = report.environment(device)
-    out_dir = _out_dir(args, env["device_slug"])
-    opts = {"fastrl_backend": args.fastrl_backend} if args.fastrl_backend else {}
-    prefix = "w5" + ("-smoke" if args.smoke else "-quick" if args.quick else "")
-    return w5.cli(args, device, con, env, out_dir, prefix, options=opts)
-
-
-def _keptset_command(args, device: str, con) -> int:
-    """Kept-set head vs full-vocabulary head (bench/keptset.py): its own points and files."""
-    from bench import keptset
-
-    env = report.environment(device)
-    out_dir = _out_dir(args, env["device_slug"])
-    prefix = "keptset" + ("-smoke" if args.smoke else "-quick" if args.quick else "")
-    return keptset.cli(args, device, con, env, out_dir, prefix)
 
 
 def _targets_options(ap: argparse.ArgumentParser) -> None:
@@ -464,33 +437,6 @@ def _targets_command(args, device: str, con) -> int:
     return 0
 
 
-def _sass_options(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (default 90: H100 / H200)")
-    ap.add_argument("--only", help="only kernels whose name contains this")
-    ap.add_argument("--checked-only", action="store_true", help="only the variants the check covers")
-
-
-def _sass_command(args, device: str, con) -> int:
-    from bench import sass  # compiles for a GPU target: needs no GPU and no provider
-
-    return sass.main(["--arch", str(args.arch)] + (["--only", args.only] if args.only else [])
-                     + (["--checked-only"] if args.checked_only else []))
-
-
-def _roofline_options(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--results", help="folder whose */session.json and */*/session.json hold measured times (default "
-                    "bench/results)")
-    ap.add_argument("--memory-gib", type=float, help="device memory the sm90 tiles are sized for, GiB (default 80; 0: "
-                    "unknown, the budget's safe default)")
-
-
-def _roofline_command(args, device: str, con) -> int:
-    from bench import roofline  # arithmetic only: needs no GPU and no provider
-
-    return roofline.main((["--results", args.results] if args.results else [])
-                         + (["--memory-gib", str(args.memory_gib)] if args.memory_gib is not None else []))
-
-
 def _measure_w4(args, device: str, cfg, con) -> tuple[list, dict, float]:
     """W4 in `run` and `w4`: its rows, its summary (with its seconds) and its seconds."""
     shape = w4.with_overrides(w4.shape_for(device, cfg.mode), args.lengths, args.budget_mb)
@@ -542,8 +488,8 @@ def _measure(args, device: str, con) -> int:
     want_w4 = _want_w4(args, device)
     provs = P.select(args.providers or (C1_PROVIDERS if args.command == "c1" else None))
     env = report.environment(device)
-    out_dir = _out_dir(args, env["device_slug"])
-    prefix = args.command + ("-smoke" if args.smoke else "-quick" if args.quick else "")
+    out_dir = report.out_dir(args, env["device_slug"], args.command)
+    prefix = report.prefix(args.command, args)
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg.rows_log = str(out_dir / f"{prefix}.rows.jsonl")
     Path(cfg.rows_log).unlink(missing_ok=True)
@@ -586,7 +532,7 @@ def _measure(args, device: str, con) -> int:
     con.print("wrote " + ", ".join(str(p) for p in written + plots) + f"  ({elapsed + w4_s:.0f} s)")
     if args.command == "gpu" and not args.workload and not args.providers:  # the whole GPU set: keptset too
         con.print()
-        _keptset_command(args, device, con)
+        _lazy("keptset", "cli")(args, device, con)
     bad = [r for r in rows + w4_rows if r["status"] == "error"]
     return 1 if bad and args.smoke else 0
 
@@ -626,7 +572,7 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             "whose GRPO step (8 completions on CUDA, bf16) fits the budget (24 and 80 GiB on CUDA; a CPU-scaled variant\n"
             "in peak RSS), each point in a fresh process. Writes JSON / CSV and a plot of step memory against length.\n"
             "A full GPU run is long: split it with --workload and --providers.",
-            (_run_options, _w5_options), _w5_command),
+            (_run_options, _w5_options), w5.cli),
     Command("keptset", "the LM head over a kept set (K = 20, 64, 512) vs the full vocabulary",
             "fastrl.fused_logprobs forward + backward with support=KeptSet (K ids per token: Zipf-distributed ids that\n"
             "recur across tokens, and uniformly random disjoint ones) and with support=SamplerRule(top_k=64), against\n"
@@ -634,7 +580,7 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             "their ratios. V=151936; CPU: N=1024, H=512, float32 (85 s on a quiet 2-core machine with --threads 1, the\n"
             "run in bench/results/; 14 min once on a 2-core machine shared with other jobs); CUDA: W1 and W2 shapes,\n"
             "bf16 (also run at the end of `python -m bench gpu`). Target: K=64 fwd+bwd <= 0.1x the full path.",
-            (_run_options,), _keptset_command),
+            (_run_options,), _lazy("keptset", "cli")),
     Command("divergence", "student vs teacher head: fused_divergence vs TRL, Liger and torch, beta 0/0.5/1",
             "The per-token divergence between a student's and a teacher's LM head (bench/divergence.py), forward +\n"
             "backward, beta 0 (forward KL), 0.5 (TRL's generalized JSD), 1 (reverse KL): fastrl.fused_divergence,\n"
@@ -642,7 +588,7 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             "extra memory and error against float64, with issue 21's targets (CPU: <= 0.7x TRL's time at <= 0.5x its\n"
             "extra memory; GPU: <= 0.8x TRL's time). CUDA: N=16384, H=896, teacher 1536, V=151936, bf16; CPU:\n"
             "N=1024 (--quick 512), H=256, teacher 384, V=65536, float32.",
-            (_run_options, _divergence_options), _divergence_command),
+            (_run_options, _divergence_options), divergence.cli),
     Command("gap", "the vLLM-trainer log-prob gap: TRL, fastrl, fastrl + vLLM float32 head; replay off and on",
             "The gap between vLLM's log-probs of the sampled tokens and the trainer's (TRL's metrics\n"
             "sampling/sampling_logp_difference/* and the IS ratio) with TRL's colocated vLLM on a tiny Qwen2: stock\n"
@@ -657,7 +603,7 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             (_lazy("compiled_step", "add_options"),), _lazy("compiled_step", "command")),
     Command("list", "workloads and providers, and why a provider cannot run here",
             "The workloads (GPU and CPU sizes), the providers, and why a provider cannot run on this device.",
-            (_device_option,), _list_command),
+            (_device_option,), _list),
     Command("targets", "the GPU targets over the result files of several runs",
             "Reads the rows of finished runs (gpu*.json) or of runs stopped part-way (gpu*.rows.jsonl), computes the\n"
             "ratios against TRL within each run, and prints the GPU targets PASS/FAIL, as `python -m bench gpu` does\n"
@@ -681,7 +627,7 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             "Compiles every fastrl kernel at its default launch configuration for a GPU target (no GPU needed) and\n"
             "prints registers, stack, spill loads/stores, shared memory, tensor-core (HGMMA) and TMA instruction\n"
             "counts. Exits 1 when a checked kernel spills or a bf16/fp16 matmul kernel has no HGMMA (sm_90).",
-            (_sass_options,), _sass_command),
+            (_sass_options,), _lazy("sass", "command", device=False)),
     Command("roofline", "bytes moved and FLOPs of every implementation per workload, and the time they imply",
             "A model, no GPU: per workload (W1, W1-lp, W2, W2-lp, W3, divergence, kept set K=64) and\n"
             "implementation (cuBLAS floor, TRL, fastrl's hybrid, fused and triton-sm90 kernels, the kept-set\n"
@@ -689,7 +635,7 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             "imply at 700 TFLOP/s and 4.3 TB/s, the measured time where a committed bench/results session.json has\n"
             "one (else 'not measured'), and per target of issue 33 the design that meets it on paper, or none.\n"
             "See bench/roofline.py and docs/roofline.md.",
-            (_roofline_options,), _roofline_command),
+            (_lazy("roofline", "add_options"),), _lazy("roofline", "command", device=False)),
 )}
 
 

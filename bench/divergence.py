@@ -41,7 +41,6 @@ from __future__ import annotations
 import importlib.util
 import time
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 
 import torch
 
@@ -447,10 +446,9 @@ def cli(args, device: str, con) -> int:
     reps = args.reps or (1 if args.smoke else 3 if cuda else 2)
     warmup = args.warmup if args.warmup is not None else (0 if args.smoke else 1)
     env = report.environment(device)
-    out_dir = Path(args.out) if args.out else report.new_out_dir(env["device_slug"],
-                                                                 "divergence-smoke" if args.smoke else "divergence")
+    out_dir = report.out_dir(args, env["device_slug"], "divergence")
     out_dir.mkdir(parents=True, exist_ok=True)
-    prefix = "divergence" + ("-smoke" if args.smoke else "-quick" if args.quick else "") + (f"-n{tokens}" if tokens else "")
+    prefix = report.prefix("divergence", args) + (f"-n{tokens}" if tokens else "")
     log = out_dir / f"{prefix}.rows.jsonl"
     log.unlink(missing_ok=True)
     con.print(f"[bold]fastrl bench divergence[/bold] on {env['device']}: torch {env['torch']}, trl {env['trl']}, "
@@ -461,12 +459,11 @@ def cli(args, device: str, con) -> int:
                timeout_s=args.timeout or (1200 if cuda else 900), threads=args.threads, options=options,
                rep_ms=50 if args.smoke else 2000, console=con, rows_log=str(log))
     con.print()
-    print_table(con, rows, f"divergence ({'smoke' if args.smoke else 'quick' if args.quick else 'full'}) on "
+    print_table(con, rows, f"divergence ({report.mode(args)}) on "
                            f"{env['device']} | torch {env['torch']} | ms: median of {reps} runs")
     tg = targets(rows, device, con) if not args.smoke else {}
     payload = {"command": "divergence", "argv": getattr(args, "argv", []), "env": env, "elapsed_s":
                time.perf_counter() - t0, "reps": reps, "warmup": warmup, "targets": tg, "rows": rows}
-    report.write_json(out_dir / f"{prefix}.json", payload)
+    report.save_results(con, out_dir / f"{prefix}.json", payload, payload["elapsed_s"])
     log.unlink(missing_ok=True)
-    con.print(f"wrote {out_dir / (prefix + '.json')}  ({payload['elapsed_s']:.0f} s)")
     return 1 if args.smoke and any(r.get("status") == "error" for r in rows) else 0

@@ -161,7 +161,7 @@ def command(args, device: str, con) -> int:
     steps = args.steps or (QUICK_STEPS if quick else STEPS)
     shape = QUICK_MODEL if quick else MODEL
     out_dir = Path(args.out) if args.out else report.new_out_dir(env["device_slug"], "gap")
-    prefix = "gap" + ("-smoke" if args.smoke else "-quick" if args.quick else "")
+    prefix = report.prefix("gap", args)
     rows = []
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="fastrl-gap-models-") as tmp:
@@ -181,11 +181,9 @@ def command(args, device: str, con) -> int:
                          f"no gap metrics, {row['step_s']:.2f} s/step"))
     elapsed = time.perf_counter() - t0
     print_table(con, rows, env, steps, shape)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{prefix}.json"
-    report.write_json(path, {"command": "gap", "argv": getattr(args, "argv", []), "env": env, "model": shape,
-                             "steps": steps, "elapsed_s": elapsed, "rows": rows})
-    con.print(f"wrote {path}  ({elapsed:.0f} s)")
+    report.save_results(con, out_dir / f"{prefix}.json", {"command": "gap", "argv": getattr(args, "argv", []),
+                                                          "env": env, "model": shape, "steps": steps,
+                                                          "elapsed_s": elapsed, "rows": rows}, elapsed)
     return 1 if any(r["status"] != "ok" for r in rows) else 0
 
 

@@ -33,13 +33,12 @@ H=4096) and W2 (H=896), V=151936, bf16.
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
+from bench import report
 from bench.session_run import run_fresh
 
 KS = (20, 64, 512)
@@ -273,7 +272,10 @@ def _path(p: dict) -> str:
     return p["mode"] + ("/union" if p.get("plan_kind") == "union" else "")
 
 
-def cli(args, device: str, con, env: dict, out_dir: Path, prefix: str) -> int:
+def cli(args, device: str, con) -> int:
+    """``python -m bench keptset`` (also run at the end of ``python -m bench gpu``): its own points and files."""
+    env = report.environment(device)
+    out_dir, prefix = report.out_dir(args, env["device_slug"], args.command), report.prefix("keptset", args)
     cuda = device == "cuda"
     reps = args.reps or (1 if args.smoke else (10 if cuda else 3))
     warmup = args.warmup if args.warmup is not None else (0 if args.smoke else (2 if cuda else 1))
@@ -330,9 +332,6 @@ def cli(args, device: str, con, env: dict, out_dir: Path, prefix: str) -> int:
         if r["mode"] == "loss-kept" and "time_vs_full" in r:
             con.print(f"policy_loss over a K={r['K']} KeptSet ({r['sets']} sets): {r['time_vs_full']:.3f}x the full "
                       "vocabulary loss's time (one pass each)")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{prefix}.json"
-    path.write_text(json.dumps({"command": "keptset", "argv": getattr(args, "argv", []), "env": env,
-                                "elapsed_s": elapsed, "rows": rows}, indent=1))
-    con.print(f"wrote {path}  ({elapsed:.0f} s)")
+    report.save_results(con, out_dir / f"{prefix}.json", {"command": "keptset", "argv": getattr(args, "argv", []),
+                                                          "env": env, "elapsed_s": elapsed, "rows": rows}, elapsed)
     return 1 if args.smoke and any(r["status"] != "ok" for r in rows) else 0

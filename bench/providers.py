@@ -19,6 +19,7 @@ shape) is not a failure: its row is "n/a" with the reason, whether the refusal i
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import math
 from dataclasses import dataclass, field
@@ -124,6 +125,15 @@ def _logprob_loss(logp: torch.Tensor, entropy: torch.Tensor | None) -> torch.Ten
     if entropy is not None:
         loss = loss + ENTROPY_COEF * entropy.sum()
     return loss
+
+
+def _need(module: str, name: str):
+    """``module.name`` for a provider's build; ProviderUnavailable naming the import that failed (on the GPU machine
+    TRL or Liger may be absent)."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ProviderUnavailable(f"not available: cannot import {module}.{name} ({e})") from e
 
 
 def _out(loss=None, logp=None, entropy=None) -> dict:
@@ -343,10 +353,7 @@ def _build_torch(wl: Workload, device: torch.device, opts: dict, compile_: bool 
 # --- TRL 1.16 ------------------------------------------------------------------------------------------
 
 def _build_trl(wl: Workload, device: torch.device, opts: dict) -> Op:
-    try:
-        from trl.kernels.chunked_logprob import ChunkedLogProbFunction
-    except ImportError as e:  # on the GPU machine TRL may be absent
-        raise ProviderUnavailable(f"not available: cannot import trl.kernels.chunked_logprob ({e})") from e
+    ChunkedLogProbFunction = _need("trl.kernels.chunked_logprob", "ChunkedLogProbFunction")
 
     def chunked(h, w, t, outputs):
         # ChunkedLogProbFunction.apply(hidden, weight, bias, targets, temperature, chunk_size,
@@ -389,10 +396,7 @@ def _build_trl(wl: Workload, device: torch.device, opts: dict) -> Op:
 # --- Liger-Kernel 0.8.5 ----------------------------------------------------------------------------------
 
 def _build_liger_fused(wl: Workload, device: torch.device, opts: dict) -> Op:
-    try:
-        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
-    except ImportError as e:
-        raise ProviderUnavailable(f"not available: cannot import liger_kernel.chunked_loss ({e})") from e
+    LigerFusedLinearGRPOLoss = _need("liger_kernel.chunked_loss", "LigerFusedLinearGRPOLoss")
     compiled = opts.get("liger_compiled", True)
     loss_fn = LigerFusedLinearGRPOLoss(
         beta=BETA, compiled=compiled, use_ref_model=True, epsilon_low=EPSILON, epsilon_high=EPSILON,
@@ -411,10 +415,7 @@ def _build_liger_fused(wl: Workload, device: torch.device, opts: dict) -> Op:
 
 
 def _build_liger_triton(wl: Workload, device: torch.device, opts: dict) -> Op:
-    try:
-        from liger_kernel.transformers.grpo_loss import triton_grpo_loss
-    except ImportError as e:
-        raise ProviderUnavailable(f"not available: cannot import liger_kernel.transformers.grpo_loss ({e})") from e
+    triton_grpo_loss = _need("liger_kernel.transformers.grpo_loss", "triton_grpo_loss")
 
     def prepare(inp: Inputs) -> dict:
         # triton_grpo_loss takes logits [B, T+1, V] and drops the last position, as a causal LM's output has one
@@ -438,10 +439,7 @@ def _build_liger_triton(wl: Workload, device: torch.device, opts: dict) -> Op:
 # --- Cut Cross-Entropy ---------------------------------------------------------------------------------
 
 def _build_cce(wl: Workload, device: torch.device, opts: dict) -> Op:
-    try:
-        from cut_cross_entropy import linear_cross_entropy
-    except ImportError as e:
-        raise ProviderUnavailable(f"not available: `import cut_cross_entropy` fails ({e})") from e
+    linear_cross_entropy = _need("cut_cross_entropy", "linear_cross_entropy")
 
     def fwd(st):
         i = st["inp"]

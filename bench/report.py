@@ -20,8 +20,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-__all__ = ["environment", "device_slug", "new_out_dir", "write_json", "write_csv", "plot", "print_table", "console",
-           "SUMMARY_WIDTH"]
+__all__ = ["environment", "device_slug", "new_out_dir", "out_dir", "mode", "prefix", "write_json", "save_results",
+           "save_figure", "write_csv", "plot", "print_table", "console", "SUMMARY_WIDTH"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # the console summary fits this many columns (a terminal narrower than it gets its own width); every figure the
@@ -43,6 +43,25 @@ def new_out_dir(device_slug: str, what: str = "bench") -> Path:
     root.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     return Path(tempfile.mkdtemp(prefix=f"{what}-{device_slug}-{stamp}-", dir=root))
+
+
+def out_dir(args, device_slug: str, what: str) -> Path:
+    """``--out``; else a new folder outside the repository (``new_out_dir``, ``<what>-smoke`` under --smoke):
+    committed results are written only by a deliberate ``--out bench/results/<device>/``."""
+    if args.out:
+        return Path(args.out)
+    return new_out_dir(device_slug, f"{what}-smoke" if args.smoke else what)
+
+
+def mode(args) -> str:
+    """The run's size from --smoke / --quick: 'smoke', 'quick' or 'full'."""
+    return "smoke" if args.smoke else ("quick" if args.quick else "full")
+
+
+def prefix(command: str, args) -> str:
+    """The result files' stem: ``<command>``, ``<command>-quick`` or ``<command>-smoke``."""
+    m = mode(args)
+    return command if m == "full" else f"{command}-{m}"
 
 
 def _slug(s: str) -> str:
@@ -143,6 +162,20 @@ def write_json(path: Path, payload: dict) -> None:
         json.dump(payload, f, indent=1, default=str)
 
 
+def save_results(con, path: Path, payload: dict, elapsed: float, also: list | tuple = ()) -> None:
+    """Write a command's JSON and say so, with the other files it wrote and how long it took."""
+    write_json(path, payload)
+    con.print("wrote " + ", ".join(str(p) for p in [path, *also]) + f"  ({elapsed:.0f} s)")
+
+
+def save_figure(plt, fig, path: Path, written: list) -> None:
+    """Lay out, write (110 dpi) and close one figure; its path joins ``written``."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+
+
 CSV_COLUMNS = [
     "workload", "group", "kind", "provider", "status", "reason", "N", "H", "V", "B", "dtype",
     "fwd_ms_median", "fwd_ms_min", "fwd_ms_max", "bwd_ms_median", "bwd_ms_min", "bwd_ms_max",
@@ -155,18 +188,19 @@ CSV_COLUMNS = [
 ]
 
 
-def write_csv(path: Path, rows: list[dict], env: dict) -> None:
+def write_csv(path: Path, rows: list[dict], env: dict, columns: list[str] = CSV_COLUMNS,
+              nested: tuple[str, ...] = ("fwd_ms", "bwd_ms", "total_ms")) -> Path:
+    """One CSV line per row: each ``nested`` dict flattened (``total_ms`` -> ``total_ms_median`` ...), and the
+    device, torch, triton and driver from ``env``; the columns not in ``columns`` left out."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         w.writeheader()
         for r in rows:
-            flat = dict(r)
-            for ph in ("fwd_ms", "bwd_ms", "total_ms"):
-                for k, v in (r.get(ph) or {}).items():
-                    flat[f"{ph}_{k}"] = v
-            flat.update({k: env[k] for k in ("device", "torch", "triton", "driver")})
+            flat = {**r, **{f"{ph}_{k}": v for ph in nested for k, v in (r.get(ph) or {}).items()}}
+            flat.update({k: env.get(k) for k in ("device", "torch", "triton", "driver")})
             w.writerow(flat)
+    return path
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -212,11 +246,7 @@ def plot(rows: list[dict], out_dir: Path, prefix: str, env: dict) -> list[Path]:
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=8)
         fig.suptitle(f"{group}: {fixed} {r0['dtype']}, {_KIND.get(r0['kind'], r0['kind'])}\n{title_dev}", fontsize=9)
-        fig.tight_layout()
-        p = out_dir / f"{prefix}-{group}.png"
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        written.append(p)
+        save_figure(plt, fig, out_dir / f"{prefix}-{group}.png", written)
 
     core = [r for r in ok if not r["group"].startswith("sweep")]
     if core:
@@ -245,11 +275,7 @@ def plot(rows: list[dict], out_dir: Path, prefix: str, env: dict) -> list[Path]:
             ax.grid(True, axis="y", alpha=0.3)
             ax.legend(fontsize=8)
         fig.suptitle(f"workloads (fwd+bwd; forward-only for forward workloads)\n{title_dev}", fontsize=9)
-        fig.tight_layout()
-        p = out_dir / f"{prefix}-workloads.png"
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        written.append(p)
+        save_figure(plt, fig, out_dir / f"{prefix}-workloads.png", written)
     return written
 
 

@@ -306,14 +306,31 @@ def measured(root: str) -> dict[tuple[str, str], float]:
     return out
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench roofline", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--results", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
                     help="folder whose */session.json and */*/session.json hold measured times (default bench/results)")
     ap.add_argument("--memory-gib", type=float, default=MEMORY / (1 << 30),
                     help="device memory the sm90 tiles are sized for, GiB (default 80; 0: unknown, the safe default)")
-    args = ap.parse_args(argv)
+
+
+def print_columns(table: list[tuple[str, ...]]) -> None:
+    """Rows of strings in left-aligned columns; the first row is the header, underlined."""
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    for i, row in enumerate(table):
+        print("  ".join(c.ljust(wd) for c, wd in zip(row, widths)).rstrip())
+        if i == 0:
+            print("  ".join("-" * wd for wd in widths))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench roofline", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_options(ap)
+    return command(ap.parse_args(argv))
+
+
+def command(args, con=None) -> int:
+    """``python -m bench roofline``: the model's table, then the targets (arithmetic only: no GPU, no provider)."""
     memory = int(args.memory_gib * (1 << 30)) or None
     got = measured(args.results)
     head = ("workload", "implementation", "TFLOP", "GB moved", "ms @700TF", "ms @4.3TB/s", "implied ms", "measured ms",
@@ -329,16 +346,12 @@ def main(argv=None) -> int:
             ms = got.get((w.name, impl))
             table.append((w.name, impl, f"{fl / 1e12:.1f}", f"{by / 1e9:.1f}", f"{t_f:.1f}", f"{t_b:.1f}",
                           f"{t_f + t_b:.1f}", "not measured" if ms is None else f"{ms:.1f}", how))
-    widths = [max(len(r[i]) for r in table) for i in range(len(head))]
     print("Roofline model (no GPU, nothing timed): implied ms = FLOPs / 700 TFLOP/s + bytes / 4.3 TB/s; "
           f"sm90 tiles for {_gib(memory)}.")
     for name, (what, _) in IMPLEMENTATIONS.items():
         print(f"  {name:8s} {what}")
     print()
-    for i, row in enumerate(table):
-        print("  ".join(c.ljust(wd) for c, wd in zip(row, widths)).rstrip())
-        if i == 0:
-            print("  ".join("-" * wd for wd in widths))
+    print_columns(table)
     _print_targets(targets(memory))
     return 0
 
@@ -351,12 +364,8 @@ def _print_targets(rows: list[dict]) -> None:
                        f"{r['tflop']:.2f}", f"{r['gb']:.1f}", f"{r['implied_ms']:.1f}",
                        f"{r['baseline_ms']:.1f} ({r['baseline']})", f"{r['ratio']:.3f}x",
                        "met" if r["met"] else "NOT met", r["why"]) for r in rows]
-    widths = [max(len(r[i]) for r in table) for i in range(len(head))]
     print("\nTargets (issue 33): the fastest modelled fastrl design per target, its ratio computed from the rows above")
-    for i, row in enumerate(table):
-        print("  ".join(c.ljust(wd) for c, wd in zip(row, widths)).rstrip())
-        if i == 0:
-            print("  ".join("-" * wd for wd in widths))
+    print_columns(table)
 
 
 if __name__ == "__main__":

@@ -371,8 +371,11 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (default 90: H100 / H200)")
     ap.add_argument("--only", help="only kernels whose name contains this")
     ap.add_argument("--checked-only", action="store_true", help="only the variants the check covers")
-    args = ap.parse_args(argv)
+    return command(ap.parse_args(argv))
 
+
+def command(args, con=None) -> int:
+    """``python -m bench sass``: compile for a GPU target (no GPU, no provider needed); 1 on a failed check."""
     rows, failures, seen = [], [], set()
     for spec in specs():
         if args.arch < 90 and spec.kernel.startswith("sm90_"):
@@ -407,6 +410,8 @@ def main(argv=None) -> int:
 
 
 def _print(rows, arch: int) -> None:
+    from bench.roofline import print_columns
+
     mma = "HGMMA" if arch >= 90 else "HMMA"
     head = ("kernel", "variant", "config", "regs", "stack", "LDL", "STL", "smem KB", mma, "TMA ld", "TMA st", "CTA/SM",
             "check")
@@ -416,12 +421,8 @@ def _print(rows, arch: int) -> None:
         table.append((spec.kernel, spec.label, cfg, str(r["registers"]), str(r["stack"]), str(r["spill_loads"]),
                       str(r["spill_stores"]), f"{r['shared'] / 1024:.0f}", str(r["tensor_core"]), str(r["tma_loads"]),
                       str(r["tma_stores"]), str(r["ctas_per_sm"]), check))
-    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     print(f"Kernels compiled for sm_{arch} at their default launch configurations (no GPU needed):")
-    for i, row in enumerate(table):
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
-        if i == 0:
-            print("  ".join("-" * w for w in widths))
+    print_columns(table)
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bench.report import new_out_dir
-from bench.session_run import append_rows, run_points, run_w4, stub
+from bench.session_run import append_rows, run_points, stub
 
 __all__ = ["ALWAYS", "DROP_ORDER", "GPU_COSTS", "SECTIONS", "SMOKE_COSTS", "Costs", "SessionRun", "add_options",
            "candidates_for", "command", "estimate", "plan_budget", "point_bounds", "points"]
@@ -119,6 +119,13 @@ SMOKE_COSTS = Costs(process=3, trl_import=5, check_case=1.5, jit_config=0.5, aut
 # ---------------------------------------------------------------------------------------------------------------
 # What runs: points per section
 # ---------------------------------------------------------------------------------------------------------------
+
+def run_w4(pts: list[dict], deadline: float, run) -> list[dict]:
+    """The W4 section's rows: ``bench.w4.session_rows`` (imported here, when the section runs)."""
+    from bench import w4
+
+    return w4.session_rows(pts, deadline, run)
+
 
 def cuda_implementations() -> list[str]:
     """Every concrete backend that runs the Triton kernels (on CUDA; interpreted in a smoke run)."""

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["RESTART", "Fresh", "append_rows", "run_fresh", "run_points", "run_w4", "stub"]
+__all__ = ["RESTART", "Fresh", "append_rows", "run_fresh", "run_points", "stub"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESTART = 3  # a measuring process exits with this after a CUDA fault: the parent starts a fresh one
@@ -246,29 +246,3 @@ def run_fresh(specs: list[dict], device: str, timeout_s: float, *, jobs: int = 1
 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         return list(pool.map(one, specs))
-
-
-def run_w4(pts: list[dict], deadline: float, run) -> list[dict]:
-    """W4 at 4096 tokens (smoke: its tiny model) through bench/w4.py: a process per trainer, as that command runs
-    (each under w4's own timeout, half the time left)."""
-    from bench import w4
-
-    shape = w4.shape_for(run.device, "smoke" if run.smoke else "full")
-    if not run.smoke:
-        shape = w4.with_overrides(shape, "4096", None)
-    left = deadline + run.costs.grace - time.time()
-    if left <= 10:
-        out = [stub(p, "skipped", "the section's time ran out (--budget)") for p in pts]
-        append_rows(run.rows_path, out)
-        return out
-    rows, _ = w4.run(shape, run.device, run.con, reps=1 if run.smoke else 3, warmup=1, timeout_s=int(left / 2))
-    out = []
-    for p in pts:
-        r = next(x for x in rows if x["provider"] == p["provider"])
-        row = {k: p[k] for k in ("id", "section", "provider")}
-        row.update(workload=f"W4-{r['completion_len']}", status=r["status"], reason=r.get("reason", ""),
-                   total_ms=r.get("step_ms"), extra_mb=r.get("peak_extra_mb"), loss_value=r.get("loss_value"),
-                   tokens=r.get("tokens"), path=r.get("path"))
-        out.append(row)
-    append_rows(run.rows_path, out)
-    return out

@@ -33,8 +33,8 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 
-__all__ = ["W4Shape", "shape_for", "run_point", "point_spec", "spawn_point", "spawn_points", "run", "print_table", "write_files",
-           "write_csv", "TRAINERS"]
+__all__ = ["W4Shape", "shape_for", "run_point", "point_spec", "spawn_point", "spawn_points", "run", "print_table",
+           "write_files", "TRAINERS"]
 
 TRAINERS = ("trl", "fastrl")
 LABELS = {"trl": "stock trl.GRPOTrainer (TRL 1.16 chunked LM head)", "fastrl": "fastrl.GRPOTrainer"}
@@ -412,28 +412,14 @@ CSV_COLUMNS = ["workload", "provider", "status", "reason", "completion_len", "co
                "device", "torch", "driver"]
 
 
-def write_csv(path, rows: list[dict], env: dict, columns: list[str]):
-    """One CSV line per row (``step_ms`` flattened to ``step_ms_median`` ...; device, torch, driver from ``env``)."""
-    import csv
-
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            flat = {**r, **{f"step_ms_{k}": v for k, v in (r.get("step_ms") or {}).items()}}
-            flat.update({k: env.get(k) for k in ("device", "torch", "driver")})
-            w.writerow(flat)
-    return path
-
-
 def csv_and_pyplot(out_dir, prefix: str, rows: list[dict], env: dict, columns: list[str], plots: bool):
     """Write ``<prefix>.csv``; return (the paths written, matplotlib's pyplot or None when no plot is wanted or
     matplotlib is missing). Shared by W4 and W5's ``write_files``."""
     from pathlib import Path
 
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = [write_csv(out_dir / f"{prefix}.csv", rows, env, columns)]
+    from bench import report
+
+    written = [report.write_csv(Path(out_dir) / f"{prefix}.csv", rows, env, columns, nested=("step_ms",))]
     if not plots:
         return written, None
     try:
@@ -450,10 +436,11 @@ def write_files(out_dir, prefix: str, rows: list[dict], summary: dict, env: dict
     """``<prefix>.csv`` and ``<prefix>.png`` (memory and step time against the completion length)."""
     from pathlib import Path
 
+    from bench import report
+
     written, plt = csv_and_pyplot(out_dir, prefix, rows, env, CSV_COLUMNS, plots)
     if plt is None:
         return written
-    out_dir = Path(out_dir)
 
     s = W4Shape.from_dict(summary["shape"])
     fig, (ax_m, ax_t) = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -475,11 +462,7 @@ def write_files(out_dir, prefix: str, rows: list[dict], summary: dict, env: dict
         ax.legend(fontsize=8)
     fig.suptitle(f"{s.name}: one GRPO training step (loss fwd+bwd), V={s.vocab} H={s.hidden} layers={s.layers} "
                  f"{s.dtype}; red dotted: out of memory\n{env['device']} | torch {env['torch']}", fontsize=9)
-    fig.tight_layout()
-    p = out_dir / f"{prefix}.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    written.append(p)
+    report.save_figure(plt, fig, Path(out_dir) / f"{prefix}.png", written)
     return written
 
 
@@ -489,3 +472,29 @@ def with_overrides(s: W4Shape, lengths: str | None, budget_mb: float | None) -> 
     if budget_mb:
         s = replace(s, budget_mb=float(budget_mb))
     return s
+
+
+def session_rows(pts: list[dict], deadline: float, run) -> list[dict]:
+    """W4 at 4096 tokens (smoke: its tiny model) through bench/w4.py: a process per trainer, as that command runs
+    (each under w4's own timeout, half the time left): the session's W4 section (``bench.session.run_w4``)."""
+    from bench.session_run import append_rows, stub
+
+    shape = shape_for(run.device, "smoke" if run.smoke else "full")
+    if not run.smoke:
+        shape = with_overrides(shape, "4096", None)
+    left = deadline + run.costs.grace - time.time()
+    if left <= 10:
+        out = [stub(p, "skipped", "the section's time ran out (--budget)") for p in pts]
+        append_rows(run.rows_path, out)
+        return out
+    rows, _ = run(shape, run.device, run.con, reps=1 if run.smoke else 3, warmup=1, timeout_s=int(left / 2))
+    out = []
+    for p in pts:
+        r = next(x for x in rows if x["provider"] == p["provider"])
+        row = {k: p[k] for k in ("id", "section", "provider")}
+        row.update(workload=f"W4-{r['completion_len']}", status=r["status"], reason=r.get("reason", ""),
+                   total_ms=r.get("step_ms"), extra_mb=r.get("peak_extra_mb"), loss_value=r.get("loss_value"),
+                   tokens=r.get("tokens"), path=r.get("path"))
+        out.append(row)
+    append_rows(run.rows_path, out)
+    return out

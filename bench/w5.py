@@ -408,10 +408,11 @@ def write_files(out_dir, prefix: str, plan: W5Plan, rows: list[dict], env: dict,
     """``<prefix>.csv`` and ``<prefix>.png`` (step memory against completion length, one panel per architecture)."""
     from pathlib import Path
 
+    from bench import report
+
     written, plt = csv_and_pyplot(out_dir, prefix, rows, env, CSV_COLUMNS, plots)
     if plt is None:
         return written
-    out_dir = Path(out_dir)
     archs = list(plan.shapes)
     fig, axes = plt.subplots(1, len(archs), figsize=(6.5 * len(archs), 4.8), squeeze=False)
     what = "peak allocated during the step (weights + grads + activations), MB" if plan.budget_on == "total" \
@@ -437,19 +438,18 @@ def write_files(out_dir, prefix: str, plan: W5Plan, rows: list[dict], env: dict,
         ax.legend(fontsize=8)
     fig.suptitle(f"W5: one GRPO training step's memory against completion length (x: out of memory)\n"
                  f"{env['device']} | torch {env['torch']}", fontsize=9)
-    fig.tight_layout()
-    p = out_dir / f"{prefix}.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    written.append(p)
+    report.save_figure(plt, fig, Path(out_dir) / f"{prefix}.png", written)
     return written
 
 
-def cli(args, device: str, con, env: dict, out_dir, prefix: str, options: dict | None = None) -> int:
-    """``python -m bench w5`` (``bench/__main__.py`` parses the shared options)."""
+def cli(args, device: str, con) -> int:
+    """``python -m bench w5`` (``bench/__main__.py`` parses the shared options): its own search and files."""
     from bench import report
 
-    mode = "smoke" if args.smoke else ("quick" if args.quick else "full")
+    env = report.environment(device)
+    out_dir = report.out_dir(args, env["device_slug"], args.command)
+    prefix, mode = report.prefix("w5", args), report.mode(args)
+    options = {"fastrl_backend": args.fastrl_backend} if args.fastrl_backend else {}
     try:
         plan = with_overrides(plan_for(device, mode), archs=args.workload, lengths=args.lengths,
                               budget_mb=args.budget_mb, reps=args.reps, warmup=args.warmup, timeout_s=args.timeout,
@@ -475,8 +475,6 @@ def cli(args, device: str, con, env: dict, out_dir, prefix: str, options: dict |
     con.print()
     print_tables(con, plan, rows, summary, tgt, title)
     written = write_files(out_dir, prefix, plan, rows, env, plots=not args.no_plots)
-    json_path = out_dir / f"{prefix}.json"
-    report.write_json(json_path, payload)
-    con.print("wrote " + ", ".join(str(p) for p in [json_path, *written]) + f"  ({elapsed:.0f} s)")
+    report.save_results(con, out_dir / f"{prefix}.json", payload, elapsed, written)
     return 1 if args.smoke and any(r["status"] == "error" for r in rows) else 0
 

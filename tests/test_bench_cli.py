@@ -18,6 +18,7 @@ SCRIPT = r"""
 import contextlib, io, json, tempfile
 from pathlib import Path
 import bench.__main__ as cli
+from bench import report
 
 def help_of(argv):
     out = io.StringIO()
@@ -46,9 +47,9 @@ res["errors"] = {" ".join(a): error_of(a) for a in (["--quick", "c1"], ["w4", "-
 tempfile.tempdir = TMP
 ns = cli._parse
 res["out"] = {
-    "smoke": str(cli._out_dir(ns(["--smoke"]), "cpu-x")),
-    "smoke_out": str(cli._out_dir(ns(["--smoke", "--out", "/some/where"]), "cpu-x")),
-    "full": str(cli._out_dir(ns([]), "cpu-x")),
+    "smoke": str(report.out_dir(ns(["--smoke"]), "cpu-x", "run")),
+    "smoke_out": str(report.out_dir(ns(["--smoke", "--out", "/some/where"]), "cpu-x", "run")),
+    "full": str(report.out_dir(ns([]), "cpu-x", "run")),
 }
 print("RESULT " + json.dumps(res))
 """
