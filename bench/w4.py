@@ -474,20 +474,21 @@ def with_overrides(s: W4Shape, lengths: str | None, budget_mb: float | None) -> 
     return s
 
 
-def session_rows(pts: list[dict], deadline: float, run) -> list[dict]:
+def session_rows(pts: list[dict], deadline: float, session) -> list[dict]:
     """W4 at 4096 tokens (smoke: its tiny model) through bench/w4.py: a process per trainer, as that command runs
     (each under w4's own timeout, half the time left): the session's W4 section (``bench.session.run_w4``)."""
     from bench.session_run import append_rows, stub
 
-    shape = shape_for(run.device, "smoke" if run.smoke else "full")
-    if not run.smoke:
+    shape = shape_for(session.device, "smoke" if session.smoke else "full")
+    if not session.smoke:
         shape = with_overrides(shape, "4096", None)
-    left = deadline + run.costs.grace - time.time()
+    left = deadline + session.costs.grace - time.time()
     if left <= 10:
         out = [stub(p, "skipped", "the section's time ran out (--budget)") for p in pts]
-        append_rows(run.rows_path, out)
+        append_rows(session.rows_path, out)
         return out
-    rows, _ = run(shape, run.device, run.con, reps=1 if run.smoke else 3, warmup=1, timeout_s=int(left / 2))
+    rows, _ = run(shape, session.device, session.con, reps=1 if session.smoke else 3, warmup=1,
+                  timeout_s=int(left / 2))
     out = []
     for p in pts:
         r = next(x for x in rows if x["provider"] == p["provider"])
@@ -496,5 +497,5 @@ def session_rows(pts: list[dict], deadline: float, run) -> list[dict]:
                    total_ms=r.get("step_ms"), extra_mb=r.get("peak_extra_mb"), loss_value=r.get("loss_value"),
                    tokens=r.get("tokens"), path=r.get("path"))
         out.append(row)
-    append_rows(run.rows_path, out)
+    append_rows(session.rows_path, out)
     return out
