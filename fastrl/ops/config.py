@@ -10,7 +10,7 @@ import torch
 __all__ = ["LogitTransform", "Head"]
 
 
-def _finite(v) -> bool:
+def is_finite_number(v) -> bool:
     # comparisons rather than math.isfinite: under torch.compile(dynamic=True) a float may be symbolic, which
     # math.isfinite cannot take (NaN fails both comparisons)
     return -math.inf < v < math.inf
@@ -27,10 +27,10 @@ class LogitTransform:
     def __post_init__(self) -> None:
         for name in ("temperature", "logit_scale"):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not _finite(v) or v <= 0:
+            if not isinstance(v, (int, float)) or not is_finite_number(v) or v <= 0:
                 raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
         if self.softcap is not None and (
-            not isinstance(self.softcap, (int, float)) or not _finite(self.softcap) or self.softcap <= 0
+            not isinstance(self.softcap, (int, float)) or not is_finite_number(self.softcap) or self.softcap <= 0
         ):
             raise ValueError(f"softcap must be None or a finite number > 0, got {self.softcap!r}")
 

@@ -39,11 +39,11 @@ import torch
 
 from fastrl.ops._checks import autocast_inputs, check_head, dense_bias
 from fastrl.ops.backend import is_triton, resolve_backend
-from fastrl.ops.config import LogitTransform
+from fastrl.ops.config import LogitTransform, is_finite_number
 from fastrl.ops.custom_ops import host_sync_enabled
 from fastrl.ops.divergence_op import DivergenceOptions, divergence_backward_op, divergence_op
 from fastrl.ops.linear_logprob import compact_rows, unit_stride
-from fastrl.ops.support import KeptSet
+from fastrl.ops.support import KeptSet, token_name
 
 __all__ = ["fused_divergence", "check_divergence_finite", "DivergencePlan", "DivergenceOptions", "divergence_op",
            "divergence_backward_op"]
@@ -72,16 +72,8 @@ class DivergencePlan:
 
 
 def _finite_number(v) -> bool:
-    # comparisons rather than math.isfinite: under torch.compile(dynamic=True) a float may be symbolic, which
-    # math.isfinite cannot take (NaN fails both comparisons)
-    return not isinstance(v, bool) and isinstance(v, (int, float)) and -math.inf < v < math.inf
-
-
-def _token(n: int, lead: tuple[int, ...]) -> str:
-    """Token ``n`` of the flattened leading shape, named by its position in ``lead``."""
-    if len(lead) <= 1:
-        return f"token {n}"
-    return f"token {tuple(int(i) for i in torch.unravel_index(torch.tensor(n), lead))}"
+    """A real number (not a bool) that is finite (``config.is_finite_number``: safe on symbolic floats)."""
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and is_finite_number(v)
 
 
 def _check_number(name: str, v, lo: float | None = None, hi: float | None = None) -> None:
@@ -158,7 +150,7 @@ def _check_support(support, V: int, lead: tuple[int, ...], device: torch.device,
         if active is not None:
             empty &= active
         if bool(empty.any()):
-            raise ValueError(f"support is empty at counted {_token(int(empty.nonzero()[0, 0]), lead)}: every "
+            raise ValueError(f"support is empty at counted {token_name(int(empty.nonzero()[0, 0]), lead)}: every "
                              "counted token must keep at least one id")
     return support
 
@@ -189,7 +181,7 @@ def check_divergence_finite(div, ent, active, hidden, teacher_hidden, lead) -> N
     else:
         culprit = ("both hidden states are finite there, so weight, teacher_weight or a bias holds inf/nan, or the "
                    "logits overflow")
-    raise FloatingPointError(f"non-finite {what} at {_token(n, lead)} (value {float(value)}): {culprit}. "
+    raise FloatingPointError(f"non-finite {what} at {token_name(n, lead)} (value {float(value)}): {culprit}. "
                              "Pass check_finite=False to skip this check.")
 
 

@@ -26,7 +26,7 @@ from fastrl.ops.kept_plan import choose_for
 __all__ = ["KeptSet", "SamplerRule"]
 
 
-def _token_name(n: int, lead_shape: tuple[int, ...] | None) -> str:
+def token_name(n: int, lead_shape: tuple[int, ...] | None) -> str:
     if lead_shape is None or len(lead_shape) <= 1:
         return f"token {n}"
     pos = []
@@ -125,7 +125,7 @@ class KeptSet:
         keyed = torch.where(valid, flat, torch.full_like(flat, vocab_size if vocab_size > 0 else 0))
         if (keyed < 0).any():
             n, k = (int(i) for i in (keyed < 0).nonzero()[0])
-            raise ValueError(f"KeptSet: {_token_name(n, lead)} holds id {int(flat[n, k])}, expected ids in "
+            raise ValueError(f"KeptSet: {token_name(n, lead)} holds id {int(flat[n, k])}, expected ids in "
                              f"[0, {vocab_size}) or pad_id={pad_id}")
         sorted_ids, _ = keyed.sort(dim=1)
         counts = valid.sum(1)
@@ -273,13 +273,13 @@ class KeptSet:
         empty = counted & (self.sizes() == 0)
         if bool(empty.any()):
             n = int(empty.nonzero()[0, 0])
-            raise ValueError(f"{name} is empty at counted {_token_name(n, lead)}: every token that is not "
+            raise ValueError(f"{name} is empty at counted {token_name(n, lead)}: every token that is not "
                              f"ignore_index={ignore_index} must keep at least one id")
         outside = counted & ~self.contains(targets)
         if bool(outside.any()):
             n = int(outside.nonzero()[0, 0])
             raise ValueError(
-                f"{name} does not contain the target at {_token_name(n, lead)} (id {int(targets.reshape(-1)[n])}): "
+                f"{name} does not contain the target at {token_name(n, lead)} (id {int(targets.reshape(-1)[n])}): "
                 "a sampled token is always in the set it was drawn from, so the kept sets and the targets are "
                 "misaligned"
             )
@@ -295,7 +295,7 @@ class KeptSet:
         bad = (self.ids < 0) | (self.ids >= self.vocab_size)
         if bool(bad.any()):
             k = int(bad.nonzero()[0, 0])
-            raise ValueError(f"KeptSet: {_token_name(int(row_of[k]), self.lead_shape)} keeps id {int(self.ids[k])}, "
+            raise ValueError(f"KeptSet: {token_name(int(row_of[k]), self.lead_shape)} keeps id {int(self.ids[k])}, "
                              f"expected ids in [0, {self.vocab_size})")
         same_row = row_of[1:] == row_of[:-1]
         if bool((same_row & (self.ids[1:] < self.ids[:-1])).any()):
@@ -305,7 +305,7 @@ class KeptSet:
         dup = same_row & (self.ids[1:] == self.ids[:-1])
         if bool(dup.any()):
             k = int(dup.nonzero()[0, 0])
-            raise ValueError(f"KeptSet: {_token_name(int(row_of[k]), self.lead_shape)} keeps id {int(self.ids[k])} "
+            raise ValueError(f"KeptSet: {token_name(int(row_of[k]), self.lead_shape)} keeps id {int(self.ids[k])} "
                              "twice; each id may be kept once")
 
     def __repr__(self) -> str:
