@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fastrl.ops import hybrid
 from fastrl.ops.budget import grad_columns, one_pass_rows, tile_budget
 
 __all__ = ["WORKLOADS", "IMPLEMENTATIONS", "TARGETS", "MEMORY", "model", "targets", "measured", "main"]
@@ -89,15 +90,16 @@ IMPLEMENTATIONS = {
 
 
 def _chunks(N: int, V: int) -> int:
-    """One-pass chunks: a 2^28-element float32 tile, whole 128-row blocks (fastrl.losses.one_pass)."""
-    rows = max(128, (1 << 28) // V // 128 * 128)
+    """One-pass chunks: the ``one-pass`` CUDA tile budget (1 GiB of float32), whole 128-row blocks, as
+    ``fastrl.ops.budget.one_pass_rows`` sizes them when the device memory is unknown."""
+    rows = max(128, tile_budget("one-pass", "cuda").elems // V // 128 * 128)
     return math.ceil(N / rows)
 
 
 def _slices(N: int, V: int) -> int:
-    """Two-pass vocabulary slices: a 2^26-element tile over min(N, 16384) rows, whole 256 columns (ops.hybrid)."""
-    cols = max(256, (1 << 26) // min(N, 1 << 14) // 256 * 256)
-    return math.ceil(V / cols)
+    """Two-pass vocabulary slices: ``fastrl.ops.hybrid.tile_columns`` over min(N, its MAX_ROWS) rows (the ``hybrid``
+    tile budget, whole 256-column blocks)."""
+    return math.ceil(V / hybrid.tile_columns(min(N, hybrid.MAX_ROWS), V))
 
 
 def _sm90_rows(w: Shape, memory: int | None) -> int:
