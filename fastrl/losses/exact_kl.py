@@ -9,18 +9,15 @@ Two ways to compute it, the same numbers:
   gradient ``dKL/dz_j = p_j (log p_j - log p_ref,j - KL)`` added to the chunk's ``G`` before the gradient GEMMs
   (``fastrl.ops.one_pass.tile_stats_kl`` / ``tile_grad_kl_``). Nothing is recomputed: ``6 N H V + 2 N H_ref V``
   FLOPs for the loss with its KL;
-* ``exact_reference_kl`` (``fastrl.ops.policy_run``): ``fastrl.fused_divergence`` with beta = 1 (its own pass over both heads, forward and
-  backward): the two-pass path, the Triton backends' one-pass path, and the PPO trainer's rollout reward.
+* its own pass (``fastrl.ops.policy_run``): ``fastrl.fused_divergence``'s plan and run with beta = 1 (both heads,
+  forward and backward): the two-pass path and the Triton backends' one-pass path.
 """
 
 from __future__ import annotations
 
 import torch
 
-
-from fastrl.ops.policy_run import check_kl_finite, exact_reference_kl  # the KL's own pass lives with the ops
-
-__all__ = ["check_ref_inputs", "exact_reference_kl", "check_kl_finite"]
+__all__ = ["check_ref_inputs"]
 
 
 def check_ref_inputs(config, hidden, weight, ref_logprobs, ref_hidden, ref_weight, ref_bias) -> bool:

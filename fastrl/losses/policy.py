@@ -39,13 +39,13 @@ from torch import nn
 
 from fastrl.losses._checks import check_loss_inputs, check_loss_values, loss_values_bad
 from fastrl.losses.config import PolicyLossConfig
-from fastrl.losses.exact_kl import check_ref_inputs, exact_reference_kl
+from fastrl.losses.exact_kl import check_ref_inputs
 from fastrl.losses.one_pass import LossInputs, PolicyOptions
 from fastrl.ops import policy_run
 from fastrl.ops.custom_ops import host_sync_enabled
 from fastrl.ops.one_pass import IGNORE
 
-__all__ = ["policy_loss", "FusedPolicyLoss", "exact_reference_kl"]
+__all__ = ["policy_loss", "FusedPolicyLoss"]
 
 
 def policy_loss(

@@ -1,4 +1,5 @@
-"""Input validation shared by the public ops: every error says what was expected and what came."""
+"""Input validation shared by the public ops (every error says what was expected and what came), and the layout the
+ops normalise checked inputs to (unit-stride rows, a dense bias, the live rows)."""
 
 from __future__ import annotations
 
@@ -164,3 +165,55 @@ def check_head(hidden, weight, bias, *, hidden_name: str, weight_name: str, bias
     if len({d for _, d in where}) > 1:
         said = ", ".join(f"{n} on {d}" for n, d in sorted(where, key=lambda x: x[0]))
         raise ValueError(f"all inputs must be on one device, got {said}")
+
+
+def unit_stride(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself when its last dimension is contiguous (the kernels and GEMMs honour the row stride), else
+    a contiguous copy (e.g. a transposed weight)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def compact_rows(active: torch.Tensor) -> torch.Tensor | None:  # [N] bool -> [A] int64 row ids, or None
+    """Ids of the live rows when some rows are ignored (one host sync), None when every row is live.
+
+    Ignored rows are then left out of every kernel and GEMM: padding costs nothing, and whatever an ignored
+    row of ``hidden`` holds (even inf/NaN) cannot reach the weight gradient through ``0 * nan``.
+    """
+    if active.numel() == 0 or bool(active.all()):
+        return None
+    return active.nonzero().squeeze(1)
+
+
+def token_name(n: int, lead_shape: tuple[int, ...] | None) -> str:
+    if lead_shape is None or len(lead_shape) <= 1:
+        return f"token {n}"
+    pos = []
+    for size in reversed(lead_shape):
+        pos.append(n % size)
+        n //= size
+    return f"token {tuple(reversed(pos))}"
+
+
+def check_divergence_finite(div, ent, active, hidden, teacher_hidden, lead, *, name: str = "divergence",
+                            teacher: str = "teacher_") -> None:
+    """Raise ``FloatingPointError`` if a counted token's divergence [N] or entropy [N] is not finite, naming the token
+    (by its position in ``lead``) and the input at fault (``hidden`` [N, H] / ``teacher_hidden`` [N, H_t] rows).
+    ``name`` and ``teacher``: what the caller calls the value and the teacher's inputs (the exact KL of a policy
+    loss: "exact KL" and "ref_")."""
+    bad = ~torch.isfinite(div)
+    if ent is not None:
+        bad |= ~torch.isfinite(ent)
+    bad &= active
+    if not bool(bad.any()):
+        return
+    n = int(bad.nonzero()[0, 0])
+    what, value = (name, div[n]) if not torch.isfinite(div[n]) else ("entropy", ent[n])
+    if not bool(torch.isfinite(hidden[n]).all()):
+        culprit = "hidden holds inf/nan there"
+    elif not bool(torch.isfinite(teacher_hidden[n]).all()):
+        culprit = f"{teacher}hidden holds inf/nan there"
+    else:
+        culprit = (f"both hidden states are finite there, so weight, {teacher}weight or a bias holds inf/nan, or "
+                   "the logits overflow")
+    raise FloatingPointError(f"non-finite {what} at {token_name(n, lead)} (value {float(value)}): {culprit}. "
+                             "Pass check_finite=False to skip this check.")

@@ -12,22 +12,9 @@ import functools
 
 import torch
 
+from fastrl.ops.backend import cuda_f32_out
+
 __all__ = ["cuda_f32_out", "mm_f32", "addmm_f32"]
-
-
-def _out_dtype_overload() -> bool:
-    try:
-        return "dtype_out" in torch.ops.aten.mm.overloads()
-    except AttributeError:  # pragma: no cover - very old torch
-        return False
-
-
-# read once; a module constant (not a cached call) lets torch.compile trace the backend choice without a break
-_HAS_OUT_DTYPE = _out_dtype_overload()
-
-
-def _has_out_dtype() -> bool:
-    return _HAS_OUT_DTYPE
 
 
 @functools.cache
@@ -39,12 +26,6 @@ def _addmm_mixed_ok() -> bool:
     except ValueError:  # pragma: no cover - unusual version strings
         return False
     return (major, minor) >= (2, 10) and "dtype_out" in torch.ops.aten.addmm.overloads()
-
-
-def cuda_f32_out(device: torch.device) -> bool:
-    """Whether cuBLAS can write float32 results from 2-byte operands here (CUDA and torch >= 2.8; fastrl
-    declares torch >= 2.11)."""
-    return device.type == "cuda" and _has_out_dtype()
 
 
 def _f32(x: torch.Tensor) -> torch.Tensor:

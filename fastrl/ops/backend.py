@@ -31,13 +31,12 @@ import os
 import torch
 
 from fastrl.kernels.tuning import MEASURED_CHOICES, device_family
-from fastrl.ops._gemm import cuda_f32_out
 
 BACKENDS = ("triton", "triton-hybrid", "triton-fused", "triton-sm90", "torch")
 CONCRETE = ("triton-hybrid", "triton-fused", "triton-sm90", "torch")
 
 __all__ = ["BACKENDS", "CONCRETE", "resolve_backend", "choose_triton", "measured_choice", "builtin_choice", "runs_here",
-           "is_triton"]
+           "is_triton", "cuda_f32_out"]
 
 
 # looked up once (find_spec does not import triton): a module constant also lets torch.compile trace the dispatch
@@ -46,6 +45,23 @@ _TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 
 def _triton_available() -> bool:
     return _TRITON_AVAILABLE
+
+
+def _out_dtype_overload() -> bool:
+    try:
+        return "dtype_out" in torch.ops.aten.mm.overloads()
+    except AttributeError:  # pragma: no cover - very old torch
+        return False
+
+
+# read once; a module constant (not a cached call) lets torch.compile trace the backend choice without a break
+_HAS_OUT_DTYPE = _out_dtype_overload()
+
+
+def cuda_f32_out(device: torch.device) -> bool:
+    """Whether cuBLAS can write float32 results from 2-byte operands here (CUDA and torch >= 2.8; fastrl
+    declares torch >= 2.11)."""
+    return device.type == "cuda" and _HAS_OUT_DTYPE
 
 
 def is_triton(name: str) -> bool:

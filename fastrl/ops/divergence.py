@@ -37,16 +37,18 @@ from dataclasses import dataclass
 
 import torch
 
-from fastrl.ops._checks import autocast_inputs, check_head, dense_bias
+from fastrl.ops._checks import (
+    autocast_inputs, check_divergence_finite, check_head, compact_rows, dense_bias, token_name, unit_stride,
+)
 from fastrl.ops.backend import is_triton, resolve_backend
 from fastrl.ops.config import LogitTransform, is_finite_number
 from fastrl.ops.custom_ops import host_sync_enabled
 from fastrl.ops.divergence_op import DivergenceOptions, divergence_backward_op, divergence_op
-from fastrl.ops.linear_logprob import compact_rows, unit_stride
-from fastrl.ops.support import KeptSet, token_name
+from fastrl.ops.support import KeptSet
 
-__all__ = ["fused_divergence", "check_divergence_finite", "DivergencePlan", "DivergenceOptions", "divergence_op",
-           "divergence_backward_op"]
+__all__ = ["fused_divergence", "check_divergence_finite", "DivergencePlan", "plan_divergence", "run_divergence",
+           "DivergenceOptions",
+           "divergence_op", "divergence_backward_op"]
 
 
 @dataclass(frozen=True)
@@ -163,37 +165,13 @@ def _backend_name(hidden: torch.Tensor, teacher_hidden: torch.Tensor, backend: s
     return name
 
 
-def check_divergence_finite(div, ent, active, hidden, teacher_hidden, lead) -> None:
-    """Raise ``FloatingPointError`` if a counted token's divergence [N] or entropy [N] is not finite, naming the token
-    (by its position in ``lead``) and the input at fault (``hidden`` [N, H] / ``teacher_hidden`` [N, H_t] rows)."""
-    bad = ~torch.isfinite(div)
-    if ent is not None:
-        bad |= ~torch.isfinite(ent)
-    bad &= active
-    if not bool(bad.any()):
-        return
-    n = int(bad.nonzero()[0, 0])
-    what, value = ("divergence", div[n]) if not torch.isfinite(div[n]) else ("entropy", ent[n])
-    if not bool(torch.isfinite(hidden[n]).all()):
-        culprit = "hidden holds inf/nan there"
-    elif not bool(torch.isfinite(teacher_hidden[n]).all()):
-        culprit = "teacher_hidden holds inf/nan there"
-    else:
-        culprit = ("both hidden states are finite there, so weight, teacher_weight or a bias holds inf/nan, or the "
-                   "logits overflow")
-    raise FloatingPointError(f"non-finite {what} at {token_name(n, lead)} (value {float(value)}): {culprit}. "
-                             "Pass check_finite=False to skip this check.")
-
-
-
-
 # ---------------------------------------------------------------------------------------------------------
 # the plan and its run
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _plan(opts: DivergenceOptions, lead: tuple[int, ...], sync: bool, active: torch.Tensor | None,
-          support: KeptSet | None, V: int, device: torch.device) -> DivergencePlan:
+def plan_divergence(opts: DivergenceOptions, lead: tuple[int, ...], sync: bool, active: torch.Tensor | None,
+                    support: KeptSet | None, V: int, device: torch.device) -> DivergencePlan:
     """The rows the op computes (eager: the counted ones, one host sync; under compile every row, the op zeroes the
     masked ones: no data-dependent shape) and the kept-set engine's plan for them."""
     rows = compact_rows(active) if sync and active is not None else None
@@ -209,12 +187,13 @@ def _plan(opts: DivergenceOptions, lead: tuple[int, ...], sync: bool, active: to
     return DivergencePlan(opts, lead, sync, active, rows, support, kept)
 
 
-def _run(plan: DivergencePlan, hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias):
-    """(divergence [N], entropy [N] | None) of every token: the op on the plan's rows, scattered back."""
+def run_divergence(plan: DivergencePlan, hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias):
+    """(divergence [N], entropy [N] | None) of every token: the op on the plan's rows, scattered back. The inputs
+    are checked, autocast applied and both biases dense (``dense_bias``); the teacher's are read detached."""
     h = unit_stride(hidden.reshape(-1, hidden.shape[-1]))
     ht = unit_stride(teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1]))
     w, wt = unit_stride(weight), unit_stride(teacher_weight.detach())
-    b, bt = dense_bias(bias), dense_bias(None if teacher_bias is None else teacher_bias.detach())
+    b, bt = bias, None if teacher_bias is None else teacher_bias.detach()
     idx, support = plan.rows, plan.support
     if idx is not None:
         h, ht = h.index_select(0, idx), ht.index_select(0, idx)
@@ -343,12 +322,12 @@ def fused_divergence(
         teacher_softcap=None if tf_t.softcap is None else float(tf_t.softcap), with_entropy=with_entropy,
         backend=_backend_name(hidden, teacher_hidden, backend),
     )
-    plan = _plan(opts, lead, sync, active, support, weight.shape[0], hidden.device)
-    div, ent = _run(plan, hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias)
+    planned = plan_divergence(opts, lead, sync, active, support, weight.shape[0], hidden.device)
+    div, ent = run_divergence(planned, hidden, weight, dense_bias(bias), teacher_hidden, teacher_weight, dense_bias(teacher_bias))
     if check_finite and sync:
         check_divergence_finite(
             div.detach(), None if ent is None else ent.detach(),
-            active if active is not None else torch.ones(plan.n_tokens, dtype=torch.bool, device=hidden.device),
+            active if active is not None else torch.ones(planned.n_tokens, dtype=torch.bool, device=hidden.device),
             hidden.reshape(-1, hidden.shape[-1]), teacher_hidden.reshape(-1, teacher_hidden.shape[-1]), lead)
     if with_entropy:
         return div.reshape(lead), ent.reshape(lead)

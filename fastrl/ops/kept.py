@@ -47,7 +47,8 @@ from typing import Optional, Sequence
 import torch
 
 from fastrl.ops import torch_backend as TB
-from fastrl.ops._gemm import addmm_f32, cuda_f32_out, mm_f32
+from fastrl.ops._gemm import addmm_f32, mm_f32
+from fastrl.ops.backend import cuda_f32_out
 from fastrl.ops.budget import kept_capacity
 from fastrl.ops.config import Head, LogitTransform
 from fastrl.ops.custom_ops import (
@@ -489,7 +490,6 @@ def resolve_support(
     tf: LogitTransform,
     ignore_index: int,
     positions: torch.Tensor | None,
-    backend: str | None,
     host_sync: bool | None = True,
 ) -> tuple[KeptSet | None, torch.Tensor | None]:  # (checked KeptSet or None for the full softmax, outside | None)
     """The KeptSet an op computes over, checked against ``targets`` (``KeptSet.check_tokens``, host reads: eager
@@ -506,7 +506,7 @@ def resolve_support(
         from fastrl.ops.kept_rules import replay
 
         return replay(hidden, weight, targets, support, bias=bias, tf=tf, ignore_index=ignore_index,
-                      positions=positions, backend=backend, host_sync=host_sync)
+                      positions=positions, host_sync=host_sync)
     if not isinstance(support, KeptSet):
         raise TypeError(f"support must be None, a fastrl.KeptSet or a fastrl.SamplerRule, got {type(support).__name__}")
     if support.vocab_size != V:

@@ -24,8 +24,7 @@ import importlib.util
 
 import torch
 
-from fastrl.ops._gemm import cuda_f32_out
-from fastrl.ops.backend import is_triton
+from fastrl.ops.backend import cuda_f32_out, is_triton
 from fastrl.ops.torch_backend import acc_dtype
 
 __all__ = ["rows_logits", "rows_backward", "kernels_for", "chunk_rows"]

@@ -94,17 +94,14 @@ def replay(
     tf: LogitTransform,
     ignore_index: int,
     positions: torch.Tensor | None,
-    backend: str | None,
     host_sync: bool | None,
 ) -> tuple[KeptSet, torch.Tensor]:  # (KeptSet of N rows, outside: bool of targets' shape)
     """The rule's kept sets on this model's logits: ``fastrl.replay_rule`` in eager, the op while compiling."""
-    from fastrl.ops.rules import replay_rule, rule_positions
+    from fastrl.ops.rules import replay_checked, rule_positions
 
     lead = tuple(targets.shape)
-    if host_sync_enabled(host_sync):
-        return replay_rule(hidden, weight, targets, rule, bias=bias, temperature=tf.temperature,
-                           logit_scale=tf.logit_scale, softcap=tf.softcap, ignore_index=ignore_index,
-                           positions=positions, backend=backend)
+    if host_sync_enabled(host_sync):  # the inputs were checked by the caller (the loss's plan, fused_logprobs)
+        return replay_checked(hidden, weight, bias, targets, rule, tf, ignore_index, positions)
     if host_sync is False:
         raise ValueError(
             "support=SamplerRule cannot run with host_sync=False: how many ids a rule keeps depends on the logits, "

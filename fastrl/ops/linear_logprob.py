@@ -23,12 +23,14 @@ from fastrl.ops.custom_ops import (
     PackedOptions, acc_dtype, define_op, empty_output, grad_rows, head_grads, head_grads_like, host_sync_enabled,
     input_grads, layout_of, live_rows, or_none, refuse_double_backward,
 )
-from fastrl.ops._checks import autocast_inputs, check_finite_outputs, check_linear_inputs, check_targets, dense_bias
+from fastrl.ops._checks import (
+    autocast_inputs, check_finite_outputs, check_linear_inputs, check_targets, compact_rows, dense_bias, unit_stride,
+)
 from fastrl.ops._gemm import addmm_f32
 from fastrl.ops.backend import is_triton, resolve_backend
 from fastrl.ops.config import LogitTransform
 
-__all__ = ["fused_logprobs", "run_logprobs", "linear_stats", "linear_backward", "compact_rows", "host_sync_enabled",
+__all__ = ["fused_logprobs", "run_logprobs", "linear_stats", "linear_backward", "host_sync_enabled",
            "LinearOptions"]
 
 
@@ -302,17 +304,6 @@ def _(grad_logp, grad_entropy, hidden, weight, bias, targets, lse, entropy, opt_
     return head_grads_like(hidden, weight, bias, need_hidden, need_weight, need_bias)
 
 
-def compact_rows(active: torch.Tensor) -> torch.Tensor | None:  # [N] bool -> [A] int64 row ids, or None
-    """Ids of the live rows when some rows are ignored (one host sync), None when every row is live.
-
-    Ignored rows are then left out of every kernel and GEMM: padding costs nothing, and whatever an ignored
-    row of ``hidden`` holds (even inf/NaN) cannot reach the weight gradient through ``0 * nan``.
-    """
-    if active.numel() == 0 or bool(active.all()):
-        return None
-    return active.nonzero().squeeze(1)
-
-
 def _scatter_rows(x: torch.Tensor | None, idx: torch.Tensor | None, n: int) -> torch.Tensor | None:
     """[A] values of the live rows -> [N], zero at ignored rows (differentiable)."""
     if x is None or idx is None:
@@ -493,8 +484,7 @@ def _support_logprobs(hidden, weight, bias, targets, tf, with_entropy, ignore_in
     from fastrl.ops import kept
 
     sync = host_sync_enabled(host_sync)
-    ks, _outside = kept.resolve_support(support, hidden, weight, bias, targets, tf, ignore_index, positions, name,
-                                        host_sync)
+    ks, _outside = kept.resolve_support(support, hidden, weight, bias, targets, tf, ignore_index, positions, host_sync)
     kw = dict(bias=bias, temperature=tf.temperature, logit_scale=tf.logit_scale, softcap=tf.softcap,
               with_entropy=with_entropy, ignore_index=ignore_index, check_finite=check_finite, backend=name,
               vocab_chunk=vocab_chunk, host_sync=host_sync)
@@ -540,9 +530,3 @@ def _support_logprobs(hidden, weight, bias, targets, tf, with_entropy, ignore_in
     logp = logp.reshape(lead)
     ent = ent.reshape(lead) if ent is not None else None
     return (logp, ent, mass) if return_kept_mass else (logp, ent)
-
-
-def unit_stride(x: torch.Tensor) -> torch.Tensor:
-    """``x`` itself when its last dimension is contiguous (the kernels and GEMMs honour the row stride), else
-    a contiguous copy (e.g. a transposed weight)."""
-    return x if x.stride(-1) == 1 else x.contiguous()

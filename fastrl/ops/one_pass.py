@@ -21,11 +21,11 @@ from typing import Callable
 import torch
 
 from fastrl.ops import torch_backend as TB
+from fastrl.ops._checks import compact_rows
 from fastrl.ops._gemm import addmm_f32, mm_f32
 from fastrl.ops.backend import is_triton
 from fastrl.ops.budget import one_pass_rows, tile_budget
 from fastrl.ops.config import LogitTransform
-from fastrl.ops.linear_logprob import compact_rows
 
 __all__ = ["IGNORE", "ChunkLoss", "Chunk", "chunk_budget", "live_chunks", "plan_chunks", "fixed_chunks", "run",
            "tile_stats_kl", "tile_grad_kl_"]

@@ -23,9 +23,9 @@ import torch
 
 from fastrl.ops import kept as K
 from fastrl.ops import torch_backend as TB
+from fastrl.ops._checks import compact_rows
 from fastrl.ops.config import LogitTransform
 from fastrl.ops.kept_plan import host_bounds
-from fastrl.ops.linear_logprob import compact_rows
 from fastrl.ops.one_pass import IGNORE
 from fastrl.ops.support import KeptSet
 

@@ -10,7 +10,8 @@ the same numbers:
 The ops know no loss: the spec carries it (``LossSpec.loss`` for the two-pass path; the op's packed options, from
 ``LossSpec.pack``, and loss tensors for the others, which ``fastrl.losses.one_pass`` turns back into the loss). The
 exact reference KL (``kl_estimator="exact"``) is inside the op's chunks where the plan says so, else its own
-``fused_divergence`` pass (``exact_reference_kl``) whose [B, T] result enters the loss with its own graph.
+``fused_divergence`` pass (``_reference_kl``: divergence's plan and run on the inputs checked here) whose [B, T] result
+enters the loss with its own graph.
 """
 
 from __future__ import annotations
@@ -20,17 +21,21 @@ from typing import Callable
 
 import torch
 
+from fastrl.ops import divergence as D
 from fastrl.ops import one_pass
 from fastrl.ops import torch_backend as TB
-from fastrl.ops._checks import autocast_inputs, check_finite_outputs, check_linear_inputs, check_targets, dense_bias
+from fastrl.ops._checks import (
+    autocast_inputs, check_divergence_finite, check_finite_outputs, check_head, check_linear_inputs, check_targets,
+    compact_rows, dense_bias, unit_stride,
+)
 from fastrl.ops.backend import is_triton, resolve_backend
 from fastrl.ops.config import LogitTransform
 from fastrl.ops.kept import build_plan, resolve_support
-from fastrl.ops.linear_logprob import compact_rows, run_logprobs, unit_stride
+from fastrl.ops.linear_logprob import run_logprobs
 from fastrl.ops.one_pass import IGNORE
 from fastrl.ops.support import KeptSet, SamplerRule
 
-__all__ = ["LossSpec", "LossPlan", "plan", "run", "exact_reference_kl", "check_kl_finite"]
+__all__ = ["LossSpec", "LossPlan", "plan", "run"]
 
 
 @dataclass(frozen=True)
@@ -58,8 +63,9 @@ class LossPlan:
 
     spec: LossSpec
     hidden: torch.Tensor  # [B, T, H] (autocast applied)
-    weight: torch.Tensor  # [V, H]
+    weight: torch.Tensor  # [V, H], unit stride
     bias: torch.Tensor | None  # [V] dense
+    ref: tuple  # the exact KL's (ref_hidden, ref_weight, ref_bias) for its own pass: checked, autocast, bias dense
     tf: LogitTransform
     backend: str  # concrete
     path: str  # "one-pass" | "kept" | "two-pass"
@@ -74,24 +80,25 @@ def plan(spec: LossSpec, hidden, weight, bias, targets, logit_scale: float, soft
          backend: str | None, chunk_tokens: int | None, support, positions) -> LossPlan:
     """The LM head checked (after autocast) and its backend resolved, then the path (over the support, one pass, or
     two) and the op's chunks and options."""
+    ref = _reference_head(spec.ref) if spec.exact_kl else spec.ref
     hidden, weight, bias = autocast_inputs(hidden, weight, bias)
     check_linear_inputs(hidden, weight, targets, bias)
-    bias = dense_bias(bias)
+    bias, weight = dense_bias(bias), unit_stride(weight)
     if spec.sync:
         check_targets(spec.eff_targets, weight.shape[0], IGNORE)
     tf = LogitTransform(temperature=spec.temperature, logit_scale=logit_scale, softcap=softcap)
     backend = resolve_backend(hidden.device, backend, kind="loss", H=hidden.shape[-1], dtype=hidden.dtype,
                               tensors=(hidden, weight))
-    if is_triton(backend) and hidden.dtype == torch.float64:
+    if is_triton(backend) and torch.float64 in (hidden.dtype, ref[0].dtype if spec.exact_kl else hidden.dtype):
         raise TypeError("the triton backends compute from float32, bfloat16 or float16 inputs; use backend='torch' "
                         "for float64")
-    head = dict(spec=spec, hidden=hidden, weight=weight, bias=bias, tf=tf, backend=backend)
+    head = dict(spec=spec, hidden=hidden, weight=weight, bias=bias, ref=ref, tf=tf, backend=backend)
     need = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
     grads = torch.is_grad_enabled() and any(need)
     need = need if grads else (False, False, False)
     if support is not None:
         kept, outside = resolve_support(support, hidden, weight, bias, spec.eff_targets, tf, IGNORE, positions,
-                                        backend, spec.host_sync)
+                                        spec.host_sync)
         head["support_metrics"] = support_metrics(kept, outside, spec.in_mask, weight.shape[0],
                                                   isinstance(support, SamplerRule), TB.acc_dtype(hidden.dtype))
         if kept is not None:
@@ -104,6 +111,15 @@ def plan(spec: LossSpec, hidden, weight, bias, targets, logit_scale: float, soft
     # loss takes path A on the fused kernels: 8NHV instead of 6NHV, but no [chunk, V] tile and no float32 [V, H]
     # weight-gradient accumulator
     return LossPlan(**head, path="two-pass", kl="outside" if spec.exact_kl else None)
+
+
+def _reference_head(ref: tuple) -> tuple:
+    """The reference head of the exact KL, as ``fused_divergence`` would take it as its teacher: autocast applied,
+    one dtype and device (``check_ref_inputs`` checked the shapes), the bias dense."""
+    ref_hidden, ref_weight, ref_bias = autocast_inputs(*ref)
+    check_head(ref_hidden, ref_weight, ref_bias, hidden_name="ref_hidden", weight_name="ref_weight",
+               bias_name="ref_bias")
+    return ref_hidden, ref_weight, dense_bias(ref_bias)
 
 
 def support_metrics(kept: KeptSet | None, outside: torch.Tensor | None, in_mask: torch.Tensor, V: int, rule: bool,
@@ -160,9 +176,7 @@ def _one_pass_plan(head: dict, need, chunk_tokens: int | None) -> LossPlan | Non
 
 def run(plan: LossPlan) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """(loss, metrics, per-token log-probs [B * T]) of the planned call."""
-    spec = plan.spec
-    kl = exact_reference_kl(plan.hidden, plan.weight, plan.bias, *spec.ref, spec.in_mask, plan.tf, plan.backend,
-                            spec.check_finite, host_sync=spec.host_sync) if plan.kl == "outside" else None
+    kl = _reference_kl(plan) if plan.kl == "outside" else None
     if plan.path == "two-pass":
         loss, metrics, logp = _two_pass(plan, kl)
     else:
@@ -182,14 +196,15 @@ def _op(plan: LossPlan, per_token_kl: torch.Tensor | None):
     # the exact KL given as a tensor (with its own graph) enters as an input: the op returns d loss / d KL with the
     # loss, and its backward hands grad_out times that to the KL's graph
     loss, mvec, _, _, _, logp_all, ent_all, _, kl = torch.ops.fastrl.policy_loss_one_pass(
-        plan.hidden, unit_stride(plan.weight), plan.bias, spec.eff_targets, *spec.loss_tensors, per_token_kl,
+        plan.hidden, plan.weight, plan.bias, spec.eff_targets, *spec.loss_tensors, per_token_kl,
         *detached, *support, list(plan.chunks), *plan.options,
     )
     if spec.sync and spec.check_finite:
         live = spec.eff_targets.reshape(-1) != IGNORE
         check_finite_outputs(logp_all, ent_all, live, plan.hidden.detach().reshape(B * T, H), (B, T))
         if kl.numel():
-            check_kl_finite(kl, live, plan.hidden.detach(), ref[0], (B, T))
+            check_divergence_finite(kl, None, live, plan.hidden.detach().reshape(B * T, H), ref[0].reshape(B * T, -1),
+                                    (B, T), name="exact KL", teacher="ref_")
     return loss, dict(zip(spec.metric_names, mvec.unbind(0))), logp_all
 
 
@@ -202,53 +217,21 @@ def _two_pass(plan: LossPlan, per_token_kl: torch.Tensor | None):
     return (*spec.loss(logp, ent, per_token_kl), logp)
 
 
-def exact_reference_kl(
-    hidden: torch.Tensor,  # [B, T, H], the policy; the KL's gradient flows to it, weight and bias
-    weight: torch.Tensor,  # [V, H]
-    bias: torch.Tensor | None,  # [V]
-    ref_hidden: torch.Tensor,  # [B, T, H_ref], a constant
-    ref_weight: torch.Tensor,  # [V, H_ref], a constant
-    ref_bias: torch.Tensor | None,  # [V], a constant
-    mask: torch.Tensor,  # [B, T] bool
-    tf: LogitTransform,
-    backend: str,
-    check_finite: bool,
-    support=None,  # a KeptSet: both distributions renormalised over it (sampling replay)
-    ref_tf: LogitTransform | None = None,  # the reference's logit scale / softcap; None: the policy's
-    host_sync: bool | None = None,
-) -> torch.Tensor:  # [B, T]
-    """Per-token KL(pi_theta || pi_ref) over the whole vocabulary (or the support), 0 outside the mask, as its own
-    ``fused_divergence`` pass (beta=1, the policy as the student and the reference as the teacher, under the
-    policy's temperature; the reference's logit scale and softcap are the policy's unless ``ref_tf`` says
-    otherwise: a separate reference model with its own config)."""
-    from fastrl.ops.divergence import fused_divergence
-
-    ref_tf = tf if ref_tf is None else ref_tf
-    options = {} if support is None else {"support": support}
-    try:
-        return fused_divergence(
-            hidden, weight, ref_hidden.detach(), ref_weight.detach(), beta=1.0, temperature=tf.temperature, bias=bias,
-            teacher_bias=None if ref_bias is None else ref_bias.detach(), logit_scale=tf.logit_scale,
-            teacher_logit_scale=ref_tf.logit_scale, softcap=tf.softcap, teacher_softcap=ref_tf.softcap, mask=mask,
-            check_finite=check_finite, backend=backend, host_sync=host_sync, **options,
-        )
-    except (FloatingPointError, ValueError, TypeError) as e:
-        raise _as_ref_error(e) from None
-
-
-def _as_ref_error(e: Exception) -> Exception:
-    """fused_divergence's error, naming the arguments as the caller knows them (the reference is its teacher)."""
-    return type(e)(str(e).replace("teacher_", "ref_").replace("non-finite divergence", "non-finite exact KL"))
-
-
-def check_kl_finite(kl: torch.Tensor, live: torch.Tensor, hidden: torch.Tensor, ref_hidden: torch.Tensor,
-                    lead: tuple[int, ...]) -> None:
-    """Raise ``FloatingPointError`` naming the first counted token whose exact KL (computed in the one-pass chunks)
-    is not finite, and the input at fault: the message ``exact_reference_kl`` gives for the same input."""
-    from fastrl.ops.divergence import check_divergence_finite
-
-    try:
-        check_divergence_finite(kl, None, live, hidden.reshape(-1, hidden.shape[-1]),
-                      ref_hidden.reshape(-1, ref_hidden.shape[-1]), lead)
-    except FloatingPointError as e:
-        raise _as_ref_error(e) from None
+def _reference_kl(plan: LossPlan) -> torch.Tensor:  # [B, T]
+    """Per-token KL(pi_theta || pi_ref) over the whole vocabulary, 0 outside the mask, as its own divergence pass
+    (``fastrl.ops.divergence``'s plan and run, what ``fused_divergence`` runs with beta=1: the policy as the student
+    and the reference as the teacher, with the policy's logit transform). The gradient flows to hidden, weight and
+    bias; the reference is a constant."""
+    spec, tf = plan.spec, plan.tf
+    B, T, H = plan.hidden.shape
+    softcap = None if tf.softcap is None else float(tf.softcap)
+    opts = D.DivergenceOptions(beta=1.0, temperature=float(tf.temperature), logit_scale=float(tf.logit_scale),
+                               softcap=softcap, teacher_logit_scale=float(tf.logit_scale), teacher_softcap=softcap,
+                               with_entropy=False, backend=plan.backend)
+    active = spec.in_mask.reshape(-1)
+    planned = D.plan_divergence(opts, (B, T), spec.sync, active, None, plan.weight.shape[0], plan.hidden.device)
+    kl, _ = D.run_divergence(planned, plan.hidden, plan.weight, plan.bias, *plan.ref)
+    if spec.check_finite and spec.sync:
+        check_divergence_finite(kl.detach(), None, active, plan.hidden.reshape(B * T, H),
+                                plan.ref[0].reshape(B * T, -1), (B, T), name="exact KL", teacher="ref_")
+    return kl.reshape(B, T)

@@ -30,13 +30,13 @@ import torch
 
 from fastrl.ops import torch_backend as TB
 from fastrl.ops._checks import autocast_inputs, check_linear_inputs, check_targets, dense_bias
-from fastrl.ops._gemm import cuda_f32_out, mm_f32
-from fastrl.ops.backend import resolve_backend
+from fastrl.ops._gemm import mm_f32
+from fastrl.ops.backend import cuda_f32_out, resolve_backend
 from fastrl.ops.budget import tile_budget, tile_columns
 from fastrl.ops.config import LogitTransform
 from fastrl.ops.support import KeptSet, SamplerRule
 
-__all__ = ["apply_rule", "replay_rule", "rule_positions"]
+__all__ = ["replay_checked", "apply_rule", "replay_rule", "rule_positions"]
 
 
 def _pack(row: torch.Tensor, col: torch.Tensor, values: torch.Tensor, n: int, fill: float):
@@ -586,6 +586,23 @@ def replay_rule(
     V = weight.shape[0]
     check_targets(targets, V, ignore_index)
     resolve_backend(hidden.device, backend)
+    return replay_checked(hidden, weight, bias, targets, rule, tf, ignore_index, positions)
+
+
+@torch.no_grad()
+def replay_checked(
+    hidden: torch.Tensor,  # [N, H] or [B, T, H]
+    weight: torch.Tensor,  # [V, H]
+    bias: torch.Tensor | None,  # dense [V]
+    targets: torch.Tensor,  # [N] or [B, T]
+    rule: SamplerRule,
+    tf: LogitTransform,
+    ignore_index: int,
+    positions: torch.Tensor | None,
+) -> tuple[KeptSet, torch.Tensor]:
+    """``replay_rule`` on inputs its caller has checked (autocast applied, shapes, dense bias, targets in range,
+    backend): the loss and log-prob paths, which checked them once already."""
+    V = weight.shape[0]
     pos = rule_positions(targets, rule, positions)
     lead = tuple(targets.shape)
     h = hidden.reshape(-1, hidden.shape[-1])

@@ -21,19 +21,10 @@ from typing import Sequence
 
 import torch
 
+from fastrl.ops._checks import token_name
 from fastrl.ops.kept_plan import choose_for
 
 __all__ = ["KeptSet", "SamplerRule"]
-
-
-def token_name(n: int, lead_shape: tuple[int, ...] | None) -> str:
-    if lead_shape is None or len(lead_shape) <= 1:
-        return f"token {n}"
-    pos = []
-    for size in reversed(lead_shape):
-        pos.append(n % size)
-        n //= size
-    return f"token {tuple(reversed(pos))}"
 
 
 class KeptSet:
