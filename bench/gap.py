@@ -36,7 +36,7 @@ def configurations(dtypes=("float32", "bfloat16")) -> list[dict]:
         rows = [("TRL (its LLM(...) and head)", {"trainer": "trl"})]
         if f32:  # what sampling at the policy's precision buys: fastrl's replay on TRL's engine dtype
             rows.append(("fastrl, vLLM dtype as TRL's", {"replay": "kept_set", "engine_dtype": "auto"}))
-        for head in (False,) if f32 else (False, True):
+        for head in (False,) if f32 else (False, True):  # a float32 policy's vLLM head is float32 already
             rows += [("fastrl + vLLM float32 head" if head else "fastrl", {"replay": replay, "fp32_head": head})
                      for replay in ("off", "kept_set")]
         if f32:  # the metrics' own cost: TRL's IS correction off, fastrl's gap metrics on and off

@@ -133,7 +133,7 @@ def _inputs(s: W4Shape, L: int, device, seed: int) -> dict:
     import torch
 
     g, B = torch.Generator().manual_seed(seed), s.completions
-    mask = torch.ones(B, L, dtype=torch.int64)
+    mask = torch.ones(B, L, dtype=torch.int64)  # every completion token counts
     inp = dict(prompt_ids=torch.randint(3, s.vocab, (B, s.prompt_len), generator=g),
                prompt_mask=torch.ones(B, s.prompt_len, dtype=torch.int64),
                completion_ids=torch.randint(3, s.vocab, (B, L), generator=g), completion_mask=mask,
