@@ -87,11 +87,11 @@ def plan_for(device: str, mode: str) -> W5Plan:
     return W5Plan(device, mode, shapes, (280.0,), "extra", headline="fastrl+tiled", timeout_s=900)
 
 
-def _pick(option: str, text: str, known) -> list[str]:
+def _pick(option: str, what: str, text: str, known) -> list[str]:
     want = [x.strip() for x in text.split(",") if x.strip()]
     unknown = [x for x in want if x not in known]
     if unknown:
-        raise ValueError(f"w5 {option}: unknown {unknown}; expected a comma list of {list(known)}")
+        raise ValueError(f"w5 {option}: unknown {what} {unknown}; expected a comma list of {list(known)}")
     return want
 
 
@@ -99,10 +99,10 @@ def with_overrides(plan: W5Plan, *, archs: str | None, lengths: str | None, budg
                    reps: int | None, warmup: int | None, timeout_s: int | None, threads: int = 0,
                    options: dict | None = None, configs: str | None = None) -> W5Plan:
     if configs:
-        want = _pick("--providers", configs, [c.name for c in plan.configs])
+        want = _pick("--providers", "configuration", configs, [c.name for c in plan.configs])
         plan = replace(plan, configs=tuple(c for c in plan.configs if c.name in want))
     if archs:
-        want = _pick("--workload", archs, ARCHS if plan.device.startswith("cuda") else CPU_ARCHS)
+        want = _pick("--workload", "architecture", archs, ARCHS if plan.device.startswith("cuda") else CPU_ARCHS)
         if plan.mode == "smoke":
             raise ValueError("w5 --workload: --smoke runs one tiny model; leave --workload out")
         plan = replace(plan, shapes={a: plan_for(plan.device, "full").shapes[a] for a in want})
