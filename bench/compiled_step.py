@@ -1,34 +1,18 @@
-"""``python -m bench compile``: one training step with fastrl inside ``torch.compile``, against the same step eager and
-against ``torch.compile`` of the materialised reference.
+"""``python -m bench compile``: one training step with fastrl inside ``torch.compile``, against the same step eager
+and against ``torch.compile`` of the materialised reference (docs/compile.md, bench/README.md).
 
-The step: a model body (one residual MLP block with RMSNorm, H -> 4H -> H, standing in for a transformer) turns
-input activations ``x [B, T, H]`` into hidden states; the LM head and the GRPO loss (dapo, beta 0.04 with k3 KL,
-entropy bonus 0.01, as W1) turn them into a loss: that is the compiled function; its backward (compiled by
-AOTAutograd for the compiled variants); one SGD update of every parameter (outside the
-compiled region, in place, so the compiled step sees the same tensors each time). Variants (``--variants``):
-
-* ``fastrl-eager``: ``fastrl.policy_loss`` (one-pass path) in an eager step;
-* ``fastrl-nosync``: the same, eager, with ``host_sync=False``: the path compiled steps take (rows outside the
-  mask computed, not dropped), to tell its cost from the compiler's;
-* ``fastrl-compile``: the same step under ``torch.compile(fullgraph=True)``: fastrl's ops are single nodes
-  (``torch.ops.fastrl.*``), the body and the loss arithmetic around them are compiled;
-* ``reference-compile``: the step with the materialised reference (``fastrl.reference``: full ``[N, V]``
-  logits in the input dtype, log-softmax, the same loss arithmetic) under ``torch.compile`` -- what a user gets
-  by compiling the textbook loss;
-* ``reference-eager``: that step eager;
-* CUDA only: ``fastrl-compile-ro`` and ``reference-compile-ro``, ``mode="reduce-overhead"`` (CUDA graphs: the
-  no-sync path lets fastrl's ops be captured; ``static`` shapes).
-
-Reported per variant: the median step time over ``--reps`` timed steps after ``--warmup`` untimed ones (the first
-untimed step includes compilation, reported separately as ``first_step_s``), the loss of the first step (the same
-for every variant, up to float32 rounding: printed so a wrong compiled graph shows), and on CUDA the peak memory
-above the inputs. FLOPs per step, written out: LM head 6NHV (one pass: forward GEMM, grad_h, grad_W; the
-materialised reference also 6NHV) + body 2 * 3 * (2 * N * H * 4H) = 48NH^2.
+The step: a model body (one residual MLP block with RMSNorm, H -> 4H -> H) turns ``x [B, T, H]`` into hidden states;
+the LM head and the GRPO loss (dapo, beta 0.04 with k3 KL, entropy bonus 0.01, as W1) turn them into a loss (the
+compiled function); its backward; one in-place SGD update outside the compiled region. Variants: ``fastrl-eager``,
+``fastrl-nosync`` (eager, ``host_sync=False``: the path compiled steps take), ``fastrl-compile``
+(``fullgraph=True``), ``reference-eager``, ``reference-compile`` (``fastrl.reference``'s materialised ``[N, V]``
+logits); CUDA also ``-ro`` of both compiled ones (``mode="reduce-overhead"``: CUDA graphs). Per variant: the median
+step time after warm-up, the first (compiling) step's seconds, the first step's loss (equal across variants up to
+float32 rounding), CUDA peak memory above the inputs.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -36,7 +20,7 @@ import time
 
 import torch
 
-__all__ = ["VARIANTS", "main", "run"]
+__all__ = ["VARIANTS", "run", "run_point", "add_options", "command"]
 
 VARIANTS = ("fastrl-eager", "fastrl-nosync", "fastrl-compile", "reference-eager", "reference-compile")
 CUDA_VARIANTS = VARIANTS + ("fastrl-compile-ro", "reference-compile-ro")
@@ -46,45 +30,27 @@ SHAPES = {  # (B, T, H, V, dtype)
 }
 
 
-class Body(torch.nn.Module):
-    """One residual MLP block with RMSNorm: a stand-in for the transformer body in front of the LM head."""
-
-    def __init__(self, H: int):
-        super().__init__()
-        self.norm = torch.nn.RMSNorm(H)
-        self.up = torch.nn.Linear(H, 4 * H, bias=False)
-        self.down = torch.nn.Linear(4 * H, H, bias=False)
-
-    def forward(self, x):  # [B, T, H] -> [B, T, H]
-        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
-
-
-def _config():
-    from fastrl import PolicyLossConfig
-
-    return PolicyLossConfig(loss_type="dapo", beta=0.04, entropy_coef=0.01, temperature=0.9)
-
-
-def _step_fn(kind: str, body: Body, head: torch.nn.Linear, config, host_sync=None):
+def _step_fn(kind: str, body: torch.nn.ModuleDict, head: torch.nn.Linear, host_sync=None):
     import fastrl
     from fastrl.reference import logprobs_reference, policy_loss_from_logprobs
 
-    def fastrl_step(x, targets, adv, mask, old, ref):
-        hidden = body(x)
-        loss, metrics = fastrl.policy_loss(hidden, head.weight, targets, adv, mask, config=config, old_logprobs=old,
-                                           ref_logprobs=ref, check_finite=False, host_sync=host_sync)
+    config = fastrl.PolicyLossConfig(loss_type="dapo", beta=0.04, entropy_coef=0.01, temperature=0.9)
+
+    def step(x, targets, adv, mask, old, ref):
+        hidden = x + body.down(torch.nn.functional.gelu(body.up(body.norm(x))))  # [B, T, H] -> [B, T, H]
+        if kind == "fastrl":
+            loss, metrics = fastrl.policy_loss(hidden, head.weight, targets, adv, mask, config=config,
+                                               old_logprobs=old, ref_logprobs=ref, check_finite=False,
+                                               host_sync=host_sync)
+        else:
+            B, T, H = hidden.shape
+            logp, ent = logprobs_reference(hidden.reshape(B * T, H), head.weight, targets.reshape(-1),
+                                           temperature=config.temperature)
+            loss, metrics = policy_loss_from_logprobs(logp.view(B, T), ent.view(B, T), adv, mask, config=config,
+                                                      old_logprobs=old, ref_logprobs=ref)
         return loss, metrics["kl"]
 
-    def reference_step(x, targets, adv, mask, old, ref):
-        hidden = body(x)
-        B, T, H = hidden.shape
-        logp, ent = logprobs_reference(hidden.reshape(B * T, H), head.weight, targets.reshape(-1),
-                                       temperature=config.temperature)
-        loss, metrics = policy_loss_from_logprobs(logp.view(B, T), ent.view(B, T), adv, mask, config=config,
-                                                  old_logprobs=old, ref_logprobs=ref)
-        return loss, metrics["kl"]
-
-    return fastrl_step if kind == "fastrl" else reference_step
+    return step
 
 
 def _inputs(B, T, H, V, dtype, device, seed=0):
@@ -103,12 +69,14 @@ def _inputs(B, T, H, V, dtype, device, seed=0):
 def _measure(variant: str, shape, device: str, reps: int, warmup: int, compile_backend: str | None = None) -> dict:
     B, T, H, V, dtype = shape
     torch.manual_seed(0)
-    body = Body(H).to(device=device, dtype=dtype)
+    # the model body: one residual MLP block with RMSNorm, a stand-in for the transformer in front of the LM head
+    body = torch.nn.ModuleDict({"norm": torch.nn.RMSNorm(H), "up": torch.nn.Linear(H, 4 * H, bias=False),
+                                "down": torch.nn.Linear(4 * H, H, bias=False)}).to(device=device, dtype=dtype)
     head = torch.nn.Linear(H, V, bias=False).to(device=device, dtype=dtype)
     torch.nn.init.normal_(head.weight, std=H ** -0.5)
     params = list(body.parameters()) + list(head.parameters())
     kind = variant.split("-")[0]
-    fn = _step_fn(kind, body, head, _config(), host_sync=False if variant == "fastrl-nosync" else None)
+    fn = _step_fn(kind, body, head, host_sync=False if variant == "fastrl-nosync" else None)
     if "compile" in variant:
         mode = "reduce-overhead" if variant.endswith("-ro") else None
         backend = {"backend": compile_backend} if compile_backend else {}
@@ -118,36 +86,29 @@ def _measure(variant: str, shape, device: str, reps: int, warmup: int, compile_b
     def step():
         for p in params:
             p.grad = None
-        loss, kl = fn(*inputs)
+        loss, _ = fn(*inputs)
         loss.backward()  # (AOTAutograd's compiled backward for the compiled variants)
         with torch.no_grad():
             for p in params:
                 p.sub_(1e-4 * p.grad)  # an SGD update in place: the compiled step sees the same parameters
-        return loss, kl
+        return float(loss.detach())
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-    t0 = time.perf_counter()
-    loss, kl = step()
-    sync()
-    first = time.perf_counter() - t0
-    first_loss = float(loss.detach())
-    for _ in range(max(0, warmup - 1)):
-        step()
-    sync()
-    times = []
-    for _ in range(reps):
+    untimed, times, losses = max(1, warmup), [], []  # the first step compiles: reported apart
+    for _ in range(untimed + reps):
         t0 = time.perf_counter()
-        step()
+        losses.append(step())
         sync()
         times.append(time.perf_counter() - t0)
-    N = B * T
-    flops = 6 * N * H * V + 48 * N * H * H
+    first, times = times[0], times[untimed:]
+    # FLOPs per step: LM head 6NHV (forward GEMM, grad_h, grad_W) + body 2 * 3 * (2 * N * H * 4H) = 48NH^2
+    flops = 6 * B * T * H * V + 48 * B * T * H * H
     ms = 1e3 * statistics.median(times)
-    row = {"variant": variant, "B": B, "T": T, "H": H, "V": V, "dtype": str(dtype).replace("torch.", ""),
-           "ms": ms, "ms_min": 1e3 * min(times), "ms_max": 1e3 * max(times), "first_step_s": first, "first_loss": first_loss,
+    row = {"variant": variant, "B": B, "T": T, "H": H, "V": V, "dtype": str(dtype).replace("torch.", ""), "ms": ms,
+           "ms_min": 1e3 * min(times), "ms_max": 1e3 * max(times), "first_step_s": first, "first_loss": losses[0],
            "tflops": flops / (ms * 1e-3) / 1e12, "reps": reps}
     if device == "cuda":
         row["peak_extra_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
@@ -169,15 +130,6 @@ def run(device: str, variants, reps: int, warmup: int, shape=None, compile_backe
     return rows
 
 
-def _each_in_a_process(device: str, variants, reps: int, warmup: int, shape) -> tuple[list, list]:
-    """(specs, results): each variant in a fresh process on the benchmarks' harness (``bench.session_run``)."""
-    from bench.session_run import run_fresh
-
-    specs = [{"kind": "compile", "variant": v, "device": device, "reps": reps, "warmup": warmup,
-              "shape": list(shape[:4]) if shape else None} for v in variants]
-    return specs, run_fresh(specs, device, 3600)
-
-
 def run_point(spec: dict) -> dict:
     """One variant in this fresh process (``bench.session_points.run_spec``, kind "compile")."""
     device = spec["device"]
@@ -186,7 +138,7 @@ def run_point(spec: dict) -> dict:
     return {"status": "error", "reason": row["error"], **row} if "error" in row else {"status": "ok", **row}
 
 
-def add_options(ap: argparse.ArgumentParser) -> None:
+def add_options(ap) -> None:
     ap.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
     ap.add_argument("--variants", help=f"comma list of {', '.join(CUDA_VARIANTS)} (default: all for the device)")
     ap.add_argument("--reps", type=int, default=5, help="timed steps (default 5)")
@@ -196,19 +148,20 @@ def add_options(ap: argparse.ArgumentParser) -> None:
 
 
 def command(args, device: str, con=None) -> int:
-    """Measure, print the table, write ``compile.json``."""
+    """Measure (each variant in a fresh process: ``bench.session_run.run_fresh``), print the table, write
+    ``compile.json``."""
     from pathlib import Path
 
     from bench import report
+    from bench.session_run import run_fresh
 
     variants = args.variants.split(",") if args.variants else (CUDA_VARIANTS if device == "cuda" else VARIANTS)
-    shape = None
-    if args.shape:
-        B, T, H, V = (int(s) for s in args.shape.split(","))
-        shape = (B, T, H, V, SHAPES[device][4])
+    shape = [int(s) for s in args.shape.split(",")] if args.shape else None  # B, T, H, V
     env = report.environment(device)
-    rows = [{"variant": spec["variant"], "error": res.get("reason")} if res.get("status") != "ok" else res
-            for spec, res in zip(*_each_in_a_process(device, variants, args.reps, args.warmup, shape))]
+    specs = [{"kind": "compile", "variant": v, "device": device, "reps": args.reps, "warmup": args.warmup,
+              "shape": shape} for v in variants]
+    rows = [res if res.get("status") == "ok" else {"variant": spec["variant"], "error": res.get("reason")}
+            for spec, res in zip(specs, run_fresh(specs, device, 3600))]
     out = Path(args.out) if args.out else report.new_out_dir(env["device_slug"], "compile")
     eager = next((r["ms"] for r in rows if r.get("variant") == "fastrl-eager" and "ms" in r), None)
     print(f"\ncompiled training step on {env['device']} | torch {env['torch']} | median of {args.reps} steps after "
@@ -220,23 +173,10 @@ def command(args, device: str, con=None) -> int:
             continue
         ratio = f"{r['ms'] / eager:.2f}x" if eager else "-"
         print(f"{r['variant']:22s} {r['ms']:10.1f} {ratio:>16s} {r['first_step_s']:13.1f} {r['first_loss']:12.6f}")
-    # On a CPU, inductor's OpenMP kernels spin-wait after each call by default and then compete with the ATen ops
-    # fastrl's op runs (measured on 2 cores: the compiled step ~2x slower than aot_eager); OMP_WAIT_POLICY=PASSIVE,
-    # set before the process starts, removes that. Recorded with the results.
+    # on a CPU, OMP_WAIT_POLICY=PASSIVE keeps inductor's OpenMP threads from spinning (docs/compile.md): recorded
     omp = {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
     report.write_json(out / "compile.json", {"command": "compile", "env": {**env, **omp}, "args": vars(args),
                                              "rows": rows, "doc": "bench/compiled_step.py"})
     print(f"wrote {out / 'compile.json'}")
     return 0 if all("ms" in r for r in rows) else 1
 
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.compiled_step", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_options(ap)
-    args = ap.parse_args(argv)
-    return command(args, args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

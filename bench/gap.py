@@ -1,35 +1,12 @@
-"""``python -m bench gap``: the gap between vLLM's log-probs and the trainer's, as GRPO users meet it (TRL's colocated
-vLLM), for stock TRL, fastrl, and fastrl with vLLM's LM head in float32; sampling replay off and on.
+"""``python -m bench gap``: the gap between vLLM's log-probs and the trainer's as GRPO users meet it (TRL's colocated
+vLLM), for stock TRL, fastrl, and fastrl with vLLM's LM head in float32; sampling replay off and on; float32 and
+bf16 policies. The table and what it means: docs/vllm.md.
 
 Run it in the vLLM environment (``bash .ci/vllm-env.sh`` prints its python). Each configuration runs in a fresh
-process: a tiny Qwen2 saved to disk (byte-level BPE, untied, peaked LM head; see ``bench.vllm_cpu``), loaded by TRL
-and by vLLM; a few GRPO steps with learning rate 0 (the weights never move, so every step measures the same
-numerics on fresh samples), top_k=20, top_p=0.9, temperature 1. Per step the trainer logs TRL's metrics:
-
-    sampling/sampling_logp_difference/mean|max   |vLLM log-prob - trainer log-prob| of the sampled tokens
-    sampling/importance_sampling_ratio/...       TRL's vLLM IS ratio (sequence_mask: exp of the summed difference)
-
-The table gives their mean (max for the max) over steps. Rows, for a float32 and a bf16 policy:
-
-* TRL: ``trl.GRPOTrainer`` as shipped: its ``LLM(...)`` (no dtype: vLLM's "auto" serves a float32 checkpoint in
-  bf16 on a CPU that has bf16) and its LM head (chunked, logits in the policy's dtype). On vLLM's CPU build TRL's
-  first weight sync fails (vLLM packs its linear weights for oneDNN / AMX and drops the parameters TRL loads into),
-  so this row runs with fastrl's GEMM choice for the engine (``fastrl.trainers.grpo_vllm.plain_cpu_gemm``), which
-  changes no number. TRL has no sampling replay.
-* fastrl: ``fastrl.GRPOTrainer``: vLLM at the policy's dtype, fastrl's head (float32 logits from any policy dtype).
-* fastrl, vLLM dtype as TRL's (float32 policy, replay on): fastrl's trainer with TRL's engine precision, to show what
-  sampling at the policy's precision buys.
-* fastrl + vLLM float32 head: also ``vllm_fp32_lm_head=True`` (vLLM's ``hf_overrides={"head_dtype": "float32"}``);
-  for a float32 policy the head is already float32, so the row is left out.
-
-* fastrl, no IS corr., gap on / off (float32): TRL's ``vllm_importance_sampling_correction=False``, so TRL computes
-  no old log-probs and logs no gap; fastrl's ``log_sampling_gap`` on (the gap from the loss pass's log-probs) and
-  off: the ``step s`` column (training time / steps, generation included) is the metrics' cost.
-
-Replay off: the trainer scores the full softmax while vLLM sampled from the top-k/top-p truncated one, so the
-"gap" is mostly the truncation (nats); replay on (``sampling_replay="kept_set"``, vLLM's sampling masks): both
-score the same support and what is left is arithmetic. A CPU runs float32 and bf16 (no float16 on the trainer's
-CPU path here); the bf16 GPU numbers come with the GPU window.
+process: a tiny Qwen2 saved to disk (``bench.vllm_cpu``), loaded by TRL and by vLLM; a few GRPO steps at learning
+rate 0 (every step measures the same numerics on fresh samples), top_k=20, top_p=0.9, temperature 1. The table
+gives TRL's metrics ``sampling/sampling_logp_difference/mean|max`` (|vLLM log-prob - trainer log-prob| of the
+sampled tokens) and ``sampling/importance_sampling_ratio/*``: their mean over steps (max for a max, min for a min).
 """
 
 from __future__ import annotations
@@ -52,35 +29,22 @@ PROMPTS = ["the quick brown fox", "what is two plus two", "hello world", "the la
 
 
 def configurations(dtypes=("float32", "bfloat16")) -> list[dict]:
+    """The table's rows per policy dtype, each with its label."""
     out = []
     for dtype in dtypes:
-        out.append({"dtype": dtype, "trainer": "trl", "replay": "off", "fp32_head": False})
-        if dtype == "float32":  # what sampling at the policy's precision buys: fastrl's replay on TRL's engine dtype
-            out.append({"dtype": dtype, "trainer": "fastrl", "replay": "kept_set", "fp32_head": False,
-                        "engine_dtype": "auto"})
-        for fp32_head in (False, True) if dtype != "float32" else (False,):
-            for replay in ("off", "kept_set"):
-                out.append({"dtype": dtype, "trainer": "fastrl", "replay": replay, "fp32_head": fp32_head})
-        if dtype == "float32":  # the metrics' own cost: TRL's IS correction off, fastrl's gap metrics on and off
-            for gap in (True, False):
-                out.append({"dtype": dtype, "trainer": "fastrl", "replay": "off", "fp32_head": False,
-                            "is_correction": False, "gap_metrics": gap})
+        f32 = dtype == "float32"
+        rows = [("TRL (its LLM(...) and head)", {"trainer": "trl"})]
+        if f32:  # what sampling at the policy's precision buys: fastrl's replay on TRL's engine dtype
+            rows.append(("fastrl, vLLM dtype as TRL's", {"replay": "kept_set", "engine_dtype": "auto"}))
+        for head in (False,) if f32 else (False, True):  # a float32 policy's vLLM head is float32 already
+            rows += [("fastrl + vLLM float32 head" if head else "fastrl", {"replay": replay, "fp32_head": head})
+                     for replay in ("off", "kept_set")]
+        if f32:  # the metrics' own cost: TRL's IS correction off, fastrl's gap metrics on and off
+            rows += [(f"fastrl, no IS corr., gap {'on' if on else 'off'}", {"is_correction": False, "gap_metrics": on})
+                     for on in (True, False)]
+        out += [{"dtype": dtype, "trainer": "fastrl", "replay": "off", "fp32_head": False, **kw, "label": label}
+                for label, kw in rows]
     return out
-
-
-def label(c: dict) -> str:
-    if c.get("is_correction") is False:
-        return f"fastrl, no IS corr., gap {'on' if c['gap_metrics'] else 'off'}"
-    if c["trainer"] == "trl":
-        return "TRL (its LLM(...) and head)"
-    if c.get("engine_dtype") == "auto":
-        return "fastrl, vLLM dtype as TRL's"
-    return "fastrl + vLLM float32 head" if c["fp32_head"] else "fastrl"
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# One configuration, in this (fresh) process
-# ---------------------------------------------------------------------------------------------------------------
 
 
 def reward_len(completions, **kwargs):
@@ -125,7 +89,8 @@ def run_config(spec: dict) -> dict:
         trainer = fastrl.GRPOTrainer(model=model, reward_funcs=reward_len, args=args, processing_class=tok,
                                      train_dataset=ds)
     mc = trainer.vllm_generation.llm.llm_engine.model_config
-    engine = {"vllm_dtype": str(mc.dtype).removeprefix("torch."), "vllm_head_dtype": str(mc.head_dtype).removeprefix("torch.")}
+    engine = {k: str(v).removeprefix("torch.")
+              for k, v in (("vllm_dtype", mc.dtype), ("vllm_head_dtype", mc.head_dtype))}
     t0 = time.perf_counter()
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
@@ -136,11 +101,6 @@ def run_config(spec: dict) -> dict:
         if vals:
             res[m] = max(vals) if m.endswith("/max") else min(vals) if m.endswith("/min") else sum(vals) / len(vals)
     return res
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The command
-# ---------------------------------------------------------------------------------------------------------------
 
 
 def add_options(ap) -> None:
@@ -165,17 +125,16 @@ def command(args, device: str, con) -> int:
     rows = []
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="fastrl-gap-models-") as tmp:
-        dirs = {}
-        for dtype in args.dtypes.split(","):
-            dirs[dtype] = vllm_cpu.save_tiny_qwen2(Path(tmp) / dtype, dtype=dtype, **shape)
+        dirs = {dtype: vllm_cpu.save_tiny_qwen2(Path(tmp) / dtype, dtype=dtype, **shape)
+                for dtype in args.dtypes.split(",")}
         fresh = Fresh("cpu", interpret=True)  # one fresh process per configuration, the kernels interpreted
         for i, c in enumerate(configurations(tuple(dirs))):
             spec = {**c, "kind": "gap", "model_dir": dirs[c["dtype"]], "steps": steps, "out_dir": f"{tmp}/out-{i}"}
             (res,) = run_fresh([spec], "cpu", args.timeout or 1200, run=fresh)
-            row = {**c, "label": label(c), **res, "status": res.get("status", "ok")}
+            row = {**c, **res, "status": res.get("status", "ok")}
             rows.append(row)
             gap = row.get(METRICS[0])
-            con.print(f"{c['dtype']:<9} {label(c):<28} replay {c['replay']:<8} "
+            con.print(f"{c['dtype']:<9} {row['label']:<28} replay {c['replay']:<8} "
                       + (f"[red]{row.get('reason')}[/red]" if row["status"] != "ok" else
                          f"gap {gap:.3g} nats, {row['step_s']:.2f} s/step" if gap is not None else
                          f"no gap metrics, {row['step_s']:.2f} s/step"))
@@ -193,16 +152,14 @@ def print_table(con, rows: list[dict], env: dict, steps: int, shape: dict) -> No
               f"torch {env['torch']} | tiny Qwen2 V={shape['vocab_size']} H={shape['hidden_size']}, top_k=20 "
               f"top_p=0.9, {steps} step(s) of 8 completions x 16 tokens, learning rate 0")
     # 120 columns: dtypes short (bf16, fp32), the IS ratio's min and max to 2 digits (gap.json has them whole)
-    head = (f"{'policy':<7}{'trainer':<29}{'vLLM / head':<13}{'replay':<9}{'gap mean':>9}{'gap max':>9}"
-            f"{'IS ratio mean [min, max]':>28}{'kept':>6}{'step s':>8}")
-    con.print(head)
+    con.print(f"{'policy':<7}{'trainer':<29}{'vLLM / head':<13}{'replay':<9}{'gap mean':>9}{'gap max':>9}"
+              f"{'IS ratio mean [min, max]':>28}{'kept':>6}{'step s':>8}")
     for r in rows:
         if r["status"] != "ok":
             con.print(f"{_short(r['dtype']):<7}{r['label']:<29}{'':<13}{r['replay']:<9}[red]{r.get('reason')}[/red]")
             continue
         gap = (f"{r[METRICS[0]]:>9.3g}{r[METRICS[1]]:>9.3g}" if METRICS[0] in r else f"{'-':>9}{'-':>9}")
-        ratio = (f"{r[METRICS[2]]:.3g} [{r[METRICS[3]]:.2g}, {r[METRICS[4]]:.2g}]"
-                 if METRICS[2] in r else "-")
+        ratio = f"{r[METRICS[2]]:.3g} [{r[METRICS[3]]:.2g}, {r[METRICS[4]]:.2g}]" if METRICS[2] in r else "-"
         kept = f"{r[METRICS[5]]:.1f}" if METRICS[5] in r else "-"
         con.print(f"{_short(r['dtype']):<7}{r['label']:<29}"
                   f"{_short(r['vllm_dtype']) + ' / ' + _short(r['vllm_head_dtype']):<13}"

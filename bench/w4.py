@@ -1,25 +1,10 @@
-"""W4 (docs/design.md): one TRL GRPOTrainer training step, stock ``trl.GRPOTrainer`` vs ``fastrl.GRPOTrainer``.
+"""W4 (bench/README.md): one GRPO training step, stock ``trl.GRPOTrainer`` vs ``fastrl.GRPOTrainer``, per completion
+length, each point in a fresh process; and the points, rows, table and files W5 (``bench/w5.py``) walks with.
 
     python -m bench w4                 # CUDA: Qwen2.5-0.5B shapes, 8 completions of 4k/8k/16k tokens, bf16
                                        # CPU:  scaled down (V=151936, H=256, 1 layer), 2 completions of 256-2048
     python -m bench w4 --quick         # CPU: 256/512/1024 tokens
     python -m bench w4 --lengths 1024,4096 --budget-mb 8192
-
-A step is what ``Trainer.training_step`` does once a batch of completions exists (generation excluded):
-``trainer.compute_loss(model, inputs)`` under the trainer's loss context, then ``accelerator.backward(loss)``,
-on a randomly initialised ``Qwen2ForCausalLM`` with activation checkpointing on (TRL's GRPOConfig default,
-switched on as ``Trainer.train`` does), TRL's default loss settings (dapo, beta 0: no reference model) and
-every completion token unmasked. Each point (trainer x completion length) is a fresh process
-(``bench.session_points.run_spec`` hands it to :func:`run_point`); one untimed warm-up step first (CUDA: the same
-length, so Triton kernels are compiled and autotuned; CPU: a short completion, which pays the lazy initialisation
-without doubling the time), then the timed steps, gradients set to None before each (as ``optimizer.zero_grad`` does),
-so each step allocates its parameter gradients.
-
-Memory: CUDA ``torch.cuda.max_memory_allocated()`` during the step minus what was allocated before it (model
-weights and inputs), CPU the peak RSS (``VmHWM``, reset before the step) minus the RSS before it; the largest
-over the timed steps. The budget applies to that extra peak (the step's own memory; the 0.5B model's weights
-are 1 GB in bf16 on top). A point that runs out of memory (or fails) is a row saying so, and the same trainer
-is not tried at longer completions.
 """
 
 from __future__ import annotations
@@ -33,12 +18,14 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 
-__all__ = ["W4Shape", "shape_for", "run_point", "point_spec", "spawn_point", "spawn_points", "run", "print_table",
-           "write_files", "TRAINERS"]
+__all__ = ["W4Shape", "Config", "shape_for", "run_point", "point_spec", "spawn_point", "spawn_points", "measure_points",
+           "point_row", "run", "print_points", "print_table", "write_points", "write_files", "TRAINERS"]
 
 TRAINERS = ("trl", "fastrl")
 LABELS = {"trl": "stock trl.GRPOTrainer (TRL 1.16 chunked LM head)", "fastrl": "fastrl.GRPOTrainer"}
 GIB = 1024.0
+# Qwen2.5-0.5B (its config.json): tied embeddings, rope theta 1e6
+QWEN25_05B = dict(vocab=151936, hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, tie_embeddings=True)
 
 
 @dataclass(frozen=True)
@@ -58,16 +45,24 @@ class W4Shape:
     budget_mb: float  # step-memory budget for "longest completion that fits"
     note: str = ""
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
     @staticmethod
     def from_dict(d: dict) -> "W4Shape":
         return W4Shape(**{**d, "lengths": tuple(d["lengths"])})
 
 
-# Qwen2.5-0.5B (its config.json): tied embeddings, rope theta 1e6
-QWEN25_05B = dict(vocab=151936, hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, tie_embeddings=True)
+@dataclass(frozen=True)
+class Config:
+    """A trainer with fastrl's memory options: W4 runs the plain two, W5 every one of its ``CONFIGS``."""
+    name: str
+    trainer: str  # "trl" | "fastrl"
+    activation_offloading: bool = False
+    tiled_mlp: int = 0
+
+    def options(self) -> dict:
+        return {"activation_offloading": self.activation_offloading, "tiled_mlp": self.tiled_mlp}
+
+
+W4_CONFIGS = tuple(Config(t, t) for t in TRAINERS)
 
 
 def shape_for(device: str, mode: str) -> W4Shape:
@@ -85,9 +80,17 @@ def shape_for(device: str, mode: str) -> W4Shape:
                         "float32, 2 completions per step (GPU W4: H=896, 24 layers, bf16, 8 completions of 4k-16k)")
 
 
-# ---------------------------------------------------------------------------------------------------
+def parse_lengths(text: str) -> tuple:
+    return tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+
+
+def with_overrides(s: W4Shape, lengths: str | None, budget_mb: float | None) -> W4Shape:
+    if lengths:
+        s = replace(s, lengths=parse_lengths(lengths))
+    return replace(s, budget_mb=float(budget_mb)) if budget_mb else s
+
+
 # One point, in the measuring process
-# ---------------------------------------------------------------------------------------------------
 
 def _build_model(s: W4Shape):
     import torch
@@ -109,17 +112,15 @@ def _reward(completions, **kwargs):  # never called: the step starts from comple
 
 
 def _enable_checkpointing(trainer) -> bool:
-    """Activation checkpointing as ``Trainer.train`` switches it on (compute_loss alone would run without it)."""
-    args = trainer.args
+    """Activation checkpointing as ``Trainer.train`` switches it on (compute_loss alone would run without it); older
+    transformers call it gradient checkpointing."""
+    args, m = trainer.args, trainer.model
     on = getattr(args, "activation_checkpointing", None)
-    if on is None:
-        on = getattr(args, "gradient_checkpointing", False)
-    if not on:
+    if not (on if on is not None else getattr(args, "gradient_checkpointing", False)):
         return False
-    kw = dict(getattr(args, "activation_checkpointing_kwargs", None) or getattr(args, "gradient_checkpointing_kwargs",
-                                                                                 None) or {})
+    kw = dict(getattr(args, "activation_checkpointing_kwargs", None)
+              or getattr(args, "gradient_checkpointing_kwargs", None) or {})
     every, offload = kw.pop("every_n_layers", 1), kw.pop("offload", False)
-    m = trainer.model
     if hasattr(m, "activation_checkpointing_enable"):
         m.activation_checkpointing_enable(activation_checkpointing_kwargs=kw or None, every_n_layers=every,
                                           offload=offload)
@@ -131,25 +132,13 @@ def _enable_checkpointing(trainer) -> bool:
 def _inputs(s: W4Shape, L: int, device, seed: int) -> dict:
     import torch
 
-    g = torch.Generator().manual_seed(seed)
-    B = s.completions
-    mask = torch.ones(B, L, dtype=torch.int64)
-    inp = dict(
-        prompt_ids=torch.randint(3, s.vocab, (B, s.prompt_len), generator=g),
-        prompt_mask=torch.ones(B, s.prompt_len, dtype=torch.int64),
-        completion_ids=torch.randint(3, s.vocab, (B, L), generator=g),
-        completion_mask=mask,
-        advantages=torch.randn(B, generator=g),
-        num_items_in_batch=mask.sum(),
-    )
+    g, B = torch.Generator().manual_seed(seed), s.completions
+    mask = torch.ones(B, L, dtype=torch.int64)  # every completion token counts
+    inp = dict(prompt_ids=torch.randint(3, s.vocab, (B, s.prompt_len), generator=g),
+               prompt_mask=torch.ones(B, s.prompt_len, dtype=torch.int64),
+               completion_ids=torch.randint(3, s.vocab, (B, L), generator=g), completion_mask=mask,
+               advantages=torch.randn(B, generator=g), num_items_in_batch=mask.sum())
     return {k: v.to(device) for k, v in inp.items()}
-
-
-def _oom(e: BaseException) -> bool:
-    import torch
-
-    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower() \
-        or "can't allocate memory" in str(e).lower()
 
 
 def _trainer(spec: dict, s: W4Shape, which: str, L: int, cuda: bool):
@@ -162,19 +151,19 @@ def _trainer(spec: dict, s: W4Shape, which: str, L: int, cuda: bool):
     from fastrl.testing import tiny_tokenizer
 
     torch.manual_seed(spec.get("seed", 0))
-    tok = tiny_tokenizer(s.vocab, model_max_length=1 << 16)
     cls, cfg_cls = (trl.GRPOTrainer, trl.GRPOConfig) if which == "trl" else (fastrl.GRPOTrainer, fastrl.GRPOConfig)
     out_dir = tempfile.mkdtemp(prefix="fastrl-w4-")  # the trainer's (unused) output folder, gone at exit
     atexit.register(shutil.rmtree, out_dir, True)
-    kw = dict(output_dir=out_dir, use_cpu=not cuda, bf16=s.dtype == "bfloat16",
-              report_to="none", save_strategy="no", logging_strategy="no", per_device_train_batch_size=s.completions,
+    kw = dict(output_dir=out_dir, use_cpu=not cuda, bf16=s.dtype == "bfloat16", report_to="none",
+              save_strategy="no", logging_strategy="no", per_device_train_batch_size=s.completions,
               num_generations=s.completions, max_completion_length=L, loss_type="dapo", disable_tqdm=True)
     if which == "fastrl":
         kw["health_checks"] = False
         # fastrl's own options (W5: activation_offloading, tiled_mlp); bench-only keys are not config fields
         kw.update({k: v for k, v in spec.get("options", {}).items()
                    if k in ("fastrl_backend", "activation_offloading", "tiled_mlp") and v not in (None, False, 0)})
-    trainer = cls(model=_build_model(s), reward_funcs=_reward, args=cfg_cls(**kw), processing_class=tok,
+    trainer = cls(model=_build_model(s), reward_funcs=_reward, args=cfg_cls(**kw),
+                  processing_class=tiny_tokenizer(s.vocab, model_max_length=1 << 16),
                   train_dataset=Dataset.from_dict({"prompt": ["w1"] * s.completions}))
     trainer.current_gradient_accumulation_steps = 1
     return trainer
@@ -220,20 +209,17 @@ def run_point(spec: dict) -> dict:
 
     from bench import measure
 
-    s = W4Shape.from_dict(spec["shape"])
-    which, L = spec["trainer"], int(spec["completion_len"])
+    s, which, L = W4Shape.from_dict(spec["shape"]), spec["trainer"], int(spec["completion_len"])
     device = torch.device(spec["device"])
     cuda = device.type == "cuda"
     if not cuda and spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
     trainer = _trainer(spec, s, which, L, cuda)
-    ckpt = _enable_checkpointing(trainer)
-    model = trainer.model
+    ckpt, model = _enable_checkpointing(trainer), trainer.model
     model.train()
     memory = getattr(trainer, "_fastrl_memory", None)  # fastrl's long-completion options (fastrl.trainers.memory)
-    res: dict = {"status": "ok", "reason": "", "activation_checkpointing": ckpt,
-                 "model_params": sum(p.numel() for p in model.parameters()), "beta": trainer.beta,
-                 "loss_type": trainer.loss_type,
+    res: dict = {"status": "ok", "reason": "", "activation_checkpointing": ckpt, "beta": trainer.beta,
+                 "model_params": sum(p.numel() for p in model.parameters()), "loss_type": trainer.loss_type,
                  "tiled_mlp": memory.tiled_mlp if memory is not None and memory.applied else 0}
 
     def step(inputs) -> float:
@@ -247,7 +233,7 @@ def run_point(spec: dict) -> dict:
 
     # warm-up: CUDA at the measured length (compile, autotune, allocator), CPU short (lazy initialisation)
     warm_len = min(L, int(spec["warmup_len"])) if spec.get("warmup_len") else (L if cuda else min(L, 64))
-    where = "in the warm-up step"
+    where = " in the warm-up step"
     try:
         for _ in range(spec.get("warmup", 1)):
             step(_inputs(s, warm_len, device, 1))
@@ -257,9 +243,10 @@ def run_point(spec: dict) -> dict:
         where = ""
         res.update(_timed_steps(step, model, _inputs(s, L, device, spec.get("seed", 0)), spec.get("reps", 1), cuda))
     except Exception as e:  # noqa: BLE001
-        if not _oom(e):
+        text = str(e).lower()
+        if not (isinstance(e, torch.OutOfMemoryError) or "out of memory" in text or "can't allocate memory" in text):
             raise
-        res.update(status="oom", reason=f"out of memory{' ' + where if where else ''}: {measure_first_line(e)}")
+        res.update(status="oom", reason=f"out of memory{where}: {measure_first_line(e)}")
         if cuda:
             res["peak_total_mb"] = torch.cuda.max_memory_allocated() / measure.MB
         return res
@@ -280,21 +267,12 @@ def measure_first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg[0] if msg else ''}"[:240]
 
 
-# ---------------------------------------------------------------------------------------------------
-# The sweep, in the parent
-# ---------------------------------------------------------------------------------------------------
-
-def _row(s: W4Shape, which: str, L: int, status: str, reason: str = "") -> dict:
-    return {"workload": s.name, "group": "w4", "kind": "trainer", "provider": which, "label": LABELS[which],
-            "status": status, "reason": reason, "completion_len": L, "completions": s.completions,
-            "tokens": s.completions * L, "prompt_len": s.prompt_len, "V": s.vocab, "H": s.hidden, "layers": s.layers,
-            "dtype": s.dtype, "budget_mb": s.budget_mb, "workload_note": s.note}
-
+# The points, in the parent: W4's sweep here, W5's search in bench/w5.py
 
 def point_spec(s: W4Shape, which: str, L: int, device: str, *, reps: int = 1, warmup: int = 1, threads: int = 0,
                options: dict | None = None, kind: str = "w4", **extra) -> dict:
     """The spec of one point (trainer ``which`` at completion length ``L``)."""
-    return {"kind": kind, "shape": s.to_dict(), "trainer": which, "completion_len": L, "device": device,
+    return {"kind": kind, "shape": asdict(s), "trainer": which, "completion_len": L, "device": device,
             "reps": reps, "warmup": warmup, "threads": threads, "options": options or {}, "seed": 0, **extra}
 
 
@@ -315,94 +293,133 @@ def spawn_points(specs: list[dict], timeout_s: int, jobs: int = 1) -> list[dict]
     return out
 
 
-def run(s: W4Shape, device: str, con, *, reps: int = 1, warmup: int = 1, timeout_s: int = 900, threads: int = 0,
-        options: dict | None = None, jobs: int = 1) -> tuple[list[dict], dict]:
-    """Every (completion length, trainer) of ``s``, each in a fresh process; returns rows, summary."""
+def point_row(group: str, s: W4Shape, arch: str, c: Config, L, status: str, reason: str = "") -> dict:
+    """A row of W4 or W5 (``group``): config ``c`` of ``arch`` (shape ``s``) at completion length ``L``."""
+    return {"workload": s.name, "group": group, "kind": "trainer", "arch": arch, "config": c.name,
+            "provider": c.trainer, "activation_offloading": c.activation_offloading, "tiled_mlp": c.tiled_mlp,
+            "status": status, "reason": reason, "completion_len": L, "completions": s.completions,
+            "tokens": s.completions * L if L else None, "prompt_len": s.prompt_len, "V": s.vocab, "H": s.hidden,
+            "intermediate": s.intermediate, "layers": s.layers, "dtype": s.dtype, "workload_note": s.note}
+
+
+def step_memory(row: dict, on: str) -> float | None:
+    """The step memory a budget applies to: ``on`` "extra" (over what the step found) or "total"."""
+    return row.get(f"peak_{on}_mb")
+
+
+def measure_points(group: str, s: W4Shape, arch: str, configs, L: int, con, *, device: str, timeout_s: int,
+                   jobs: int = 1, options: dict | None = None, **spec) -> list[dict]:
+    """``configs`` of ``arch`` at completion length ``L``, each in a fresh process (``jobs`` at a time): their rows,
+    printed as they come (``spec``: ``point_spec``'s keywords)."""
     from rich.markup import escape
 
-    rows: list[dict] = []
-    failed: dict[str, int] = {}  # trainer -> the length at which it ran out of memory / failed
-    loads = []
+    t0 = time.perf_counter()
+    specs = [point_spec(s, c.trainer, L, device, kind=group, options={**(options or {}), **c.options()}, **spec)
+             for c in configs]
+    results = spawn_points(specs, timeout_s, jobs)
+    rows = []
+    for c, res in zip(configs, results):
+        row = point_row(group, s, arch, c, L, res.get("status", "error"), res.get("reason", ""))
+        row.update({k: v for k, v in res.items() if k not in ("status", "reason")})
+        row["process_s"], row["loadavg"] = time.perf_counter() - t0, os.getloadavg()[0]
+        ran = (row.get("tiled_mlp"), row.get("activation_offloading"))
+        if row["status"] == "ok" and c.trainer == "fastrl" and ran != (c.tiled_mlp, c.activation_offloading):
+            row["status"], row["reason"] = "error", (f"the worker ran tiled_mlp={ran[0]}, offloading={ran[1]}, "
+                                                     f"not what {c.name} asks for")
+        if row["status"] == "ok":
+            con.print(f"{s.name:>12} {c.name:<15} {L:>7} tokens {row['step_ms']['median']:10.0f} ms "
+                      f"{row['peak_extra_mb']:9.1f} MB extra {row['peak_total_mb']:9.1f} MB peak")
+        else:
+            style = "red" if row["status"] == "error" else "dim"
+            con.print(f"[{style}]{s.name:>12} {c.name:<15} {L:>7} tokens {row['status']}: "
+                      f"{escape(row['reason'])}[/{style}]")
+        rows.append(row)
+    return rows
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """Each measured fastrl row's step time and extra memory against stock TRL's at the same shape and length."""
+    trl = {(r["workload"], r["completion_len"]): r for r in rows if r["config"] == "trl" and r["status"] == "ok"}
+    for r in rows:
+        t = trl.get((r["workload"], r["completion_len"]))
+        if r["provider"] != "trl" and r["status"] == "ok" and t:
+            r["time_vs_trl"] = r["step_ms"]["median"] / t["step_ms"]["median"]
+            r["mem_vs_trl"] = r["peak_extra_mb"] / t["peak_extra_mb"] if t["peak_extra_mb"] > 0 else None
+
+
+def run(s: W4Shape, device: str, con, *, reps: int = 1, warmup: int = 1, timeout_s: int = 900, threads: int = 0,
+        options: dict | None = None, jobs: int = 1) -> tuple[list[dict], dict]:
+    """Every (completion length, trainer) of ``s``, each in a fresh process; a trainer that ran out of memory or
+    failed is not tried at longer completions. Returns rows, summary."""
     con.print(f"[bold]{s.name}[/bold]: {s.note}; V={s.vocab} H={s.hidden} layers={s.layers}, {s.completions} "
               f"completions x {', '.join(map(str, s.lengths))} tokens (+{s.prompt_len} prompt), budget "
               f"{s.budget_mb:.0f} MB of step memory; each point in a fresh process")
+    rows: list[dict] = []
+    failed: dict[str, int] = {}  # trainer -> the length at which it ran out of memory / failed
     for L in s.lengths:
-        todo = []
-        for which in TRAINERS:
-            if which in failed:
-                rows.append(_row(s, which, L, "skipped", f"not tried: failed already at {failed[which]} tokens"))
-            else:
-                todo.append(which)
-
-        loads.append(os.getloadavg()[0])
-        results = spawn_points([point_spec(s, which, L, device, reps=reps, warmup=warmup, threads=threads,
-                                           options=options) for which in todo], timeout_s, jobs)
-        loads.append(os.getloadavg()[0])
-        for which, res in zip(todo, results):
-            row = _row(s, which, L, res.get("status", "error"), res.get("reason", ""))
-            row.update({k: v for k, v in res.items() if k not in ("status", "reason")})
+        for c in W4_CONFIGS:
+            if c.name in failed:
+                rows.append(point_row("w4", s, s.name, c, L, "skipped",
+                                      f"not tried: failed already at {failed[c.name]} tokens"))
+        todo = [c for c in W4_CONFIGS if c.name not in failed]
+        for row in measure_points("w4", s, s.name, todo, L, con, device=device, timeout_s=timeout_s, jobs=jobs,
+                                  options=options, reps=reps, warmup=warmup, threads=threads):
             if row["status"] == "ok":
                 row["fits_budget"] = row["peak_extra_mb"] <= s.budget_mb
-                con.print(f"{s.name:>8} {L:>6} tokens {which:<7} {row['step_ms']['median']:10.0f} ms  "
-                          f"{row['peak_extra_mb']:9.1f} MB extra  {row['peak_total_mb']:9.1f} MB peak")
             else:
-                failed[which] = L
-                con.print(f"[dim]{s.name:>8} {L:>6} tokens {which:<7} {row['status']}: {escape(row['reason'])}[/dim]")
+                failed[row["config"]] = L
             rows.append(row)
-    by = {(r["completion_len"], r["provider"]): r for r in rows}
     for r in rows:
-        t = by.get((r["completion_len"], "trl"))
-        if r["provider"] != "trl" and r["status"] == "ok" and t and t["status"] == "ok":
-            r["time_vs_trl"] = r["step_ms"]["median"] / t["step_ms"]["median"]
-            r["mem_vs_trl"] = r["peak_extra_mb"] / t["peak_extra_mb"] if t["peak_extra_mb"] > 0 else None
-    longest = {}
-    for which in TRAINERS:
-        fits = [r["completion_len"] for r in rows if r["provider"] == which and r["status"] == "ok"
-                and r["fits_budget"]]
-        longest[which] = max(fits) if fits else None
-    summary = {"shape": s.to_dict(), "budget_mb": s.budget_mb, "longest_fitting": longest,
-               "loadavg_max": max(loads) if loads else None, "reps": reps, "warmup": warmup}
-    return rows, summary
-
-
-def print_table(con, rows: list[dict], summary: dict, title: str) -> None:
-    from rich.markup import escape
-    from rich.table import Table
-
-    s = W4Shape.from_dict(summary["shape"])
-    t = Table(title=title, header_style="bold")
-    for col in ("completion tokens", "trainer", "step ms [min-max]", "extra MB", "peak MB", "x trl time",
-                "x trl mem", f"fits {s.budget_mb:.0f} MB", "notes"):
-        t.add_column(col, justify="left" if col in ("trainer", "notes") else "right", overflow="fold")
-    last = None
-    for r in rows:
-        if last is not None and r["completion_len"] != last:
-            t.add_section()
-        last = r["completion_len"]
-        head = f"{r['completion_len']}\n[dim]{r['completions']} x {r['completion_len']}[/dim]"
-        if r["status"] != "ok":
-            style = "red" if r["status"] == "error" else "yellow"
-            t.add_row(head, r["provider"], "", "", _fmt(r.get("peak_total_mb"), ".0f"), "", "", "no",
-                      f"[{style}]{r['status']}: {escape(r['reason'])}[/{style}]")
-            continue
-        sm = r["step_ms"]
-        spread = f" [{sm['min']:.0f}-{sm['max']:.0f}]" if sm.get("n", 1) > 1 else ""
-        t.add_row(head, r["provider"], f"{sm['median']:.0f}{spread}", f"{r['peak_extra_mb']:.1f}",
-                  f"{r['peak_total_mb']:.1f}", _fmt(r.get("time_vs_trl"), ".2f"), _fmt(r.get("mem_vs_trl"), ".3f"),
-                  "yes" if r["fits_budget"] else "no",
-                  escape(f"path {r.get('path', '?')}; loss {r.get('loss_value', float('nan')):+.5f}"))
-    con.print(t)
-    lf = summary["longest_fitting"]
-    for which in TRAINERS:
-        v = lf.get(which)
-        top = v is not None and v == max(s.lengths)
-        con.print(f"W4 longest completion within {s.budget_mb:.0f} MB of step memory ({s.completions} completions), "
-                  f"{which}: {v if v is not None else 'none of ' + ', '.join(map(str, s.lengths))}"
-                  + (" (the longest tried)" if top else ""))
+        r.update(label=LABELS[r["provider"]], budget_mb=s.budget_mb)
+    add_ratios(rows)
+    longest = {w: max((r["completion_len"] for r in rows if r["provider"] == w and r.get("fits_budget")), default=None)
+               for w in TRAINERS}
+    return rows, {"shape": asdict(s), "budget_mb": s.budget_mb, "longest_fitting": longest, "reps": reps,
+                  "loadavg_max": max((r["loadavg"] for r in rows if "loadavg" in r), default=None), "warmup": warmup}
 
 
 def _fmt(x, f: str) -> str:
     return "" if x is None else format(x, f)
+
+
+def print_points(con, rows: list[dict], title: str, budgets, on: str = "extra", by=("completion_len",)) -> None:
+    """One line per point; a section per value of ``by``; a "fits" column per budget (on ``step_memory(row, on)``)."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    t = Table(title=title, header_style="bold")
+    for col in ("shape", "config", "completion", "step ms [min-max]", "extra MB", "peak MB", "x trl time / mem",
+                *[f"fits {b:.0f} MB" for b in budgets], "notes"):
+        t.add_column(col, justify="left" if col in ("shape", "config", "notes") else "right", overflow="fold")
+    last = None
+    for r in rows:
+        if last is not None and tuple(r[k] for k in by) != last:
+            t.add_section()
+        last = tuple(r[k] for k in by)
+        head = (r["arch"], r["config"], f"{r['completions']} x {r['completion_len']}" if r["completion_len"] else "")
+        if r["status"] != "ok":
+            style = "red" if r["status"] == "error" else "yellow"
+            t.add_row(*head, "", "", _fmt(r.get("peak_total_mb"), ".0f"), "",
+                      *["no" if r["status"] == "oom" else "" for _ in budgets],
+                      f"[{style}]{r['status']}: {escape(r['reason'])}[/{style}]")
+            continue
+        sm = r["step_ms"]
+        spread = f" [{sm['min']:.0f}-{sm['max']:.0f}]" if sm.get("n", 1) > 1 else ""
+        t.add_row(*head, f"{sm['median']:.0f}{spread}", f"{r['peak_extra_mb']:.1f}", f"{r['peak_total_mb']:.1f}",
+                  f"{r['time_vs_trl']:.2f} / {_fmt(r['mem_vs_trl'], '.3f')}" if "time_vs_trl" in r else "",
+                  *["yes" if step_memory(r, on) <= b else "no" for b in budgets],
+                  escape(f"path {r.get('path', '?')}; loss {r.get('loss_value', float('nan')):+.5f}"))
+    con.print(t)
+
+
+def print_table(con, rows: list[dict], summary: dict, title: str) -> None:
+    s = W4Shape.from_dict(summary["shape"])
+    print_points(con, rows, title, (s.budget_mb,))
+    for which in TRAINERS:
+        v = summary["longest_fitting"].get(which)
+        con.print(f"W4 longest completion within {s.budget_mb:.0f} MB of step memory ({s.completions} completions), "
+                  f"{which}: {v if v is not None else 'none of ' + ', '.join(map(str, s.lengths))}"
+                  + (" (the longest tried)" if v == max(s.lengths) else ""))
 
 
 CSV_COLUMNS = ["workload", "provider", "status", "reason", "completion_len", "completions", "tokens", "prompt_len",
@@ -412,66 +429,54 @@ CSV_COLUMNS = ["workload", "provider", "status", "reason", "completion_len", "co
                "device", "torch", "driver"]
 
 
-def csv_and_pyplot(out_dir, prefix: str, rows: list[dict], env: dict, columns: list[str], plots: bool):
-    """Write ``<prefix>.csv``; return (the paths written, matplotlib's pyplot or None when no plot is wanted or
-    matplotlib is missing). Shared by W4 and W5's ``write_files``."""
+def write_points(out_dir, prefix: str, rows: list[dict], env: dict, columns: list[str], shapes: dict, budgets,
+                 on: str = "extra", plots: bool = True) -> list:
+    """``<prefix>.csv`` and, with matplotlib, ``<prefix>.png``: step memory (``on``; budgets as lines, x: out of
+    memory) and step time against the completion length, a line per shape (``shapes``: arch -> W4Shape) and config."""
     from pathlib import Path
 
     from bench import report
 
     written = [report.write_csv(Path(out_dir) / f"{prefix}.csv", rows, env, columns, nested=("step_ms",))]
-    if not plots:
-        return written, None
     try:
         import matplotlib
     except ImportError:
-        return written, None
+        plots = False
+    if not plots:
+        return written
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    return written, plt
-
-
-def write_files(out_dir, prefix: str, rows: list[dict], summary: dict, env: dict, plots: bool = True) -> list:
-    """``<prefix>.csv`` and ``<prefix>.png`` (memory and step time against the completion length)."""
-    from pathlib import Path
-
-    from bench import report
-
-    written, plt = csv_and_pyplot(out_dir, prefix, rows, env, CSV_COLUMNS, plots)
-    if plt is None:
-        return written
-
-    s = W4Shape.from_dict(summary["shape"])
-    fig, (ax_m, ax_t) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for which in TRAINERS:
-        pts = [r for r in rows if r["provider"] == which and r["status"] == "ok"]
-        if pts:
-            x = [r["completion_len"] for r in pts]
-            ax_m.plot(x, [r["peak_extra_mb"] for r in pts], marker="o", label=which)
-            ax_t.plot(x, [r["step_ms"]["median"] / 1e3 for r in pts], marker="o", label=which)
-        for r in rows:
-            if r["provider"] == which and r["status"] == "oom":
-                ax_m.axvline(r["completion_len"], ls=":", alpha=0.5, color="red")
-    ax_m.axhline(s.budget_mb, ls="--", color="gray", label=f"budget {s.budget_mb:.0f} MB")
-    for ax, ylab in ((ax_m, "peak extra memory of the step, MB"), (ax_t, "step time, s")):
+    fig, (ax_m, ax_t) = plt.subplots(1, 2, figsize=(12, 4.8))
+    for arch, c in dict.fromkeys((r["arch"], r["config"]) for r in rows if r["status"] == "ok"):
+        mine = [r for r in rows if (r["arch"], r["config"]) == (arch, c)]
+        x = [r["completion_len"] for r in mine if r["status"] == "ok"]
+        name = f"{arch} {c}" if len(shapes) > 1 else c
+        line, = ax_m.plot(x, [step_memory(r, on) for r in mine if r["status"] == "ok"], marker="o", label=name)
+        ax_t.plot(x, [r["step_ms"]["median"] / 1e3 for r in mine if r["status"] == "ok"], marker="o", label=name)
+        oom = [r["completion_len"] for r in mine if r["status"] == "oom"]
+        ax_m.plot(oom, [max(budgets)] * len(oom), "x", color=line.get_color())
+    for b in budgets:
+        ax_m.axhline(b, ls="--", color="gray", lw=1, label=f"budget {b:.0f} MB")
+    ax_m.set_ylabel("peak allocated during the step (weights + grads + activations), MB" if on == "total"
+                    else "peak extra memory of the step, MB")
+    ax_t.set_ylabel("step time, s")
+    for ax in (ax_m, ax_t):
         ax.set_xscale("log", base=2)
-        ax.set_xlabel(f"completion tokens ({s.completions} completions per step)")
-        ax.set_ylabel(ylab)
+        ax.set_xlabel(f"completion tokens ({min(s.completions for s in shapes.values())} completions per step)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"{s.name}: one GRPO training step (loss fwd+bwd), V={s.vocab} H={s.hidden} layers={s.layers} "
-                 f"{s.dtype}; red dotted: out of memory\n{env['device']} | torch {env['torch']}", fontsize=9)
+    fig.suptitle("one GRPO training step per point (x: out of memory); "
+                 + "; ".join(f"{s.name}: H={s.hidden} I={s.intermediate} layers={s.layers} V={s.vocab} {s.dtype}"
+                             for s in shapes.values()) + f"\n{env['device']} | torch {env['torch']}", fontsize=9)
     report.save_figure(plt, fig, Path(out_dir) / f"{prefix}.png", written)
     return written
 
 
-def with_overrides(s: W4Shape, lengths: str | None, budget_mb: float | None) -> W4Shape:
-    if lengths:
-        s = replace(s, lengths=tuple(sorted(int(x) for x in lengths.split(",") if x.strip())))
-    if budget_mb:
-        s = replace(s, budget_mb=float(budget_mb))
-    return s
+def write_files(out_dir, prefix: str, rows: list[dict], summary: dict, env: dict, plots: bool = True) -> list:
+    """``<prefix>.csv`` and ``<prefix>.png`` (memory and step time against the completion length)."""
+    s = W4Shape.from_dict(summary["shape"])
+    return write_points(out_dir, prefix, rows, env, CSV_COLUMNS, {s.name: s}, (s.budget_mb,), plots=plots)
 
 
 def session_rows(pts: list[dict], deadline: float, session) -> list[dict]:
@@ -479,23 +484,17 @@ def session_rows(pts: list[dict], deadline: float, session) -> list[dict]:
     (each under w4's own timeout, half the time left): the session's W4 section (``bench.session.run_w4``)."""
     from bench.session_run import append_rows, stub
 
-    shape = shape_for(session.device, "smoke" if session.smoke else "full")
-    if not session.smoke:
-        shape = with_overrides(shape, "4096", None)
     left = deadline + session.costs.grace - time.time()
     if left <= 10:
         out = [stub(p, "skipped", "the section's time ran out (--budget)") for p in pts]
-        append_rows(session.rows_path, out)
-        return out
-    rows, _ = run(shape, session.device, session.con, reps=1 if session.smoke else 3, warmup=1,
-                  timeout_s=int(left / 2))
-    out = []
-    for p in pts:
-        r = next(x for x in rows if x["provider"] == p["provider"])
-        row = {k: p[k] for k in ("id", "section", "provider")}
-        row.update(workload=f"W4-{r['completion_len']}", status=r["status"], reason=r.get("reason", ""),
-                   total_ms=r.get("step_ms"), extra_mb=r.get("peak_extra_mb"), loss_value=r.get("loss_value"),
-                   tokens=r.get("tokens"), path=r.get("path"))
-        out.append(row)
+    else:
+        shape = shape_for(session.device, "smoke" if session.smoke else "full")
+        rows, _ = run(shape if session.smoke else with_overrides(shape, "4096", None), session.device, session.con,
+                      reps=1 if session.smoke else 3, warmup=1, timeout_s=int(left / 2))
+        by = {r["provider"]: r for r in rows}
+        out = [{**{k: p[k] for k in ("id", "section", "provider")}, "workload": f"W4-{r['completion_len']}",
+                "status": r["status"], "reason": r.get("reason", ""), "total_ms": r.get("step_ms"),
+                "extra_mb": r.get("peak_extra_mb"), "loss_value": r.get("loss_value"), "tokens": r.get("tokens"),
+                "path": r.get("path")} for p in pts for r in [by[p["provider"]]]]
     append_rows(session.rows_path, out)
     return out

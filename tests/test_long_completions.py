@@ -433,13 +433,14 @@ def test_w5_summary_and_targets(tmp_path):
     from rich.console import Console
 
     from bench import w5
+    from bench.w4 import point_row
 
     plan = w5.plan_for("cuda", "full")
     grid = plan.shapes["0.5B"].lengths
 
     def row(arch, config, L, total_gib, seconds, status="ok"):
         c = next(c for c in plan.configs if c.name == config)
-        r = w5._row(plan.shapes[arch], arch, c, L, status)
+        r = point_row("w5", plan.shapes[arch], arch, c, L, status)
         if status == "ok":
             r.update(peak_total_mb=total_gib * 1024, peak_extra_mb=total_gib * 1024 - 1000,
                      step_ms={"median": seconds * 1e3, "n": 1})
