@@ -1,17 +1,12 @@
-"""Running one section of ``python -m bench session``: its measuring processes, their watchdog, the circuit breaker.
+"""The benchmarks' harness: measuring processes (``python -m bench.session_points``), their rows, their watchdog.
 
-Each section's points run in ``python -m bench.session_points`` processes (one, unless a point breaks one), every row
-appended to the run's rows file as it finishes; this module watches them: a point past its bound (``bounds``, from
-``bench.session.point_bounds``) has its process group killed (a ``timeout`` row), a process that dies gives its
-point an ``error`` row, and after either that implementation's (or provider's) points left in the section are
-skipped with the reason and a fresh process takes the rest. ``run`` is the ``bench.session.SessionRun`` of the
-command (device, smoke, costs, the rows file, a scratch folder, the console), or a ``Fresh`` run: the other commands
-(``run``, ``c1``, ``gpu``, ``w4``, ``w5``, ``keptset``, ``divergence``) measure each point in a fresh process of the
-same kind through ``run_fresh``, under the same watchdog.
+``run_points`` runs one section of ``python -m bench session`` in as few processes as it takes; ``run_fresh`` runs
+the other commands' points one fresh process each, under the same watchdog (docs/gpu-window.md, Faults).
 """
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import json
 import os
@@ -23,6 +18,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Iterator
 
 __all__ = ["RESTART", "Fresh", "append_rows", "run_fresh", "run_points", "stub"]
@@ -112,16 +108,10 @@ def _watch(proc, tail: _Tail, bounds: dict, deadline: float, grace: float) -> tu
         time.sleep(0.2)
 
 
-def _load_prctl():
-    try:
-        import ctypes
-
-        return ctypes.CDLL("libc.so.6").prctl
-    except (OSError, AttributeError):  # not Linux: the watchdog and the deadline still bound the processes
-        return None
-
-
-_PRCTL = _load_prctl()  # looked up here, not in the forked child (no import between fork and exec)
+try:  # looked up here, not in the forked child (no import between fork and exec)
+    _PRCTL = ctypes.CDLL("libc.so.6").prctl
+except (OSError, AttributeError):  # not Linux: the watchdog and the deadline still bound the processes
+    _PRCTL = None
 
 
 def _die_with_parent() -> None:
@@ -191,11 +181,6 @@ def run_points(name: str, pts: list[dict], deadline: float, run, bounds: dict) -
 
 
 @dataclass
-class _Costs:
-    grace: float = 0.0
-
-
-@dataclass
 class Fresh:
     """What ``run_points`` needs of a command that is not a session: one point per process, its rows file and the
     processes' specs in a scratch folder, their output kept out of the console (the command prints its own lines)."""
@@ -204,7 +189,7 @@ class Fresh:
     smoke: bool = False
     interpret: bool = False
     quiet: bool = True
-    costs: _Costs = field(default_factory=_Costs)
+    costs: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(grace=0.0))  # no deadline
     work: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="fastrl-bench-")))
     ids: Iterator[int] = field(default_factory=itertools.count)  # points are numbered across calls on one run
 
