@@ -1,29 +1,19 @@
-"""One measuring process of ``python -m bench session``: many points of one provider family, rows written as they go.
+"""One measuring process of the benchmarks: many points of one section, rows written as they go.
 
     python -m bench.session_points SPEC.json
 
-SPEC (written by ``bench/session.py``): the device, whether this is a smoke run, the points in order (one section),
-the section's deadline (epoch seconds) and the rows file (the run's one file, shared by its sections). Before each
-point this process appends ``{"begin": id, "t": epoch}`` to the rows file, after it the point's row, each line one
-write: a parent that finds a ``begin`` without its row knows which point is running (its watchdog) or killed the
-process (a CUDA fault is sticky, so it starts a fresh process for the points left). A point past the deadline
-becomes a ``skipped`` row without running. ``FASTRL_SESSION_FAULT`` (tests only: ``hang:TEXT`` or ``crash:TEXT``,
-``;``-separated) makes every point whose id contains TEXT hang or kill this process, as a kernel that never returns
-or a fault would. Sections (``point["section"]``):
-
-* ``checks``: one implementation at one case against float64 (``bench/session_checks.py``);
-* ``tournament`` / ``configs`` / ``autotune``: a provider at one of W1, W1-lp, W2, W2-lp, W3 (``bench/workloads.py``),
-  with every provider of this process sharing the inputs and the float64 references of the workload; ``configs``
-  forces one launch configuration (``fastrl.kernels.tuning.forced_config``), ``autotune`` sets
-  ``FASTRL_AUTOTUNE=1``; the cuBLAS floor is provider ``cublas``;
-* ``keptset``, ``divergence``, ``compile``: one point of ``bench/keptset.py``, ``bench/divergence.py``,
-  ``bench/compiled_step.py`` each;
-* ``point``: one point of another command (``run_spec``), one process each (``bench.session_run.run_fresh``).
+SPEC (``bench/session_run.py``): the device, smoke or not, the points in order, the section's deadline (epoch seconds)
+and the rows file. Before each point this appends ``{"begin": id, "t": epoch}`` to the rows file, after it the point's
+row (a parent that finds a ``begin`` without its row knows which point runs or killed the process); a point past the
+deadline is ``skipped``. ``FASTRL_SESSION_FAULT`` (tests only: ``hang:TEXT`` or ``crash:TEXT``, ``;``-separated)
+makes every point whose id contains TEXT hang or kill this process. Section ``point``: one point of another command
+(``run_spec``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import signal
@@ -31,6 +21,8 @@ import sys
 import time
 import traceback
 from dataclasses import replace
+from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -38,12 +30,10 @@ from bench import measure, providers
 from bench import workloads as W
 from bench.providers import Op
 from bench.session_checks import run_check, served_configs
+from bench.session_run import RESTART, append_rows
 
-__all__ = ["lmhead_workloads", "main", "run_spec", "LOSS_PROVIDERS", "PRUNE"]
+__all__ = ["lmhead_workloads", "main", "run_spec", "PRUNE"]
 
-SESSION_WORKLOADS = ("W1", "W1-lp", "W2", "W2-lp", "W3")
-# the fastrl providers of each kind: policy_loss (the one-pass op) and fused_logprobs + the loss math (two-pass)
-LOSS_PROVIDERS = ("fastrl-fused", "fastrl")
 PRUNE = 1.3  # a candidate configuration this much slower than the default at its H's log-prob workload stops there
 
 
@@ -53,15 +43,12 @@ def lmhead_workloads(smoke: bool) -> dict[str, W.Workload]:
     program per row in the hybrid's folds)."""
     out = {}
     for wl in W.gpu_workloads():
-        if wl.name in SESSION_WORKLOADS:
+        if wl.name in ("W1", "W1-lp", "W2", "W2-lp", "W3"):
             out[wl.name] = replace(W.tiny(wl), name=wl.name, N=32, batch=min(wl.batch, 2),
                                    H=64 if wl.H == 4096 else 32) if smoke else wl
     return out
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# W1-W3: every provider of this process on the same inputs
-# ---------------------------------------------------------------------------------------------------------------
 
 def floor_op(wl: W.Workload, device: torch.device) -> Op:
     """cuBLAS alone on the workload's GEMMs: ``y = h W^T`` (2NHV), and for a gradient workload ``G W`` and ``G^T h``
@@ -77,9 +64,8 @@ def floor_op(wl: W.Workload, device: torch.device) -> Op:
 
     def forward(st):
         y = st["h"] @ st["w"].T
-        if "g" in st:
-            return {"loss": None, "logp": None, "entropy": None, "out": (y, st["g"] @ st["w"], st["g"].T @ st["h"])}
-        return {"loss": None, "logp": None, "entropy": None, "out": y}
+        out = (y, st["g"] @ st["w"], st["g"].T @ st["h"]) if "g" in st else y
+        return {"loss": None, "logp": None, "entropy": None, "out": out}
     return Op(forward, prepare, needs_grad=False, has_entropy=False, path="forward",
               notes=["cuBLAS GEMMs alone: " + ("2NHV" if wl.kind == "forward" else "6NHV")])
 
@@ -107,30 +93,21 @@ class LMHead:
         """(loss, d loss / d hidden of the first rows) in float64 on input set 0: the per-token log-probs and
         entropies in row chunks (never all [N, V] float64 logits at once), the first rows under autograd."""
         if wl.name not in self._loss_ref:
-            from fastrl.reference import logprobs_reference
+            from fastrl.reference import logprobs_reference, policy_loss_from_logprobs
 
-            H, rows = wl.H, self.rows
-            h = inp.hidden.detach().reshape(-1, H)
-            t = inp.targets.reshape(-1)
-            w64 = inp.weight.detach().double()
-            first = h[:rows].double().requires_grad_()
+            h, t, w64 = inp.hidden.detach().reshape(-1, wl.H), inp.targets.reshape(-1), inp.weight.detach().double()
+            first = h[:self.rows].double().requires_grad_()
             with torch.enable_grad():
-                lp0, en0 = logprobs_reference(first, w64, t[:rows])
-                lps, ens = [lp0], [en0]
+                parts = [logprobs_reference(first, w64, t[:self.rows])]
                 with torch.no_grad():
-                    for c0 in range(rows, h.shape[0], 1024):
-                        lp, en = logprobs_reference(h[c0:c0 + 1024].double(), w64, t[c0:c0 + 1024])
-                        lps.append(lp)
-                        ens.append(en)
-                logp, ent = torch.cat(lps).view(wl.batch, wl.T), torch.cat(ens).view(wl.batch, wl.T)
-                from fastrl.reference import policy_loss_from_logprobs
-
+                    parts += [logprobs_reference(h[c:c + 1024].double(), w64, t[c:c + 1024])
+                              for c in range(self.rows, h.shape[0], 1024)]
+                logp, ent = (torch.cat(x).view(wl.batch, wl.T) for x in zip(*parts))
                 loss, _ = policy_loss_from_logprobs(
                     logp, ent, inp.advantages.double(), inp.mask, config=providers.loss_config(),
                     old_logprobs=inp.old_logprobs.double(), ref_logprobs=inp.ref_logprobs.double())
                 (g,) = torch.autograd.grad(loss, first)
             self._loss_ref[wl.name] = (float(loss), g.detach())
-            del w64
         return self._loss_ref[wl.name]
 
 
@@ -175,8 +152,9 @@ def _lmhead_point(p: dict, lm: LMHead, times: dict) -> dict:
         sets = lm.inputs(wl)
     states = [op.prepare(s) for s in sets]
     tuning.reset_served()
-    forced = tuning.forced_config(config) if config not in ("default", "autotune") else contextlib.nullcontext()
-    with forced, _autotune(config == "autotune"):
+    ctx = (contextlib.nullcontext() if config == "default" else tuning.forced_config(config) if config != "autotune"
+           else mock.patch.dict(os.environ, {"FASTRL_AUTOTUNE": "1"}))  # fastrl reads it at each launch
+    with ctx:
         if lm.device.type == "cuda":
             m, kept = measure.measure_cuda(op, states, reps=6, warmup=2, keep_rows=lm.rows, rep_ms=300,
                                            total_only=True)
@@ -195,24 +173,6 @@ def _lmhead_point(p: dict, lm: LMHead, times: dict) -> dict:
     return row
 
 
-@contextlib.contextmanager
-def _autotune(on: bool):
-    """FASTRL_AUTOTUNE=1 inside (fastrl reads it at each launch), as it was after."""
-    was = os.environ.get("FASTRL_AUTOTUNE")
-    if on:
-        os.environ["FASTRL_AUTOTUNE"] = "1"
-    try:
-        yield
-    finally:
-        if on and was is None:
-            os.environ.pop("FASTRL_AUTOTUNE", None)
-        elif on:
-            os.environ["FASTRL_AUTOTUNE"] = was
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# keptset, divergence, compile: one point of the existing benchmarks each
-# ---------------------------------------------------------------------------------------------------------------
 
 def _keptset_point(p: dict, device: torch.device) -> dict:
     from bench import keptset
@@ -255,9 +215,6 @@ def _compile_point(p: dict, device: torch.device) -> dict:
             "shape": list(shape[:4])}
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The process
-# ---------------------------------------------------------------------------------------------------------------
 
 def _first_line(e: BaseException) -> str:
     msg = str(e).strip().splitlines()
@@ -275,36 +232,21 @@ def _run(p: dict, device: torch.device, lm: LMHead, times: dict) -> dict:
     return {"keptset": _keptset_point, "divergence": _divergence_point, "compile": _compile_point}[section](p, device)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# One point of the other commands (bench.session_run.run_fresh: a fresh process each)
-# ---------------------------------------------------------------------------------------------------------------
+
+RUN_POINT = {"w4": ("bench.w4", "run_point"), "w5": ("bench.w4", "run_point"), "compile": ("bench.compiled_step",
+             "run_point"), "divergence": ("bench.divergence", "run_point"), "keptset": ("bench.keptset", "run_point"),
+             "gap": ("bench.gap", "run_config")}
+
 
 def run_spec(spec: dict) -> dict:
-    """One point of ``run``, ``c1``, ``gpu`` (a provider on a workload, or the ``matmul`` floor), ``w4`` / ``w5`` (a
-    trainer step: ``bench.w4.run_point``), ``divergence``, ``keptset`` or ``compile`` (their ``run_point``) or
-    ``gap`` (one configuration: ``bench.gap.run_config``), by ``spec["kind"]``."""
-    kind = spec.get("kind")
-    if kind in ("w4", "w5"):
-        from bench.w4 import run_point
-
-        return run_point(spec)
-    if kind == "divergence":
-        from bench.divergence import run_point
-
-        return run_point(spec)
-    if kind == "keptset":
-        from bench.keptset import run_point
-
-        return {"status": "ok", **run_point(spec)}
-    if kind == "gap":
-        from bench.gap import run_config
-
-        return {"status": "ok", **run_config(spec)}
-    if kind == "compile":
-        from bench.compiled_step import run_point
-
-        return run_point(spec)
-    return _provider_point(spec)
+    """One point of another command, by ``spec["kind"]``: ``RUN_POINT`` (a trainer step of ``w4`` / ``w5``, a point of
+    ``divergence``, ``keptset``, ``compile``, a configuration of ``gap``), else a provider on a workload or the
+    ``matmul`` floor (``run``, ``c1``, ``gpu``)."""
+    if spec.get("kind") not in RUN_POINT:
+        return _provider_point(spec)
+    module, fn = RUN_POINT[spec["kind"]]
+    res = getattr(importlib.import_module(module), fn)(spec)
+    return {"status": "ok", **res} if spec["kind"] in ("keptset", "gap") else res
 
 
 def _provider_point(spec: dict) -> dict:
@@ -385,12 +327,9 @@ def _cuda_usable() -> bool:
         return False
 
 
-FAULT_ENV = "FASTRL_SESSION_FAULT"
-
-
 def _inject_fault(point_id: str) -> None:
     """Tests only: hang in, or die at, the points ``FASTRL_SESSION_FAULT`` names (see the module docstring)."""
-    for item in filter(None, os.environ.get(FAULT_ENV, "").split(";")):
+    for item in filter(None, os.environ.get("FASTRL_SESSION_FAULT", "").split(";")):
         kind, _, text = item.partition(":")
         if text and text in point_id:
             if kind == "hang":
@@ -399,21 +338,12 @@ def _inject_fault(point_id: str) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _append(path: str, row: dict) -> None:
-    """One line, one write (O_APPEND): processes side by side never interleave inside a line."""
-    with open(path, "a") as f:
-        f.write(json.dumps(row, default=str) + "\n")
-
-
 def _pruning_times(rows_path: str) -> dict:
     """A restarted process: the configs rows of the last one still decide pruning."""
-    times: dict = {}
-    lines = open(rows_path).read().splitlines() if os.path.exists(rows_path) else []  # noqa: SIM115
-    for line in lines:
-        r = json.loads(line) if line.strip() else {}
-        if r.get("status") == "ok" and "total_ms" in r and r.get("section") == "configs":
-            times[(r.get("implementation"), r.get("config"), r["workload"], r["provider"])] = r["total_ms"]["median"]
-    return times
+    path = Path(rows_path)
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    return {(r.get("implementation"), r.get("config"), r["workload"], r["provider"]): r["total_ms"]["median"]
+            for r in rows if r.get("status") == "ok" and "total_ms" in r and r.get("section") == "configs"}
 
 
 def main(argv: list[str]) -> int:
@@ -429,7 +359,7 @@ def main(argv: list[str]) -> int:
         if wl is not None and p["section"] in ("tournament", "configs", "autotune"):
             base.update(kind=wl.kind, N=wl.N, H=wl.H, V=wl.V, dtype=wl.dtype)
         left = spec["deadline"] - time.time()
-        _append(rows_path, {"begin": p["id"], "t": time.time()})
+        append_rows(rows_path, [{"begin": p["id"], "t": time.time()}])
         t0 = time.perf_counter()
         if left <= 0:
             row = {**base, "status": "skipped", "reason": "the section's time ran out (--budget)"}
@@ -439,16 +369,15 @@ def main(argv: list[str]) -> int:
                 row = {**base, **_run(p, device, lm, times)}
             except Exception as e:  # noqa: BLE001 - a row that says why; the next point still runs
                 row = {**base, "status": "error", "reason": _first_line(e), "traceback": traceback.format_exc(limit=6)}
-            if device.type == "cuda" and not _cuda_usable():
-                row["reason"] = row.get("reason", "") + " (the CUDA context is broken: this process stops here)"
-                _append(rows_path, {**row, "point_s": time.perf_counter() - t0, "pid": os.getpid(), "crashed": True})
-                _echo(row)
-                # bench.session_run.RESTART: a sticky CUDA error fails every later launch; the parent starts a fresh process
-                os._exit(3)
-        row["point_s"] = time.perf_counter() - t0
-        row["pid"] = os.getpid()
-        _append(rows_path, row)
+        # a sticky CUDA error fails every later launch: this process stops, the parent starts a fresh one
+        crashed = left > 0 and device.type == "cuda" and not _cuda_usable()
+        if crashed:
+            row["reason"] = row.get("reason", "") + " (the CUDA context is broken: this process stops here)"
+        row.update(point_s=time.perf_counter() - t0, pid=os.getpid(), **({"crashed": True} if crashed else {}))
+        append_rows(rows_path, [row])
         _echo(row)
+        if crashed:
+            os._exit(RESTART)
     return 0
 
 
