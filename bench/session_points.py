@@ -41,13 +41,8 @@ def lmhead_workloads(smoke: bool) -> dict[str, W.Workload]:
     """W1, W1-lp, W2, W2-lp, W3 (GPU sizes); smoke: 32 tokens in float32, V=512, H=64 for W1's and 32 for W2's (two H
     values, so the H ranges of the defaults table are exercised too; few tokens, since the interpreter runs one
     program per row in the hybrid's folds)."""
-    out = {}
-    for wl in W.gpu_workloads():
-        if wl.name in ("W1", "W1-lp", "W2", "W2-lp", "W3"):
-            out[wl.name] = replace(W.tiny(wl), name=wl.name, N=32, batch=min(wl.batch, 2),
-                                   H=64 if wl.H == 4096 else 32) if smoke else wl
-    return out
-
+    return {wl.name: replace(W.tiny(wl), name=wl.name, N=32, batch=min(wl.batch, 2), H=64 if wl.H == 4096 else 32)
+            if smoke else wl for wl in W.gpu_workloads() if wl.name in ("W1", "W1-lp", "W2", "W2-lp", "W3")}
 
 
 def floor_op(wl: W.Workload, device: torch.device) -> Op:
@@ -128,16 +123,15 @@ def _error(op: Op, wl: W.Workload, inp, kept: dict, lm: LMHead) -> dict:
 
 def _lmhead_point(p: dict, lm: LMHead, times: dict) -> dict:
     from fastrl.kernels import tuning
+    from fastrl.ops.backend import builtin_choice, resolve_backend
 
     wl = lm.wls[p["workload"]]
-    impl, config = p.get("implementation"), p.get("config", "default")
-    probe = p.get("probe")
-    if probe and config not in ("default", "autotune"):
-        base = times.get((impl, "default", probe, "fastrl"))
-        mine = times.get((impl, config, probe, "fastrl"))
-        if base and mine and mine >= PRUNE * base:
-            return {"status": "pruned", "reason": f"{mine / base:.2f}x the default configuration's time at {probe} "
-                                                  f"(pruned at {PRUNE}x)"}
+    impl, config, probe = p.get("implementation"), p.get("config", "default"), p.get("probe")
+    # a candidate's time at the probe (its H's log-prob workload) against its implementation's default there
+    base, mine = times.get((impl, "default", probe, "fastrl")), times.get((impl, config, probe, "fastrl"))
+    if probe and config != "default" and base and mine and mine >= PRUNE * base:
+        return {"status": "pruned", "reason": f"{mine / base:.2f}x the default configuration's time at {probe} "
+                                              f"(pruned at {PRUNE}x)"}
     if p["provider"] == "cublas":
         op, sets = floor_op(wl, lm.device), [None]
     else:
@@ -160,18 +154,15 @@ def _lmhead_point(p: dict, lm: LMHead, times: dict) -> dict:
                                            total_only=True)
         else:
             m, kept = measure.measure_cpu(op, states, reps=1, warmup=0, keep_rows=lm.rows)
-    from fastrl.ops.backend import builtin_choice, resolve_backend
-
-    # what backend="triton" / "auto" picks for this work in this process (the row that stands for today's default),
-    # and the built-in choice a measured winner must beat (bench/defaults.py)
+    # auto: what backend="triton" / "auto" picks for this work here (the row that stands for today's default); builtin:
+    # what a measured winner must beat (bench/defaults.py)
     auto = resolve_backend(lm.device, "triton", kind=wl.kind, H=wl.H, dtype=getattr(torch, wl.dtype))
     row = {"status": "ok", "auto": auto, "builtin": builtin_choice(lm.device), "path": op.path,
-           "notes": "; ".join(op.notes), "total_ms": m["total_ms"],
-           "extra_mb": m["peak_extra_mb"], "configs_served": served_configs(),
-           "flops": W.flops(wl, "total"), "error": {} if sets[0] is None else _error(op, wl, sets[0], kept, lm)}
+           "notes": "; ".join(op.notes), "total_ms": m["total_ms"], "extra_mb": m["peak_extra_mb"],
+           "configs_served": served_configs(), "flops": W.flops(wl, "total"),
+           "error": {} if sets[0] is None else _error(op, wl, sets[0], kept, lm)}
     times[(impl, config, p["workload"], p["provider"])] = m["total_ms"]["median"]
     return row
-
 
 
 def _keptset_point(p: dict, device: torch.device) -> dict:
@@ -215,7 +206,6 @@ def _compile_point(p: dict, device: torch.device) -> dict:
             "shape": list(shape[:4])}
 
 
-
 def _first_line(e: BaseException) -> str:
     msg = str(e).strip().splitlines()
     return f"{type(e).__name__}: {msg[0] if msg else ''}"[:300]
@@ -230,7 +220,6 @@ def _run(p: dict, device: torch.device, lm: LMHead, times: dict) -> dict:
     if section == "point":
         return run_spec(p["spec"])
     return {"keptset": _keptset_point, "divergence": _divergence_point, "compile": _compile_point}[section](p, device)
-
 
 
 RUN_POINT = {"w4": ("bench.w4", "run_point"), "w5": ("bench.w4", "run_point"), "compile": ("bench.compiled_step",

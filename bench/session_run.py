@@ -7,6 +7,7 @@ the other commands' points one fresh process each, under the same watchdog (docs
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import json
 import os
@@ -114,16 +115,10 @@ except (OSError, AttributeError):  # not Linux: the watchdog and the deadline st
     _PRCTL = None
 
 
-def _die_with_parent() -> None:
-    """In the measuring process before it starts (Linux): SIGKILL when the session's thread that started it dies, so a
-    session killed at a call's limit leaves no measuring process behind (it runs in its own process group, which the
-    watchdog kills whole, so a kill of the caller's group would not reach it)."""
-    if _PRCTL is not None:
-        _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 def _process(name: str, todo: list[dict], deadline: float, run, tail: _Tail, bounds: dict):
-    """One measuring process over ``todo``: (how it ended, why, its last stderr line)."""
+    """One measuring process over ``todo``: (how it ended, why, its exit code, its last stderr line). On Linux it is
+    killed when the session's thread that started it dies (PR_SET_PDEATHSIG): a session killed at a call's limit leaves
+    no measuring process behind, though it runs in a process group of its own (which the watchdog kills whole)."""
     spec_path = run.work / f"{name}.spec.json"
     spec_path.write_text(json.dumps({"device": run.device, "smoke": run.smoke, "points": todo, "deadline": deadline,
                                      "rows": str(run.rows_path)}))
@@ -131,7 +126,8 @@ def _process(name: str, todo: list[dict], deadline: float, run, tail: _Tail, bou
     with open(err_path, "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "bench.session_points", str(spec_path)], cwd=REPO_ROOT,
                                 env=_child_env(run.interpret), stderr=err, stdout=err if run.quiet else None,
-                                start_new_session=True, preexec_fn=_die_with_parent)
+                                start_new_session=True,
+                                preexec_fn=None if _PRCTL is None else functools.partial(_PRCTL, 1, signal.SIGKILL))
         how, why = _watch(proc, tail, bounds, deadline, run.costs.grace)
     lines = [ln for ln in err_path.read_text(errors="replace").splitlines() if ln.strip()]
     return how, why, proc.returncode, (lines or ["no output"])[-1][:300]
