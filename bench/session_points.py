@@ -165,61 +165,53 @@ def _lmhead_point(p: dict, lm: LMHead, times: dict) -> dict:
     return row
 
 
-def _keptset_point(p: dict, device: torch.device) -> dict:
-    from bench import keptset
-
-    res = keptset.run_point({**p["spec"], "device": device.type, "reps": 1 if p["smoke"] else 6,
-                             "warmup": 0 if p["smoke"] else 2, "threads": 0})
-    ms = res.pop("ms_all")
-    return {"status": "ok", "total_ms": measure.summarize(ms), "extra_mb": res.pop("peak_extra_mb"), **res}
-
-
-def _divergence_point(p: dict, device: torch.device) -> dict:
-    from bench import divergence
-
-    impl = p.get("implementation")
-    spec = {"kind": "divergence", "workload": p["spec"], "provider": p["provider"], "device": device.type,
-            "reps": 1 if p["smoke"] else 6, "warmup": 0 if p["smoke"] else 2, "n_sets": 1 if p["smoke"] else 2,
-            "seed": 1234, "threads": 0, "options": {"fastrl_backend": impl} if impl else {},
-            "rep_ms": 50 if p["smoke"] else 300, "total_only": True,
-            "accuracy_rows": 16 if p["smoke"] else 256}
-    res = divergence.run_point(spec)
-    if res.get("status") != "ok":
-        return res
-    err = {k.removesuffix("_max_abs_err"): res[k] for k in ("div_max_abs_err", "grad_h_max_abs_err") if k in res}
-    return {"status": "ok", "total_ms": res["total_ms"], "extra_mb": res["peak_extra_mb"], "error": err,
-            "loss_value": res.get("loss_value")}
-
-
-def _compile_point(p: dict, device: torch.device) -> dict:
-    from bench import compiled_step
-
-    shape = compiled_step.SHAPES[device.type] if not p["smoke"] else (2, 32, 32, 512, torch.float32)
-    # smoke: aot_eager traces the same graph without inductor's code generation (a minute on two cores);
-    # tests/test_compile.py compiles fastrl with inductor
-    (r,) = compiled_step.run(device.type, [p["provider"]], 1 if p["smoke"] else 5, 1 if p["smoke"] else 2, shape,
-                             compile_backend="aot_eager" if p["smoke"] else None)
-    if "error" in r:
-        return {"status": "error", "reason": r["error"]}
-    return {"status": "ok", "total_ms": {"median": r["ms"], "min": r["ms_min"], "max": r["ms_max"], "n": r["reps"]},
-            "extra_mb": r.get("peak_extra_mb"), "first_step_s": r["first_step_s"], "loss_value": r["first_loss"],
-            "shape": list(shape[:4])}
-
-
 def _first_line(e: BaseException) -> str:
     msg = str(e).strip().splitlines()
     return f"{type(e).__name__}: {msg[0] if msg else ''}"[:300]
 
 
 def _run(p: dict, device: torch.device, lm: LMHead, times: dict) -> dict:
-    section = p["section"]
+    """One point's row by its section: a float64 check, a W1-W3 point, a point of keptset, divergence or compile (their
+    ``run_point`` at the session's repetitions), or a point of another command (``run_spec``)."""
+    section, smoke, impl = p["section"], p["smoke"], p.get("implementation")
     if section == "checks":
         return run_check(p, device)
     if section in ("tournament", "configs", "autotune"):
         return _lmhead_point(p, lm, times)
     if section == "point":
         return run_spec(p["spec"])
-    return {"keptset": _keptset_point, "divergence": _divergence_point, "compile": _compile_point}[section](p, device)
+    if section == "keptset":
+        from bench import keptset
+
+        res = keptset.run_point({**p["spec"], "device": device.type, "reps": 1 if smoke else 6,
+                                 "warmup": 0 if smoke else 2, "threads": 0})
+        ms = res.pop("ms_all")
+        return {"status": "ok", "total_ms": measure.summarize(ms), "extra_mb": res.pop("peak_extra_mb"), **res}
+    if section == "divergence":
+        from bench import divergence
+
+        res = divergence.run_point({
+            "kind": "divergence", "workload": p["spec"], "provider": p["provider"], "device": device.type,
+            "reps": 1 if smoke else 6, "warmup": 0 if smoke else 2, "n_sets": 1 if smoke else 2, "seed": 1234,
+            "threads": 0, "options": {"fastrl_backend": impl} if impl else {}, "rep_ms": 50 if smoke else 300,
+            "total_only": True, "accuracy_rows": 16 if smoke else 256})
+        if res.get("status") != "ok":
+            return res
+        err = {k.removesuffix("_max_abs_err"): res[k] for k in ("div_max_abs_err", "grad_h_max_abs_err") if k in res}
+        return {"status": "ok", "total_ms": res["total_ms"], "extra_mb": res["peak_extra_mb"], "error": err,
+                "loss_value": res.get("loss_value")}
+    from bench import compiled_step  # compile
+
+    shape = compiled_step.SHAPES[device.type] if not smoke else (2, 32, 32, 512, torch.float32)
+    # smoke: aot_eager traces the same graph without inductor's code generation (a minute on two cores);
+    # tests/test_compile.py compiles fastrl with inductor
+    (r,) = compiled_step.run(device.type, [p["provider"]], 1 if smoke else 5, 1 if smoke else 2, shape,
+                             compile_backend="aot_eager" if smoke else None)
+    if "error" in r:
+        return {"status": "error", "reason": r["error"]}
+    return {"status": "ok", "total_ms": {"median": r["ms"], "min": r["ms_min"], "max": r["ms_max"], "n": r["reps"]},
+            "extra_mb": r.get("peak_extra_mb"), "first_step_s": r["first_step_s"], "loss_value": r["first_loss"],
+            "shape": list(shape[:4])}
 
 
 RUN_POINT = {"w4": ("bench.w4", "run_point"), "w5": ("bench.w4", "run_point"), "compile": ("bench.compiled_step",
