@@ -220,9 +220,9 @@ def run_check(p: dict, device: torch.device) -> dict:
                 return {"status": "n/a", "reason": f"triton-sm90 refuses {what}={width} in {c.dtype} (TMA needs "
                                                    "16-byte rows)"}
     tuning.reset_served()
-    check = _check_loss if c.loss else _check_divergence if c.divergence else _check_logprobs
-    err, fails = check(c, p["implementation"], device)
+    kind = "loss" if c.loss else "divergence" if c.divergence else "logprob"
+    err, fails = {"loss": _check_loss, "divergence": _check_divergence, "logprob": _check_logprobs}[kind](
+        c, p["implementation"], device)
     return {"status": "ok", "pass": not fails, "reason": "; ".join(fails), "error": err,
-            "configs_served": served_configs(), "kind": "loss" if c.loss else "divergence" if c.divergence else "logprob",
-            "N": c.N, "H": c.H, "V": c.V, "dtype": c.dtype, "bias": c.bias, "transform": c.tf,
-            "rows_checked": 2 * c.rows if c.rows else c.N}
+            "configs_served": served_configs(), "kind": kind, "N": c.N, "H": c.H, "V": c.V, "dtype": c.dtype,
+            "bias": c.bias, "transform": c.tf, "rows_checked": 2 * c.rows if c.rows else c.N}

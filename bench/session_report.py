@@ -144,8 +144,9 @@ def print_summary(con, rows: list[dict], title: str) -> None:
     for r in [r for r in rows if r["section"] not in ("configs", "checks") and _ok(r)] + list(best.values()):
         t, x = r["total_ms"], r.get("time_vs_trl") or r.get("time_vs_full") or r.get("time_vs_eager")
         err = ", ".join(f"{k} {v:.1e}" for k, v in (r.get("error") or {}).items() if not k.endswith("_torch"))
-        tab.add_row(r["section"], r["workload"], escape(_label(r)), f"{t['median']:.2f} [{t['min']:.2f}-{t['max']:.2f}]",
-                    f"{x:.2f}x" if x else "", f"{100 * r['floor_fraction']:.0f}" if "floor_fraction" in r else "",
+        tab.add_row(r["section"], r["workload"], escape(_label(r)),
+                    f"{t['median']:.2f} [{t['min']:.2f}-{t['max']:.2f}]", f"{x:.2f}x" if x else "",
+                    f"{100 * r['floor_fraction']:.0f}" if "floor_fraction" in r else "",
                     f"{r['extra_mb']:.0f}" if r.get("extra_mb") is not None else "",
                     f"{r['mem_vs_trl']:.2f}x" if r.get("mem_vs_trl") is not None else "", err)
     con.print(tab)
