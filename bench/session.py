@@ -1,11 +1,6 @@
 """``python -m bench session``: everything a GPU window should measure, in one command sized to the window.
 
-Sections, in order of value (docs/gpu-window.md): ``checks`` (each Triton implementation against float64,
-``bench/session_checks.py``; one case each, ``quick``, when ``--sections`` names other sections but not them),
-``tournament`` (W1-W3 for every implementation at its default configuration, both loss paths, next to TRL and the cuBLAS
-floor), ``divergence``, ``keptset``, ``w4``: the rows the targets need; then ``configs`` (each kernel's candidate launch
-configurations next to the built-in choice, in one process; a candidate 1.3x slower than the default at W1-lp is
-pruned at W3 and W1), ``autotune`` (``FASTRL_AUTOTUNE=1``) and ``compile``. One measuring process per section
+Sections (``SECTIONS``, in order of value: docs/gpu-window.md says what each measures) run one measuring process each
 (``bench/session_run.py``), rows appended as they finish; ``--budget`` is split by the estimates below, whole sections
 dropped from the end to fit (never the checks or the tournament), again before each starts; ``--smoke`` runs the same
 plumbing on a CPU at tiny shapes.
