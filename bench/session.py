@@ -1,56 +1,22 @@
 """``python -m bench session``: everything a GPU window should measure, in one command sized to the window.
 
-A lent GPU is here for about 15 minutes, machine start included, at most 10 minutes a command. One fresh process
-per measured point (``python -m bench gpu``: about 30 minutes for everything) cannot use that; this runs one
-process per section, rows appended as they finish, sections in a fixed order of value (the rows the targets need
-first, then what only the defaults need):
+Sections (``SECTIONS``, in order of value: docs/gpu-window.md says what each measures) run one measuring process each
+(``bench/session_run.py``), rows appended as they finish; ``--budget`` is split by the estimates below, whole sections
+dropped from the end to fit (never the checks or the tournament), again before each starts; ``--smoke`` runs the same
+plumbing on a CPU at tiny shapes.
 
-1. ``checks``: every Triton implementation (each name of ``fastrl.ops.backend.CONCRETE`` that runs on CUDA),
-   compiled, against float64 (``bench/session_checks.py``: log-probs, a bias at H=896, float32, the one-pass loss,
-   ``fused_divergence``); an implementation that fails cannot become a default. With ``--sections`` that does not
-   name them, one case per implementation (``quick``: which kernels each runs);
-2. ``tournament``: W1, W1-lp, W2, W2-lp, W3 for every implementation at its default launch configuration (W1/W2
-   both as ``policy_loss``, the one-pass op, and as ``fused_logprobs`` + the loss math, two-pass), next to TRL
-   1.16 and the cuBLAS floor of the same GEMMs, in one process (``bench/session_points.py``);
-3. ``divergence``: ``fused_divergence`` per implementation (hybrid, sm90: ``DIVERGENCE_IMPLS``) against TRL (and
-   Liger when installed) at beta 0, 0.5 and 1, each row's error against float64;
-4. ``keptset``: the LM head over kept sets of K=64 ids (Zipf and uniform) against the full head, W1 and W2 shapes;
-5. ``w4``: one GRPOTrainer step, stock TRL against fastrl, 8 completions of 4096 tokens;
-6. ``configs``: W1-lp, W2-lp, W3 and W1's one-pass loss for every implementation whose kernels take a launch
-   configuration, at each candidate of its kernels (``fastrl.kernels.tuning.candidates``, forced with
-   ``forced_config``), next to the built-in choice and the implementation at its built-in configuration in the
-   same process (what ``python -m bench defaults`` compares); a candidate 1.3x slower than the default at W1-lp is
-   pruned at W3 and W1;
-7. ``autotune``: the same with ``FASTRL_AUTOTUNE=1``;
-8. ``compile``: a training step with fastrl under ``torch.compile``, with and without CUDA graphs, and eager.
-
-``--budget S`` (default 480 s) is split by the estimates below: whole sections are dropped from the end (compile,
-autotune, configs, w4, keptset, divergence; never the checks or the tournament) until the rest fits, and the command
-says which. Each section may run until the end of the budget less a grace: when one runs long, the sections after it
-are dropped, again from the end, before they start (the earliest of them that fits in part runs in part, its points
-skipped at the deadline). Every point has a watchdog: its process is killed past ``watchdog_factor`` x the point's
-estimate + ``watchdog_floor`` (a ``timeout`` row), a process that dies gives its point an ``error`` row, and either
-way that implementation's (or provider's) points left in the section are skipped with the reason, a fresh process
-taking the rest. Every row is appended to ``<out>/<name>.rows.jsonl`` as it finishes and ``<name>.json`` is rewritten
-after each section (``"partial": true`` until the end): a run cut at any moment keeps what finished.
-``--sections`` runs named sections only (the second call of a window); ``--smoke`` runs the same plumbing on a CPU at
-tiny shapes, the Triton kernels interpreted (a test runs it).
-
-Estimates on an H100/H200 (seconds; from the H200 run of main 8f83654 in bench/results/nvidia-h200/2026-11-26-8f83654/
-unless marked as assumed): a process starts in 7 (its divergence rows: 20.6 s in the process, 14.0 measuring);
-TRL's imports add 12 (29.1 - 10.1 - 7). A point runs 9 steps (2 warm-up, 1 for memory, 6 timed) plus 0.3 s
-(inputs, the float64 error): W1 9 x 0.130 + 0.3 = 1.5, W1-lp 1.5, W2 / W2-lp / W3 0.6-0.7 (steps of 38-40 and 36
-ms). A float64 check case 2.5 (that run: 8 cases per implementation in ~20 s, mostly Triton compiling). With
-today's three implementations (hybrid, fused, sm90; fused and sm90 take configurations: 6 and 5 candidates):
-checks 7 + 33 x 2.5 = 89.5; tournament 7 + 12 + 5 (float64 loss references) + 31 points in 30.95 = 54.95; divergence
-7 + 12 + 12 points x 1.25 + 2 x 9 compiling = 52; keptset 7 + 14 x 2.2 = 37.8 (7 points per shape: both
-plans); w4 2 x 35 = 70 (its processes took
-38-44 s at 16384 tokens, 10 of them in steps); configs 7 + 5 + 11 x 8 compiling + 56 points in 59.5 = 159.5;
-autotune 7 + 5 + 2 x 20 + 8.5 = 60.5; compile 7 + 2 + 2 x 47 = 103 (inductor's compile assumed 40 s per compiled
-variant: not yet measured on a GPU; 8.3 s on a quiet 2-core CPU). Total 627 s: more than one call holds. With
-``bench/gpu_session.sh``'s first call (570 s less the install and the CUDA tests: about 360 s for the session),
-checks to w4 (304 s + 20 s grace) fit and configs, autotune and compile are left to a second call (``rest``), whose
-quick checks take 7 + 3 x 2.5 = 14.5.
+Estimates on an H100/H200 (seconds; ``GPU_COSTS``, from the H200 run of main 8f83654 in
+bench/results/nvidia-h200/2026-11-26-8f83654/ unless marked as assumed): a process starts in 7 (its divergence rows:
+20.6 s in the process, 14.0 measuring); TRL's imports add 12 (29.1 - 10.1 - 7). A point runs 9 steps (2 warm-up, 1 for
+memory, 6 timed) plus 0.3 s (inputs, the float64 error): W1 9 x 0.130 + 0.3 = 1.5, W1-lp 1.5, W2 / W2-lp / W3 0.6-0.7
+(steps of 38-40 and 36 ms). A float64 check case 2.5 (8 cases per implementation in ~20 s, mostly Triton compiling).
+With three implementations (hybrid, fused, sm90; fused and sm90 take 6 and 5 candidate configurations): checks 7 + 33
+x 2.5 = 89.5; tournament 7 + 12 + 5 (float64 loss references) + 31 points in 30.95 = 54.95; divergence 7 + 12 + 12
+points x 1.25 + 2 x 9 compiling = 52; keptset 7 + 14 x 2.2 = 37.8 (7 points per shape); w4 2 x 35 = 70 (its processes
+took 38-44 s at 16384 tokens); configs 7 + 5 + 11 x 8 compiling + 56 points in 59.5 = 159.5; autotune 7 + 5 + 2 x 20 +
+8.5 = 60.5; compile 7 + 2 + 2 x 47 = 103 (inductor's compile assumed 40 s per variant: not yet measured on a GPU).
+Total 627 s. In ``bench/gpu_session.sh``'s first call (about 360 s for the session) checks to w4 (304 s + 20 s grace)
+fit; configs, autotune and compile are left to a second call, whose quick checks take 7 + 3 x 2.5 = 14.5.
 """
 
 from __future__ import annotations
@@ -69,7 +35,6 @@ from bench.session_run import append_rows, run_points, stub
 __all__ = ["ALWAYS", "DROP_ORDER", "GPU_COSTS", "SECTIONS", "SMOKE_COSTS", "Costs", "SessionRun", "add_options",
            "candidates_for", "command", "estimate", "plan_budget", "point_bounds", "points"]
 
-# the rows the targets need first (W1-W3, divergence, kept sets, W4), then what only the defaults need, then compile
 SECTIONS = ("checks", "tournament", "divergence", "keptset", "w4", "configs", "autotune", "compile")
 ALWAYS = ("checks", "tournament")  # never dropped: a short budget cuts their points instead (the deadline)
 DROP_ORDER = tuple(reversed([s for s in SECTIONS if s not in ALWAYS]))  # whole sections drop from the end
@@ -77,6 +42,7 @@ WORKLOAD_ORDER = ("W1", "W1-lp", "W2", "W2-lp", "W3")
 # the log-prob workloads first: they decide the configurations of the log-prob kernels (at H=4096 and 896); W3 the
 # forward-only ones; W1's one-pass loss (fastrl-fused only) the kernels only it runs (sm90_exp_stats)
 CONFIG_ORDER = ("W1-lp", "W2-lp", "W3", "W1")
+LOSS_PROVIDERS = ("fastrl-fused", "fastrl")  # policy_loss (the one-pass op); fused_logprobs + the loss math (two-pass)
 QUICK_CHECK = {False: "temperature", True: "temperature-rows"}  # smoke -> the one case of a quick check
 DIVERGENCE_IMPLS = ("triton-hybrid", "triton-sm90")  # triton-fused's fused_divergence runs the hybrid's kernels
 BUILTIN = "triton-hybrid"  # fastrl.ops.backend.builtin_choice on a CUDA install with float32-out cuBLAS
@@ -107,18 +73,13 @@ class Costs:
 GPU_COSTS = Costs(process=7, trl_import=12, check_case=2.5, jit_config=8, autotune_impl=20,
                   point={"W1": 1.5, "W1-lp": 1.5, "W2": 0.65, "W2-lp": 0.65, "W3": 0.6}, references=2 + 3,
                   keptset_point=2.2, divergence_point=1.25, divergence_jit=9, compile_eager=2, compile_variant=47,
-                  w4_point=35, grace=20, watchdog_floor=30, watchdog_factor=4)
-# a 2-core CPU, Triton interpreted, at load average 7-10 (idle machines were not to be had); the watchdog's floor is
-# wide: a loaded machine stretches an interpreted point many times over
+                  w4_point=35)
+# a 2-core CPU, Triton interpreted, at load average 7-10; the watchdog's floor is wide: a loaded machine stretches an
+# interpreted point many times over
 SMOKE_COSTS = Costs(process=3, trl_import=5, check_case=1.5, jit_config=0.5, autotune_impl=0,
                     point={w: 0.5 for w in WORKLOAD_ORDER}, references=0.3, keptset_point=1.7, divergence_point=1.5,
-                    divergence_jit=0, compile_eager=4, compile_variant=6, w4_point=12, grace=20, watchdog_floor=150,
-                    watchdog_factor=4)
+                    compile_eager=4, compile_variant=6, w4_point=12, watchdog_floor=150)
 
-
-# ---------------------------------------------------------------------------------------------------------------
-# What runs: points per section
-# ---------------------------------------------------------------------------------------------------------------
 
 def run_w4(pts: list[dict], deadline: float, run) -> list[dict]:
     """The W4 section's rows: ``bench.w4.session_rows`` (imported here, when the section runs)."""
@@ -143,108 +104,80 @@ def candidates_for(kernels, smoke: bool) -> list[str]:
     return out[:2] if smoke else out
 
 
-def _providers(kind: str) -> tuple[str, ...]:
-    from bench.session_points import LOSS_PROVIDERS
-
-    return LOSS_PROVIDERS if kind == "loss" else ("fastrl",)
-
-
-def _kind(wl: str) -> str:
-    return {"W1": "loss", "W2": "loss", "W3": "forward"}.get(wl, "logprob")
-
-
-def _lmhead_points(section: str, base: dict, smoke: bool, impls: list[str], tunable: dict, builtin: str) -> list:
+def _lmhead_points(section: str, smoke: bool, impls: list[str], tunable: dict, builtin: str) -> list[tuple]:
+    """(workload, provider, implementation, config, probe) of W1-W3: the tournament at the default configurations;
+    configs and autotune with the log-prob workloads first (smoke: only them), each workload's candidates after the
+    built-in choice and each implementation at its built-in configuration (what bench/defaults.py judges them by)."""
     out = []
-    if section == "tournament":
-        for wl in WORKLOAD_ORDER:
-            out += [{**base, "workload": wl, "provider": p} for p in ("cublas", "trl")]
-            out += [{**base, "workload": wl, "provider": p, "implementation": i, "config": "default"}
-                    for i in impls for p in _providers(_kind(wl))]
-        return out
-    order = CONFIG_ORDER[:2] if smoke else CONFIG_ORDER  # smoke: the log-prob workloads (the same code)
-    for wl in order:
-        provs = ("fastrl-fused",) if _kind(wl) == "loss" else ("fastrl",)
-        if section == "autotune":
-            out += [{**base, "workload": wl, "provider": p, "implementation": i, "config": "autotune"}
-                    for i in tunable for p in provs]
+    for wl in WORKLOAD_ORDER if section == "tournament" else CONFIG_ORDER[:2] if smoke else CONFIG_ORDER:
+        loss = wl in ("W1", "W2")
+        if section == "tournament":
+            out += [(wl, p, None, None, None) for p in ("cublas", "trl")]
+            out += [(wl, p, i, "default", None) for i in impls for p in (LOSS_PROVIDERS if loss else ("fastrl",))]
             continue
-        # each candidate is judged against the defaults measured in its own process: the built-in choice's and
-        # the implementation's own at its built-in configuration (bench/defaults.py needs both)
+        provs = ("fastrl-fused",) if loss else ("fastrl",)
+        if section == "autotune":
+            out += [(wl, p, i, "autotune", None) for i in tunable for p in provs]
+            continue
+        defaults = ([builtin] if builtin in impls and builtin not in tunable else []) + list(tunable)
+        out += [(wl, p, i, "default", None) for i in defaults for p in provs]
         probe = None if wl.endswith("-lp") else "W1-lp"
-        base_impls = ([builtin] if builtin in impls and builtin not in tunable else []) + list(tunable)
-        out += [{**base, "workload": wl, "provider": p, "implementation": i, "config": "default"}
-                for i in base_impls for p in provs]
-        out += [{**base, "workload": wl, "provider": p, "implementation": i, "config": c, "probe": probe}
-                for i, cands in tunable.items() for c in cands for p in provs]
+        out += [(wl, p, i, c, probe) for i, cands in tunable.items() for c in cands for p in provs]
     return out
 
 
 def points(section: str, *, smoke: bool, device: str, impls: list[str], tunable: dict,
            builtin: str = BUILTIN, quick_checks: bool = False) -> list[dict]:
     """The points of one section, in the order they run. ``tunable``: implementation -> the configurations to force
-    on it (``candidates_for`` its kernels). ``quick_checks``: one check per implementation (a second call that
-    measures configurations: which kernels each runs; the full checks ran in the first)."""
-    base = {"section": section, "smoke": smoke}
-    out = []
+    on it (``candidates_for`` its kernels). ``quick_checks``: one check per implementation (which kernels it runs)."""
     if section == "checks":
         from bench.session_checks import CASES, SMOKE_CASES
 
-        for impl in impls:
-            for c in SMOKE_CASES if smoke else CASES:
-                if not quick_checks or c.name == QUICK_CHECK[smoke]:
-                    out.append({**base, "workload": c.name, "provider": "fastrl", "implementation": impl,
-                                **({"quick": True} if quick_checks else {})})
+        cases = [c.name for c in (SMOKE_CASES if smoke else CASES) if not quick_checks or c.name == QUICK_CHECK[smoke]]
+        out = [{"workload": c, "provider": "fastrl", "implementation": i, **({"quick": True} if quick_checks else {})}
+               for i in impls for c in cases]
     elif section in ("tournament", "configs", "autotune"):
-        out = _lmhead_points(section, base, smoke, impls, tunable, builtin)
+        keys = ("workload", "provider", "implementation", "config", "probe")
+        out = [{k: v for k, v in zip(keys, t) if v is not None}
+               for t in _lmhead_points(section, smoke, impls, tunable, builtin)]
     elif section == "keptset":
         from bench import keptset
 
-        shapes = keptset.SMOKE_SHAPES if smoke else keptset.GPU_SHAPES
-        V = 512 if smoke else keptset.V_FULL
-        for name, N, H, dtype in shapes:
-            spec = dict(shape=name, N=N, H=H, V=V, K=64, dtype=dtype)
-            out += [{**base, "workload": f"keptset-{name}", "provider": prov, "spec": {**spec, **point}}
-                    for prov, point in keptset.session_points(smoke)]
+        out = [{"workload": f"keptset-{name}", "provider": prov,
+                "spec": {**dict(shape=name, N=N, H=H, V=512 if smoke else keptset.V_FULL, K=64, dtype=dtype), **pt}}
+               for name, N, H, dtype in (keptset.SMOKE_SHAPES if smoke else keptset.GPU_SHAPES)
+               for prov, pt in keptset.session_points(smoke)]
     elif section == "divergence":
         from bench import divergence
 
-        div_impls = [i for i in impls if i in DIVERGENCE_IMPLS]
-        for wl in divergence.workloads(device, smoke=smoke):
-            out += [{**base, "workload": wl.name, "provider": "fastrl", "implementation": i, "spec": asdict(wl)}
-                    for i in div_impls]
-            out += [{**base, "workload": wl.name, "provider": p, "spec": asdict(wl)} for p in ("trl", "liger")]
+        whos = [("fastrl", {"implementation": i}) for i in impls if i in DIVERGENCE_IMPLS]
+        whos += [("trl", {}), ("liger", {})]
+        out = [{"workload": wl.name, "provider": p, **impl, "spec": asdict(wl)}
+               for wl in divergence.workloads(device, smoke=smoke) for p, impl in whos]
     elif section == "compile":
-        variants = ["fastrl-eager", "fastrl-compile"] + (["fastrl-compile-ro"] if device == "cuda" else [])
-        out += [{**base, "workload": "compile-step", "provider": v} for v in variants]
+        variants = ("fastrl-eager", "fastrl-compile") + (("fastrl-compile-ro",) if device == "cuda" else ())
+        out = [{"workload": "compile-step", "provider": v} for v in variants]
     elif section == "w4":
-        out += [{**base, "workload": "W4", "provider": p} for p in ("trl", "fastrl")]
-    for i, p in enumerate(out):
-        p["id"] = f"{section}/{i}/{p['workload']}/{p['provider']}/{p.get('implementation', '')}/{p.get('config', '')}"
-    return out
+        out = [{"workload": "W4", "provider": p} for p in ("trl", "fastrl")]
+    else:
+        raise ValueError(f"unknown section {section!r}; one of {', '.join(SECTIONS)}")
+    return [{"section": section, "smoke": smoke, **p, "id": f"{section}/{i}/{p['workload']}/{p['provider']}/"
+             f"{p.get('implementation', '')}/{p.get('config', '')}"} for i, p in enumerate(out)]
 
 
 def estimate(section: str, c: Costs, pts: list[dict]) -> float:
     """Seconds this section should take (``Costs``), from its points; each section starts its own process."""
-    impls = {p.get("implementation") for p in pts} - {None}
+    n, impls = len(pts), len({p.get("implementation") for p in pts} - {None})
+    forced = len({(p["implementation"], p["config"]) for p in pts if p.get("config", "default") != "default"})
     steps = sum(c.point.get(p["workload"], 0.0) for p in pts)
-    if section == "checks":
-        return c.process + len(pts) * c.check_case
-    if section == "tournament":
-        return c.process + c.trl_import + c.references + steps
-    if section == "configs":
-        forced = {(p["implementation"], p["config"]) for p in pts if p["config"] != "default"}
-        return c.process + c.references + len(forced) * c.jit_config + steps
-    if section == "autotune":
-        return c.process + c.references + len(impls) * c.autotune_impl + steps
-    if section == "keptset":
-        return c.process + len(pts) * c.keptset_point
-    if section == "divergence":
-        return c.process + c.trl_import + len(pts) * c.divergence_point + len(impls) * c.divergence_jit
-    if section == "compile":
-        return c.process + c.compile_eager + (len(pts) - 1) * c.compile_variant
-    if section == "w4":
-        return len(pts) * c.w4_point
-    raise ValueError(f"unknown section {section!r}; one of {', '.join(SECTIONS)}")
+    return {"checks": c.process + n * c.check_case,
+            "tournament": c.process + c.trl_import + c.references + steps,
+            "configs": c.process + c.references + forced * c.jit_config + steps,
+            "autotune": c.process + c.references + impls * c.autotune_impl + steps,
+            "keptset": c.process + n * c.keptset_point,
+            "divergence": c.process + c.trl_import + n * c.divergence_point + impls * c.divergence_jit,
+            "compile": c.process + c.compile_eager + (n - 1) * c.compile_variant,
+            "w4": n * c.w4_point}[section]
 
 
 def point_bounds(section: str, c: Costs, pts: list[dict]) -> dict[str, float]:
@@ -254,14 +187,13 @@ def point_bounds(section: str, c: Costs, pts: list[dict]) -> dict[str, float]:
     seen: set = set()
     out = {"start": c.watchdog_factor * (c.process + c.trl_import) + c.watchdog_floor}
     for p in pts:
-        first = (p.get("implementation"), p.get("config")) not in seen
-        seen.add((p.get("implementation"), p.get("config")))
-        est = {"checks": c.check_case + (c.jit_config if first else 0.0),
-               "keptset": c.keptset_point, "compile": c.compile_eager + c.compile_variant, "w4": c.w4_point,
-               "divergence": c.divergence_point + (c.divergence_jit if first else 0.0)}.get(section)
-        if est is None:  # tournament, configs, autotune
-            est = c.point.get(p["workload"], 0.0) + c.references + (
-                (c.autotune_impl if p.get("config") == "autotune" else c.jit_config) if first else 0.0)
+        key = (p.get("implementation"), p.get("config"))
+        first = key not in seen
+        seen.add(key)
+        jit = (c.autotune_impl if p.get("config") == "autotune" else c.jit_config) if first else 0.0
+        est = {"checks": c.check_case + jit, "keptset": c.keptset_point, "compile": c.compile_eager + c.compile_variant,
+               "w4": c.w4_point, "divergence": c.divergence_point + (c.divergence_jit if first else 0.0)}.get(
+            section, c.point.get(p["workload"], 0.0) + c.references + jit)  # tournament, configs, autotune
         out[p["id"]] = c.watchdog_factor * est + c.watchdog_floor
     return out
 
@@ -286,10 +218,6 @@ def plan_budget(budget: float, estimates: dict[str, float], wanted: list[str],
     return kept, dropped
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The command
-# ---------------------------------------------------------------------------------------------------------------
-
 def add_options(ap) -> None:
     ap.add_argument("--budget", type=float, help="seconds for the whole session (default 480 on a GPU, 120 with "
                                                  "--smoke); whole sections are dropped, last first, to fit")
@@ -303,27 +231,15 @@ def add_options(ap) -> None:
                                              "they share the machine, so times are not comparable")
 
 
-def _family(device: str) -> str:
-    import torch
-
-    from fastrl.kernels.tuning import device_family
-
-    return device_family(torch.device(device))
-
-
 def _wanted(spec: str | None) -> tuple[list[str], bool]:
     """(the sections, in SECTIONS order; whether the checks are quick: one case per implementation, to learn which
     kernels it runs, where the checks were not named themselves)."""
-    if not spec:
-        return list(SECTIONS), False
-    names = [s.strip() for s in spec.split(",") if s.strip()]
+    names = [s.strip() for s in (spec or ",".join(SECTIONS)).split(",") if s.strip()]
     bad = [s for s in names if s not in SECTIONS]
     if bad:
         raise SystemExit(f"--sections: unknown {', '.join(bad)}; choose from {', '.join(SECTIONS)}")
-    quick = "checks" not in names
-    if {"tournament", "configs", "autotune"} & set(names):
-        names += ["checks"]  # which implementations take configurations
-    return [s for s in SECTIONS if s in names], quick and "checks" in names
+    quick = "checks" not in names and bool({"tournament", "configs", "autotune"} & set(names))
+    return [s for s in SECTIONS if s in names or (quick and s == "checks")], quick
 
 
 class SessionRun:
@@ -337,29 +253,23 @@ class SessionRun:
         self.costs = SMOKE_COSTS if self.smoke else GPU_COSTS
         self.budget = args.budget or DEFAULT_BUDGET["smoke" if self.smoke else "cuda"]
         self.jobs = args.jobs or (2 if self.smoke else 1)
-        what = "session-smoke" if self.smoke else "session"
-        self.out = Path(args.out) if args.out else new_out_dir(env["device_slug"], what)
+        self.out = Path(args.out) if args.out else new_out_dir(env["device_slug"], "session-smoke" if self.smoke
+                                                               else "session")
         self.out.mkdir(parents=True, exist_ok=True)
         self.rows_path = self.out / f"{args.name}.rows.jsonl"  # next to the JSON: what a cut call still returns
         self.rows_path.write_text("")
         self.work = Path(tempfile.mkdtemp(prefix="fastrl-session-"))  # the processes' specs and stderr
         self.t_start = time.time()
         self.end = self.t_start + self.budget
-        self.impls = cuda_implementations()
-        self.builtin = BUILTIN
+        self.impls, self.builtin, self.tunable = cuda_implementations(), BUILTIN, {}
         if device == "cuda":
             import torch
 
             from fastrl.ops.backend import builtin_choice
 
             self.builtin = builtin_choice(torch.device("cuda"))
-        self.tunable: dict[str, list[str]] = {}
         self.wanted, self.quick_checks = _wanted(args.sections)
-        self.rows: list[dict] = []
-        self.est: dict[str, float] = {}
-        self.pending: list[str] = []
-        self.done: list[str] = []
-        self.dropped: list[tuple] = []
+        self.rows, self.est, self.pending, self.done, self.dropped = [], {}, [], [], []
         self.lock = threading.Lock()
 
     def say(self, text: str) -> None:
@@ -375,6 +285,10 @@ class SessionRun:
     def left(self) -> float:
         return self.end - time.time() - self.costs.grace
 
+    def drop(self, section: str, why: str) -> None:
+        self.dropped.append((section, why))
+        self.say(f"[yellow]dropped {section}: {why}; run it later with --sections {section}[/yellow]")
+
     def next_section(self) -> str | None:
         """The next section to start, after dropping whole sections from the end while the ones not yet started
         would not fit in the time left (the earlier sections may have run long); the first of them runs what fits
@@ -383,10 +297,8 @@ class SessionRun:
             while self.pending and self.pending[-1] not in ALWAYS and (len(self.pending) > 1 or self.left() <= 0) \
                     and sum(self.est[s] for s in self.pending) / self.jobs > self.left():
                 s = self.pending.pop()
-                why = (f"~{self.est[s]:.0f} s would not fit in the {max(self.left(), 0):.0f} s left "
-                       f"(sections still to start: ~{sum(self.est[k] for k in self.pending + [s]):.0f} s)")
-                self.dropped.append((s, why))
-                self.say(f"[yellow]dropped {s}: {why}; run it later with --sections {s}[/yellow]")
+                self.drop(s, f"~{self.est[s]:.0f} s would not fit in the {max(self.left(), 0):.0f} s left (sections "
+                             f"still to start: ~{sum(self.est[k] for k in self.pending + [s]):.0f} s)")
             return self.pending.pop(0) if self.pending else None
 
     def run_section(self, section: str) -> list[dict]:
@@ -426,49 +338,47 @@ class SessionRun:
         os.replace(tmp, path)  # a cut never leaves half a JSON
         return payload
 
-
-def _plan(run: SessionRun) -> None:
-    """The checks first and alone (which implementations take launch configurations decides the rest), then the
-    plan of the rest in the time left: whole sections dropped from the end until the estimates fit."""
-    wanted = run.wanted
-    run.est = run.estimates()  # before the checks say which implementations take configurations
-    append_rows(run.rows_path, [{"plan": {"budget_s": run.budget, "wanted": wanted, "estimates_s": run.est,
-                                          "implementations": run.impls}}])
-    if "checks" in wanted:
-        run.est["checks"] = estimate("checks", run.costs, run.points("checks"))
-        run.run_section("checks")
-        served = {}
-        for r in run.rows:  # the kernels of the log-prob and loss ops (not fused_divergence's: no W1-W3 runs them)
-            if r["section"] == "checks" and r.get("configs_served") and r.get("kind") in ("logprob", "loss"):
-                served.setdefault(r["implementation"], set()).update(r["configs_served"])
-        run.tunable = {i: candidates_for(served[i], run.smoke) for i in run.impls if i in served}
-    run.est = run.estimates()
-    rest = [s for s in wanted if s != "checks"]
-    kept, run.dropped = plan_budget(run.left(), run.est, rest, run.jobs)
-    run.pending = kept
-    run.say("plan: " + ", ".join(f"{s} ~{run.est[s]:.0f} s" for s in kept) + f" in {max(run.left(), 0):.0f} s; "
-            "launch configurations to force: " + ("; ".join(f"{i}: {len(c)}" for i, c in run.tunable.items())
-                                                  or "none"))
-    for s, why in run.dropped:
-        run.say(f"[yellow]dropped {s}: {why}; run it later with --sections {s}[/yellow]")
+    def plan(self) -> None:
+        """The checks first and alone (which implementations take launch configurations decides the rest), then the
+        plan of the rest in the time left: whole sections dropped from the end until the estimates fit."""
+        self.est = self.estimates()  # before the checks say which implementations take configurations
+        append_rows(self.rows_path, [{"plan": {"budget_s": self.budget, "wanted": self.wanted, "estimates_s": self.est,
+                                               "implementations": self.impls}}])
+        if "checks" in self.wanted:
+            self.run_section("checks")
+            served = {}  # the kernels of the log-prob and loss ops (not fused_divergence's: no W1-W3 runs them)
+            for r in self.rows:
+                if r["section"] == "checks" and r.get("configs_served") and r.get("kind") in ("logprob", "loss"):
+                    served.setdefault(r["implementation"], set()).update(r["configs_served"])
+            self.tunable = {i: candidates_for(served[i], self.smoke) for i in self.impls if i in served}
+        self.est = self.estimates()
+        self.pending, dropped = plan_budget(self.left(), self.est, [s for s in self.wanted if s != "checks"], self.jobs)
+        self.say("plan: " + ", ".join(f"{s} ~{self.est[s]:.0f} s" for s in self.pending)
+                 + f" in {max(self.left(), 0):.0f} s; launch configurations to force: "
+                 + ("; ".join(f"{i}: {len(c)}" for i, c in self.tunable.items()) or "none"))
+        for s, why in dropped:
+            self.drop(s, why)
 
 
 def command(args, device: str, con) -> int:
+    import torch
+
     from bench import report
     from bench.provenance import provenance
     from bench.session_report import print_summary
+    from fastrl.kernels.tuning import device_family
 
     if device != "cuda" and not args.smoke:
         con.print("[red]`python -m bench session` measures on a GPU; add --smoke to run its plumbing on a CPU[/red]")
         return 2
-    env = {**report.environment(device), **provenance(), "family": _family(device)}
+    env = {**report.environment(device), **provenance(), "family": device_family(torch.device(device))}
     run = SessionRun(args, device, con, env)
     con.print(f"[bold]fastrl bench session[/bold]{' (smoke)' if run.smoke else ''} on {env['device']} "
               f"({env['family']}): torch {env['torch']}, triton {env['triton']}, driver {env['driver']}, fastrl "
               f"{env['fastrl_commit'][:10]} ({'clean' if env['tree_clean'] else 'NOT a clean tree'}); "
               f"implementations {', '.join(run.impls)}; budget {run.budget:.0f} s; rows as they finish: "
               f"{run.rows_path}")
-    _plan(run)
+    run.plan()
 
     def worker() -> None:
         while (s := run.next_section()) is not None:
@@ -485,5 +395,4 @@ def command(args, device: str, con) -> int:
     payload = run.write(partial=False, con=con)
     con.print(f"wrote {run.out / (args.name + '.json')}  ({payload['elapsed_s']:.0f} s of a {run.budget:.0f} s "
               f"budget)" + (f"; dropped: {', '.join(s for s, _ in run.dropped)}" if run.dropped else ""))
-    errors = [r for r in payload["rows"] if r.get("status") in ("error", "timeout")]
-    return 1 if run.smoke and errors else 0
+    return 1 if run.smoke and any(r.get("status") in ("error", "timeout") for r in payload["rows"]) else 0

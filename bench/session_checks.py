@@ -1,15 +1,9 @@
 """The float64 checks of ``python -m bench session``: each Triton implementation, compiled, against ground truth.
 
-The same rule as the test-suite's (``tests/test_logprobs.py``: ``check_against_float64``): fastrl's error against
-float64 must be no worse than PyTorch's own at the input dtype (materialised, logits in that dtype) plus a small
-tolerance per dtype, and 2-byte log-probs within 1e-3 nats of float64 (which PyTorch's own bf16 logits miss by
-4e-3 to 8e-2). Cases: awkward and real shapes, fp16, temperature, softcap with a logit scale, a bias, V=262144,
-N*V > 2^31 (int64 offsets), a bias at H=896, float32 inputs, the one-pass policy loss with padding, and
-``fused_divergence`` (the generalized JSD at beta 0.5: both statistics passes and the mixture) against float64 by
-the same rule, per implementation (``triton-fused`` runs the hybrid's divergence kernels, ``triton-sm90`` its own).
-Large cases check a subset of rows (the
-first and last 128: each token's log-prob, entropy and hidden-state gradient depend on its own row only), so no
-[N, V] float64 tensor is built. An implementation that fails here cannot become a default (``bench/defaults.py``).
+The test-suite's rule (``tests/test_logprobs.py``: ``check_against_float64``): fastrl's error against float64 no worse
+than PyTorch's own at the input dtype plus a tolerance per dtype, 2-byte log-probs within 1e-3 nats; ``CASES`` says
+what is checked. Large cases check the first and last 128 rows only (each row's values depend on that row alone), so
+no [N, V] float64 tensor is built. An implementation that fails cannot become a default (``bench/defaults.py``).
 """
 
 from __future__ import annotations
@@ -27,9 +21,8 @@ TOLERANCES = {
     torch.bfloat16: dict(out=1e-5, grad=2**-8),
     torch.float16: dict(out=1e-5, grad=2**-10),
 }
-# tests/test_divergence.py's table: a float32 JSD gradient sums more terms than a log-prob's
-# (tests/test_bench_session.py checks that the two agree); the Triton backends feed a 2-byte G to the gradient GEMMs: one more rounding, twice the
-# gradient tolerance at 2-byte dtypes
+# tests/test_divergence.py's table (checked likewise): a float32 JSD gradient sums more terms than a log-prob's; the
+# Triton backends feed a 2-byte G to the gradient GEMMs: one more rounding, twice the gradient tolerance at 2 bytes
 DIV_TOLERANCES = {
     torch.float32: dict(out=2e-6, grad=2e-6),
     torch.bfloat16: dict(out=1e-5, grad=2**-8),
@@ -99,6 +92,21 @@ def _inputs(c: Case, device: torch.device, seed: int = 0):
     return hidden, weight, bias, targets, a, w
 
 
+def _versus_torch(tol: dict, *checks) -> tuple[dict, list[str]]:
+    """Each (name, fastrl's, float64's, PyTorch's at the input dtype): fastrl's error against float64 no worse than
+    PyTorch's own plus the dtype's tolerance; outputs by max abs error, gradients (``grad_*``) relative."""
+    err, fails = {}, []
+    for name, fast, ref, plain in checks:
+        grad = name.startswith("grad")
+        dist = _rel_err if grad else _max_err
+        mine, torch_err, limit = dist(fast, ref), dist(plain, ref), tol["grad" if grad else "out"]
+        err[name], err[f"{name}_torch"] = mine, torch_err
+        if mine > torch_err + limit:
+            fails.append(f"{'divergence' if name == 'div' else name} {mine:.2e}{' (relative)' if grad else ''} > "
+                         f"PyTorch's {torch_err:.2e} + {limit:.0e}")
+    return err, fails
+
+
 def _check_logprobs(c: Case, impl: str, device: torch.device) -> tuple[dict, list[str]]:
     import fastrl
     from fastrl.reference import logprobs_reference
@@ -117,22 +125,12 @@ def _check_logprobs(c: Case, impl: str, device: torch.device) -> tuple[dict, lis
         wt, b = others[0], (others[1] if bias is not None else None)
         lp, en = logprobs_reference(h, wt, targets[rows], bias=b, dtype=dtype, **c.tf)
         wrt = [h] + ([] if c.rows else others)
-        return lp, en, torch.autograd.grad((a[rows] * lp).sum() + (w[rows] * en).sum(), wrt)
+        return lp, en, *torch.autograd.grad((a[rows] * lp).sum() + (w[rows] * en).sum(), wrt)
 
-    lp64, en64, g64 = reference(torch.float64)
-    lpt, ent_t, gt = reference(None)  # PyTorch at the input dtype
-    mine = [grads[0][rows]] + ([] if c.rows else list(grads[1:]))
-    tol = TOLERANCES[getattr(torch, c.dtype)]
-    err, fails = {}, []
-    for name, fast, ref, plain in (("logp", logp[rows], lp64, lpt), ("entropy", ent[rows], en64, ent_t)):
-        err[name], err[f"{name}_torch"] = _max_err(fast, ref), _max_err(plain, ref)
-        if err[name] > err[f"{name}_torch"] + tol["out"]:
-            fails.append(f"{name} {err[name]:.2e} > PyTorch's {err[f'{name}_torch']:.2e} + {tol['out']:.0e}")
-    for name, gf, gr, gp in zip(("grad_hidden", "grad_weight", "grad_bias"), mine, g64, gt):
-        err[name], err[f"{name}_torch"] = _rel_err(gf, gr), _rel_err(gp, gr)
-        if err[name] > err[f"{name}_torch"] + tol["grad"]:
-            fails.append(f"{name} {err[name]:.2e} (relative) > PyTorch's {err[f'{name}_torch']:.2e} "
-                         f"+ {tol['grad']:.0e}")
+    mine = [logp[rows], ent[rows], grads[0][rows]] + ([] if c.rows else list(grads[1:]))
+    names = ("logp", "entropy", "grad_hidden", "grad_weight", "grad_bias")
+    err, fails = _versus_torch(TOLERANCES[getattr(torch, c.dtype)],
+                               *zip(names, mine, reference(torch.float64), reference(None)))
     if c.dtype != "float32" and err["logp"] >= LOGP_CAP:
         fails.append(f"logp {err['logp']:.2e} nats from float64 (limit {LOGP_CAP:.0e})")
     return err, fails
@@ -195,19 +193,10 @@ def _check_divergence(c: Case, impl: str, device: torch.device) -> tuple[dict, l
                                     beta=0.5, dtype=dtype)
         return d.detach(), torch.autograd.grad(d.sum(), [h])[0]
 
-    (d64, g64), (dpt, gpt) = reference(torch.float64), reference(None)
     tol = dict(DIV_TOLERANCES[dt])
     if dt != torch.float32:
         tol["grad"] *= 2
-    err = {"div": _max_err(div, d64), "div_torch": _max_err(dpt, d64), "grad_hidden": _rel_err(gh, g64),
-           "grad_hidden_torch": _rel_err(gpt, g64)}
-    fails = []
-    if err["div"] > err["div_torch"] + tol["out"]:
-        fails.append(f"divergence {err['div']:.2e} > PyTorch's {err['div_torch']:.2e} + {tol['out']:.0e}")
-    if err["grad_hidden"] > err["grad_hidden_torch"] + tol["grad"]:
-        fails.append(f"grad_hidden {err['grad_hidden']:.2e} (relative) > PyTorch's {err['grad_hidden_torch']:.2e} "
-                     f"+ {tol['grad']:.0e}")
-    return err, fails
+    return _versus_torch(tol, *zip(("div", "grad_hidden"), (div, gh), reference(torch.float64), reference(None)))
 
 
 def served_configs() -> dict:
@@ -222,18 +211,18 @@ def run_check(p: dict, device: torch.device) -> dict:
     from fastrl.kernels import tuning
 
     c = next(x for x in (SMOKE_CASES if p["smoke"] else CASES) if x.name == p["workload"])
-    if p["implementation"] == "triton-sm90":
+    dt = getattr(torch, c.dtype)
+    if p["implementation"] == "triton-sm90":  # refused by design with a ValueError: not a failure
         from fastrl.ops.sm90 import supports_width
 
-        if not supports_width(c.H, getattr(torch, c.dtype)):  # refused by design with a ValueError: not a failure
-            return {"status": "n/a", "reason": f"triton-sm90 refuses H={c.H} in {c.dtype} (TMA needs 16-byte rows)"}
-        if c.divergence and not supports_width(c.divergence, getattr(torch, c.dtype)):
-            return {"status": "n/a", "reason": f"triton-sm90 refuses the teacher's H={c.divergence} in {c.dtype}"}
+        for what, width in (("H", c.H), ("the teacher's H", c.divergence)):
+            if width and not supports_width(width, dt):
+                return {"status": "n/a", "reason": f"triton-sm90 refuses {what}={width} in {c.dtype} (TMA needs "
+                                                   "16-byte rows)"}
     tuning.reset_served()
-    check = _check_loss if c.loss else _check_divergence if c.divergence else _check_logprobs
-    err, fails = check(c, p["implementation"], device)
+    kind = "loss" if c.loss else "divergence" if c.divergence else "logprob"
+    err, fails = {"loss": _check_loss, "divergence": _check_divergence, "logprob": _check_logprobs}[kind](
+        c, p["implementation"], device)
     return {"status": "ok", "pass": not fails, "reason": "; ".join(fails), "error": err,
-            "configs_served": served_configs(),
-            "kind": "loss" if c.loss else "divergence" if c.divergence else "logprob", "N": c.N, "H": c.H, "V": c.V,
-            "dtype": c.dtype,
+            "configs_served": served_configs(), "kind": kind, "N": c.N, "H": c.H, "V": c.V, "dtype": c.dtype,
             "bias": c.bias, "transform": c.tf, "rows_checked": 2 * c.rows if c.rows else c.N}

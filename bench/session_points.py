@@ -1,29 +1,19 @@
-"""One measuring process of ``python -m bench session``: many points of one provider family, rows written as they go.
+"""One measuring process of the benchmarks: many points of one section, rows written as they go.
 
     python -m bench.session_points SPEC.json
 
-SPEC (written by ``bench/session.py``): the device, whether this is a smoke run, the points in order (one section),
-the section's deadline (epoch seconds) and the rows file (the run's one file, shared by its sections). Before each
-point this process appends ``{"begin": id, "t": epoch}`` to the rows file, after it the point's row, each line one
-write: a parent that finds a ``begin`` without its row knows which point is running (its watchdog) or killed the
-process (a CUDA fault is sticky, so it starts a fresh process for the points left). A point past the deadline
-becomes a ``skipped`` row without running. ``FASTRL_SESSION_FAULT`` (tests only: ``hang:TEXT`` or ``crash:TEXT``,
-``;``-separated) makes every point whose id contains TEXT hang or kill this process, as a kernel that never returns
-or a fault would. Sections (``point["section"]``):
-
-* ``checks``: one implementation at one case against float64 (``bench/session_checks.py``);
-* ``tournament`` / ``configs`` / ``autotune``: a provider at one of W1, W1-lp, W2, W2-lp, W3 (``bench/workloads.py``),
-  with every provider of this process sharing the inputs and the float64 references of the workload; ``configs``
-  forces one launch configuration (``fastrl.kernels.tuning.forced_config``), ``autotune`` sets
-  ``FASTRL_AUTOTUNE=1``; the cuBLAS floor is provider ``cublas``;
-* ``keptset``, ``divergence``, ``compile``: one point of ``bench/keptset.py``, ``bench/divergence.py``,
-  ``bench/compiled_step.py`` each;
-* ``point``: one point of another command (``run_spec``), one process each (``bench.session_run.run_fresh``).
+SPEC (``bench/session_run.py``): the device, smoke or not, the points in order, the section's deadline (epoch seconds)
+and the rows file. Before each point this appends ``{"begin": id, "t": epoch}`` to the rows file, after it the point's
+row (a parent that finds a ``begin`` without its row knows which point runs or killed the process); a point past the
+deadline is ``skipped``. ``FASTRL_SESSION_FAULT`` (tests only: ``hang:TEXT`` or ``crash:TEXT``, ``;``-separated)
+makes every point whose id contains TEXT hang or kill this process. Section ``point``: one point of another command
+(``run_spec``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import signal
@@ -31,6 +21,8 @@ import sys
 import time
 import traceback
 from dataclasses import replace
+from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -38,12 +30,10 @@ from bench import measure, providers
 from bench import workloads as W
 from bench.providers import Op
 from bench.session_checks import run_check, served_configs
+from bench.session_run import RESTART, append_rows
 
-__all__ = ["lmhead_workloads", "main", "run_spec", "LOSS_PROVIDERS", "PRUNE"]
+__all__ = ["lmhead_workloads", "main", "run_spec", "PRUNE"]
 
-SESSION_WORKLOADS = ("W1", "W1-lp", "W2", "W2-lp", "W3")
-# the fastrl providers of each kind: policy_loss (the one-pass op) and fused_logprobs + the loss math (two-pass)
-LOSS_PROVIDERS = ("fastrl-fused", "fastrl")
 PRUNE = 1.3  # a candidate configuration this much slower than the default at its H's log-prob workload stops there
 
 
@@ -51,17 +41,9 @@ def lmhead_workloads(smoke: bool) -> dict[str, W.Workload]:
     """W1, W1-lp, W2, W2-lp, W3 (GPU sizes); smoke: 32 tokens in float32, V=512, H=64 for W1's and 32 for W2's (two H
     values, so the H ranges of the defaults table are exercised too; few tokens, since the interpreter runs one
     program per row in the hybrid's folds)."""
-    out = {}
-    for wl in W.gpu_workloads():
-        if wl.name in SESSION_WORKLOADS:
-            out[wl.name] = replace(W.tiny(wl), name=wl.name, N=32, batch=min(wl.batch, 2),
-                                   H=64 if wl.H == 4096 else 32) if smoke else wl
-    return out
+    return {wl.name: replace(W.tiny(wl), name=wl.name, N=32, batch=min(wl.batch, 2), H=64 if wl.H == 4096 else 32)
+            if smoke else wl for wl in W.gpu_workloads() if wl.name in ("W1", "W1-lp", "W2", "W2-lp", "W3")}
 
-
-# ---------------------------------------------------------------------------------------------------------------
-# W1-W3: every provider of this process on the same inputs
-# ---------------------------------------------------------------------------------------------------------------
 
 def floor_op(wl: W.Workload, device: torch.device) -> Op:
     """cuBLAS alone on the workload's GEMMs: ``y = h W^T`` (2NHV), and for a gradient workload ``G W`` and ``G^T h``
@@ -77,9 +59,8 @@ def floor_op(wl: W.Workload, device: torch.device) -> Op:
 
     def forward(st):
         y = st["h"] @ st["w"].T
-        if "g" in st:
-            return {"loss": None, "logp": None, "entropy": None, "out": (y, st["g"] @ st["w"], st["g"].T @ st["h"])}
-        return {"loss": None, "logp": None, "entropy": None, "out": y}
+        out = (y, st["g"] @ st["w"], st["g"].T @ st["h"]) if "g" in st else y
+        return {"loss": None, "logp": None, "entropy": None, "out": out}
     return Op(forward, prepare, needs_grad=False, has_entropy=False, path="forward",
               notes=["cuBLAS GEMMs alone: " + ("2NHV" if wl.kind == "forward" else "6NHV")])
 
@@ -107,30 +88,21 @@ class LMHead:
         """(loss, d loss / d hidden of the first rows) in float64 on input set 0: the per-token log-probs and
         entropies in row chunks (never all [N, V] float64 logits at once), the first rows under autograd."""
         if wl.name not in self._loss_ref:
-            from fastrl.reference import logprobs_reference
+            from fastrl.reference import logprobs_reference, policy_loss_from_logprobs
 
-            H, rows = wl.H, self.rows
-            h = inp.hidden.detach().reshape(-1, H)
-            t = inp.targets.reshape(-1)
-            w64 = inp.weight.detach().double()
-            first = h[:rows].double().requires_grad_()
+            h, t, w64 = inp.hidden.detach().reshape(-1, wl.H), inp.targets.reshape(-1), inp.weight.detach().double()
+            first = h[:self.rows].double().requires_grad_()
             with torch.enable_grad():
-                lp0, en0 = logprobs_reference(first, w64, t[:rows])
-                lps, ens = [lp0], [en0]
+                parts = [logprobs_reference(first, w64, t[:self.rows])]
                 with torch.no_grad():
-                    for c0 in range(rows, h.shape[0], 1024):
-                        lp, en = logprobs_reference(h[c0:c0 + 1024].double(), w64, t[c0:c0 + 1024])
-                        lps.append(lp)
-                        ens.append(en)
-                logp, ent = torch.cat(lps).view(wl.batch, wl.T), torch.cat(ens).view(wl.batch, wl.T)
-                from fastrl.reference import policy_loss_from_logprobs
-
+                    parts += [logprobs_reference(h[c:c + 1024].double(), w64, t[c:c + 1024])
+                              for c in range(self.rows, h.shape[0], 1024)]
+                logp, ent = (torch.cat(x).view(wl.batch, wl.T) for x in zip(*parts))
                 loss, _ = policy_loss_from_logprobs(
                     logp, ent, inp.advantages.double(), inp.mask, config=providers.loss_config(),
                     old_logprobs=inp.old_logprobs.double(), ref_logprobs=inp.ref_logprobs.double())
                 (g,) = torch.autograd.grad(loss, first)
             self._loss_ref[wl.name] = (float(loss), g.detach())
-            del w64
         return self._loss_ref[wl.name]
 
 
@@ -151,16 +123,15 @@ def _error(op: Op, wl: W.Workload, inp, kept: dict, lm: LMHead) -> dict:
 
 def _lmhead_point(p: dict, lm: LMHead, times: dict) -> dict:
     from fastrl.kernels import tuning
+    from fastrl.ops.backend import builtin_choice, resolve_backend
 
     wl = lm.wls[p["workload"]]
-    impl, config = p.get("implementation"), p.get("config", "default")
-    probe = p.get("probe")
-    if probe and config not in ("default", "autotune"):
-        base = times.get((impl, "default", probe, "fastrl"))
-        mine = times.get((impl, config, probe, "fastrl"))
-        if base and mine and mine >= PRUNE * base:
-            return {"status": "pruned", "reason": f"{mine / base:.2f}x the default configuration's time at {probe} "
-                                                  f"(pruned at {PRUNE}x)"}
+    impl, config, probe = p.get("implementation"), p.get("config", "default"), p.get("probe")
+    # a candidate's time at the probe (its H's log-prob workload) against its implementation's default there
+    base, mine = times.get((impl, "default", probe, "fastrl")), times.get((impl, config, probe, "fastrl"))
+    if probe and config != "default" and base and mine and mine >= PRUNE * base:
+        return {"status": "pruned", "reason": f"{mine / base:.2f}x the default configuration's time at {probe} "
+                                              f"(pruned at {PRUNE}x)"}
     if p["provider"] == "cublas":
         op, sets = floor_op(wl, lm.device), [None]
     else:
@@ -175,89 +146,24 @@ def _lmhead_point(p: dict, lm: LMHead, times: dict) -> dict:
         sets = lm.inputs(wl)
     states = [op.prepare(s) for s in sets]
     tuning.reset_served()
-    forced = tuning.forced_config(config) if config not in ("default", "autotune") else contextlib.nullcontext()
-    with forced, _autotune(config == "autotune"):
+    ctx = (contextlib.nullcontext() if config == "default" else tuning.forced_config(config) if config != "autotune"
+           else mock.patch.dict(os.environ, {"FASTRL_AUTOTUNE": "1"}))  # fastrl reads it at each launch
+    with ctx:
         if lm.device.type == "cuda":
             m, kept = measure.measure_cuda(op, states, reps=6, warmup=2, keep_rows=lm.rows, rep_ms=300,
                                            total_only=True)
         else:
             m, kept = measure.measure_cpu(op, states, reps=1, warmup=0, keep_rows=lm.rows)
-    from fastrl.ops.backend import builtin_choice, resolve_backend
-
-    # what backend="triton" / "auto" picks for this work in this process (the row that stands for today's default),
-    # and the built-in choice a measured winner must beat (bench/defaults.py)
+    # auto: what backend="triton" / "auto" picks for this work here (the row that stands for today's default); builtin:
+    # what a measured winner must beat (bench/defaults.py)
     auto = resolve_backend(lm.device, "triton", kind=wl.kind, H=wl.H, dtype=getattr(torch, wl.dtype))
     row = {"status": "ok", "auto": auto, "builtin": builtin_choice(lm.device), "path": op.path,
-           "notes": "; ".join(op.notes), "total_ms": m["total_ms"],
-           "extra_mb": m["peak_extra_mb"], "configs_served": served_configs(),
-           "flops": W.flops(wl, "total"), "error": {} if sets[0] is None else _error(op, wl, sets[0], kept, lm)}
+           "notes": "; ".join(op.notes), "total_ms": m["total_ms"], "extra_mb": m["peak_extra_mb"],
+           "configs_served": served_configs(), "flops": W.flops(wl, "total"),
+           "error": {} if sets[0] is None else _error(op, wl, sets[0], kept, lm)}
     times[(impl, config, p["workload"], p["provider"])] = m["total_ms"]["median"]
     return row
 
-
-@contextlib.contextmanager
-def _autotune(on: bool):
-    """FASTRL_AUTOTUNE=1 inside (fastrl reads it at each launch), as it was after."""
-    was = os.environ.get("FASTRL_AUTOTUNE")
-    if on:
-        os.environ["FASTRL_AUTOTUNE"] = "1"
-    try:
-        yield
-    finally:
-        if on and was is None:
-            os.environ.pop("FASTRL_AUTOTUNE", None)
-        elif on:
-            os.environ["FASTRL_AUTOTUNE"] = was
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# keptset, divergence, compile: one point of the existing benchmarks each
-# ---------------------------------------------------------------------------------------------------------------
-
-def _keptset_point(p: dict, device: torch.device) -> dict:
-    from bench import keptset
-
-    res = keptset.run_point({**p["spec"], "device": device.type, "reps": 1 if p["smoke"] else 6,
-                             "warmup": 0 if p["smoke"] else 2, "threads": 0})
-    ms = res.pop("ms_all")
-    return {"status": "ok", "total_ms": measure.summarize(ms), "extra_mb": res.pop("peak_extra_mb"), **res}
-
-
-def _divergence_point(p: dict, device: torch.device) -> dict:
-    from bench import divergence
-
-    impl = p.get("implementation")
-    spec = {"kind": "divergence", "workload": p["spec"], "provider": p["provider"], "device": device.type,
-            "reps": 1 if p["smoke"] else 6, "warmup": 0 if p["smoke"] else 2, "n_sets": 1 if p["smoke"] else 2,
-            "seed": 1234, "threads": 0, "options": {"fastrl_backend": impl} if impl else {},
-            "rep_ms": 50 if p["smoke"] else 300, "total_only": True,
-            "accuracy_rows": 16 if p["smoke"] else 256}
-    res = divergence.run_point(spec)
-    if res.get("status") != "ok":
-        return res
-    err = {k.removesuffix("_max_abs_err"): res[k] for k in ("div_max_abs_err", "grad_h_max_abs_err") if k in res}
-    return {"status": "ok", "total_ms": res["total_ms"], "extra_mb": res["peak_extra_mb"], "error": err,
-            "loss_value": res.get("loss_value")}
-
-
-def _compile_point(p: dict, device: torch.device) -> dict:
-    from bench import compiled_step
-
-    shape = compiled_step.SHAPES[device.type] if not p["smoke"] else (2, 32, 32, 512, torch.float32)
-    # smoke: aot_eager traces the same graph without inductor's code generation (a minute on two cores);
-    # tests/test_compile.py compiles fastrl with inductor
-    (r,) = compiled_step.run(device.type, [p["provider"]], 1 if p["smoke"] else 5, 1 if p["smoke"] else 2, shape,
-                             compile_backend="aot_eager" if p["smoke"] else None)
-    if "error" in r:
-        return {"status": "error", "reason": r["error"]}
-    return {"status": "ok", "total_ms": {"median": r["ms"], "min": r["ms_min"], "max": r["ms_max"], "n": r["reps"]},
-            "extra_mb": r.get("peak_extra_mb"), "first_step_s": r["first_step_s"], "loss_value": r["first_loss"],
-            "shape": list(shape[:4])}
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The process
-# ---------------------------------------------------------------------------------------------------------------
 
 def _first_line(e: BaseException) -> str:
     msg = str(e).strip().splitlines()
@@ -265,46 +171,63 @@ def _first_line(e: BaseException) -> str:
 
 
 def _run(p: dict, device: torch.device, lm: LMHead, times: dict) -> dict:
-    section = p["section"]
+    """One point's row by its section: a float64 check, a W1-W3 point, a point of keptset, divergence or compile (their
+    ``run_point`` at the session's repetitions), or a point of another command (``run_spec``)."""
+    section, smoke, impl = p["section"], p["smoke"], p.get("implementation")
     if section == "checks":
         return run_check(p, device)
     if section in ("tournament", "configs", "autotune"):
         return _lmhead_point(p, lm, times)
     if section == "point":
         return run_spec(p["spec"])
-    return {"keptset": _keptset_point, "divergence": _divergence_point, "compile": _compile_point}[section](p, device)
+    if section == "keptset":
+        from bench import keptset
+
+        res = keptset.run_point({**p["spec"], "device": device.type, "reps": 1 if smoke else 6,
+                                 "warmup": 0 if smoke else 2, "threads": 0})
+        ms = res.pop("ms_all")
+        return {"status": "ok", "total_ms": measure.summarize(ms), "extra_mb": res.pop("peak_extra_mb"), **res}
+    if section == "divergence":
+        from bench import divergence
+
+        res = divergence.run_point({
+            "kind": "divergence", "workload": p["spec"], "provider": p["provider"], "device": device.type,
+            "reps": 1 if smoke else 6, "warmup": 0 if smoke else 2, "n_sets": 1 if smoke else 2, "seed": 1234,
+            "threads": 0, "options": {"fastrl_backend": impl} if impl else {}, "rep_ms": 50 if smoke else 300,
+            "total_only": True, "accuracy_rows": 16 if smoke else 256})
+        if res.get("status") != "ok":
+            return res
+        err = {k.removesuffix("_max_abs_err"): res[k] for k in ("div_max_abs_err", "grad_h_max_abs_err") if k in res}
+        return {"status": "ok", "total_ms": res["total_ms"], "extra_mb": res["peak_extra_mb"], "error": err,
+                "loss_value": res.get("loss_value")}
+    from bench import compiled_step  # compile
+
+    shape = compiled_step.SHAPES[device.type] if not smoke else (2, 32, 32, 512, torch.float32)
+    # smoke: aot_eager traces the same graph without inductor's code generation (a minute on two cores);
+    # tests/test_compile.py compiles fastrl with inductor
+    (r,) = compiled_step.run(device.type, [p["provider"]], 1 if smoke else 5, 1 if smoke else 2, shape,
+                             compile_backend="aot_eager" if smoke else None)
+    if "error" in r:
+        return {"status": "error", "reason": r["error"]}
+    return {"status": "ok", "total_ms": {"median": r["ms"], "min": r["ms_min"], "max": r["ms_max"], "n": r["reps"]},
+            "extra_mb": r.get("peak_extra_mb"), "first_step_s": r["first_step_s"], "loss_value": r["first_loss"],
+            "shape": list(shape[:4])}
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# One point of the other commands (bench.session_run.run_fresh: a fresh process each)
-# ---------------------------------------------------------------------------------------------------------------
+RUN_POINT = {"w4": ("bench.w4", "run_point"), "w5": ("bench.w4", "run_point"), "compile": ("bench.compiled_step",
+             "run_point"), "divergence": ("bench.divergence", "run_point"), "keptset": ("bench.keptset", "run_point"),
+             "gap": ("bench.gap", "run_config")}
+
 
 def run_spec(spec: dict) -> dict:
-    """One point of ``run``, ``c1``, ``gpu`` (a provider on a workload, or the ``matmul`` floor), ``w4`` / ``w5`` (a
-    trainer step: ``bench.w4.run_point``), ``divergence``, ``keptset`` or ``compile`` (their ``run_point``) or
-    ``gap`` (one configuration: ``bench.gap.run_config``), by ``spec["kind"]``."""
-    kind = spec.get("kind")
-    if kind in ("w4", "w5"):
-        from bench.w4 import run_point
-
-        return run_point(spec)
-    if kind == "divergence":
-        from bench.divergence import run_point
-
-        return run_point(spec)
-    if kind == "keptset":
-        from bench.keptset import run_point
-
-        return {"status": "ok", **run_point(spec)}
-    if kind == "gap":
-        from bench.gap import run_config
-
-        return {"status": "ok", **run_config(spec)}
-    if kind == "compile":
-        from bench.compiled_step import run_point
-
-        return run_point(spec)
-    return _provider_point(spec)
+    """One point of another command, by ``spec["kind"]``: ``RUN_POINT`` (a trainer step of ``w4`` / ``w5``, a point of
+    ``divergence``, ``keptset``, ``compile``, a configuration of ``gap``), else a provider on a workload or the
+    ``matmul`` floor (``run``, ``c1``, ``gpu``)."""
+    if spec.get("kind") not in RUN_POINT:
+        return _provider_point(spec)
+    module, fn = RUN_POINT[spec["kind"]]
+    res = getattr(importlib.import_module(module), fn)(spec)
+    return {"status": "ok", **res} if spec["kind"] in ("keptset", "gap") else res
 
 
 def _provider_point(spec: dict) -> dict:
@@ -385,12 +308,9 @@ def _cuda_usable() -> bool:
         return False
 
 
-FAULT_ENV = "FASTRL_SESSION_FAULT"
-
-
 def _inject_fault(point_id: str) -> None:
     """Tests only: hang in, or die at, the points ``FASTRL_SESSION_FAULT`` names (see the module docstring)."""
-    for item in filter(None, os.environ.get(FAULT_ENV, "").split(";")):
+    for item in filter(None, os.environ.get("FASTRL_SESSION_FAULT", "").split(";")):
         kind, _, text = item.partition(":")
         if text and text in point_id:
             if kind == "hang":
@@ -399,21 +319,12 @@ def _inject_fault(point_id: str) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _append(path: str, row: dict) -> None:
-    """One line, one write (O_APPEND): processes side by side never interleave inside a line."""
-    with open(path, "a") as f:
-        f.write(json.dumps(row, default=str) + "\n")
-
-
 def _pruning_times(rows_path: str) -> dict:
     """A restarted process: the configs rows of the last one still decide pruning."""
-    times: dict = {}
-    lines = open(rows_path).read().splitlines() if os.path.exists(rows_path) else []  # noqa: SIM115
-    for line in lines:
-        r = json.loads(line) if line.strip() else {}
-        if r.get("status") == "ok" and "total_ms" in r and r.get("section") == "configs":
-            times[(r.get("implementation"), r.get("config"), r["workload"], r["provider"])] = r["total_ms"]["median"]
-    return times
+    path = Path(rows_path)
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    return {(r.get("implementation"), r.get("config"), r["workload"], r["provider"]): r["total_ms"]["median"]
+            for r in rows if r.get("status") == "ok" and "total_ms" in r and r.get("section") == "configs"}
 
 
 def main(argv: list[str]) -> int:
@@ -429,7 +340,7 @@ def main(argv: list[str]) -> int:
         if wl is not None and p["section"] in ("tournament", "configs", "autotune"):
             base.update(kind=wl.kind, N=wl.N, H=wl.H, V=wl.V, dtype=wl.dtype)
         left = spec["deadline"] - time.time()
-        _append(rows_path, {"begin": p["id"], "t": time.time()})
+        append_rows(rows_path, [{"begin": p["id"], "t": time.time()}])
         t0 = time.perf_counter()
         if left <= 0:
             row = {**base, "status": "skipped", "reason": "the section's time ran out (--budget)"}
@@ -439,16 +350,15 @@ def main(argv: list[str]) -> int:
                 row = {**base, **_run(p, device, lm, times)}
             except Exception as e:  # noqa: BLE001 - a row that says why; the next point still runs
                 row = {**base, "status": "error", "reason": _first_line(e), "traceback": traceback.format_exc(limit=6)}
-            if device.type == "cuda" and not _cuda_usable():
-                row["reason"] = row.get("reason", "") + " (the CUDA context is broken: this process stops here)"
-                _append(rows_path, {**row, "point_s": time.perf_counter() - t0, "pid": os.getpid(), "crashed": True})
-                _echo(row)
-                # bench.session_run.RESTART: a sticky CUDA error fails every later launch; the parent starts a fresh process
-                os._exit(3)
-        row["point_s"] = time.perf_counter() - t0
-        row["pid"] = os.getpid()
-        _append(rows_path, row)
+        # a sticky CUDA error fails every later launch: this process stops, the parent starts a fresh one
+        crashed = left > 0 and device.type == "cuda" and not _cuda_usable()
+        if crashed:
+            row["reason"] = row.get("reason", "") + " (the CUDA context is broken: this process stops here)"
+        row.update(point_s=time.perf_counter() - t0, pid=os.getpid(), **({"crashed": True} if crashed else {}))
+        append_rows(rows_path, [row])
         _echo(row)
+        if crashed:
+            os._exit(RESTART)
     return 0
 
 

@@ -1,14 +1,10 @@
-"""What ``python -m bench session`` prints and decides: ratios within the run, the targets, the summary table.
+"""What ``python -m bench session`` prints and decides: ratios within the run, the targets (issue 33), the summary.
 
-Ratios are taken against a row of the same session (and, for W1-W3, of the same process): TRL's at the same
-workload, the cuBLAS floor's, the full-vocabulary head's (kept sets), fastrl's eager step (compile). Targets
-(issue 33): the fastest fastrl row at each of W1 <= 0.75x TRL's time, W1-lp <= 0.95x (log-probs for an arbitrary
-loss recompute the logits in the backward on every design that stores nothing: ``python -m bench roofline``),
-W2 <= 0.85x, W2-lp <= 0.9x, W3 <= 0.95x, among the implementations that passed the float64 checks (and in any
-launch configuration: the defaults follow the fastest, ``python -m bench defaults``); the divergence <= 0.8x at
-each beta and implementation; the GRPOTrainer step (W4) <= 0.95x; memory no worse than main 8f83654 measured on
-the H200 (W1 two pass 0.18x TRL's extra memory, one pass
-0.83x); the kept-set head at K=64 <= 0.15x the full head's time (Zipf sets, W1 and W2 shapes).
+Ratios are against a row of the same session (W1-W3: of the same process): TRL's at the same workload, the cuBLAS
+floor's, the full-vocabulary head's (kept sets), fastrl's eager step (compile). A W1-W3 target is judged on the fastest
+fastrl row among the implementations that passed the float64 checks, in any launch configuration (the defaults follow
+the fastest: ``python -m bench defaults``); W1-lp's limit is loose because log-probs for an arbitrary loss recompute
+the logits in the backward on every design that stores nothing (``python -m bench roofline``).
 """
 
 from __future__ import annotations
@@ -19,9 +15,13 @@ LMHEAD = ("tournament", "configs", "autotune")
 TIME_TARGETS = (("W1", 0.75), ("W1-lp", 0.95), ("W2", 0.85), ("W2-lp", 0.9), ("W3", 0.95))
 # (workload, provider, path, max extra memory vs TRL): main 8f83654 on the H200, 513 / 2887 MB and 2387 / 2887 MB
 MEM_TARGETS = (("W1", "fastrl", "two pass", 0.18), ("W1", "fastrl-fused", "one pass", 0.83))
-DIVERGENCE_TARGET = 0.8
-KEPT_TARGET = 0.15
-W4_TARGET = 0.95
+# one target per row: (section, provider, target name, ratio, limit, what it judges); the divergence at each beta and
+# implementation, the GRPOTrainer step, the kept-set head at K=64 (Zipf sets, W1 and W2 shapes)
+ROW_TARGETS = (
+    ("divergence", "fastrl", "divergence {workload} time vs TRL{impl}", "trl", 0.8, "fused_divergence{impl}"),
+    ("w4", "fastrl", "{workload} step time vs TRL", "trl", 0.95, "GRPOTrainer step"),
+    ("keptset", "kept-zipf", "{workload} K=64 time vs the full head", "full", 0.15, "kept set (Zipf ids)"),
+)
 
 
 def _ok(r: dict) -> bool:
@@ -32,32 +32,28 @@ def _ms(r: dict) -> float:
     return r["total_ms"]["median"]
 
 
-def _versus(rows: list[dict], sections: tuple, ref_provider: str, ref_section: str | None, name: str) -> None:
-    """``time_vs_<name>`` / ``mem_vs_<name>`` of every ok row of ``sections`` against the ``ref_provider`` row of the
-    same workload (in ``ref_section`` when given)."""
-    ref = {r["workload"]: r for r in rows if r.get("provider") == ref_provider and _ok(r)
-           and r["section"] == (ref_section or r["section"]) and r["section"] in sections}
-    for r in rows:
-        b = ref.get(r.get("workload"))
-        if r["section"] not in sections or not _ok(r) or b is None or r is b:
-            continue
-        r[f"time_vs_{name}"] = _ms(r) / _ms(b)
-        if r.get("extra_mb") is not None and b.get("extra_mb"):
-            r[f"mem_vs_{name}"] = r["extra_mb"] / b["extra_mb"]
-
-
 def add_ratios(rows: list[dict]) -> None:
-    _versus(rows, LMHEAD, "trl", "tournament", "trl")
+    """``time_vs_<ref>`` / ``mem_vs_<ref>`` of each ok row against its reference row (the same workload, provider
+    ``ref``), ``floor_fraction`` against the cuBLAS floor and ``tflops``."""
+    for sections, ref_provider, ref_section, name in ((LMHEAD, "trl", "tournament", "trl"),
+                                                       (("divergence",), "trl", None, "trl"),
+                                                       (("keptset",), "full", None, "full"),
+                                                       (("compile",), "fastrl-eager", None, "eager"),
+                                                       (("w4",), "trl", None, "trl")):
+        ref = {r["workload"]: r for r in rows if r.get("provider") == ref_provider and _ok(r)
+               and r["section"] == (ref_section or r["section"]) and r["section"] in sections}
+        for r in rows:
+            b = ref.get(r.get("workload"))
+            if r["section"] in sections and _ok(r) and b is not None and r is not b:
+                r[f"time_vs_{name}"] = _ms(r) / _ms(b)
+                if r.get("extra_mb") is not None and b.get("extra_mb"):
+                    r[f"mem_vs_{name}"] = r["extra_mb"] / b["extra_mb"]
     floor = {r["workload"]: r for r in rows if r.get("provider") == "cublas" and _ok(r)}
     for r in rows:
         if r["section"] in LMHEAD and _ok(r) and r["workload"] in floor and r.get("provider") != "cublas":
             r["floor_fraction"] = _ms(floor[r["workload"]]) / _ms(r)
         if r.get("flops") and _ok(r):
             r["tflops"] = r["flops"] / (_ms(r) * 1e-3) / 1e12
-    _versus(rows, ("divergence",), "trl", None, "trl")
-    _versus(rows, ("keptset",), "full", None, "full")
-    _versus(rows, ("compile",), "fastrl-eager", None, "eager")
-    _versus(rows, ("w4",), "trl", None, "trl")
 
 
 def checks_passed(rows: list[dict]) -> dict[str, bool]:
@@ -84,60 +80,57 @@ def _fastest(rows: list[dict], workload: str, passed: dict, providers=None) -> d
     return min(cands, key=_ms) if cands else None
 
 
+def _auto_today(rows: list[dict], wl: str) -> dict | None:
+    """The tournament row of what ``backend='auto'`` picks today at ``wl`` (the one-pass loss first)."""
+    mine = [r for r in rows if r["section"] == "tournament" and r["workload"] == wl and _ok(r)
+            and r.get("implementation") == r.get("auto") and "time_vs_trl" in r]
+    return next((r for r in mine if r["provider"] == "fastrl-fused"), mine[0] if mine else None)
+
+
 def targets(rows: list[dict], con=None, smoke: bool = False) -> dict:
     """Each target: the row it is judged on, its value, PASS / FAIL, or why it was not evaluated."""
     passed = checks_passed(rows)
     out = {}
 
     def report(name: str, value, limit: float, what: str, extra: str = "") -> None:
-        res = {"value": value, "target": limit, "pass": value is not None and value <= limit, "row": what}
-        out[name] = res
+        out[name] = {"value": value, "target": limit, "pass": value is not None and value <= limit, "row": what}
         if con is None:
             return
         if value is None:
             con.print(f"[yellow]{name}: not evaluated ({what}); target <= {limit:.2f}x[/yellow]")
         else:
-            verdict = "[green]PASS[/green]" if res["pass"] else "[red]FAIL[/red]"
+            verdict = "[green]PASS[/green]" if out[name]["pass"] else "[red]FAIL[/red]"
             con.print(f"{name}: {what} {value:.2f}x (target <= {limit:.2f}x): {verdict}{extra}")
 
     for wl, limit in TIME_TARGETS:
-        best = _fastest(rows, wl, passed)
-        default = next((r for r in rows if r["section"] == "tournament" and r["workload"] == wl and _ok(r)
-                        and r.get("implementation") == r.get("auto") and r["provider"] == "fastrl-fused"
-                        and "time_vs_trl" in r), None) or next(
-            (r for r in rows if r["section"] == "tournament" and r["workload"] == wl and _ok(r)
-             and r.get("implementation") == r.get("auto") and "time_vs_trl" in r), None)
-        extra = f"; backend='auto' today: {_label(default)} {default['time_vs_trl']:.2f}x" if default else ""
+        best, auto = _fastest(rows, wl, passed), _auto_today(rows, wl)
+        extra = f"; backend='auto' today: {_label(auto)} {auto['time_vs_trl']:.2f}x" if auto else ""
         report(f"{wl} time vs TRL", best and best["time_vs_trl"], limit,
                _label(best) if best else "no fastrl or TRL row", extra)
     for wl, prov, path, limit in MEM_TARGETS:
         best = _fastest(rows, wl, passed, providers=(prov,))
-        value = best.get("mem_vs_trl") if best else None
-        report(f"{wl} {path} extra memory vs TRL", value, limit, _label(best) if best else "no row")
+        report(f"{wl} {path} extra memory vs TRL", best and best.get("mem_vs_trl"), limit,
+               _label(best) if best else "no row")
     for r in rows:
-        if r["section"] == "divergence" and r["provider"] == "fastrl":
-            impl = f" ({r['implementation']})" if r.get("implementation") else ""
-            report(f"divergence {r['workload']} time vs TRL{impl}", r.get("time_vs_trl"), DIVERGENCE_TARGET,
-                   f"fused_divergence{impl}" if "time_vs_trl" in r else "no fastrl or TRL row")
-        if r["section"] == "w4" and r["provider"] == "fastrl":
-            report(f"{r['workload']} step time vs TRL", r.get("time_vs_trl"), W4_TARGET,
-                   "GRPOTrainer step" if "time_vs_trl" in r else "no fastrl or TRL row")
-        if r["section"] == "keptset" and r["provider"] == "kept-zipf":
-            report(f"{r['workload']} K=64 time vs the full head", r.get("time_vs_full"), KEPT_TARGET,
-                   "kept set (Zipf ids)" if "time_vs_full" in r else "no kept or full row")
-    for impl, ok in passed.items():
-        if con is not None:
-            con.print(f"float64 checks, {impl}: " + ("[green]PASS[/green]" if ok else "[red]FAIL[/red] (it cannot "
-                                                                                      "become a default)"))
-    if smoke and con is not None:
-        con.print("[yellow](smoke run: tiny shapes, interpreted kernels: these verdicts check the plumbing and mean "
-                  "nothing)[/yellow]")
+        for section, prov, name, ref, limit, what in ROW_TARGETS:
+            if r["section"] == section and r["provider"] == prov:
+                impl = f" ({r['implementation']})" if r.get("implementation") else ""
+                value = r.get(f"time_vs_{ref}")
+                report(name.format(workload=r["workload"], impl=impl), value, limit,
+                       what.format(impl=impl) if value is not None else f"no {prov} or {ref} row")
+    if con is not None:
+        for impl, ok in passed.items():
+            con.print(f"float64 checks, {impl}: " + ("[green]PASS[/green]" if ok else
+                                                     "[red]FAIL[/red] (it cannot become a default)"))
+        if smoke:
+            con.print("[yellow](smoke run: tiny shapes, interpreted kernels: these verdicts check the plumbing and "
+                      "mean nothing)[/yellow]")
     return out
 
 
 def print_summary(con, rows: list[dict], title: str) -> None:
-    """W1-W3: every tournament row, and per (workload, implementation, provider) the best candidate configuration
-    and autotune; then the other sections' rows; failures and skips last, one line each."""
+    """Every ok row but the checks, the configs as the best candidate per (workload, implementation, provider); then
+    the failures and skips, one line each."""
     from rich.markup import escape
     from rich.table import Table
 
@@ -145,28 +138,19 @@ def print_summary(con, rows: list[dict], title: str) -> None:
     for c in ("section", "workload", "who", "ms [min-max]", "x TRL", "% floor", "extra MB", "x TRL mem", "error"):
         tab.add_column(c, justify="left" if c in ("section", "workload", "who", "error") else "right")
     best: dict[tuple, dict] = {}
-    for r in rows:
-        if r["section"] in ("configs",) and _ok(r):
-            key = (r["workload"], r.get("implementation"), r["provider"])
-            if key not in best or _ms(r) < _ms(best[key]):
-                best[key] = r
-    shown = [r for r in rows if r["section"] != "configs" and r["section"] != "checks"] + list(best.values())
-    for r in shown:
-        if not _ok(r):
-            continue
-        t = r["total_ms"]
+    for r in (r for r in rows if r["section"] == "configs" and _ok(r)):
+        key = (r["workload"], r.get("implementation"), r["provider"])
+        best[key] = min(best.get(key, r), r, key=_ms)
+    for r in [r for r in rows if r["section"] not in ("configs", "checks") and _ok(r)] + list(best.values()):
+        t, x = r["total_ms"], r.get("time_vs_trl") or r.get("time_vs_full") or r.get("time_vs_eager")
         err = ", ".join(f"{k} {v:.1e}" for k, v in (r.get("error") or {}).items() if not k.endswith("_torch"))
         tab.add_row(r["section"], r["workload"], escape(_label(r)),
-                    f"{t['median']:.2f} [{t['min']:.2f}-{t['max']:.2f}]",
-                    _x(r.get("time_vs_trl") or r.get("time_vs_full") or r.get("time_vs_eager")),
+                    f"{t['median']:.2f} [{t['min']:.2f}-{t['max']:.2f}]", f"{x:.2f}x" if x else "",
                     f"{100 * r['floor_fraction']:.0f}" if "floor_fraction" in r else "",
-                    f"{r['extra_mb']:.0f}" if r.get("extra_mb") is not None else "", _x(r.get("mem_vs_trl")), err)
+                    f"{r['extra_mb']:.0f}" if r.get("extra_mb") is not None else "",
+                    f"{r['mem_vs_trl']:.2f}x" if r.get("mem_vs_trl") is not None else "", err)
     con.print(tab)
     for r in rows:
-        if not _ok(r) and r["section"] != "checks" or (r["section"] == "checks" and not r.get("pass", False)):
+        if not r.get("pass", False) if r["section"] == "checks" else not _ok(r):
             con.print(f"[dim]{r['section']} {r.get('workload', '')} {escape(_label(r))}: {r.get('status')} "
                       f"{escape(str(r.get('reason', '')))[:200]}[/dim]")
-
-
-def _x(v) -> str:
-    return f"{v:.2f}x" if v is not None else ""

@@ -1,17 +1,13 @@
-"""Running one section of ``python -m bench session``: its measuring processes, their watchdog, the circuit breaker.
+"""The benchmarks' harness: measuring processes (``python -m bench.session_points``), their rows, their watchdog.
 
-Each section's points run in ``python -m bench.session_points`` processes (one, unless a point breaks one), every row
-appended to the run's rows file as it finishes; this module watches them: a point past its bound (``bounds``, from
-``bench.session.point_bounds``) has its process group killed (a ``timeout`` row), a process that dies gives its
-point an ``error`` row, and after either that implementation's (or provider's) points left in the section are
-skipped with the reason and a fresh process takes the rest. ``run`` is the ``bench.session.SessionRun`` of the
-command (device, smoke, costs, the rows file, a scratch folder, the console), or a ``Fresh`` run: the other commands
-(``run``, ``c1``, ``gpu``, ``w4``, ``w5``, ``keptset``, ``divergence``) measure each point in a fresh process of the
-same kind through ``run_fresh``, under the same watchdog.
+``run_points`` runs one section of ``python -m bench session`` in as few processes as it takes; ``run_fresh`` runs
+the other commands' points one fresh process each, under the same watchdog (docs/gpu-window.md, Faults).
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import itertools
 import json
 import os
@@ -23,6 +19,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Iterator
 
 __all__ = ["RESTART", "Fresh", "append_rows", "run_fresh", "run_points", "stub"]
@@ -112,28 +109,16 @@ def _watch(proc, tail: _Tail, bounds: dict, deadline: float, grace: float) -> tu
         time.sleep(0.2)
 
 
-def _load_prctl():
-    try:
-        import ctypes
-
-        return ctypes.CDLL("libc.so.6").prctl
-    except (OSError, AttributeError):  # not Linux: the watchdog and the deadline still bound the processes
-        return None
-
-
-_PRCTL = _load_prctl()  # looked up here, not in the forked child (no import between fork and exec)
-
-
-def _die_with_parent() -> None:
-    """In the measuring process before it starts (Linux): SIGKILL when the session's thread that started it dies, so a
-    session killed at a call's limit leaves no measuring process behind (it runs in its own process group, which the
-    watchdog kills whole, so a kill of the caller's group would not reach it)."""
-    if _PRCTL is not None:
-        _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+try:  # looked up here, not in the forked child (no import between fork and exec)
+    _PRCTL = ctypes.CDLL("libc.so.6").prctl
+except (OSError, AttributeError):  # not Linux: the watchdog and the deadline still bound the processes
+    _PRCTL = None
 
 
 def _process(name: str, todo: list[dict], deadline: float, run, tail: _Tail, bounds: dict):
-    """One measuring process over ``todo``: (how it ended, why, its last stderr line)."""
+    """One measuring process over ``todo``: (how it ended, why, its exit code, its last stderr line). On Linux it is
+    killed when the session's thread that started it dies (PR_SET_PDEATHSIG): a session killed at a call's limit leaves
+    no measuring process behind, though it runs in a process group of its own (which the watchdog kills whole)."""
     spec_path = run.work / f"{name}.spec.json"
     spec_path.write_text(json.dumps({"device": run.device, "smoke": run.smoke, "points": todo, "deadline": deadline,
                                      "rows": str(run.rows_path)}))
@@ -141,7 +126,8 @@ def _process(name: str, todo: list[dict], deadline: float, run, tail: _Tail, bou
     with open(err_path, "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "bench.session_points", str(spec_path)], cwd=REPO_ROOT,
                                 env=_child_env(run.interpret), stderr=err, stdout=err if run.quiet else None,
-                                start_new_session=True, preexec_fn=_die_with_parent)
+                                start_new_session=True,
+                                preexec_fn=None if _PRCTL is None else functools.partial(_PRCTL, 1, signal.SIGKILL))
         how, why = _watch(proc, tail, bounds, deadline, run.costs.grace)
     lines = [ln for ln in err_path.read_text(errors="replace").splitlines() if ln.strip()]
     return how, why, proc.returncode, (lines or ["no output"])[-1][:300]
@@ -191,11 +177,6 @@ def run_points(name: str, pts: list[dict], deadline: float, run, bounds: dict) -
 
 
 @dataclass
-class _Costs:
-    grace: float = 0.0
-
-
-@dataclass
 class Fresh:
     """What ``run_points`` needs of a command that is not a session: one point per process, its rows file and the
     processes' specs in a scratch folder, their output kept out of the console (the command prints its own lines)."""
@@ -204,7 +185,7 @@ class Fresh:
     smoke: bool = False
     interpret: bool = False
     quiet: bool = True
-    costs: _Costs = field(default_factory=_Costs)
+    costs: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(grace=0.0))  # no deadline
     work: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="fastrl-bench-")))
     ids: Iterator[int] = field(default_factory=itertools.count)  # points are numbered across calls on one run
 
