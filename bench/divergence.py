@@ -1,11 +1,8 @@
-"""``python -m bench divergence``: forward + backward of the mean per-token divergence between a student's and a
-teacher's LM head at beta 0, 0.5, 1 (issue 21), and the policy loss with the exact reference KL against k3 (issue
-26, workload KL-exact). The providers, shapes, FLOPs, errors and targets: docs/benchmarks.md, "Kept sets and the
-divergence".
+"""``python -m bench divergence``: a student's LM head against a teacher's, forward + backward, beta 0 / 0.5 / 1
+(issue 21), and the policy loss's exact reference KL against k3 (issue 26); what each row measures:
+docs/benchmarks.md, "python -m bench divergence".
 
-    python -m bench divergence             # CUDA: N=16384, H=896, teacher 1536, V=151936, bf16; CPU: N=1024, H=256,
-                                           #       teacher 384, V=65536, float32
-    python -m bench divergence --quick     # CPU: N=512
+    python -m bench divergence --quick     # CPU: N=512 (default 1024), H=256, teacher 384, V=65536
     python -m bench divergence --beta 0.5 --providers fastrl,trl
 """
 
@@ -223,10 +220,13 @@ def _interleaved(wl: DivWorkload, spec: dict, inp: dict, device: torch.device) -
     ops = {p: _op(wl, p, spec.get("options", {})) for p in KL_PROVIDERS}
     states = {p: ops[p].prepare(inp) for p in KL_PROVIDERS}
     times: dict[str, list[float]] = {p: [] for p in KL_PROVIDERS}
+
+    def step(p: str) -> None:
+        torch.autograd.grad(ops[p].forward(states[p])["loss"], states[p]["wrt"])
+
     for _ in range(max(5, spec["reps"])):
-        for p, op in ops.items():
-            times[p].append(wall_ms(lambda: torch.autograd.grad(op.forward(states[p])["loss"], states[p]["wrt"]),
-                                    device.type == "cuda"))
+        for p in KL_PROVIDERS:
+            times[p].append(wall_ms(step, device.type == "cuda", p))
     return {"k3_ms": statistics.median(times["k3"]), "exact_ms": statistics.median(times["exact"]),
             "ratio": statistics.median(e / k for e, k in zip(times["exact"], times["k3"])), "reps": len(times["k3"]),
             "k3_all_ms": times["k3"], "exact_all_ms": times["exact"]}
@@ -305,9 +305,9 @@ def cli(args, device: str, con) -> int:
     if tokens:
         wls = [replace(w, N=tokens, note=f"{w.note}; N set by --tokens") for w in wls]
     provs = [p.strip() for p in (args.providers or ",".join(PROVIDERS)).split(",") if p.strip()]
-    if any(p not in PROVIDERS for p in provs):
-        con.print(f"[red]unknown divergence provider(s) {[p for p in provs if p not in PROVIDERS]}; choose from "
-                  f"{', '.join(PROVIDERS)}[/red]")
+    bad = [p for p in provs if p not in PROVIDERS]
+    if bad:
+        con.print(f"[red]unknown divergence provider(s) {bad}; choose from {', '.join(PROVIDERS)}[/red]")
         return 2
     if any(p in KL_PROVIDERS for p in provs):
         wls = wls + kl_workloads(device, quick=args.quick, smoke=args.smoke)

@@ -1,7 +1,7 @@
-"""``python -m bench keptset``: ``fastrl.fused_logprobs`` forward + backward over a kept set (``support=KeptSet``, K
-ids per token, both plans of the engine; ``support=SamplerRule(top_k=64)``) and ``fastrl.policy_loss`` over one,
-against the full vocabulary on the same inputs, one point per fresh process (issues 26 and 34). The rows, the sets,
-the shapes and the targets: docs/benchmarks.md, "Kept sets and the divergence"."""
+"""``python -m bench keptset``: ``fused_logprobs`` and ``policy_loss`` forward + backward over kept sets
+(``support=KeptSet`` with both plans of the engine, ``support=SamplerRule``) against the full vocabulary on the same
+inputs, one point per fresh process (issues 26 and 34); what each row measures: docs/benchmarks.md,
+"python -m bench keptset"."""
 
 from __future__ import annotations
 
@@ -50,12 +50,12 @@ def make_sets(N: int, V: int, K: int, kind: str, device: torch.device, seed: int
     return fastrl.KeptSet.from_padded(ids, V), ids[torch.arange(N, device=device), pick]
 
 
-def wall_ms(fn, cuda: bool = False) -> float:
-    """One call of ``fn``: its wall time (ms), the device synchronised before and after on CUDA."""
+def wall_ms(fn, cuda: bool = False, *args) -> float:
+    """One call ``fn(*args)``: its wall time (ms), the device synchronised before and after on CUDA."""
     if cuda:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    fn()
+    fn(*args)
     if cuda:
         torch.cuda.synchronize()
     return (time.perf_counter() - t0) * 1e3
@@ -64,10 +64,6 @@ def wall_ms(fn, cuda: bool = False) -> float:
 def verdict(con, text: str, ok: bool) -> None:
     con.print(f"{text} " + ("[green]PASS[/green]" if ok else "[red]FAIL[/red]"))
 
-
-# ---------------------------------------------------------------------------------------------------------------
-# One point, in this (fresh) process
-# ---------------------------------------------------------------------------------------------------------------
 
 def run_point(spec: dict) -> dict:
     """The point's step (``ms``: the median of ``ms_all``), its extra peak memory (CUDA: allocated over the inputs,
@@ -114,59 +110,43 @@ def run_point(spec: dict) -> dict:
 
 
 def _step(spec: dict, hidden, weight, targets, ks, res: dict):
-    """The measured step of the point's mode; a kept-set row records in ``res`` the plan it runs and its logits per
-    token."""
+    """The measured step of the point's mode (docs/benchmarks.md); a kept-set row records in ``res`` the plan it runs
+    and its logits per token."""
     import fastrl
 
-    mode, backend = spec["mode"], spec.get("backend")
-    if mode.startswith("loss"):
-        return _loss_step(spec, hidden, weight, targets, ks if mode == "loss-kept" else None)
-    sync = False if mode == "nosync" else None
+    mode, backend, sync = spec["mode"], spec.get("backend"), False if spec["mode"] == "nosync" else None
+    support = None if mode in ("full", "loss") else ks.with_overlap(True if spec.get("plan_kind") == "union" else None)
     if mode in RULE_MODES:
         kw, replay_only = RULE_MODES[mode]
         support = fastrl.SamplerRule(top_k=spec["K"], **kw)
         if replay_only:
             return lambda: fastrl.replay_rule(hidden.detach(), weight.detach(), targets, support, backend=backend)
-    elif mode != "full":
-        support = ks.with_overlap(True if spec.get("plan_kind") == "union" else None)
+    elif mode in KEPT_MODES:
         choice = support.describe_plan(host_sync=sync is None)
         res.update(plan=choice.kind, logits_per_token=choice.per_token(), plan_text=str(choice))
-    else:
-        support = None
+    if not mode.startswith("loss"):
+        def logprob_step():
+            logp, ent = fastrl.fused_logprobs(hidden, weight, targets, support=support, backend=backend,
+                                              host_sync=sync)
+            torch.autograd.grad(logp.sum() + 0.01 * ent.sum(), [hidden, weight])
 
-    def step():
-        logp, ent = fastrl.fused_logprobs(hidden, weight, targets, support=support, backend=backend, host_sync=sync)
-        torch.autograd.grad(logp.sum() + 0.01 * ent.sum(), [hidden, weight])
-
-    return step
-
-
-def _loss_step(spec: dict, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, support):
-    """One forward + backward of the policy loss over 4 sequences of N/4 tokens (with the support, if any)."""
-    import fastrl
-
-    N = hidden.shape[0]
-    B = 4 if N % 4 == 0 else 1
+        return logprob_step
+    B = 4 if len(targets) % 4 == 0 else 1  # the policy loss over 4 sequences of N/4 tokens
     g = torch.Generator().manual_seed(2)
-    h, t = hidden.view(B, N // B, -1), targets.view(B, N // B)
-    mask = torch.ones(B, N // B, dtype=torch.bool, device=h.device)
-    adv = torch.randn(B, generator=g).to(h.device)
+    h, t = hidden.view(B, -1, hidden.shape[-1]), targets.view(B, -1)
+    mask, adv = torch.ones_like(t, dtype=torch.bool), torch.randn(B, generator=g).to(h.device)
     with torch.no_grad():
-        old, _ = fastrl.fused_logprobs(h, weight, t, support=support, with_entropy=False)
-    ref = old - 0.1 * torch.rand(B, N // B, generator=g).to(h.device)
+        old = fastrl.fused_logprobs(h, weight, t, support=support, with_entropy=False)[0]
+    ref = old - 0.1 * torch.rand(t.shape, generator=g).to(h.device)
     config = fastrl.PolicyLossConfig(loss_type="dapo", beta=0.04, entropy_coef=0.01)
 
-    def step():
+    def loss_step():
         loss, _ = fastrl.policy_loss(h, weight, t, adv, mask, config=config, old_logprobs=old, ref_logprobs=ref,
-                                     support=support, backend=spec.get("backend"))
+                                     support=support, backend=backend)
         torch.autograd.grad(loss, [hidden, weight])
 
-    return step
+    return loss_step
 
-
-# ---------------------------------------------------------------------------------------------------------------
-# The points and the command
-# ---------------------------------------------------------------------------------------------------------------
 
 def points(device: str, smoke: bool, quick: bool) -> list[dict]:
     """Per shape: the full path, K in KS x both kinds of sets, the rule rows, both plans (eager and without host reads,
