@@ -23,7 +23,6 @@ SMOKE_SHAPES = [("smoke-kept", 64, 32, "float32")]
 KEPT_MODES = ("kept", "nosync")  # eager and without host reads; a point's "plan_kind": "union" forces union tiles
 # mode -> the SamplerRule's other arguments (top_k is the point's K) and whether the point times replay_rule alone
 RULE_MODES = {"rule": ({}, False), "replay": ({}, True), "rule-p": ({"top_p": 0.95}, False)}
-BASE_MODE = {"loss-kept": "loss", "loss": "loss"}  # each row's ratio is against the full-vocabulary row of its kind
 KEPT_TARGET = 0.08  # issue 34: K=64, disjoint and Zipf sets, both plans, fwd + bwd time against the full path's
 RULE_TARGET = 0.25  # issue 34: support=SamplerRule(top_k=64), fwd + bwd, at <= 1.1x the full path's memory
 
@@ -180,7 +179,7 @@ def _with_ratios(row: dict, rows: list[dict]) -> dict:
     def find(**kw):
         return next((x for x in rows if "ms" in x and all(x.get(k) == v for k, v in kw.items())), None)
 
-    full = find(shape=row["shape"], mode=BASE_MODE.get(row["mode"], "full"))
+    full = find(shape=row["shape"], mode="loss" if row["mode"].startswith("loss") else "full")
     if full and "ms" in row:
         row["time_vs_full"] = row["ms"] / full["ms"]
         row["mem_vs_full"] = row["peak_extra_mb"] / full["peak_extra_mb"] if full["peak_extra_mb"] > 0 else None
