@@ -119,46 +119,38 @@ def _inputs(wl: DivWorkload, device: torch.device, seed: int) -> dict:
 
 
 def _op(wl: DivWorkload, provider: str, opts: dict) -> Op:
-    """One provider's timed forward: the loss, and the per-token divergence where it returns one (kept as the
-    measuring code keeps a log-prob row, for its error); gradients to the student's hidden states and head."""
+    """One provider's timed forward: the loss, and the per-token divergence where it returns one (kept where the
+    measuring code keeps log-probs, for its error); gradients to the student's hidden states and head."""
     import fastrl
     from fastrl.reference import divergence_reference
 
-    backend, heads = opts.get("fastrl_backend"), ("hidden", "weight", "teacher_hidden", "teacher_weight")
-    if provider in ("fastrl", "fastrl-kept64", "torch"):
-        def run(st):
-            if provider == "torch":
-                div = divergence_reference(*(st[k] for k in heads), beta=wl.beta, mask=st["mask"])[0]
-            else:
-                div = fastrl.fused_divergence(*(st[k] for k in heads), beta=wl.beta, mask=st["mask"], backend=backend,
-                                              support=st["support"] if provider == "fastrl-kept64" else None)
-            return div.sum() / st["mask"].sum(), div
-    elif provider in KL_PROVIDERS:
-        config = fastrl.PolicyLossConfig(loss_type="dapo", beta=wl.beta, kl_estimator=provider)
-
-        def run(st):
-            ref = (dict(ref_logprobs=st["ref"]) if provider == "k3" else
-                   dict(ref_hidden=st["teacher_hidden"], ref_weight=st["teacher_weight"]))
-            return fastrl.policy_loss(st["hidden"], st["weight"], st["targets"], st["advantages"], st["mask"],
-                                      config=config, old_logprobs=st["old"], backend=backend, **ref)[0], None
-    elif provider == "trl":
+    beta, backend = wl.beta, opts.get("fastrl_backend")
+    if provider == "trl":
         from trl.trainer.distillation_trainer import _chunked_divergence_loss
-
-        def run(st):
-            return _chunked_divergence_loss(*(st[k] for k in ("hidden", "teacher_hidden", "weight", "teacher_weight",
-                                                              "mask")), wl.beta)[0], None
     elif provider == "liger":
         from liger_kernel.transformers import LigerFusedLinearJSD
 
-        jsd = LigerFusedLinearJSD(jsd_beta=wl.beta)
-
-        def run(st):
-            return jsd(*(st[k] for k in heads), None), None
-    else:
+        jsd = LigerFusedLinearJSD(jsd_beta=beta)
+    elif provider in KL_PROVIDERS:
+        config = fastrl.PolicyLossConfig(loss_type="dapo", beta=beta, kl_estimator=provider)
+    elif provider not in ("fastrl", "fastrl-kept64", "torch"):
         raise ValueError(f"unknown divergence provider {provider!r}; one of {PROVIDERS}")
 
     def forward(st):
-        loss, div = run(st)
+        h, w, th, tw, div = st["hidden"], st["weight"], st["teacher_hidden"], st["teacher_weight"], None
+        if provider == "trl":
+            loss = _chunked_divergence_loss(h, th, w, tw, st["mask"], beta)[0]
+        elif provider == "liger":
+            loss = jsd(h, w, th, tw, None)
+        elif provider in KL_PROVIDERS:
+            ref = dict(ref_logprobs=st["ref"]) if provider == "k3" else dict(ref_hidden=th, ref_weight=tw)
+            loss = fastrl.policy_loss(h, w, st["targets"], st["advantages"], st["mask"], config=config,
+                                      old_logprobs=st["old"], backend=backend, **ref)[0]
+        else:
+            div = (divergence_reference(h, w, th, tw, beta=beta, mask=st["mask"])[0] if provider == "torch" else
+                   fastrl.fused_divergence(h, w, th, tw, beta=beta, mask=st["mask"], backend=backend,
+                                           support=st["support"] if provider == "fastrl-kept64" else None))
+            loss = div.sum() / st["mask"].sum()
         return {"loss": loss, "logp": div, "entropy": None}
 
     return Op(forward, lambda inp: {**inp, "wrt": (inp["hidden"], inp["weight"])}, needs_grad=True,
