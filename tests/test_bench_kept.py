@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from bench import divergence, keptset
+from bench.lmhead import add_ratios
 
 
 @pytest.mark.parametrize("mode", ["nosync", "loss", "loss-kept"])
@@ -63,7 +64,7 @@ def test_exact_kl_rows_and_targets():
                 "seed": 1}
         rows.append({"workload": wl.name, "provider": p, **asdict(wl), **divergence.run_point(spec)})
     assert all(r["status"] == "ok" for r in rows)
-    divergence._ratios(rows)
+    add_ratios(rows, divergence.REFERENCES)
     exact = rows[1]
     assert exact["time_vs_k3"] == pytest.approx(exact["total_ms"]["median"] / rows[0]["total_ms"]["median"])
     inter = exact["interleaved"]  # k3 and exact alternately in the exact row's process: the ratio judged
