@@ -1,19 +1,11 @@
 """``python -m bench sass``: compile every kernel at its default launch configuration for a GPU, without a GPU.
 
-Triton compiles for any NVIDIA target on any machine (``triton.compile`` with a ``GPUTarget``), and the
-``cuobjdump`` it ships reads the machine code back. Per kernel, variant and configuration this prints what
-decides its speed before it ever runs: registers per thread, stack bytes and spill loads/stores (``LDL`` /
-``STL``: registers that did not fit, each a round trip to local memory), shared memory (one tile per pipeline
-stage when the H loop is software-pipelined), tensor-core instructions (``HGMMA``, Hopper's warpgroup MMA)
-and TMA loads and stores (``UTMALDG`` / ``UTMASTG``); ``HMMA`` (``mma.sync``) before Hopper. A kernel whose
-shared memory exceeds the 227 KB a block may have on sm_90 fails too (it would not launch).
+``triton.compile`` with a ``GPUTarget``, and the ``cuobjdump`` Triton ships, give per kernel and variant: registers,
+stack and spill loads/stores (``LDL`` / ``STL``), shared memory (over the 227 KB a block may have on sm_90 it would
+not launch), tensor-core (``HGMMA``; ``HMMA`` before Hopper) and TMA (``UTMALDG`` / ``UTMASTG``) instruction counts.
+Exits 1 when a checked variant spills or a bf16/fp16 matmul kernel has no HGMMA (docs/design.md, "On the GPU").
 
-It exits non-zero when a *checked* variant (the ones real models use) spills, or when a matmul kernel has no
-HGMMA at bf16/fp16. The test-suite runs it for sm_90 (compile only, nothing is timed).
-
-    python -m bench sass                 sm_90, every kernel and variant (about a minute on 2 cores)
-    python -m bench sass --arch 80       another target (no check there: the table is tuned for sm_90)
-    python -m bench sass --only stats    kernels whose name contains 'stats'
+    python -m bench sass [--arch 80] [--only stats] [--checked-only]
 """
 
 from __future__ import annotations

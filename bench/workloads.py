@@ -183,25 +183,18 @@ def smoke_workloads() -> list[Workload]:
     return [tiny(w) for w in (C1, _W1, C1_LOSS, _W3)] + sweep
 
 
+def _matches(wl: Workload, key: str) -> bool:
+    name = wl.name.lower()
+    return (key in (name, name.removesuffix("-smoke"), wl.group) or (key.endswith("*") and name.startswith(key[:-1]))
+            or (key == "sweeps" and wl.group.startswith("sweep")) or (name.split("-")[0] == key and wl.group == "core"))
+
+
 def select(workloads: list[Workload], spec: str | None) -> list[Workload]:
     """Filter by a comma list of names, name prefixes ending in '*', or groups ('core', 'sweep-tokens', 'sweeps')."""
     if not spec:
         return workloads
-    keys = [k.strip() for k in spec.split(",") if k.strip()]
-    out = []
-    for wl in workloads:
-        for k in keys:
-            kl = k.lower()
-            if (
-                wl.name.lower() == kl
-                or wl.name.lower().removesuffix("-smoke") == kl
-                or (kl.endswith("*") and wl.name.lower().startswith(kl[:-1]))
-                or wl.group == kl
-                or (kl == "sweeps" and wl.group.startswith("sweep"))
-                or wl.name.lower().split("-")[0] == kl and wl.group == "core"
-            ):
-                out.append(wl)
-                break
+    keys = [k.strip().lower() for k in spec.split(",") if k.strip()]
+    out = [wl for wl in workloads if any(_matches(wl, k) for k in keys)]
     if not out:
         names = ", ".join(w.name for w in workloads)
         raise SystemExit(f"--workload {spec!r} matches none of: {names} (or groups core, sweeps, sweep-tokens, ...)")
