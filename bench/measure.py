@@ -47,20 +47,10 @@ def rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / MB
 
 
-def _ru_maxrss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
-
-
 def peak_rss_mb() -> float:
-    """This address space's peak RSS since the last reset (VmHWM); getrusage's where /proc is missing."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024.0  # kB
-    except OSError:
-        pass
-    return _ru_maxrss_mb()
+    """This address space's peak RSS since the last reset (VmHWM)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024.0  # kB
 
 
 def reset_peak() -> bool:
@@ -113,8 +103,9 @@ def _cpu_step(op: Op, st: dict):
     grads = torch.autograd.grad(out["loss"], st["wrt"]) if op.needs_grad else None
     t2 = time.perf_counter()
     peak_t = peak_rss_mb()
+    ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
     m = dict(fwd=(t1 - t0) * 1e3, bwd=(t2 - t1) * 1e3, tot=(t2 - t0) * 1e3, fwd_mb=peak_f - base, tot_mb=peak_t - base,
-             base=base, ru=_ru_maxrss_mb() - base, reset=reset)
+             base=base, ru=ru - base, reset=reset)
     return m, out, grads
 
 
