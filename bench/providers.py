@@ -99,15 +99,11 @@ def _wrt(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 def _logprob_loss(logp: torch.Tensor, entropy: torch.Tensor | None) -> torch.Tensor:
     """The logprob workloads' scalar: ``sum(logp) + 0.01 * sum(entropy)`` (C1's definition)."""
-    loss = logp.sum()
-    if entropy is not None:
-        loss = loss + ENTROPY_COEF * entropy.sum()
-    return loss
+    return logp.sum() if entropy is None else logp.sum() + ENTROPY_COEF * entropy.sum()
 
 
 def _need(module: str, name: str):
-    """``module.name`` for a provider's build; ProviderUnavailable naming the import that failed (on the GPU machine
-    TRL or Liger may be absent)."""
+    """``module.name``, or ProviderUnavailable naming the import that failed (TRL or Liger may be absent)."""
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
