@@ -328,18 +328,13 @@ def command(args, con=None) -> int:
         print(f"  {name:8s} {what}")
     print()
     print_columns(table)
-    _print_targets(targets(memory))
-    return 0
-
-
-def _print_targets(rows: list[dict]) -> None:
     head = ("target", "goal", "design", "built", "TFLOP", "GB moved", "implied ms", "baseline ms", "ratio", "on paper",
             "why")
     table = [head] + [(r["target"], f"<= {r['goal']:g}x", "=".join([r["design"]] + r["tied"]),
                        "yes" if r["built"] else "no (paper)",
                        f"{r['tflop']:.2f}", f"{r['gb']:.1f}", f"{r['implied_ms']:.1f}",
                        f"{r['baseline_ms']:.1f} ({r['baseline']})", f"{r['ratio']:.3f}x",
-                       "met" if r["met"] else "NOT met", r["why"]) for r in rows]
+                       "met" if r["met"] else "NOT met", r["why"]) for r in targets(memory)]
     print("\nTargets (issue 33): the fastest modelled fastrl design per target, its ratio computed from the rows above")
     print_columns(table)
-
+    return 0
