@@ -16,7 +16,6 @@ import re
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, replace
 
 # Compiling, not interpreting: Triton decides at decoration time, so this must precede fastrl's kernel imports.
@@ -197,34 +196,27 @@ def compile_spec(spec: Spec, arch: int):
     return compiled, label
 
 
-def _cuobjdump() -> str:
-    import triton
-
-    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(path):
-        raise SystemExit(f"cuobjdump not found at {path}: this Triton wheel does not ship it")
-    return path
-
-
 def inspect(compiled) -> dict:
     """Registers, stack, spills, shared memory and instruction counts of a compiled kernel's cubin."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        raise SystemExit(f"cuobjdump not found at {tool}: this Triton wheel does not ship it")
     with tempfile.TemporaryDirectory(prefix="fastrl-sass-") as tmp:
         path = os.path.join(tmp, "kernel.cubin")
         with open(path, "wb") as f:
             f.write(compiled.asm["cubin"])
-        tool = _cuobjdump()
-        usage = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([tool, "--dump-sass", path], capture_output=True, text=True, check=True).stdout
-    m = re.search(r"REG:(\d+) STACK:(\d+)", usage)
-    return dict(
-        registers=int(m.group(1)), stack=int(m.group(2)),
-        spill_loads=len(re.findall(r"\bLDL\b", sass)), spill_stores=len(re.findall(r"\bSTL\b", sass)),
-        shared=int(compiled.metadata.shared),
-        tensor_core=len(re.findall(r"\bHGMMA\b", sass)) or len(re.findall(r"\bHMMA\b", sass)),
-        tma_loads=len(re.findall(r"\bUTMALDG\b", sass)),
-        tma_stores=len(re.findall(r"\bUTMASTG\b", sass)),
-        ctas_per_sm=ctas_per_sm(int(m.group(1)), int(compiled.metadata.shared), int(compiled.metadata.num_warps)),
-    )
+        usage, sass = (subprocess.run([tool, flag, path], capture_output=True, text=True, check=True).stdout
+                       for flag in ("--dump-resource-usage", "--dump-sass"))
+
+    def count(instruction: str) -> int:
+        return len(re.findall(rf"\b{instruction}\b", sass))
+    registers, stack = map(int, re.search(r"REG:(\d+) STACK:(\d+)", usage).groups())
+    shared, warps = int(compiled.metadata.shared), int(compiled.metadata.num_warps)
+    return dict(registers=registers, stack=stack, spill_loads=count("LDL"), spill_stores=count("STL"), shared=shared,
+                tensor_core=count("HGMMA") or count("HMMA"), tma_loads=count("UTMALDG"), tma_stores=count("UTMASTG"),
+                ctas_per_sm=ctas_per_sm(registers, shared, warps))
 
 
 def ctas_per_sm(registers: int, shared: int, num_warps: int) -> int:
@@ -254,27 +246,31 @@ def verdict(spec: Spec, r: dict, arch: int) -> str:
 
 def command(args, con=None) -> int:
     """``python -m bench sass``: compile for a GPU target (no GPU, no provider needed); 1 on a failed check."""
-    rows, failures, seen = [], [], set()
+    from bench.roofline import print_columns
+
+    table = [("kernel", "variant", "config", "regs", "stack", "LDL", "STL", "smem KB",
+              "HGMMA" if args.arch >= 90 else "HMMA", "TMA ld", "TMA st", "CTA/SM", "check")]
+    failures, seen = [], set()
     for spec in specs():
-        if args.arch < 90 and spec.kernel.startswith("sm90_"):
-            continue  # TMA kernels: the triton-sm90 backend refuses GPUs before Hopper
-        if args.arch < 90 and spec.tma:
-            spec = replace(spec, tma=False)  # no TMA before Hopper: every launch there loads with pointers
-        if spec in seen:
+        if args.arch < 90:  # the triton-sm90 backend refuses GPUs before Hopper, and every launch loads with pointers
+            if spec.kernel.startswith("sm90_"):
+                continue
+            spec = replace(spec, tma=False)
+        if spec in seen or (args.only and args.only not in spec.kernel) or (args.checked_only and not spec.checked):
             continue
         seen.add(spec)
-        if args.only and args.only not in spec.kernel:
-            continue
-        if args.checked_only and not spec.checked:
-            continue
-        t0 = time.perf_counter()
         compiled, cfg = compile_spec(spec, args.arch)
         r = inspect(compiled)
         bad = verdict(spec, r, args.arch)
-        rows.append((spec, cfg, r, bad, time.perf_counter() - t0))
         if bad:
             failures.append(f"{spec.kernel} [{spec.label}] {cfg}: {bad}")
-    _print(rows, args.arch)
+        cells = [f"{r['shared'] / 1024:.0f}" if k == "shared" else str(r[k]) for k in (
+            "registers", "stack", "spill_loads", "spill_stores", "shared", "tensor_core", "tma_loads", "tma_stores",
+            "ctas_per_sm")]
+        table.append((spec.kernel, spec.label, cfg, *cells,
+                      "FAIL" if bad else ("ok" if spec.checked and args.arch >= 90 else "-")))
+    print(f"Kernels compiled for sm_{args.arch} at their default launch configurations (no GPU needed):")
+    print_columns(table)
     if failures:
         print(f"\nFAIL: {len(failures)} checked kernel(s) at their default configuration:", file=sys.stderr)
         for f in failures:
@@ -285,20 +281,3 @@ def command(args, con=None) -> int:
     else:
         print(f"\nsm_{args.arch}: listed only (the launch table is tuned and checked for sm_90).")
     return 0
-
-
-def _print(rows, arch: int) -> None:
-    from bench.roofline import print_columns
-
-    mma = "HGMMA" if arch >= 90 else "HMMA"
-    head = ("kernel", "variant", "config", "regs", "stack", "LDL", "STL", "smem KB", mma, "TMA ld", "TMA st", "CTA/SM",
-            "check")
-    table = [head]
-    for spec, cfg, r, bad, _ in rows:
-        check = "FAIL" if bad else ("ok" if spec.checked and arch >= 90 else "-")
-        table.append((spec.kernel, spec.label, cfg, str(r["registers"]), str(r["stack"]), str(r["spill_loads"]),
-                      str(r["spill_stores"]), f"{r['shared'] / 1024:.0f}", str(r["tensor_core"]), str(r["tma_loads"]),
-                      str(r["tma_stores"]), str(r["ctas_per_sm"]), check))
-    print(f"Kernels compiled for sm_{arch} at their default launch configurations (no GPU needed):")
-    print_columns(table)
-
