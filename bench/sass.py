@@ -91,12 +91,9 @@ class Spec:
     @property
     def label(self) -> str:
         parts = [self.dtype, "tma" if self.tma else "pointers"] if self.matmul else [self.dtype]
-        parts += [x for x, on in (("bias", self.bias), ("softcap", self.softcap)) if on]
-        if not self.entropy:
-            parts.append("no-entropy")
-        if self.store_exp:
-            parts.append("store-exp")
-        return " ".join(parts)
+        flags = (("bias", self.bias), ("softcap", self.softcap), ("no-entropy", not self.entropy),
+                 ("store-exp", self.store_exp))
+        return " ".join(parts + [x for x, on in flags if on])
 
 
 def specs() -> list[Spec]:

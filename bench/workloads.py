@@ -130,12 +130,9 @@ def _sweeps(n_base: int, h_base: int, v_base: int, dtype: str, tokens, vocab, hi
 def loss_sweeps() -> list[Workload]:
     """W1 (H=4096) and W2 (H=896) as GRPO losses over 1024-token sequences at 2k-16k tokens (the 16k points are
     W1 and W2 themselves, measured once)."""
-    out = []
-    for base in (_W1, _W2):
-        for n in SWEEP_LOSS_TOKENS:
-            out.append(replace(base, name=f"{base.name}-{n}", N=n, batch=n // 1024, group=f"sweep-loss-h{base.H}",
-                               note=f"{base.note}; {n // 1024} sequences of 1024 tokens"))
-    return out
+    return [replace(base, name=f"{base.name}-{n}", N=n, batch=n // 1024, group=f"sweep-loss-h{base.H}",
+                    note=f"{base.note}; {n // 1024} sequences of 1024 tokens")
+            for base in (_W1, _W2) for n in SWEEP_LOSS_TOKENS]
 
 
 def gpu_workloads() -> list[Workload]:
