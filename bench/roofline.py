@@ -132,23 +132,19 @@ def model(w: Shape, impl: str, memory: int | None = MEMORY) -> tuple[float, floa
     if w.kind == "divergence":
         Ht = w.H_teacher
         both = 2.0 * N * (H + Ht) * V  # one pass over both heads' logits
-        if impl == "floor":
-            return both + 4 * nhv, 0.0, "student + teacher forward, student's two gradient GEMMs"
-        if impl == "trl":  # stats pass, JSD pass, backward pass; float32 tiles of both heads each time
-            b = nv * (2 * 8 + 2 * 8 + (8 + 8 + 4 + 4 + 2 + 4)) + math.ceil(N / 4096) * grad_w_rmw \
-                + math.ceil(V / 32768) * grad_h_rmw
-            return 3 * both + 4 * nhv, b, "3 passes x both float32 tiles, G float32 -> bf16, fp32 accumulators"
-        if impl == "sm90":  # both heads' tiles in registers in all three passes; only the student's G is stored
-            return 3 * both + 4 * nhv, nv * S * 3 + _slices(N, V) * grad_h_rmw, "3 passes, both tiles in registers"
-        if impl in ("hybrid", "fused"):  # fused runs the hybrid divergence kernels
-            b = nv * (2 * 8 + 2 * 8 + (8 + 8 + 2 + 4)) + _slices(N, V) * grad_h_rmw
-            why = "3 passes x both float32 tiles, G bf16 in place"
-            return 3 * both + 4 * nhv, b, why if impl == "hybrid" else "runs the hybrid kernels: " + why
-        return None
+        fl = 3 * both + 4 * nhv
+        # TRL: stats pass, JSD pass, backward pass; float32 tiles of both heads each time
+        trl = nv * (2 * 8 + 2 * 8 + (8 + 8 + 4 + 4 + 2 + 4)) + math.ceil(N / 4096) * grad_w_rmw \
+            + math.ceil(V / 32768) * grad_h_rmw
+        hyb = nv * (2 * 8 + 2 * 8 + (8 + 8 + 2 + 4)) + _slices(N, V) * grad_h_rmw  # fused runs the hybrid kernels
+        why = "3 passes x both float32 tiles, G bf16 in place"
+        return {"floor": (both + 4 * nhv, 0.0, "student + teacher forward, student's two gradient GEMMs"),
+                "trl": (fl, trl, "3 passes x both float32 tiles, G float32 -> bf16, fp32 accumulators"),
+                # both heads' tiles in registers in all three passes; only the student's G is stored
+                "sm90": (fl, nv * S * 3 + _slices(N, V) * grad_h_rmw, "3 passes, both tiles in registers"),
+                "hybrid": (fl, hyb, why), "fused": (fl, hyb, "runs the hybrid kernels: " + why)}.get(impl)
     if w.kind == "forward":
-        if impl == "floor":
-            return 2 * nhv, 0.0, "one GEMM"
-        return {"trl": (2 * nhv, nv * 2 * S, "bf16 tile written + read"),
+        return {"floor": (2 * nhv, 0.0, "one GEMM"), "trl": (2 * nhv, nv * 2 * S, "bf16 tile written + read"),
                 "hybrid": (2 * nhv, nv * 8, "float32 tile written + read"),
                 "fused": (2 * nhv, 0.0, "statistics in registers"),
                 "sm90": (2 * nhv, 0.0, "statistics in registers (persistent, TMA, split vocabulary)")}.get(impl)
