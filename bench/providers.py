@@ -116,37 +116,31 @@ def _out(loss=None, logp=None, entropy=None) -> dict:
 
 def loss_config():
     """The one PolicyLossConfig every loss provider uses (W1/W2 of docs/design.md)."""
-    import fastrl
+    from fastrl import PolicyLossConfig
 
-    return fastrl.PolicyLossConfig(
-        loss_type=LOSS_TYPE, beta=BETA, kl_estimator=KL_ESTIMATOR, entropy_coef=ENTROPY_COEF,
-        epsilon_low=EPSILON, epsilon_high=EPSILON, use_bias_correction_kl=USE_BIAS_CORRECTION_KL,
-    )
-
-
-def _reference_loss(logp, entropy, inp: Inputs, config) -> torch.Tensor:
-    """TRL 1.16's loss math on per-token tensors, as fastrl.reference defines it."""
-    from fastrl.reference import policy_loss_from_logprobs
-
-    loss, _metrics = policy_loss_from_logprobs(
-        logp, entropy, inp.advantages, inp.mask, config=config,
-        old_logprobs=inp.old_logprobs, ref_logprobs=inp.ref_logprobs,
-    )
-    return loss
+    return PolicyLossConfig(loss_type=LOSS_TYPE, beta=BETA, kl_estimator=KL_ESTIMATOR, entropy_coef=ENTROPY_COEF,
+                            epsilon_low=EPSILON, epsilon_high=EPSILON, use_bias_correction_kl=USE_BIAS_CORRECTION_KL)
 
 
 def _token_op(wl: Workload, logprobs: Callable, notes: list[str], has_entropy: bool = True) -> Op:
     """The op of a provider of per-token log-probs, ``logprobs(inputs, with_entropy) -> (logp, entropy | None)``:
-    logprob workloads take ``sum(logp) + 0.01 sum(entropy)``, loss workloads the reference loss math on them."""
+    logprob workloads take ``sum(logp) + 0.01 sum(entropy)``, loss workloads TRL 1.16's loss math on them (as
+    fastrl.reference defines it)."""
     if wl.kind == "forward":
         return Op(lambda st: _out(None, logprobs(st["inp"], False)[0], None), _default_prepare, needs_grad=False,
                   has_entropy=False, path="forward", notes=notes)
+    from fastrl.reference import policy_loss_from_logprobs
+
     cfg = loss_config() if wl.kind == "loss" else None
 
     def fwd(st):
         i = st["inp"]
         logp, ent = logprobs(i, True)
-        return _out(_logprob_loss(logp, ent) if cfg is None else _reference_loss(logp, ent, i, cfg), logp, ent)
+        if cfg is None:
+            return _out(_logprob_loss(logp, ent), logp, ent)
+        loss, _metrics = policy_loss_from_logprobs(logp, ent, i.advantages, i.mask, config=cfg,
+                                                   old_logprobs=i.old_logprobs, ref_logprobs=i.ref_logprobs)
+        return _out(loss, logp, ent)
     return Op(fwd, _default_prepare, needs_grad=True, has_entropy=has_entropy, path="two-pass", notes=notes)
 
 
