@@ -1,20 +1,15 @@
 """Timing, peak memory and accuracy of one op, on CPU or CUDA (docs/design.md, "Measuring"; bench/README.md).
 
-CPU: wall time of each phase with ``time.perf_counter``; peak memory as the process's peak RSS minus the
-RSS just before the measured call. The peak is reset before every repetition (``/proc/self/clear_refs``), so
-warm-up work (torch.compile, lazy imports) is not counted; the RSS right after the inputs were allocated is
-recorded too, and the first (warm-up) step is measured on its own (``first_step_ms``, ``first_step_extra_mb``:
-what a fresh process pays on its first call, lazy imports included). The peak is read as ``VmHWM``
-(/proc/self/status), the address space's own high-water mark, which is what ``resource.getrusage`` reports too,
-except that getrusage's ``ru_maxrss`` never drops below the peak of the image the process was forked from (Linux
-keeps it in ``signal->maxrss`` across exec): a worker spawned from a parent holding 500 MB would report at least
-500 MB. getrusage's value is recorded next to it (``ru_maxrss_extra_mb``) and is used where /proc is missing. Each
-op runs in a fresh process (``bench.session_run.run_fresh``), so one provider's allocator state never leaks into
-another's numbers.
+CPU: wall time of each phase (``time.perf_counter``); memory is the peak RSS minus the RSS just before the call
+(after ``gc`` and ``malloc_trim``), the peak reset before every repetition (``/proc/self/clear_refs``) and read as
+``VmHWM``. getrusage's ``ru_maxrss`` is recorded next to it (``ru_maxrss_extra_mb``) but never drops below the
+peak of the image the process was forked from, so it is not the figure. The first (warm-up) step is measured on its
+own (``first_step_ms``, ``first_step_extra_mb``: what a fresh process pays on its first call, lazy imports
+included). Each op runs in a fresh process (``bench.session_run.run_fresh``).
 
-CUDA: ``triton.testing.do_bench`` (warm-up, L2 flushed before every call) over several input sets in
-rotation; the backward alone is timed with CUDA events around ``autograd.grad`` after an untimed forward.
-Memory is ``torch.cuda.max_memory_allocated()`` minus what the inputs and the outputs hold.
+CUDA: ``triton.testing.do_bench`` (warm-up, L2 flushed before every call) over several input sets in rotation; the
+backward alone is timed with CUDA events around ``autograd.grad`` after an untimed forward. Memory is
+``torch.cuda.max_memory_allocated()`` minus what the inputs and the outputs hold.
 """
 
 from __future__ import annotations
@@ -46,30 +41,16 @@ def summarize(samples_ms: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": xs[0], "max": xs[-1], "q25": q[0], "q75": q[2], "n": len(xs)}
 
 
-# ---------------------------------------------------------------------------------------------------
-# CPU
-# ---------------------------------------------------------------------------------------------------
-
 def rss_mb() -> float:
     """Resident set size now."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / MB
 
 
-def _ru_maxrss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
-
-
 def peak_rss_mb() -> float:
-    """This address space's peak RSS since the last reset (VmHWM); getrusage's where /proc is missing."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024.0  # kB
-    except OSError:
-        pass
-    return _ru_maxrss_mb()
+    """This address space's peak RSS since the last reset (VmHWM)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024.0  # kB
 
 
 def reset_peak() -> bool:
@@ -110,69 +91,61 @@ def _keep(out: dict, grads, rows: int) -> dict:
     return kept
 
 
+def _cpu_step(op: Op, st: dict):
+    """One step measured on a trimmed heap and a reset peak: (figures, outputs, gradients)."""
+    trim()
+    base = rss_mb()
+    reset = reset_peak()
+    t0 = time.perf_counter()
+    out = op.forward(st)
+    t1 = time.perf_counter()
+    peak_f = peak_rss_mb()
+    grads = torch.autograd.grad(out["loss"], st["wrt"]) if op.needs_grad else None
+    t2 = time.perf_counter()
+    peak_t = peak_rss_mb()
+    ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
+    m = dict(fwd=(t1 - t0) * 1e3, bwd=(t2 - t1) * 1e3, tot=(t2 - t0) * 1e3, fwd_mb=peak_f - base, tot_mb=peak_t - base,
+             base=base, ru=ru - base, reset=reset)
+    return m, out, grads
+
+
 def measure_cpu(op: Op, states: list[dict], reps: int, warmup: int, keep_rows: int) -> dict:
     rss_inputs = rss_mb()
-    first_ms = first_mb = None
+    first = {"tot": None, "tot_mb": None}
+    steps, kept = [], {}
     with torch.set_grad_enabled(op.needs_grad):
         for i in range(warmup):
             if i == 0:  # the fresh process's first step: what lazy imports and first-call set-up cost a user
-                trim()
-                base = rss_mb()
-                reset_peak()
-                t0 = time.perf_counter()
-            out, grads = _step(op, states[i % len(states)])
-            if i == 0:
-                first_ms, first_mb = (time.perf_counter() - t0) * 1e3, peak_rss_mb() - base
+                first, out, grads = _cpu_step(op, states[0])
+            else:
+                out, grads = _step(op, states[i % len(states)])
             del out, grads
-        fwd_ms, bwd_ms, tot_ms, fwd_mb, tot_mb, bases, ru = [], [], [], [], [], [], []
-        kept = {}
-        reset_ok = True
         for r in range(reps):
-            st = states[r % len(states)]
-            trim()
-            base = rss_mb()
-            reset_ok &= reset_peak()
-            t0 = time.perf_counter()
-            out = op.forward(st)
-            t1 = time.perf_counter()
-            peak_f = peak_rss_mb()
-            grads = torch.autograd.grad(out["loss"], st["wrt"]) if op.needs_grad else None
-            t2 = time.perf_counter()
-            peak_t = peak_rss_mb()
-            ru.append(_ru_maxrss_mb() - base)
-            fwd_ms.append((t1 - t0) * 1e3)
-            tot_ms.append((t2 - t0) * 1e3)
-            if op.needs_grad:
-                bwd_ms.append((t2 - t1) * 1e3)
-            bases.append(base)
-            fwd_mb.append(peak_f - base)
-            tot_mb.append(peak_t - base)
+            m, out, grads = _cpu_step(op, states[r % len(states)])
+            steps.append(m)
             if r == 0:
                 kept = _keep(out, grads, keep_rows)
             del out, grads
+    reset_ok = all(m["reset"] for m in steps)
     return {
-        "fwd_ms": summarize(fwd_ms),
-        "bwd_ms": summarize(bwd_ms),
-        "total_ms": summarize(tot_ms),
+        "fwd_ms": summarize([m["fwd"] for m in steps]),
+        "bwd_ms": summarize([m["bwd"] for m in steps] if op.needs_grad else []),
+        "total_ms": summarize([m["tot"] for m in steps]),
         # the largest of the repetitions' peaks: memory is a limit, not an average
-        "peak_extra_fwd_mb": max(fwd_mb),
-        "peak_extra_mb": max(tot_mb),
+        "peak_extra_fwd_mb": max(m["fwd_mb"] for m in steps),
+        "peak_extra_mb": max(m["tot_mb"] for m in steps),
         "rss_after_inputs_mb": rss_inputs,
         # the first (warm-up) step, measured the same way but not part of the statistics above: a first call that
         # pulls in modules (as torch.library.custom_op's torch._dynamo import did) shows here, not in the medians
-        "first_step_ms": first_ms,
-        "first_step_extra_mb": first_mb,
-        "rss_baseline_mb": statistics.median(bases),
-        "ru_maxrss_extra_mb": max(ru),  # getrusage's view of the same peak (floored by the parent's image)
+        "first_step_ms": first["tot"],
+        "first_step_extra_mb": first["tot_mb"],
+        "rss_baseline_mb": statistics.median(m["base"] for m in steps),
+        "ru_maxrss_extra_mb": max(m["ru"] for m in steps),  # getrusage's view of the same peak (floored by the parent)
         "peak_reset": reset_ok,
         "memory_method": "peak RSS (VmHWM = getrusage's own-image peak) minus RSS before the call, reset per repetition"
         if reset_ok else "peak RSS since process start minus RSS before the call (could not reset the peak)",
     }, kept
 
-
-# ---------------------------------------------------------------------------------------------------
-# CUDA
-# ---------------------------------------------------------------------------------------------------
 
 def _nbytes(*objs) -> int:
     n = 0
@@ -186,44 +159,23 @@ def _nbytes(*objs) -> int:
     return n
 
 
-def _do_bench_all(fn, warmup_ms: int, rep_ms: int) -> list[float]:
-    """Per-call times (ms) from triton.testing.do_bench; quantiles where return_mode='all' is missing."""
-    from triton.testing import do_bench
+def event_times(fn, reps: int, setup=None) -> list[float]:
+    """``reps`` calls of ``fn``, each timed with CUDA events after an L2 flush (ms); ``setup``: an untimed call before
+    each flush, whose results ``fn`` takes as its arguments."""
+    from triton import runtime
 
-    try:
-        times = do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="all")
-        if isinstance(times, (list, tuple)):
-            return [float(t) for t in times]
-    except (TypeError, AssertionError, ValueError):
-        pass
-    qs = do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.0, 0.25, 0.5, 0.75, 1.0])
-    return [float(t) for t in qs]
-
-
-def _flush_l2():
-    """A callable that evicts the L2 cache (as do_bench does between calls)."""
-    try:
-        from triton import runtime
-
-        cache = runtime.driver.active.get_empty_cache_for_benchmark()
-        return lambda: runtime.driver.active.clear_cache(cache)
-    except (ImportError, AttributeError):
-        buf = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
-        return buf.zero_
-
-
-def event_times(fn, reps: int) -> list[float]:
-    """``reps`` calls of ``fn``, each timed with CUDA events after an L2 flush (ms)."""
-    flush = _flush_l2()
+    cache = runtime.driver.active.get_empty_cache_for_benchmark()  # evicted before every call, as do_bench does
     out = []
     for _ in range(max(1, reps)):
-        flush()
+        args = setup() if setup else ()
+        runtime.driver.active.clear_cache(cache)
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        fn(*args)
         b.record()
         torch.cuda.synchronize()
         out.append(a.elapsed_time(b))
+        del args
     return out
 
 
@@ -232,6 +184,8 @@ def measure_cuda(op: Op, states: list[dict], reps: int, warmup: int, keep_rows: 
     """``total_only``: time forward + backward only, ``reps`` steps each between CUDA events after an L2 flush (as
     do_bench times, without its estimate and warm-up calls): about a third of the steps, for a whole tournament in
     one short GPU window (``bench/session.py``)."""
+    from triton.testing import do_bench
+
     dev = torch.device("cuda")
     with torch.set_grad_enabled(op.needs_grad):
         for i in range(max(1, warmup)):  # compile, autotune, allocator warm-up
@@ -254,49 +208,31 @@ def measure_cuda(op: Op, states: list[dict], reps: int, warmup: int, keep_rows: 
         del out, grads
 
         cycle = itertools.cycle(states)
+        res = {"fwd_ms": {}, "bwd_ms": {}}
         if total_only:
-            res = {"fwd_ms": {}, "bwd_ms": {}, "total_ms": summarize(event_times(lambda: _step(op, next(cycle)), reps))}
-            return _with_memory(res, peak_f, peak_t, base), kept
-        fwd = _do_bench_all(lambda: op.forward(next(cycle)), 200, rep_ms)
-        res = {"fwd_ms": summarize(fwd)}
-        if op.needs_grad:
-            tot = _do_bench_all(lambda: _step(op, next(cycle)), 200, rep_ms)
-            # backward alone: an untimed forward, an L2 flush, then events around autograd.grad
-            flush = _flush_l2()
-            n = max(5, min(100, int(rep_ms / max(summarize(tot)["median"], 1e-3))))
-            bwd = []
-            for _ in range(n):
-                st = next(cycle)
-                out = op.forward(st)
-                flush()
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                g = torch.autograd.grad(out["loss"], st["wrt"])
-                b.record()
-                torch.cuda.synchronize()
-                bwd.append(a.elapsed_time(b))
-                del out, g
-            res["total_ms"] = summarize(tot)
-            res["bwd_ms"] = summarize(bwd)
+            res["total_ms"] = summarize(event_times(lambda: _step(op, next(cycle)), reps))
         else:
-            res["total_ms"] = res["fwd_ms"]
-            res["bwd_ms"] = {}
-    return _with_memory(res, peak_f, peak_t, base), kept
+            fwd = do_bench(lambda: op.forward(next(cycle)), warmup=200, rep=rep_ms, return_mode="all")
+            res["fwd_ms"] = res["total_ms"] = summarize(fwd)  # the total too, when there is no backward
+        if op.needs_grad and not total_only:
+            res["total_ms"] = summarize(do_bench(lambda: _step(op, next(cycle)), warmup=200, rep=rep_ms,
+                                                 return_mode="all"))
 
-
-def _with_memory(res: dict, peak_f: float, peak_t: float, base: float) -> dict:
+            def untimed_forward():
+                st = next(cycle)
+                return st, op.forward(st)
+            # backward alone: an untimed forward, an L2 flush, then events around autograd.grad
+            n = max(5, min(100, int(rep_ms / max(res["total_ms"]["median"], 1e-3))))
+            res["bwd_ms"] = summarize(event_times(lambda st, out: torch.autograd.grad(out["loss"], st["wrt"]), n,
+                                                  setup=untimed_forward))
     res.update({
         "peak_extra_fwd_mb": peak_f / MB,
         "peak_extra_mb": peak_t / MB,
         "inputs_mb": base / MB,
         "memory_method": "torch.cuda.max_memory_allocated() minus inputs and outputs",
     })
-    return res
+    return res, kept
 
-
-# ---------------------------------------------------------------------------------------------------
-# Accuracy against float64, on the first rows
-# ---------------------------------------------------------------------------------------------------
 
 def accuracy(op: Op, wl: Workload, inp, kept: dict, rows: int) -> dict:
     """Max abs error of log-prob, entropy and grad_h on the first ``rows`` tokens against float64.

@@ -1,20 +1,12 @@
 """Who computes each workload: fastrl's paths and the tools people would pick instead.
 
-Every provider answers two questions:
-
-* ``unavailable(wl, device)``: cheap, in the parent process, without importing heavy libraries: a reason
-  (``("n/a", why)`` when the provider does not compute this kind of thing or refuses this input by design,
-  ``("skipped", why)`` when it cannot run here), or None;
-* ``build(wl, device, opts)``: in the measuring process, an ``Op`` whose ``prepare(inputs)`` makes the
-  provider's arguments (outside the timed region) and whose ``forward(state)`` runs the timed forward and
-  returns ``{"loss": scalar | None, "logp": [N] | None, "entropy": [N] | None}``. The backward is always
-  ``torch.autograd.grad(loss, state["wrt"])``, run by the measuring code, so every provider's backward
-  is timed the same way.
-
-A provider that fails at run time (an import error on the GPU machine, torch.compile failing on a CPU)
-becomes a row that says why; nothing disappears from the table. A peer that refuses an input (a dtype, a
-shape) is not a failure: its row is "n/a" with the reason, whether the refusal is declared up front
-(``Provider.refuses``) or comes as one of the peer's own errors named in ``Provider.refusal_messages``.
+A provider answers ``unavailable(wl, device)`` cheaply in the parent process (``("n/a", why)``: it does not
+compute this kind of thing or refuses this input by design; ``("skipped", why)``: it cannot run here; or None),
+and ``build(wl, device, opts)`` in the measuring process: an ``Op`` whose ``prepare(inputs)`` makes its arguments
+(untimed) and whose ``forward(state)`` returns ``{"loss", "logp", "entropy"}``. The backward is always
+``torch.autograd.grad(loss, state["wrt"])``, run by the measuring code, so every backward is timed the same way.
+A provider that fails at run time becomes a row that says why; a peer that refuses an input (declared in
+``Provider.refuses``, or one of its own errors named in ``Provider.refusal_messages``) is an "n/a" row.
 """
 
 from __future__ import annotations
@@ -46,10 +38,6 @@ class ProviderUnavailable(RuntimeError):
     """Raised while building an op: the provider cannot run here; the message says why."""
 
 
-# ---------------------------------------------------------------------------------------------------
-# Inputs: random, never zero, reproducible from a seed
-# ---------------------------------------------------------------------------------------------------
-
 @dataclass
 class Inputs:
     hidden: torch.Tensor  # [N, H], or [B, T, H] for loss workloads
@@ -60,15 +48,10 @@ class Inputs:
     old_logprobs: torch.Tensor | None = None  # [B, T] float32
     ref_logprobs: torch.Tensor | None = None  # [B, T] float32
 
-    def tensors(self) -> list[torch.Tensor]:
-        return [t for t in vars(self).values() if isinstance(t, torch.Tensor)]
-
 
 def make_inputs(wl: Workload, device: torch.device, seed: int) -> Inputs:
-    """Random inputs for one workload: logits ``h W^T`` have unit scale, as an LM head's roughly do.
-
-    Drawn on the device itself (a W1 weight is 622M numbers: seconds per set on a CPU, nothing on a GPU).
-    """
+    """Random inputs for one workload, never zero, reproducible from ``seed``: logits ``h W^T`` have unit scale, as
+    an LM head's roughly do. Drawn on the device itself (a W1 weight is 622M numbers: seconds on a CPU)."""
     g = torch.Generator(device=device).manual_seed(seed)
     dt = getattr(torch, wl.dtype)
     grad = wl.kind in ("logprob", "loss")
@@ -88,15 +71,10 @@ def make_inputs(wl: Workload, device: torch.device, seed: int) -> Inputs:
         inp.mask = (torch.arange(T, device=device)[None, :] < lengths[:, None]).to(torch.int64)
         inp.advantages = randn(B)
         # old / reference log-probs near what a random head gives (about -log V), so ratios and k3 stay O(1)
-        base = -math.log(wl.V)
-        inp.old_logprobs = randn(B, T, scale=0.5).add_(base)
+        inp.old_logprobs = randn(B, T, scale=0.5).add_(-math.log(wl.V))
         inp.ref_logprobs = inp.old_logprobs + randn(B, T, scale=0.1)
     return inp
 
-
-# ---------------------------------------------------------------------------------------------------
-# Ops
-# ---------------------------------------------------------------------------------------------------
 
 @dataclass
 class Op:
@@ -121,15 +99,11 @@ def _wrt(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 def _logprob_loss(logp: torch.Tensor, entropy: torch.Tensor | None) -> torch.Tensor:
     """The logprob workloads' scalar: ``sum(logp) + 0.01 * sum(entropy)`` (C1's definition)."""
-    loss = logp.sum()
-    if entropy is not None:
-        loss = loss + ENTROPY_COEF * entropy.sum()
-    return loss
+    return logp.sum() if entropy is None else logp.sum() + ENTROPY_COEF * entropy.sum()
 
 
 def _need(module: str, name: str):
-    """``module.name`` for a provider's build; ProviderUnavailable naming the import that failed (on the GPU machine
-    TRL or Liger may be absent)."""
+    """``module.name``, or ProviderUnavailable naming the import that failed (TRL or Liger may be absent)."""
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
@@ -140,108 +114,35 @@ def _out(loss=None, logp=None, entropy=None) -> dict:
     return {"loss": loss, "logp": logp, "entropy": entropy}
 
 
-def _fastrl_attr(name: str) -> tuple[bool, str]:
-    """Whether ``fastrl.<name>`` (a lazy export) can be had here, and if not, why."""
-    import fastrl
-
-    try:
-        getattr(fastrl, name)
-        return True, ""
-    except AttributeError:
-        return False, f"fastrl.{name} not built yet"
-    except Exception as e:  # noqa: BLE001 - built, but its module fails to import here (e.g. no TRL)
-        return False, f"fastrl.{name} cannot be imported here ({type(e).__name__}: {str(e)[:120]})"
-
-
-def _has_fastrl(name: str) -> bool:
-    return _fastrl_attr(name)[0]
-
-
-def have_policy_loss(fused: bool) -> tuple[bool, str]:
-    """Whether fastrl has the loss API a loss provider needs (``fused``: fastrl.policy_loss too); else what is missing."""
-    import fastrl.reference as ref
-
-    missing = [n for n in (("policy_loss",) if fused else ()) + ("PolicyLossConfig",) if not _has_fastrl(n)]
-    if not hasattr(ref, "policy_loss_from_logprobs"):
-        missing.append("reference.policy_loss_from_logprobs")
-    return (not missing, "fastrl." + ", fastrl.".join(missing) + " not built yet" if missing else "")
-
-
 def loss_config():
     """The one PolicyLossConfig every loss provider uses (W1/W2 of docs/design.md)."""
-    import fastrl
+    from fastrl import PolicyLossConfig
 
-    return fastrl.PolicyLossConfig(
-        loss_type=LOSS_TYPE, beta=BETA, kl_estimator=KL_ESTIMATOR, entropy_coef=ENTROPY_COEF,
-        epsilon_low=EPSILON, epsilon_high=EPSILON, use_bias_correction_kl=USE_BIAS_CORRECTION_KL,
-    )
+    return PolicyLossConfig(loss_type=LOSS_TYPE, beta=BETA, kl_estimator=KL_ESTIMATOR, entropy_coef=ENTROPY_COEF,
+                            epsilon_low=EPSILON, epsilon_high=EPSILON, use_bias_correction_kl=USE_BIAS_CORRECTION_KL)
 
 
-def _reference_loss(logp, entropy, inp: Inputs, config) -> torch.Tensor:
-    """TRL 1.16's loss math on per-token tensors, as fastrl.reference defines it."""
+def _token_op(wl: Workload, logprobs: Callable, notes: list[str], has_entropy: bool = True) -> Op:
+    """The op of a provider of per-token log-probs, ``logprobs(inputs, with_entropy) -> (logp, entropy | None)``:
+    logprob workloads take ``sum(logp) + 0.01 sum(entropy)``, loss workloads TRL 1.16's loss math on them (as
+    fastrl.reference defines it)."""
+    if wl.kind == "forward":
+        return Op(lambda st: _out(None, logprobs(st["inp"], False)[0], None), _default_prepare, needs_grad=False,
+                  has_entropy=False, path="forward", notes=notes)
     from fastrl.reference import policy_loss_from_logprobs
 
-    loss, _metrics = policy_loss_from_logprobs(
-        logp, entropy, inp.advantages, inp.mask, config=config,
-        old_logprobs=inp.old_logprobs, ref_logprobs=inp.ref_logprobs,
-    )
-    return loss
+    cfg = loss_config() if wl.kind == "loss" else None
 
+    def fwd(st):
+        i = st["inp"]
+        logp, ent = logprobs(i, True)
+        if cfg is None:
+            return _out(_logprob_loss(logp, ent), logp, ent)
+        loss, _metrics = policy_loss_from_logprobs(logp, ent, i.advantages, i.mask, config=cfg,
+                                                   old_logprobs=i.old_logprobs, ref_logprobs=i.ref_logprobs)
+        return _out(loss, logp, ent)
+    return Op(fwd, _default_prepare, needs_grad=True, has_entropy=has_entropy, path="two-pass", notes=notes)
 
-# ---------------------------------------------------------------------------------------------------
-# Providers
-# ---------------------------------------------------------------------------------------------------
-
-@dataclass
-class Provider:
-    name: str
-    label: str
-    kinds: tuple[str, ...]  # workload kinds it computes
-    builder: Callable[[Workload, torch.device, dict], Op]
-    needs: tuple[str, ...] = ()  # importable modules it needs
-    cuda_only: str = ""  # non-empty: why it cannot run off CUDA
-    not_for: dict = field(default_factory=dict)  # kind -> why it does not apply
-    compile_fails_skip: bool = False  # a failure while compiling is a "skipped" row, not an "error"
-    loss_api: str = "reference"  # what of fastrl's loss API its loss op needs: "fused", "reference" or "none"
-    # input the peer refuses by design (a dtype, a shape): workload -> why, or None. Such a row is "n/a" with
-    # that reason, decided in the parent without starting a measuring process.
-    refuses: Callable[[Workload], str | None] | None = None
-    # substrings of the peer's own error messages that mean "this input is not supported" rather than a
-    # failure: a measurement that raises one becomes an "n/a" row quoting it (the net under ``refuses``)
-    refusal_messages: tuple[str, ...] = ()
-
-    def unavailable(self, wl: Workload, device: str) -> tuple[str, str] | None:
-        if wl.kind not in self.kinds:
-            return ("n/a", self.not_for.get(wl.kind, f"does not compute {wl.kind} workloads"))
-        why = self.refuses(wl) if self.refuses is not None else None
-        if why:
-            return ("n/a", why)
-        for mod in self.needs:
-            if importlib.util.find_spec(mod) is None:
-                return ("skipped", f"not available: `import {mod}` fails (not installed)")
-        if self.cuda_only and not device.startswith("cuda"):
-            return ("skipped", f"not available on {device}: {self.cuda_only}")
-        if wl.kind == "loss" and self.loss_api != "none":
-            ok, why = have_policy_loss(fused=self.loss_api == "fused")
-            if not ok:
-                return ("skipped", f"not available: {why}")
-        return None
-
-    def build(self, wl: Workload, device: torch.device, opts: dict) -> Op:
-        return self.builder(wl, device, opts)
-
-    def is_refusal(self, exc: BaseException) -> bool:
-        """Whether ``exc`` (or an exception it was raised from) is one of this peer's declared refusals."""
-        seen = set()
-        while exc is not None and id(exc) not in seen:
-            seen.add(id(exc))
-            if any(m in str(exc) for m in self.refusal_messages):
-                return True
-            exc = exc.__cause__ or exc.__context__
-        return False
-
-
-# --- fastrl -------------------------------------------------------------------------------------------
 
 def _build_fastrl(wl: Workload, device: torch.device, opts: dict) -> Op:
     import fastrl
@@ -249,41 +150,16 @@ def _build_fastrl(wl: Workload, device: torch.device, opts: dict) -> Op:
     from fastrl.ops.backend import resolve_backend
 
     backend = opts.get("fastrl_backend")  # None: fastrl's own choice (triton on CUDA, torch on CPU)
-    where = f"{resolve_backend(device, backend)} backend"
-    if wl.kind == "logprob":
-        def fwd(st):
-            i = st["inp"]
-            logp, ent = fastrl.fused_logprobs(i.hidden, i.weight, i.targets, backend=backend)
-            return _out(_logprob_loss(logp, ent), logp, ent)
-        return Op(fwd, _default_prepare, needs_grad=True, path="two-pass", notes=["path A", where])
-    if wl.kind == "forward":
-        def fwd(st):
-            i = st["inp"]
-            logp, _ = fastrl.fused_logprobs(i.hidden, i.weight, i.targets, with_entropy=False, backend=backend)
-            return _out(None, logp, None)
-        return Op(fwd, _default_prepare, needs_grad=False, has_entropy=False, path="forward", notes=["path C", where])
-    if wl.kind == "loss":
-        cfg = loss_config()
+    path = {"logprob": "path A", "forward": "path C", "loss": "path A log-probs + reference loss math"}[wl.kind]
 
-        def fwd(st):
-            i = st["inp"]
-            logp, ent = fastrl.fused_logprobs(i.hidden, i.weight, i.targets, backend=backend)
-            return _out(_reference_loss(logp, ent, i, cfg), logp, ent)
-        return Op(fwd, _default_prepare, needs_grad=True, path="two-pass",
-                  notes=["path A log-probs + reference loss math", where])
-    raise ProviderUnavailable(f"fastrl: no {wl.kind} op")
-
-
-def _build_fastrl_tfused(wl: Workload, device: torch.device, opts: dict) -> Op:
-    """Path A / C on the fully fused Triton kernels, next to the default (hybrid) in the same run."""
-    return _build_fastrl(wl, device, {**opts, "fastrl_backend": "triton-fused"})
+    def logprobs(i, with_entropy):
+        return fastrl.fused_logprobs(i.hidden, i.weight, i.targets, with_entropy=with_entropy, backend=backend)
+    return _token_op(wl, logprobs, [path, f"{resolve_backend(device, backend)} backend"])
 
 
 def _build_fastrl_fused(wl: Workload, device: torch.device, opts: dict) -> Op:
     import fastrl
 
-    if not hasattr(fastrl, "policy_loss"):
-        raise ProviderUnavailable("not available: fastrl.policy_loss not built yet")
     from fastrl.ops.backend import resolve_backend
 
     backend = opts.get("fastrl_backend")
@@ -300,11 +176,9 @@ def _build_fastrl_fused(wl: Workload, device: torch.device, opts: dict) -> Op:
               notes=["fused loss", f"{resolve_backend(device, backend)} backend"])
 
 
-# --- materialised torch (eager and compiled) ------------------------------------------------------------
-
-def _torch_fns(wl: Workload):
-    """The materialised computations, in the input dtype, as plain functions (so torch.compile can take them)."""
-    from fastrl.reference import logits_reference, logprobs_reference
+def _build_torch(wl: Workload, device: torch.device, opts: dict, compile_: bool = False) -> Op:
+    """The materialised computations in the input dtype, as plain functions (so torch.compile can take them)."""
+    from fastrl.reference import logits_reference, logprobs_reference, policy_loss_from_logprobs
 
     def logprob(h, w, t):  # [N,H], [V,H], [N] -> scalar, logp, entropy
         logp, ent = logprobs_reference(h, w, t)
@@ -316,84 +190,49 @@ def _torch_fns(wl: Workload):
 
     def loss(h, w, t, adv, mask, old, ref, cfg):
         logp, ent = logprobs_reference(h, w, t)
-        from fastrl.reference import policy_loss_from_logprobs
-
         loss, _ = policy_loss_from_logprobs(logp, ent, adv, mask, config=cfg, old_logprobs=old, ref_logprobs=ref)
         return loss, logp, ent
 
-    return {"logprob": logprob, "forward": forward, "loss": loss}
-
-
-def _build_torch(wl: Workload, device: torch.device, opts: dict, compile_: bool = False) -> Op:
-    fn = _torch_fns(wl)[wl.kind]
-    notes = ["materialised logits, input dtype"]
-    if compile_:
-        fn = torch.compile(fn, dynamic=False)
-        notes.append("torch.compile(dynamic=False)")
-    if wl.kind == "logprob":
-        def fwd(st):
-            i = st["inp"]
-            loss, logp, ent = fn(i.hidden, i.weight, i.targets)
-            return _out(loss, logp, ent)
-        return Op(fwd, _default_prepare, needs_grad=True, notes=notes)
+    fn = {"logprob": logprob, "forward": forward, "loss": loss}[wl.kind]
+    notes = ["materialised logits, input dtype"] + (["torch.compile(dynamic=False)"] if compile_ else [])
+    fn = torch.compile(fn, dynamic=False) if compile_ else fn
     if wl.kind == "forward":
-        def fwd(st):
-            i = st["inp"]
-            return _out(None, fn(i.hidden, i.weight, i.targets), None)
-        return Op(fwd, _default_prepare, needs_grad=False, has_entropy=False, path="forward", notes=notes)
-    cfg = loss_config()
+        return Op(lambda st: _out(None, fn(st["inp"].hidden, st["inp"].weight, st["inp"].targets), None),
+                  _default_prepare, needs_grad=False, has_entropy=False, path="forward", notes=notes)
+    loss_args = (loss_config(),) if wl.kind == "loss" else None
 
     def fwd(st):
         i = st["inp"]
-        loss, logp, ent = fn(i.hidden, i.weight, i.targets, i.advantages, i.mask, i.old_logprobs, i.ref_logprobs, cfg)
-        return _out(loss, logp, ent)
-    return Op(fwd, _default_prepare, needs_grad=True, notes=notes + ["reference loss math"])
+        extra = () if loss_args is None else (i.advantages, i.mask, i.old_logprobs, i.ref_logprobs, *loss_args)
+        return _out(*fn(i.hidden, i.weight, i.targets, *extra))
+    return Op(fwd, _default_prepare, needs_grad=True, notes=notes + (["reference loss math"] if loss_args else []))
 
-
-# --- TRL 1.16 ------------------------------------------------------------------------------------------
 
 def _build_trl(wl: Workload, device: torch.device, opts: dict) -> Op:
     ChunkedLogProbFunction = _need("trl.kernels.chunked_logprob", "ChunkedLogProbFunction")
+    # On Triton devices TRL scores only the completion tokens (hidden_states[mask]) and scatters back
+    compact = device.type in ("cuda", "xpu")
 
     def chunked(h, w, t, outputs):
         # ChunkedLogProbFunction.apply(hidden, weight, bias, targets, temperature, chunk_size,
         #                              final_logit_softcapping, logit_scale, outputs), as add_fused_lm_head calls it
         return ChunkedLogProbFunction.apply(h, w, None, t, 1.0, TRL_CHUNK_SIZE, None, 1.0, outputs)
 
-    notes = ["ChunkedLogProbFunction, chunk 4096 x 32768"]
-    if wl.kind == "logprob":
-        def fwd(st):
-            i = st["inp"]
-            logp, ent, *_ = chunked(i.hidden, i.weight, i.targets, ("log_probs", "entropy"))
-            return _out(_logprob_loss(logp, ent), logp, ent)
-        return Op(fwd, _default_prepare, needs_grad=True, path="two-pass", notes=notes)
-    if wl.kind == "forward":
-        def fwd(st):
-            i = st["inp"]
-            logp, *_ = chunked(i.hidden, i.weight, i.targets, ("log_probs",))
-            return _out(None, logp, None)
-        return Op(fwd, _default_prepare, needs_grad=False, has_entropy=False, path="forward", notes=notes)
-    cfg = loss_config()
-    # On Triton devices TRL scores only the completion tokens (hidden_states[mask]) and scatters back
-    compact = device.type in ("cuda", "xpu")
-
-    def fwd(st):
-        i = st["inp"]
-        H = i.hidden.shape[-1]
+    def logprobs(i, with_entropy):
+        outputs = ("log_probs", "entropy") if with_entropy else ("log_probs",)
+        if wl.kind != "loss":
+            out = chunked(i.hidden, i.weight, i.targets, outputs)
+            return out[0], out[1] if with_entropy else None
         m = i.mask.bool()
         if compact:
-            logp_c, ent_c, *_ = chunked(i.hidden[m], i.weight, i.targets[m], ("log_probs", "entropy"))
-            logp = logp_c.new_zeros(m.shape).masked_scatter(m, logp_c)
-            ent = ent_c.new_zeros(m.shape).masked_scatter(m, ent_c)
-        else:
-            logp, ent, *_ = chunked(i.hidden.reshape(-1, H), i.weight, i.targets.reshape(-1), ("log_probs", "entropy"))
-            logp = logp.view(m.shape).masked_fill(~m, 0)
-            ent = ent.view(m.shape).masked_fill(~m, 0)
-        return _out(_reference_loss(logp, ent, i, cfg), logp, ent)
-    return Op(fwd, _default_prepare, needs_grad=True, path="two-pass", notes=notes + ["TRL loss math (reference)"])
+            logp, ent, *_ = chunked(i.hidden[m], i.weight, i.targets[m], outputs)
+            return tuple(x.new_zeros(m.shape).masked_scatter(m, x) for x in (logp, ent))
+        logp, ent, *_ = chunked(i.hidden.reshape(-1, i.hidden.shape[-1]), i.weight, i.targets.reshape(-1), outputs)
+        return tuple(x.view(m.shape).masked_fill(~m, 0) for x in (logp, ent))
+    notes = ["ChunkedLogProbFunction, chunk 4096 x 32768"]
+    notes += ["TRL loss math (reference)"] if wl.kind == "loss" else []
+    return _token_op(wl, logprobs, notes)
 
-
-# --- Liger-Kernel 0.8.5 ----------------------------------------------------------------------------------
 
 def _build_liger_fused(wl: Workload, device: torch.device, opts: dict) -> Op:
     LigerFusedLinearGRPOLoss = _need("liger_kernel.chunked_loss", "LigerFusedLinearGRPOLoss")
@@ -436,62 +275,91 @@ def _build_liger_triton(wl: Workload, device: torch.device, opts: dict) -> Op:
               notes=["triton_grpo_loss on materialised logits, inplace, no entropy term"])
 
 
-# --- Cut Cross-Entropy ---------------------------------------------------------------------------------
-
 def _build_cce(wl: Workload, device: torch.device, opts: dict) -> Op:
     linear_cross_entropy = _need("cut_cross_entropy", "linear_cross_entropy")
 
-    def fwd(st):
-        i = st["inp"]
-        # reduction="none" gives -logp per token; CCE has no entropy
-        logp = -linear_cross_entropy(i.hidden, i.weight, i.targets, reduction="none")
-        return _out(logp.sum() if wl.kind == "logprob" else None, logp, None)
-    return Op(fwd, _default_prepare, needs_grad=wl.kind == "logprob", has_entropy=False,
-              path="forward" if wl.kind == "forward" else "two-pass",
-              notes=["linear_cross_entropy, log-prob only (no entropy)", "default gradient filtering"])
-
-
-# Cut Cross-Entropy's backward asserts bf16/fp16 operands (cut_cross_entropy/cce_backward.py); its forward
-# takes float32 too, so only the workloads that need its backward are refused.
-_CCE_BACKWARD_DTYPES = ("bfloat16", "float16")
-_CCE_REFUSALS = ("Backwards requires embeddings to be bf16 or fp16", "Backwards requires classifier to be bf16 or fp16")
+    def logprobs(i, with_entropy):  # reduction="none" gives -logp per token; CCE has no entropy
+        return -linear_cross_entropy(i.hidden, i.weight, i.targets, reduction="none"), None
+    notes = ["linear_cross_entropy, log-prob only (no entropy)", "default gradient filtering"]
+    return _token_op(wl, logprobs, notes, has_entropy=False)
 
 
 def _cce_refuses(wl: Workload) -> str | None:
-    if wl.kind == "logprob" and wl.dtype not in _CCE_BACKWARD_DTYPES:
+    """Cut Cross-Entropy's backward asserts bf16/fp16 operands (cut_cross_entropy/cce_backward.py); its forward
+    takes float32 too, so only the workloads that need its backward are refused."""
+    if wl.kind == "logprob" and wl.dtype not in ("bfloat16", "float16"):
         return f"refuses {wl.dtype} with a backward: Cut Cross-Entropy's backward takes bf16 or fp16 only"
     return None
 
 
-_NO_LOGPROBS = "returns a GRPO loss only, not per-token log-probs or entropy"
-_CUDA_TRITON = "a Triton kernel that needs CUDA"
+@dataclass
+class Provider:
+    name: str
+    label: str
+    kinds: tuple[str, ...]  # workload kinds it computes
+    builder: Callable[[Workload, torch.device, dict], Op]
+    needs: tuple[str, ...] = ()  # importable modules it needs
+    cuda_only: str = ""  # non-empty: why it cannot run off CUDA
+    not_for: dict = field(default_factory=dict)  # kind -> why it does not apply
+    compile_fails_skip: bool = False  # a failure while compiling is a "skipped" row, not an "error"
+    # input the peer refuses by design (a dtype, a shape): workload -> why, or None; decided in the parent
+    refuses: Callable[[Workload], str | None] | None = None
+    # substrings of the peer's own error messages that mean "this input is not supported" rather than a
+    # failure: a measurement that raises one becomes an "n/a" row quoting it (the net under ``refuses``)
+    refusal_messages: tuple[str, ...] = ()
 
-PROVIDERS: dict[str, Provider] = {
-    p.name: p
-    for p in [
-        Provider("fastrl", "fastrl (path A fwd+bwd / path C fwd; backend auto)", ("logprob", "forward", "loss"),
-                 _build_fastrl),
-        Provider("fastrl-fused", "fastrl.policy_loss (fused loss)", ("loss",), _build_fastrl_fused, loss_api="fused",
-                 not_for={k: "fastrl.policy_loss is the loss workloads' fused path" for k in ("logprob", "forward")}),
-        Provider("fastrl-tfused", "fastrl, backend triton-fused (tl.dot kernels, no stored logit)",
-                 ("logprob", "forward", "loss"), _build_fastrl_tfused, needs=("triton",),
-                 cuda_only="compiled Triton kernels (the CPU tests run them interpreted)"),
-        Provider("torch", "materialised torch eager (input dtype)", ("logprob", "forward", "loss"), _build_torch),
-        Provider("torch-compile", "torch.compile of the materialised reference", ("logprob", "forward", "loss"),
-                 lambda wl, d, o: _build_torch(wl, d, o, compile_=True), compile_fails_skip=True),
-        Provider("trl", "TRL 1.16 ChunkedLogProbFunction", ("logprob", "forward", "loss"), _build_trl,
-                 needs=("trl",)),
-        Provider("liger-fused", "Liger 0.8.5 LigerFusedLinearGRPOLoss", ("loss",), _build_liger_fused,
-                 needs=("liger_kernel",), loss_api="none", not_for={"logprob": _NO_LOGPROBS, "forward": _NO_LOGPROBS}),
-        Provider("liger-triton", "Liger 0.8.5 triton_grpo_loss on materialised logits", ("loss",),
-                 _build_liger_triton, needs=("liger_kernel", "triton"), cuda_only=_CUDA_TRITON, loss_api="none",
-                 not_for={"logprob": _NO_LOGPROBS, "forward": _NO_LOGPROBS}),
-        Provider("cce", "Cut Cross-Entropy linear_cross_entropy", ("logprob", "forward"), _build_cce,
-                 needs=("cut_cross_entropy",), cuda_only="its Triton kernels need CUDA",
-                 not_for={"loss": "computes cross-entropy only: no entropy, no GRPO loss"},
-                 refuses=_cce_refuses, refusal_messages=_CCE_REFUSALS),
-    ]
-}
+    def unavailable(self, wl: Workload, device: str) -> tuple[str, str] | None:
+        if wl.kind not in self.kinds:
+            return ("n/a", self.not_for.get(wl.kind, f"does not compute {wl.kind} workloads"))
+        why = self.refuses(wl) if self.refuses is not None else None
+        if why:
+            return ("n/a", why)
+        for mod in self.needs:
+            if importlib.util.find_spec(mod) is None:
+                return ("skipped", f"not available: `import {mod}` fails (not installed)")
+        if self.cuda_only and not device.startswith("cuda"):
+            return ("skipped", f"not available on {device}: {self.cuda_only}")
+        return None
+
+    def build(self, wl: Workload, device: torch.device, opts: dict) -> Op:
+        return self.builder(wl, device, opts)
+
+    def is_refusal(self, exc: BaseException) -> bool:
+        """Whether ``exc`` (or an exception it was raised from) is one of this peer's declared refusals."""
+        seen = set()
+        while exc is not None and id(exc) not in seen:
+            seen.add(id(exc))
+            if any(m in str(exc) for m in self.refusal_messages):
+                return True
+            exc = exc.__cause__ or exc.__context__
+        return False
+
+
+_ALL = ("logprob", "forward", "loss")
+_NO_LOGPROBS = {k: "returns a GRPO loss only, not per-token log-probs or entropy" for k in ("logprob", "forward")}
+_TFUSED = "compiled Triton kernels (the CPU tests run them interpreted)"
+
+PROVIDERS: dict[str, Provider] = {p.name: p for p in [
+    Provider("fastrl", "fastrl (path A fwd+bwd / path C fwd; backend auto)", _ALL, _build_fastrl),
+    Provider("fastrl-fused", "fastrl.policy_loss (fused loss)", ("loss",), _build_fastrl_fused,
+             not_for={k: "fastrl.policy_loss is the loss workloads' fused path" for k in ("logprob", "forward")}),
+    Provider("fastrl-tfused", "fastrl, backend triton-fused (tl.dot kernels, no stored logit)", _ALL,
+             lambda wl, d, o: _build_fastrl(wl, d, {**o, "fastrl_backend": "triton-fused"}), needs=("triton",),
+             cuda_only=_TFUSED),
+    Provider("torch", "materialised torch eager (input dtype)", _ALL, _build_torch),
+    Provider("torch-compile", "torch.compile of the materialised reference", _ALL,
+             lambda wl, d, o: _build_torch(wl, d, o, compile_=True), compile_fails_skip=True),
+    Provider("trl", "TRL 1.16 ChunkedLogProbFunction", _ALL, _build_trl, needs=("trl",)),
+    Provider("liger-fused", "Liger 0.8.5 LigerFusedLinearGRPOLoss", ("loss",), _build_liger_fused,
+             needs=("liger_kernel",), not_for=_NO_LOGPROBS),
+    Provider("liger-triton", "Liger 0.8.5 triton_grpo_loss on materialised logits", ("loss",), _build_liger_triton,
+             needs=("liger_kernel", "triton"), cuda_only="a Triton kernel that needs CUDA", not_for=_NO_LOGPROBS),
+    Provider("cce", "Cut Cross-Entropy linear_cross_entropy", ("logprob", "forward"), _build_cce,
+             needs=("cut_cross_entropy",), cuda_only="its Triton kernels need CUDA",
+             not_for={"loss": "computes cross-entropy only: no entropy, no GRPO loss"}, refuses=_cce_refuses,
+             refusal_messages=("Backwards requires embeddings to be bf16 or fp16",
+                               "Backwards requires classifier to be bf16 or fp16")),
+]}
 
 
 def get(name: str) -> Provider:

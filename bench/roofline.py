@@ -1,25 +1,10 @@
 """``python -m bench roofline``: bytes moved and FLOPs of every implementation per GPU workload, and the time implied.
 
-No GPU and nothing timed: a model written out below, per implementation, of what each one computes (FLOPs, counting
-recomputed logits) and what it moves through HBM beyond reading its inputs once (logits or exp tiles written and read
-back, ``G`` written and read by the gradient GEMMs, float32 accumulators read and written again, atomics). The
-implied time is ``FLOPs / 700 TFLOP/s + bytes / 4.3 TB/s`` (a bf16 GEMM's measured rate on an H100/H200, and an
-H200's copy bandwidth): the elementwise passes run as separate kernels or epilogues after the GEMM tiles, so the two
-add up rather than overlap (Triton on sm_90 does not warp-specialise: see docs/gpu-map.md). A measured time is printed
-where a committed results file (``bench/results/*/session.json``, written by ``python -m bench session``) has one
-for that workload and implementation; otherwise "not measured".
-
-Conventions: every token is live (W1's completion mask leaves ~75%: the model scales linearly); bf16 inputs (2-byte
-tiles and ``G``). "One pass" chunks as ``fastrl.losses.one_pass`` sizes them: on ``hybrid`` a 1 GiB float32 tile
-(1664 tokens at V = 151936); on ``sm90`` ``fastrl.ops.budget.one_pass_rows`` of the device's memory
-(``--memory-gib``, default 80, an H100's): every token in one chunk when the bf16 scaled exps fit 1/16 of it, as W1's
-and W2's do, and then grad_W is one GEMM written once. "Two pass" vocabulary slices as ``fastrl.ops.hybrid`` cuts
-them (4096 columns at 16384 tokens); on ``sm90`` ``fastrl.ops.budget.grad_columns`` (1/128 of the memory: 8 slices
-on 80 GiB). ``sm90-nomem`` is the same backend where the device's memory is unknown (the budget's safe default, the
-hybrid rows above): what sm90 was before the rule.
-
-Targets (issue 33; same-run ratios): each target's design is the fastest modelled one; its ratio is its implied time
-over the baseline's implied time (TRL's, or the full head's for the kept set), computed here, never typed.
+No GPU and nothing timed: per implementation, what it computes (FLOPs, recomputed logits counted) and what it moves
+through HBM beyond one read of its inputs; implied ms = FLOPs / 700 TFLOP/s + bytes / 4.3 TB/s. Every token is live
+and inputs are bf16; one-pass chunks and two-pass slices are sized by fastrl's own rules (``fastrl.ops.budget``,
+``fastrl.ops.hybrid``). The measured column reads committed session results (``bench/results/*/session.json`` and
+``*/*/session.json``). The model, its conventions and the targets on paper: docs/roofline.md.
 """
 
 from __future__ import annotations
@@ -29,7 +14,6 @@ import glob
 import json
 import math
 import os
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +21,7 @@ import torch
 from fastrl.ops import hybrid
 from fastrl.ops.budget import grad_columns, one_pass_rows, tile_budget
 
-__all__ = ["WORKLOADS", "IMPLEMENTATIONS", "TARGETS", "MEMORY", "model", "targets", "measured", "main"]
+__all__ = ["WORKLOADS", "IMPLEMENTATIONS", "TARGETS", "MEMORY", "model", "targets", "measured"]
 
 TFLOPS = 700e12  # bf16 GEMM rate, FLOP/s
 HBM = 4.3e12  # bytes/s
@@ -72,10 +56,10 @@ IMPLEMENTATIONS = {
     "floor": ("cuBLAS bf16 GEMMs alone (2NHV per pass, no elementwise work)", ("floor", "cublas", "cublas-floor")),
     "trl": ("TRL 1.16: cuBLAS tiles of 4096 x 32768 (bf16 logits; float32 for the divergence), float32 grad "
             "accumulators", ("trl",)),
-    "hybrid": ("fastrl triton-hybrid (the default): cuBLAS float32 logits tiles + Triton folds", ("triton-hybrid",
-                                                                                                  "fastrl")),
-    "fused": ("fastrl triton-fused: tl.dot tiles consumed in registers, G through HBM", ("triton-fused",
-                                                                                          "fastrl-fused")),
+    "hybrid": ("fastrl triton-hybrid (the default): cuBLAS float32 logits tiles + Triton folds",
+               ("triton-hybrid", "fastrl")),
+    "fused": ("fastrl triton-fused: tl.dot tiles consumed in registers, G through HBM",
+              ("triton-fused", "fastrl-fused")),
     "sm90": ("fastrl triton-sm90 (new): persistent TMA kernels; one pass on bf16 scaled exps; tiles sized by the "
              "device's memory (--memory-gib)", ("triton-sm90", "fastrl-sm90")),
     "sm90-nomem": ("the same where the device's memory is unknown (the budget's safe default: sm90 before the rule)",
@@ -90,15 +74,12 @@ IMPLEMENTATIONS = {
 
 
 def _chunks(N: int, V: int) -> int:
-    """One-pass chunks: the ``one-pass`` CUDA tile budget (1 GiB of float32), whole 128-row blocks, as
-    ``fastrl.ops.budget.one_pass_rows`` sizes them when the device memory is unknown."""
-    rows = max(128, tile_budget("one-pass", "cuda").elems // V // 128 * 128)
-    return math.ceil(N / rows)
+    """One-pass chunks: the ``one-pass`` CUDA tile budget in 128-row blocks (``one_pass_rows``, memory unknown)."""
+    return math.ceil(N / max(128, tile_budget("one-pass", "cuda").elems // V // 128 * 128))
 
 
 def _slices(N: int, V: int) -> int:
-    """Two-pass vocabulary slices: ``fastrl.ops.hybrid.tile_columns`` over min(N, its MAX_ROWS) rows (the ``hybrid``
-    tile budget, whole 256-column blocks)."""
+    """Two-pass vocabulary slices: ``fastrl.ops.hybrid.tile_columns`` over min(N, its MAX_ROWS) rows."""
     return math.ceil(V / hybrid.tile_columns(min(N, hybrid.MAX_ROWS), V))
 
 
@@ -151,23 +132,19 @@ def model(w: Shape, impl: str, memory: int | None = MEMORY) -> tuple[float, floa
     if w.kind == "divergence":
         Ht = w.H_teacher
         both = 2.0 * N * (H + Ht) * V  # one pass over both heads' logits
-        if impl == "floor":
-            return both + 4 * nhv, 0.0, "student + teacher forward, student's two gradient GEMMs"
-        if impl == "trl":  # stats pass, JSD pass, backward pass; float32 tiles of both heads each time
-            b = nv * (2 * 8 + 2 * 8 + (8 + 8 + 4 + 4 + 2 + 4)) + math.ceil(N / 4096) * grad_w_rmw \
-                + math.ceil(V / 32768) * grad_h_rmw
-            return 3 * both + 4 * nhv, b, "3 passes x both float32 tiles, G float32 -> bf16, fp32 accumulators"
-        if impl == "sm90":  # both heads' tiles in registers in all three passes; only the student's G is stored
-            return 3 * both + 4 * nhv, nv * S * 3 + _slices(N, V) * grad_h_rmw, "3 passes, both tiles in registers"
-        if impl in ("hybrid", "fused"):  # fused runs the hybrid divergence kernels
-            b = nv * (2 * 8 + 2 * 8 + (8 + 8 + 2 + 4)) + _slices(N, V) * grad_h_rmw
-            why = "3 passes x both float32 tiles, G bf16 in place"
-            return 3 * both + 4 * nhv, b, why if impl == "hybrid" else "runs the hybrid kernels: " + why
-        return None
+        fl = 3 * both + 4 * nhv
+        # TRL: stats pass, JSD pass, backward pass; float32 tiles of both heads each time
+        trl = nv * (2 * 8 + 2 * 8 + (8 + 8 + 4 + 4 + 2 + 4)) + math.ceil(N / 4096) * grad_w_rmw \
+            + math.ceil(V / 32768) * grad_h_rmw
+        hyb = nv * (2 * 8 + 2 * 8 + (8 + 8 + 2 + 4)) + _slices(N, V) * grad_h_rmw  # fused runs the hybrid kernels
+        why = "3 passes x both float32 tiles, G bf16 in place"
+        return {"floor": (both + 4 * nhv, 0.0, "student + teacher forward, student's two gradient GEMMs"),
+                "trl": (fl, trl, "3 passes x both float32 tiles, G float32 -> bf16, fp32 accumulators"),
+                # both heads' tiles in registers in all three passes; only the student's G is stored
+                "sm90": (fl, nv * S * 3 + _slices(N, V) * grad_h_rmw, "3 passes, both tiles in registers"),
+                "hybrid": (fl, hyb, why), "fused": (fl, hyb, "runs the hybrid kernels: " + why)}.get(impl)
     if w.kind == "forward":
-        if impl == "floor":
-            return 2 * nhv, 0.0, "one GEMM"
-        return {"trl": (2 * nhv, nv * 2 * S, "bf16 tile written + read"),
+        return {"floor": (2 * nhv, 0.0, "one GEMM"), "trl": (2 * nhv, nv * 2 * S, "bf16 tile written + read"),
                 "hybrid": (2 * nhv, nv * 8, "float32 tile written + read"),
                 "fused": (2 * nhv, 0.0, "statistics in registers"),
                 "sm90": (2 * nhv, 0.0, "statistics in registers (persistent, TMA, split vocabulary)")}.get(impl)
@@ -324,13 +301,6 @@ def print_columns(table: list[tuple[str, ...]]) -> None:
             print("  ".join("-" * wd for wd in widths))
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench roofline", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_options(ap)
-    return command(ap.parse_args(argv))
-
-
 def command(args, con=None) -> int:
     """``python -m bench roofline``: the model's table, then the targets (arithmetic only: no GPU, no provider)."""
     memory = int(args.memory_gib * (1 << 30)) or None
@@ -354,21 +324,13 @@ def command(args, con=None) -> int:
         print(f"  {name:8s} {what}")
     print()
     print_columns(table)
-    _print_targets(targets(memory))
-    return 0
-
-
-def _print_targets(rows: list[dict]) -> None:
     head = ("target", "goal", "design", "built", "TFLOP", "GB moved", "implied ms", "baseline ms", "ratio", "on paper",
             "why")
     table = [head] + [(r["target"], f"<= {r['goal']:g}x", "=".join([r["design"]] + r["tied"]),
                        "yes" if r["built"] else "no (paper)",
                        f"{r['tflop']:.2f}", f"{r['gb']:.1f}", f"{r['implied_ms']:.1f}",
                        f"{r['baseline_ms']:.1f} ({r['baseline']})", f"{r['ratio']:.3f}x",
-                       "met" if r["met"] else "NOT met", r["why"]) for r in rows]
+                       "met" if r["met"] else "NOT met", r["why"]) for r in targets(memory)]
     print("\nTargets (issue 33): the fastest modelled fastrl design per target, its ratio computed from the rows above")
     print_columns(table)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return 0

@@ -1,36 +1,18 @@
-"""Workloads (docs/design.md: W1-W4, C1), the token / vocabulary / hidden-size sweeps, and their cost model.
+"""Workloads (docs/design.md: W1-W3, C1), the token / vocabulary / hidden-size sweeps, and their cost model.
 
-A workload is a shape, a dtype and a kind of work:
-
-* ``logprob``: per-token log-prob and entropy, forward + backward, loss ``sum(logp) + 0.01 * sum(entropy)``
-  (path A on fastrl's side);
-* ``loss``: a GRPO policy loss (dapo, beta 0.04 with k3 KL, entropy bonus), forward + backward;
-* ``forward``: log-probs only, no gradient (reference / old policy; path C);
-
-W4 (one TRL GRPOTrainer step per completion length) is not an op on given tensors but a whole trainer step on a
-model, with its own shapes and table: it lives in ``bench/w4.py``.
-
-GPU-sized shapes cannot run on a CPU (W1's float32 logits alone are 10 GB), so CPU runs use the same
-workloads scaled down by fixed factors; every scaled workload says so in its ``note``.
+A workload is a shape, a dtype and a kind of work: ``logprob`` (per-token log-prob and entropy, forward + backward,
+loss ``sum(logp) + 0.01 * sum(entropy)``: path A), ``loss`` (a GRPO policy loss: dapo, beta 0.04 with k3 KL, entropy
+bonus; forward + backward) or ``forward`` (log-probs only, no gradient: path C). W4 and W5 (trainer steps on a model)
+live in bench/w4.py and bench/w5.py. CPU runs use the GPU workloads scaled down by fixed factors (W1's float32
+logits alone are 10 GB); every scaled workload says so in its ``note``.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-__all__ = [
-    "Workload",
-    "KINDS",
-    "C1",
-    "C1_LOSS",
-    "gpu_workloads",
-    "cpu_workloads",
-    "smoke_workloads",
-    "select",
-    "flops",
-    "bytes_moved",
-    "tiny",
-]
+__all__ = ["Workload", "KINDS", "C1", "C1_LOSS", "gpu_workloads", "cpu_workloads", "smoke_workloads", "select", "flops",
+           "bytes_moved", "tiny"]
 
 KINDS = ("logprob", "loss", "forward")
 ENTROPY_COEF = 0.01  # weight of the entropy term in the logprob workloads' loss and in the GRPO loss
@@ -72,17 +54,11 @@ class Workload:
         return Workload(**d)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Cost model. N tokens, hidden H, vocab V; the LM-head GEMM is 2NHV FLOPs per pass over the logits.
-#   forward               y = h W^T                      2NHV
-#   backward              grad_h = G W, grad_W = G^T h    4NHV   (two GEMMs of 2NHV each)
-#   one-pass (path B)     gradients formed in the forward 6NHV
-#   two-pass (path A)     forward, recompute, 2 grads     8NHV
-# Throughput is always reported on the *useful* count (2NHV forward, 4NHV backward, 6NHV both), so a
-# path that recomputes the logits pays for it in TFLOP/s; `flops_executed` records what it really ran.
-# Bytes: a fused path must at least read h [N,H] and W [V,H] and write grad_h and grad_W; a materialising
-# path additionally writes and re-reads the [N, V] logits (and their gradient) at least once each.
-# ---------------------------------------------------------------------------------------------------
+# Cost model: the LM-head GEMM is 2NHV FLOPs per pass over the logits (forward 2NHV, backward 4NHV: grad_h and
+# grad_W; one pass (path B) 6NHV; two passes (path A) recompute the logits: 8NHV). Throughput is reported on the
+# useful count, so a path that recomputes pays for it in TFLOP/s; ``flops_executed`` records what it really ran.
+# Bytes: a fused path must read h and W and write their gradients; a materialising one also writes and re-reads
+# the [N, V] logits (and their gradient) at least once each.
 
 def flops(wl: Workload, phase: str) -> float:
     """Useful FLOPs of one phase: 'fwd' 2NHV, 'bwd' 4NHV, 'total' 6NHV (forward-only: 2NHV total; a frozen head
@@ -117,10 +93,6 @@ def bytes_moved(wl: Workload) -> dict[str, float]:
     logits = float(wl.N) * wl.V * s * (1 if wl.kind == "forward" else 2)  # logits (+ their gradient)
     return {"bytes_inputs_outputs": float(io), "bytes_logits": logits}
 
-
-# ---------------------------------------------------------------------------------------------------
-# Definitions
-# ---------------------------------------------------------------------------------------------------
 
 # GPU shapes (docs/design.md). Loss workloads split 16384 tokens into 16 sequences of 1024.
 _W1 = Workload("W1", "loss", 16384, 4096, 151936, "bfloat16", batch=16,
@@ -158,12 +130,9 @@ def _sweeps(n_base: int, h_base: int, v_base: int, dtype: str, tokens, vocab, hi
 def loss_sweeps() -> list[Workload]:
     """W1 (H=4096) and W2 (H=896) as GRPO losses over 1024-token sequences at 2k-16k tokens (the 16k points are
     W1 and W2 themselves, measured once)."""
-    out = []
-    for base in (_W1, _W2):
-        for n in SWEEP_LOSS_TOKENS:
-            out.append(replace(base, name=f"{base.name}-{n}", N=n, batch=n // 1024, group=f"sweep-loss-h{base.H}",
-                               note=f"{base.note}; {n // 1024} sequences of 1024 tokens"))
-    return out
+    return [replace(base, name=f"{base.name}-{n}", N=n, batch=n // 1024, group=f"sweep-loss-h{base.H}",
+                    note=f"{base.note}; {n // 1024} sequences of 1024 tokens")
+            for base in (_W1, _W2) for n in SWEEP_LOSS_TOKENS]
 
 
 def gpu_workloads() -> list[Workload]:
@@ -180,12 +149,10 @@ def _r8(x: float) -> int:
 
 def _scaled(wl: Workload, fn: int, fh: int, fv: int, batch: int | None = None) -> Workload:
     """``wl`` with N/fn, H/fh, V/fv tokens in float32, and a note saying so."""
-    n = _r8(wl.N / fn)
-    b = batch if batch is not None else wl.batch
-    return replace(
-        wl, N=n, H=_r8(wl.H / fh), V=_r8(wl.V / fv), dtype="float32", batch=b,
-        note=f"{wl.note}; scaled down for CPU from N={wl.N} H={wl.H} V={wl.V} {wl.dtype} (N/{fn} H/{fh} V/{fv}, float32)",
-    )
+    return replace(wl, N=_r8(wl.N / fn), H=_r8(wl.H / fh), V=_r8(wl.V / fv), dtype="float32",
+                   batch=wl.batch if batch is None else batch,
+                   note=f"{wl.note}; scaled down for CPU from N={wl.N} H={wl.H} V={wl.V} {wl.dtype} "
+                        f"(N/{fn} H/{fh} V/{fv}, float32)")
 
 
 def cpu_workloads(quick: bool) -> list[Workload]:
@@ -207,38 +174,24 @@ def cpu_workloads(quick: bool) -> list[Workload]:
 
 
 def smoke_workloads() -> list[Workload]:
-    """Tiny shapes for CI: every kind once, and a two-point token sweep so a plot is drawn (W4: bench/w4.py)."""
-    note = "smoke test: tiny shapes, numbers mean nothing"
-    return [
-        Workload("C1-smoke", "logprob", 128, 32, 512, "float32", note=note),
-        Workload("W1-smoke", "loss", 128, 32, 512, "float32", batch=4, note=note),
-        # same shape as W1-smoke, so measured once (a "same_as" row): checks that c1's loss workload is wired up
-        Workload("C1-loss-smoke", "loss", 128, 32, 512, "float32", batch=4, note=note),
-        Workload("W3-smoke", "forward", 128, 32, 512, "float32", note=note),
-        Workload("tokens-64", "logprob", 64, 32, 512, "float32", group="sweep-tokens", note=note),
-        Workload("tokens-256", "logprob", 256, 32, 512, "float32", group="sweep-tokens", note=note),
-    ]
+    """Tiny shapes for CI: every kind once, and a two-point token sweep so a plot is drawn. C1-loss-smoke has
+    W1-smoke's shape, so it is measured once (a "same_as" row): it checks that c1's loss workload is wired up."""
+    sweep = [replace(tiny(C1), name=f"tokens-{n}", N=n, group="sweep-tokens") for n in (64, 256)]
+    return [tiny(w) for w in (C1, _W1, C1_LOSS, _W3)] + sweep
+
+
+def _matches(wl: Workload, key: str) -> bool:
+    name = wl.name.lower()
+    return (key in (name, name.removesuffix("-smoke"), wl.group) or (key.endswith("*") and name.startswith(key[:-1]))
+            or (key == "sweeps" and wl.group.startswith("sweep")) or (name.split("-")[0] == key and wl.group == "core"))
 
 
 def select(workloads: list[Workload], spec: str | None) -> list[Workload]:
     """Filter by a comma list of names, name prefixes ending in '*', or groups ('core', 'sweep-tokens', 'sweeps')."""
     if not spec:
         return workloads
-    keys = [k.strip() for k in spec.split(",") if k.strip()]
-    out = []
-    for wl in workloads:
-        for k in keys:
-            kl = k.lower()
-            if (
-                wl.name.lower() == kl
-                or wl.name.lower().removesuffix("-smoke") == kl
-                or (kl.endswith("*") and wl.name.lower().startswith(kl[:-1]))
-                or wl.group == kl
-                or (kl == "sweeps" and wl.group.startswith("sweep"))
-                or wl.name.lower().split("-")[0] == kl and wl.group == "core"
-            ):
-                out.append(wl)
-                break
+    keys = [k.strip().lower() for k in spec.split(",") if k.strip()]
+    out = [wl for wl in workloads if any(_matches(wl, k) for k in keys)]
     if not out:
         names = ", ".join(w.name for w in workloads)
         raise SystemExit(f"--workload {spec!r} matches none of: {names} (or groups core, sweeps, sweep-tokens, ...)")
@@ -247,6 +200,5 @@ def select(workloads: list[Workload], spec: str | None) -> list[Workload]:
 
 def tiny(wl: Workload) -> Workload:
     """A smoke-test version of any workload: same name and kind (suffix '-smoke'), tiny float32 shapes."""
-    b = min(wl.batch, 4)
-    return replace(wl, name=f"{wl.name}-smoke", N=128, H=32, V=512, dtype="float32", batch=b,
+    return replace(wl, name=f"{wl.name}-smoke", N=128, H=32, V=512, dtype="float32", batch=min(wl.batch, 4),
                    note="smoke test: tiny shapes, numbers mean nothing")
