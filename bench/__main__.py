@@ -123,7 +123,6 @@ class Command:
     summary: str  # its line in `python -m bench --help`, and the head of `python -m bench NAME --help`
     options: tuple[Callable[[argparse.ArgumentParser], None], ...]
     run: Callable[[argparse.Namespace, str, object], int]  # (args, device, console) -> exit status
-    more: str = ""  # what `python -m bench NAME --help` says after the summary
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -132,8 +131,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", title="commands", metavar="COMMAND",
                             help="what to measure (default: run); `python -m bench COMMAND --help` lists its options")
     for c in COMMANDS.values():
-        sp = sub.add_parser(c.name, help=c.summary, description=f"{c.summary}.\n{c.more}".strip(),
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
+        sp = sub.add_parser(c.name, help=c.summary, description=f"{c.summary}; bench/README.md says more.")
         for add in c.options:
             add(sp)
     return ap
@@ -480,50 +478,37 @@ def main(argv: list[str] | None = None) -> int:
 # Command below; `python -m bench NAME --help` and the command list follow. bench/README.md says what each measures.
 _MEASURE = (_run_options, _workload_options)
 COMMANDS: dict[str, Command] = {c.name: c for c in (
-    Command("run", "every workload for this device (the default command)", (*_MEASURE, _w4_options), _measure,
-            "CUDA: W1-W3 at GPU sizes (bf16); CPU: CPU-scaled W1-W3 and the token, vocabulary and hidden-size sweeps;\n"
-            "W4 in a full run (with --quick or --smoke when --workload names it). `python -m bench --quick` is\n"
-            "`python -m bench run --quick`."),
-    Command("c1", "C1 and C1-loss on CPU against the CPU targets", _MEASURE, _measure,
-            "fastrl, materialised torch, TRL 1.16 and Liger at N=4096, H=512, V=32768, float32, forward + backward;\n"
-            "targets: C1 fastrl extra peak <= 10% of torch's and time <= 1.1x; C1-loss fastrl.policy_loss extra\n"
-            "peak <= 10% and time <= 1.0x. About 5-6 minutes on 2 cores."),
-    Command("gpu", "W1-W3 at full size, every provider, with the GPU targets (needs CUDA)", _MEASURE, _measure,
-            "Also W1 with a frozen head, W1 / W2 as losses at 2k-16k tokens, the divergence and the kept set; the\n"
-            "targets as ratios against TRL in the same run. Refuses to run without CUDA (with --smoke it runs tiny\n"
-            "shapes anywhere). About 30 minutes on an H100: pick with --workload / --providers to fit a budget."),
+    Command("run", "every workload for this device (the default command: `python -m bench --quick` is `run --quick`)",
+            (*_MEASURE, _w4_options), _measure),
+    Command("c1", "C1 and C1-loss on CPU against the CPU targets (time and extra peak memory vs torch)", _MEASURE,
+            _measure),
+    Command("gpu", "W1-W3 at full size, every provider, with the GPU targets (refuses to run without CUDA but with "
+            "--smoke)", _MEASURE, _measure),
     Command("w4", "W4: one GRPOTrainer step, stock TRL vs fastrl, per completion length", (_run_options, _w4_options),
-            _measure, "Peak extra memory, step time, and the longest completion whose step fits --budget-mb."),
+            _measure),
     Command("w5", "W5: the longest completion whose GRPO step fits a memory budget, per trainer and option set",
-            (_run_options, _w5_options), w5.cli, "A full GPU run is long: split it with --workload and --providers."),
+            (_run_options, _w5_options), w5.cli),
     Command("keptset", "the LM head over a kept set (K = 20, 64, 512) vs the full vocabulary", (_run_options,),
-            _lazy("keptset", "cli"), "Target: K=64 fwd+bwd <= 0.1x the full path."),
-    Command("divergence", "student vs teacher head: fused_divergence vs TRL, Liger and torch, beta 0/0.5/1",
-            (_run_options, _divergence_options), divergence.cli,
-            "fastrl.fused_divergence, TRL 1.16's ChunkedDivergenceFunction, Liger's LigerFusedLinearJSD (CUDA) and\n"
-            "materialised torch; targets: CPU <= 0.7x TRL's time at <= 0.5x its extra memory; GPU <= 0.8x its time."),
-    Command("gap", "the vLLM-trainer log-prob gap: TRL, fastrl, fastrl + vLLM float32 head; replay off and on",
-            (_run_options, _lazy("gap", "add_options")), _lazy("gap", "command"),
-            "Needs vLLM: run it with the python that `bash .ci/vllm-env.sh` prints."),
+            _lazy("keptset", "cli")),
+    Command("divergence", "student vs teacher head: fused_divergence vs TRL, LigerFusedLinearJSD and torch, beta "
+            "0/0.5/1", (_run_options, _divergence_options), divergence.cli),
+    Command("gap", "the vLLM-trainer log-prob gap: TRL, fastrl, fastrl + vLLM float32 head; replay off and on (needs "
+            "vLLM: the python `bash .ci/vllm-env.sh` prints)", (_run_options, _lazy("gap", "add_options")),
+            _lazy("gap", "command")),
     Command("compile", "a training step with fastrl inside torch.compile vs eager vs compiled materialised reference",
             (_lazy("compiled_step", "add_options"),), _lazy("compiled_step", "command")),
     Command("list", "workloads and providers, and why a provider cannot run here", (_device_option,), _list),
-    Command("targets", "the GPU targets over the result files of several runs", (_targets_options,), _targets_command,
-            "Ratios against TRL within each run, PASS/FAIL, as `gpu` and `session` print at the end of one run."),
+    Command("targets", "the GPU targets over the result files of several runs", (_targets_options,), _targets_command),
     Command("session", "everything a GPU window measures, in one command sized to a time budget",
-            (_lazy("session", "add_options"),), _lazy("session", "command"),
-            "Writes <out>/session.json and prints PASS/FAIL per target; --smoke: the same plumbing on a CPU."),
+            (_lazy("session", "add_options"),), _lazy("session", "command")),
     Command("defaults", "the measured defaults table (kernels/_defaults.py) from committed session results",
-            (_lazy("defaults", "add_options"),), _lazy("defaults", "command", device=False),
-            "--check: exit 1 if the file is stale."),
+            (_lazy("defaults", "add_options"),), _lazy("defaults", "command", device=False)),
     Command("sass", "compile every kernel for sm_90 without a GPU; fail on spills or missing HGMMA",
             (_sass_options,), _lazy("sass", "command", device=False)),
-    Command("roofline", "bytes moved and FLOPs of every implementation per workload, and the time they imply",
-            (_lazy("roofline", "add_options"),), _lazy("roofline", "command", device=False),
-            "A model, no GPU: the time FLOPs and HBM bytes imply at 700 TFLOP/s and 4.3 TB/s, next to the measured\n"
-            "time where a committed session.json has one (docs/roofline.md)."),
+    Command("roofline", "the FLOPs and HBM bytes of every implementation per workload, and the time they imply at "
+            "700 TFLOP/s and 4.3 TB/s", (_lazy("roofline", "add_options"),),
+            _lazy("roofline", "command", device=False)),
 )}
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -3,9 +3,7 @@
     pytest bench/test_linear_logprob.py --benchmark-only          (shape: FASTRL_BENCH_SHAPE="N,H,V,dtype")
 
 ``logprob``: log-prob + entropy with gradients (fastrl path A), loss ``sum(logp) + 0.01 sum(entropy)``;
-``forward``: log-probs without gradients (fastrl path C). FLOPs per phase: forward 2NHV, backward 4NHV,
-both 6NHV (``bench.workloads.flops``); TFLOP/s is in each benchmark's extra_info.
-The matmul floor is measured alongside: one plain [N, H] @ [H, V] GEMM of the same shape.
+``forward``: log-probs without gradients (fastrl path C); and the floor, one plain [N, H] @ [H, V] GEMM.
 """
 
 from __future__ import annotations
@@ -34,9 +32,7 @@ def test_forward_only(benchmark, provider):
 def test_matmul_floor(benchmark):
     """The floor for this file's shape: [N, H] @ [H, V] in the same dtype, 2NHV FLOPs."""
     n, h, v, dt = B.shape()
-    dev = torch.device(B.DEVICE)
-    a = torch.randn(n, h, device=dev).to(getattr(torch, dt))
-    b = torch.randn(h, v, device=dev).to(getattr(torch, dt))
+    a, b = (torch.randn(*s, device=B.DEVICE).to(getattr(torch, dt)) for s in ((n, h), (h, v)))
 
     def mm():
         a @ b
@@ -44,4 +40,4 @@ def test_matmul_floor(benchmark):
 
     benchmark.group = "forward-only logprob"
     benchmark.pedantic(mm, rounds=5, warmup_rounds=1)
-    benchmark.extra_info.update({"flops": 2.0 * n * h * v, "tflops": 2.0 * n * h * v / benchmark.stats.stats.median / 1e12})
+    B.record(benchmark, 2.0 * n * h * v)
