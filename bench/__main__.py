@@ -48,80 +48,64 @@ QUICK_ONLY_ON = {
     "trl": (("core",), "each TRL process pays ~5 s of imports at its first backward; sweeps use fastrl vs torch"),
 }
 SMOKE_LEAVE_OUT = {"torch-compile": "left out by --smoke: compiling alone takes longer than the whole smoke run"}
-# what a command that does not take an option reads for it
-_UNSET = {"quick": False, "smoke": False, "no_plots": False, "threads": 0, **dict.fromkeys((
-    "out", "device", "workload", "providers", "reps", "warmup", "sets", "timeout", "jobs", "fastrl_backend",
-    "lengths", "budget_mb"))}
-
-
-def _device_option(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
-
-
-def _run_options(ap: argparse.ArgumentParser) -> None:
-    """Options of every measuring command."""
-    ap.add_argument("--quick", action="store_true", help="smaller shapes and fewer points (CPU: a few minutes)")
-    ap.add_argument("--smoke", action="store_true",
-                    help="tiny shapes, one repetition: checks the plumbing only (results go to a temporary folder "
-                         "unless --out is given)")
-    ap.add_argument("--out", help="results folder (default: a new folder under $FASTRL_BENCH_OUT or the system's "
-                                  "temporary folder, never the committed bench/results/)")
-    _device_option(ap)
-    ap.add_argument("--reps", type=int, help="timed repetitions per measurement on CPU (default 3; smoke 1)")
-    ap.add_argument("--warmup", type=int, help="untimed steps before timing (default 1; smoke 0)")
-    ap.add_argument("--timeout", type=int, help="seconds per measuring process")
-    ap.add_argument("--jobs", type=int, help="measuring processes at once (default 1; --smoke 2): "
-                                             "above 1 they share the cores, so times are not comparable")
-    ap.add_argument("--threads", type=int, default=0, help="CPU threads per worker (default: torch's)")
-    ap.add_argument("--fastrl-backend", choices=("triton", "triton-hybrid", "triton-fused", "torch"),
-                    help="force fastrl's backend")
-    ap.add_argument("--no-plots", action="store_true", help="write JSON and CSV only")
-
-
-def _workload_options(ap: argparse.ArgumentParser) -> None:
-    """Options of the commands that measure workloads x providers."""
-    ap.add_argument("--workload", help="comma list: names (W1, C1, tokens-4096), 'W1' also picks W1-lp; "
-                                       "groups core, sweeps, sweep-tokens, sweep-vocab, sweep-hidden")
-    ap.add_argument("--providers", help=f"comma list of {', '.join(P.PROVIDERS)} (default: all; c1: {C1_PROVIDERS})")
-    ap.add_argument("--sets", type=int, help="input sets rotated through the repetitions (CPU 2, CUDA 3)")
-
-
-def _w4_options(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--lengths", help="W4: comma list of completion lengths (default: by device and mode)")
-    ap.add_argument("--budget-mb", type=float, help="W4: step-memory budget in MB for 'longest that fits'")
-
-
-def _w5_options(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--workload", help="W5: comma list of architectures (0.5B,1.5B; default both)")
-    ap.add_argument("--providers", help="W5: comma list of configurations: trl, fastrl, fastrl+offload, fastrl+tiled, "
-                                        "fastrl+both (default all)")
-    ap.add_argument("--lengths", help="W5: comma list of completion lengths to search (default: by device and mode)")
-    ap.add_argument("--budget-mb", type=float, help="W5: one step-memory budget in MB (default: 24 and 80 GiB on CUDA)")
-
-
-def _divergence_options(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--beta", help="comma list of betas (default 0,0.5,1)")
-    ap.add_argument("--tokens", type=int, help="tokens N (default: by device; results go to divergence-nN.json)")
-    ap.add_argument("--providers", help=f"comma list of {', '.join(divergence.PROVIDERS)} (default all)")
-
-
-def _sass_options(ap: argparse.ArgumentParser) -> None:
-    """Here: bench/sass.py refuses to import under TRITON_INTERPRET (``python -m bench.sass`` has its own parser)."""
-    ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (default 90: H100 / H200)")
-    ap.add_argument("--only", help="only kernels whose name contains this")
-    ap.add_argument("--checked-only", action="store_true", help="only the variants the check covers")
-
-
-def _targets_options(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("paths", nargs="+", help="result files (session*.json, gpu*.json, or gpu*.rows.jsonl of a run "
-                                             "stopped part-way) or folders holding them")
+# Options, as (flag, argparse keywords) by group; each command takes its groups (or a module's add_options)
+DEVICE = (("--device", {"choices": ("cpu", "cuda"), "help": "default: cuda when available"}),)
+RUN = (  # every measuring command
+    ("--quick", {"action": "store_true", "help": "smaller shapes and fewer points (CPU: a few minutes)"}),
+    ("--smoke", {"action": "store_true", "help": "tiny shapes, one repetition: checks the plumbing only (results go "
+                                                 "to a temporary folder unless --out is given)"}),
+    ("--out", {"help": "results folder (default: a new folder under $FASTRL_BENCH_OUT or the system's temporary "
+                       "folder, never the committed bench/results/)"}),
+    *DEVICE,
+    ("--reps", {"type": int, "help": "timed repetitions per measurement on CPU (default 3; smoke 1)"}),
+    ("--warmup", {"type": int, "help": "untimed steps before timing (default 1; smoke 0)"}),
+    ("--timeout", {"type": int, "help": "seconds per measuring process"}),
+    ("--jobs", {"type": int, "help": "measuring processes at once (default 1; --smoke 2): above 1 they share the "
+                                     "cores, so times are not comparable"}),
+    ("--threads", {"type": int, "default": 0, "help": "CPU threads per worker (default: torch's)"}),
+    ("--fastrl-backend", {"choices": ("triton", "triton-hybrid", "triton-fused", "torch"),
+                          "help": "force fastrl's backend"}),
+    ("--no-plots", {"action": "store_true", "help": "write JSON and CSV only"}),
+)
+WORKLOADS = (  # the commands that measure workloads x providers
+    ("--workload", {"help": "comma list: names (W1, C1, tokens-4096), 'W1' also picks W1-lp; groups core, sweeps, "
+                            "sweep-tokens, sweep-vocab, sweep-hidden"}),
+    ("--providers", {"help": f"comma list of {', '.join(P.PROVIDERS)} (default: all; c1: {C1_PROVIDERS})"}),
+    ("--sets", {"type": int, "help": "input sets rotated through the repetitions (CPU 2, CUDA 3)"}),
+)
+W4_OPTIONS = (
+    ("--lengths", {"help": "W4: comma list of completion lengths (default: by device and mode)"}),
+    ("--budget-mb", {"type": float, "help": "W4: step-memory budget in MB for 'longest that fits'"}),
+)
+W5_OPTIONS = (
+    ("--workload", {"help": "W5: comma list of architectures (0.5B,1.5B; default both)"}),
+    ("--providers", {"help": "W5: comma list of configurations: trl, fastrl, fastrl+offload, fastrl+tiled, "
+                             "fastrl+both (default all)"}),
+    ("--lengths", {"help": "W5: comma list of completion lengths to search (default: by device and mode)"}),
+    ("--budget-mb", {"type": float, "help": "W5: one step-memory budget in MB (default: 24 and 80 GiB on CUDA)"}),
+)
+DIVERGENCE = (
+    ("--beta", {"help": "comma list of betas (default 0,0.5,1)"}),
+    ("--tokens", {"type": int, "help": "tokens N (default: by device; results go to divergence-nN.json)"}),
+    ("--providers", {"help": f"comma list of {', '.join(divergence.PROVIDERS)} (default all)"}),
+)
+SASS = (  # here: bench/sass.py refuses to import under TRITON_INTERPRET (`python -m bench.sass` has its own parser)
+    ("--arch", {"type": int, "default": 90, "help": "compute capability x 10 (default 90: H100 / H200)"}),
+    ("--only", {"help": "only kernels whose name contains this"}),
+    ("--checked-only", {"action": "store_true", "help": "only the variants the check covers"}),
+)
+TARGETS = (("paths", {"nargs": "+", "help": "result files (session*.json, gpu*.json, or gpu*.rows.jsonl of a run "
+                                            "stopped part-way) or folders holding them"}),)
+# what a command that does not take a measuring option reads for it
+_UNSET = {flag.lstrip("-").replace("-", "_"): kw.get("default", False if kw.get("action") == "store_true" else None)
+          for flag, kw in RUN + WORKLOADS + W4_OPTIONS}
 
 
 @dataclass(frozen=True)
 class Command:
     name: str
     summary: str  # its line in `python -m bench --help`, and the head of `python -m bench NAME --help`
-    options: tuple[Callable[[argparse.ArgumentParser], None], ...]
+    options: tuple  # option groups: (flag, keywords) tuples, or a function that adds its own
     run: Callable[[argparse.Namespace, str, object], int]  # (args, device, console) -> exit status
 
 
@@ -132,8 +116,12 @@ def _parser() -> argparse.ArgumentParser:
                             help="what to measure (default: run); `python -m bench COMMAND --help` lists its options")
     for c in COMMANDS.values():
         sp = sub.add_parser(c.name, help=c.summary, description=f"{c.summary}; bench/README.md says more.")
-        for add in c.options:
-            add(sp)
+        for group in c.options:
+            if callable(group):
+                group(sp)
+            else:
+                for flag, kw in group:
+                    sp.add_argument(flag, **kw)
     return ap
 
 
@@ -476,35 +464,35 @@ def main(argv: list[str] | None = None) -> int:
 
 # A new command: an option function for what only it takes, a handler (args, device, console) -> exit status, and a
 # Command below; `python -m bench NAME --help` and the command list follow. bench/README.md says what each measures.
-_MEASURE = (_run_options, _workload_options)
+_MEASURE = (RUN, WORKLOADS)
 COMMANDS: dict[str, Command] = {c.name: c for c in (
     Command("run", "every workload for this device (the default command: `python -m bench --quick` is `run --quick`)",
-            (*_MEASURE, _w4_options), _measure),
+            (*_MEASURE, W4_OPTIONS), _measure),
     Command("c1", "C1 and C1-loss on CPU against the CPU targets (time and extra peak memory vs torch)", _MEASURE,
             _measure),
     Command("gpu", "W1-W3 at full size, every provider, with the GPU targets (refuses to run without CUDA but with "
             "--smoke)", _MEASURE, _measure),
-    Command("w4", "W4: one GRPOTrainer step, stock TRL vs fastrl, per completion length", (_run_options, _w4_options),
+    Command("w4", "W4: one GRPOTrainer step, stock TRL vs fastrl, per completion length", (RUN, W4_OPTIONS),
             _measure),
     Command("w5", "W5: the longest completion whose GRPO step fits a memory budget, per trainer and option set",
-            (_run_options, _w5_options), w5.cli),
-    Command("keptset", "the LM head over a kept set (K = 20, 64, 512) vs the full vocabulary", (_run_options,),
+            (RUN, W5_OPTIONS), w5.cli),
+    Command("keptset", "the LM head over a kept set (K = 20, 64, 512) vs the full vocabulary", (RUN,),
             _lazy("keptset", "cli")),
     Command("divergence", "student vs teacher head: fused_divergence vs TRL, LigerFusedLinearJSD and torch, beta "
-            "0/0.5/1", (_run_options, _divergence_options), divergence.cli),
+            "0/0.5/1", (RUN, DIVERGENCE), divergence.cli),
     Command("gap", "the vLLM-trainer log-prob gap: TRL, fastrl, fastrl + vLLM float32 head; replay off and on (needs "
-            "vLLM: the python `bash .ci/vllm-env.sh` prints)", (_run_options, _lazy("gap", "add_options")),
+            "vLLM: the python `bash .ci/vllm-env.sh` prints)", (RUN, _lazy("gap", "add_options")),
             _lazy("gap", "command")),
     Command("compile", "a training step with fastrl inside torch.compile vs eager vs compiled materialised reference",
             (_lazy("compiled_step", "add_options"),), _lazy("compiled_step", "command")),
-    Command("list", "workloads and providers, and why a provider cannot run here", (_device_option,), _list),
-    Command("targets", "the GPU targets over the result files of several runs", (_targets_options,), _targets_command),
+    Command("list", "workloads and providers, and why a provider cannot run here", (DEVICE,), _list),
+    Command("targets", "the GPU targets over the result files of several runs", (TARGETS,), _targets_command),
     Command("session", "everything a GPU window measures, in one command sized to a time budget",
             (_lazy("session", "add_options"),), _lazy("session", "command")),
     Command("defaults", "the measured defaults table (kernels/_defaults.py) from committed session results",
             (_lazy("defaults", "add_options"),), _lazy("defaults", "command", device=False)),
     Command("sass", "compile every kernel for sm_90 without a GPU; fail on spills or missing HGMMA",
-            (_sass_options,), _lazy("sass", "command", device=False)),
+            (SASS,), _lazy("sass", "command", device=False)),
     Command("roofline", "the FLOPs and HBM bytes of every implementation per workload, and the time they imply at "
             "700 TFLOP/s and 4.3 TB/s", (_lazy("roofline", "add_options"),),
             _lazy("roofline", "command", device=False)),
