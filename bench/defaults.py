@@ -14,7 +14,7 @@ import math
 import pprint
 from pathlib import Path
 
-__all__ = ["find_sessions", "build", "render", "add_options", "command", "TABLE_PATH", "MARGIN"]
+__all__ = ["build", "render", "add_options", "command", "TABLE_PATH", "MARGIN"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TABLE_PATH = REPO_ROOT / "kernels" / "_defaults.py"
@@ -24,13 +24,6 @@ MARGIN = 0.03  # a winner's median must be at most (1 - MARGIN) x the built-in's
 BUILTIN = "triton-hybrid"  # rows written before sessions recorded `builtin`: CUDA with float32-out cuBLAS
 # the rows that decide a kernel's configuration: the first (kind, provider) in which it ran
 KERNEL_DECIDERS = (("logprob", "fastrl"), ("forward", "fastrl"), ("loss", "fastrl-fused"), ("loss", "fastrl"))
-
-
-def find_sessions(paths: list[Path]) -> list[Path]:
-    out = []
-    for p in paths:
-        out += sorted(p.rglob("session*.json")) if p.is_dir() else [p]
-    return out
 
 
 def _rel(p: Path) -> str:
@@ -169,7 +162,7 @@ def build(paths: list[Path], allow_dirty: bool = False) -> dict:
     """The table from the session files under ``paths``: every usable session of a family, oldest first, each
     entry from the newest session that decided its key."""
     runs = []
-    for f in find_sessions(paths):
+    for f in [f for p in paths for f in (sorted(p.rglob("session*.json")) if p.is_dir() else [p])]:
         data = json.loads(f.read_text())
         env = data.get("env", {})
         run = {"run": _rel(f), "device": env.get("device"), "family": env.get("family"),

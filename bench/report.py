@@ -182,14 +182,19 @@ def _spread(rows: list[dict]) -> tuple[list, list]:
                  [r["total_ms"]["max"] - m for m, r in zip(med, rows)]]
 
 
-def _decorate(ax_t, ax_m, ylabel: str, log: bool) -> None:
-    for ax, ylab in ((ax_t, ylabel), (ax_m, "peak extra memory, MB")):
+def _decorate(axes, ylabel: str, xlabel: str | None = None, ticks: list | None = None) -> None:
+    """Time (``ylabel``) and memory panels: log-log against ``xlabel``, or bars at ``ticks``."""
+    for ax, ylab in zip(axes, (ylabel, "peak extra memory, MB")):
         ax.set_ylabel(ylab)
-        ax.grid(True, which="both" if log else "major", axis="both" if log else "y", alpha=0.3)
+        ax.grid(True, which="major" if ticks else "both", axis="y" if ticks else "both", alpha=0.3)
         ax.legend(fontsize=8)
-        if log:
+        if ticks:
+            ax.set_xticks(range(len(ticks)))
+            ax.set_xticklabels(ticks)
+        else:
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
+            ax.set_xlabel(xlabel)
 
 
 def plot(rows: list[dict], out_dir: Path, prefix: str, env: dict) -> list[Path]:
@@ -213,9 +218,7 @@ def plot(rows: list[dict], out_dir: Path, prefix: str, env: dict) -> list[Path]:
             x = [r["sweep_value"] for r in pts]
             ax_t.errorbar(x, *_spread(pts), marker="o", capsize=3, label=prov)
             ax_m.plot(x, [max(r["peak_extra_mb"], 1e-3) for r in pts], marker="o", label=prov)
-        _decorate(ax_t, ax_m, "fwd+bwd time, ms (median, min-max)", log=True)
-        for ax in (ax_t, ax_m):
-            ax.set_xlabel(_XLABEL.get(group, "tokens N"))
+        _decorate((ax_t, ax_m), "fwd+bwd time, ms (median, min-max)", xlabel=_XLABEL.get(group, "tokens N"))
         r0 = rs[0]
         fixed = {"sweep-vocab": f"N={r0['N']} H={r0['H']}",
                  "sweep-hidden": f"N={r0['N']} V={r0['V']}"}.get(group, f"H={r0['H']} V={r0['V']}")
@@ -233,10 +236,7 @@ def plot(rows: list[dict], out_dir: Path, prefix: str, env: dict) -> list[Path]:
             med, err = _spread([r for _, r in mine])
             ax_t.bar(xs, med, width, yerr=err, capsize=2, label=prov)
             ax_m.bar(xs, [r["peak_extra_mb"] for _, r in mine], width, label=prov)
-        _decorate(ax_t, ax_m, "time, ms (median, min-max)", log=False)
-        for ax in (ax_t, ax_m):
-            ax.set_xticks(range(len(wls)))
-            ax.set_xticklabels(wls)
+        _decorate((ax_t, ax_m), "time, ms (median, min-max)", ticks=wls)
         fig.suptitle(f"workloads (fwd+bwd; forward-only for forward workloads)\n{title_dev}", fontsize=9)
         save_figure(plt, fig, out_dir / f"{prefix}-workloads.png", written)
     return written
