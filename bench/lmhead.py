@@ -1,5 +1,5 @@
 """The points of ``run``, ``c1`` and ``gpu``: workloads x providers, each in a fresh process on the session's harness
-(``bench.session_run.run_fresh``, under its watchdog), with progress. One flat row per workload and provider, whatever
+(``bench.session_run.run_fresh``, under its watchdog), a line each as it finishes. One flat row per workload and provider, whatever
 happened: ``status`` "ok", "skipped" (cannot run here: ``reason``), "n/a" (does not compute this) or "error"."""
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from bench import providers as P
 from bench.session_run import run_fresh
@@ -152,38 +151,33 @@ def run(workloads: list[Workload], provs: list[P.Provider], cfg: RunConfig,
         console: Console) -> tuple[list[dict], dict]:
     """Measure every (workload, provider), each in a fresh process (the floors first, one at a time); returns
     (rows, {floor TFLOP/s by dtype, the load average's range})."""
-    plan, rows, same_as = _plan(workloads, provs, cfg)
+    plan, unrun, same_as = _plan(workloads, provs, cfg)
+    rows: list[dict] = []
     floor: dict[str, float] = {}
     floor_rows: list[dict] = []
     loads: list[float] = [os.getloadavg()[0]]
-    cols = (SpinnerColumn(), TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("elapsed"), TimeElapsedColumn())
-    with Progress(*cols, console=console, transient=False) as prog:
-        task = prog.add_task("floor", total=len(plan))
-        points: dict[int, tuple] = {}
+    points: dict[int, tuple] = {}
 
-        def done(spec: dict, res: dict) -> None:
-            wl, p = points[id(spec)]
-            if p is None:
-                row = _floor_row(wl, res, floor, prog.console)
-                floor_rows.append(row)
-            else:
-                loads.append(os.getloadavg()[0])
-                row = _row(wl, p.name, p.label, res.get("status", "error"), res.get("reason", ""))
-                rows.append(_finish_row(row, wl, res, floor))
-                prog.console.print(_one_line(row))
-                prog.update(task, description=f"{wl.name} | {p.name}")
-            if cfg.rows_log:  # kept as it finishes: a run stopped part-way keeps what it measured
-                with open(cfg.rows_log, "a") as f:
-                    f.write(json.dumps(row, default=str) + "\n")
-            prog.advance(task)
+    def done(spec: dict, res: dict) -> None:
+        wl, p = points[id(spec)]
+        if p is None:
+            row = _floor_row(wl, res, floor, console)
+            floor_rows.append(row)
+        else:
+            loads.append(os.getloadavg()[0])
+            row = _row(wl, p.name, p.label, res.get("status", "error"), res.get("reason", ""))
+            rows.append(_finish_row(row, wl, res, floor))
+            console.print(f"{len(floor_rows) + len(rows):>4}/{len(plan)} " + _one_line(row))
+        if cfg.rows_log:  # kept as it finishes: a run stopped part-way keeps what it measured
+            with open(cfg.rows_log, "a") as f:
+                f.write(json.dumps(row, default=str) + "\n")
 
-        for floors in (True, False):
-            batch = [(wl, p) for wl, p in plan if (p is None) == floors]
-            specs = [_spec(wl, "matmul" if p is None else p.name, cfg) for wl, p in batch]
-            points.update({id(s): point for s, point in zip(specs, batch)})
-            run_fresh(specs, cfg.device, cfg.timeout_s, jobs=1 if floors else cfg.jobs, on_result=done)
-        prog.update(task, description="done")
+    for floors in (True, False):
+        batch = [(wl, p) for wl, p in plan if (p is None) == floors]
+        specs = [_spec(wl, "matmul" if p is None else p.name, cfg) for wl, p in batch]
+        points.update({id(s): point for s, point in zip(specs, batch)})
+        run_fresh(specs, cfg.device, cfg.timeout_s, jobs=1 if floors else cfg.jobs, on_result=done)
+    rows += unrun
     for wl, p, src in same_as:
         orig = next(r for r in rows if r["workload"] == src.name and r["provider"] == p.name)
         row = {**orig, **_row(wl, p.name, p.label, orig["status"], orig["reason"]), "same_as": src.name}
