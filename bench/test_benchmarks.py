@@ -1,9 +1,13 @@
-"""What the pytest-benchmark files share: the shape under test and one in-process measurement.
+"""pytest-benchmark over the providers, timed in this process: ``pytest bench/ --benchmark-only``
+(``--benchmark-disable``: each once, as a smoke test). ``python -m bench`` is the one that isolates every provider in a
+fresh process and measures memory.
 
-``pytest bench/ --benchmark-only`` times in this process (pytest-benchmark's way); ``python -m bench`` isolates every
-provider in a fresh process and measures CPU memory. Shapes: CPU-sized on CPU, W1's on CUDA; override with
-``FASTRL_BENCH_SHAPE="N,H,V,dtype"``. FLOPs: forward 2NHV, backward 4NHV, both 6NHV (``bench.workloads.flops``);
-TFLOP/s is in each benchmark's extra_info.
+Shape: CPU-sized on CPU, W1's on CUDA; ``FASTRL_BENCH_SHAPE="N,H,V,dtype"`` overrides it. ``logprob``: log-prob +
+entropy with gradients (fastrl path A), loss ``sum(logp) + 0.01 sum(entropy)``; ``forward``: log-probs without
+gradients (path C); ``loss``: the GRPO policy loss from hidden states (dapo, beta 0.04 with k3 KL, entropy 0.01;
+fastrl-fused is ``fastrl.policy_loss``; Liger has no entropy term), N tokens in 16 sequences (8 on CPU); the floor:
+one plain [N, H] @ [H, V] GEMM. FLOPs: forward 2NHV, backward 4NHV, both 6NHV (``bench.workloads.flops``); TFLOP/s
+is in each benchmark's extra_info.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from bench.workloads import Workload, flops
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 _DEFAULT = {"cuda": (16384, 4096, 151936, "bfloat16"), "cpu": (1024, 256, 16384, "float32")}
 PHASES = ("fwd", "bwd", "fwd+bwd")
+LOGPROB_PROVIDERS = ("fastrl", "torch", "torch-compile", "trl", "cce")
+LOSS_PROVIDERS = ("fastrl-fused", "fastrl", "torch", "torch-compile", "trl", "liger-fused", "liger-triton")
 
 
 def shape() -> tuple[int, int, int, str]:
@@ -34,19 +40,13 @@ def shape() -> tuple[int, int, int, str]:
         raise pytest.UsageError(f"FASTRL_BENCH_SHAPE must be 'N,H,V,dtype', got {env!r}") from None
 
 
-def workload(kind: str, batch: int = 1) -> Workload:
-    n, h, v, dt = shape()
-    return Workload(f"pytest-{kind}", kind, n, h, v, dt, batch=batch if kind == "loss" else 1)
-
-
 def sync() -> None:
     if DEVICE == "cuda":
         torch.cuda.synchronize()
 
 
 def record(benchmark, flop_count: float, **info) -> bool:
-    """FLOPs, TFLOP/s and ``info`` into the benchmark's extra_info; False under --benchmark-disable (each function
-    ran once as a smoke test, nothing was timed)."""
+    """FLOPs, TFLOP/s and ``info`` into the benchmark's extra_info; False under --benchmark-disable (nothing timed)."""
     if benchmark.stats is None:
         return False
     median_s = benchmark.stats.stats.median
@@ -100,3 +100,42 @@ def run(benchmark, wl: Workload, provider: str, phase: str) -> None:
         torch.cuda.reset_peak_memory_stats()
         forward(op.needs_grad)
         benchmark.extra_info["peak_extra_mb_incl_outputs"] = (torch.cuda.max_memory_allocated() - base) / MB
+
+
+def workload(kind: str, batch: int = 1) -> Workload:
+    n, h, v, dt = shape()
+    return Workload(f"pytest-{kind}", kind, n, h, v, dt, batch=batch if kind == "loss" else 1)
+
+
+@pytest.mark.parametrize("phase", PHASES)
+@pytest.mark.parametrize("provider", LOGPROB_PROVIDERS)
+def test_logprob_entropy(benchmark, provider, phase):
+    benchmark.group = f"logprob+entropy {phase}"
+    run(benchmark, workload("logprob"), provider, phase)
+
+
+@pytest.mark.parametrize("provider", LOGPROB_PROVIDERS)
+def test_forward_only(benchmark, provider):
+    benchmark.group = "forward-only logprob"
+    run(benchmark, workload("forward"), provider, "fwd")
+
+
+@pytest.mark.parametrize("phase", PHASES)
+@pytest.mark.parametrize("provider", LOSS_PROVIDERS)
+def test_grpo_loss(benchmark, provider, phase):
+    benchmark.group = f"grpo loss {phase}"
+    run(benchmark, workload("loss", batch=16 if DEVICE == "cuda" else 8), provider, phase)
+
+
+def test_matmul_floor(benchmark):
+    """The floor for this shape: [N, H] @ [H, V] in the same dtype, 2NHV FLOPs."""
+    n, h, v, dt = shape()
+    a, b = (torch.randn(*s, device=DEVICE).to(getattr(torch, dt)) for s in ((n, h), (h, v)))
+
+    def mm():
+        a @ b
+        sync()
+
+    benchmark.group = "forward-only logprob"
+    benchmark.pedantic(mm, rounds=5, warmup_rounds=1)
+    record(benchmark, 2.0 * n * h * v)
