@@ -29,8 +29,9 @@ C1_PROVIDERS = "fastrl,fastrl-fused,torch,trl,liger-fused"
 # the CPU targets: workload -> (provider, max time ratio, max extra-peak ratio), against torch in the same run
 C1_TARGETS = {"C1": ("fastrl", 1.1, 0.10), "C1-loss": ("fastrl-fused", 1.0, 0.10)}
 GPU_WORKLOADS = ("W1", "W1-lp", "W2", "W2-lp", "W3", "W1-frozen")  # + the loss sweeps (groups sweep-loss-*)
-# The GPU targets against TRL 1.16 in the same run: workload or loss-sweep group -> [(provider, ratio, max)];
-# "mem_vs_trl@W1": against TRL's extra peak at W1. The time limits are the session's (session_report.TIME_TARGETS).
+# The GPU targets against TRL 1.16 in the same run: workload or loss-sweep group -> [(provider, ratio, max)]; time:
+# fwd+bwd (forward only for W3), mem: extra peak memory; "mem_vs_trl@W1": against TRL's extra peak at W1 (a trained
+# head: the frozen head's target is a fraction of that). The time limits are the session's (TIME_TARGETS).
 _TIME = dict(session_report.TIME_TARGETS)
 GPU_TARGETS = {
     "W1": [("fastrl-fused", "time_vs_trl", _TIME["W1"]), ("fastrl-fused", "mem_vs_trl", 1.5)],
