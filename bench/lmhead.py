@@ -1,6 +1,7 @@
 """The points of ``run``, ``c1`` and ``gpu``: workloads x providers, each in a fresh process on the session's harness
-(``bench.session_run.run_fresh``, under its watchdog), a line each as it finishes. One flat row per workload and provider, whatever
-happened: ``status`` "ok", "skipped" (cannot run here: ``reason``), "n/a" (does not compute this) or "error"."""
+(``bench.session_run.run_fresh``, under its watchdog), a line each as it finishes. One flat row per workload and
+provider, whatever happened: ``status`` "ok", "skipped" (cannot run here: ``reason``), "n/a" (does not compute this)
+or "error"."""
 
 from __future__ import annotations
 
