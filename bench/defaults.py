@@ -1,27 +1,10 @@
-"""``python -m bench defaults bench/results/``: the measured defaults table, from committed GPU session results.
+"""``python -m bench defaults [PATH...]``: ``kernels/_defaults.py`` from committed GPU session results.
 
-Reads every ``session*.json`` under the given folders (``python -m bench session``: a GPU run, not a smoke run, of a
-clean tree) and writes ``kernels/_defaults.py`` (installed as ``fastrl.kernels._defaults``), which
-``fastrl.ops.backend.choose_triton`` and ``fastrl.kernels.tuning.config_for`` read. Only a win changes a default:
-
-* ``CONFIGS``: per family, implementation, dtype and H range, each kernel's launch configuration: the candidate
-  whose row was fastest at the workload that decides that kernel (log-prob rows for ``stats`` / ``grad`` /
-  ``sm90_stats`` / ``sm90_grad``, forward rows where there are none, the one-pass loss for ``sm90_exp_stats``),
-  entered only where it beat the same implementation at its built-in configuration by at least ``MARGIN`` (3%) in
-  the same process;
-* ``CHOICES``: per GPU family (``sm90``: H100 and H200), kind of work, dtype and H range, the implementation whose
-  row was fastest (``loss`` from ``policy_loss`` at W1 / W2, ``logprob`` from ``fused_logprobs`` with gradients at
-  W1-lp / W2-lp, ``forward`` without at W3), counting only rows at the configuration its kernels will get (the
-  built-in one, or one ``CONFIGS`` enters; autotune's rows never), entered only where it beat the built-in choice
-  (``fastrl.ops.backend.builtin_choice``, recorded in each row) by at least ``MARGIN`` in the same process;
-
-each entry naming the session file and the evidence. Only implementations that passed every float64 check of their
-commit on that family can be chosen (the full set in some session, a window's second call adding a quick one).
-Every clean session of a family counts: an entry comes from the newest session that
-measured its key (family, kind or kernel, implementation, dtype, H), so a later partial session (a second call's
-compile and W4 rows) never erases an earlier choice. A family, kind, dtype or H with no entry keeps the built-in
-choice. H ranges: each measured H covers up to the geometric middle between it and the next measured H of the family
-(896 and 4096: below and from 1916). ``--check`` exits 1 when the committed file differs from what the results give.
+Per GPU family, kind of work (or kernel), dtype and H range, the implementation (``CHOICES``) and the launch
+configurations (``CONFIGS``) that beat the built-in ones by at least ``MARGIN`` in the same process, in the newest
+clean GPU session that measured the key, among the implementations that passed the full float64 checks of their
+commit; ``fastrl.ops.backend.choose_triton`` and ``fastrl.kernels.tuning.config_for`` read it. The rules, step by
+step: docs/gpu-window.md, "From results to defaults". ``--check`` exits 1 when the committed file is stale.
 """
 
 from __future__ import annotations
@@ -29,10 +12,9 @@ from __future__ import annotations
 import json
 import math
 import pprint
-import sys
 from pathlib import Path
 
-__all__ = ["find_sessions", "build", "render", "main", "TABLE_PATH", "MARGIN"]
+__all__ = ["build", "render", "add_options", "command", "TABLE_PATH", "MARGIN"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TABLE_PATH = REPO_ROOT / "kernels" / "_defaults.py"
@@ -42,13 +24,6 @@ MARGIN = 0.03  # a winner's median must be at most (1 - MARGIN) x the built-in's
 BUILTIN = "triton-hybrid"  # rows written before sessions recorded `builtin`: CUDA with float32-out cuBLAS
 # the rows that decide a kernel's configuration: the first (kind, provider) in which it ran
 KERNEL_DECIDERS = (("logprob", "fastrl"), ("forward", "fastrl"), ("loss", "fastrl-fused"), ("loss", "fastrl"))
-
-
-def find_sessions(paths: list[Path]) -> list[Path]:
-    out = []
-    for p in paths:
-        out += sorted(p.rglob("session*.json")) if p.is_dir() else [p]
-    return out
 
 
 def _rel(p: Path) -> str:
@@ -88,12 +63,10 @@ def _ms(r: dict) -> float:
     return r["total_ms"]["median"]
 
 
-def _same_process(a: dict, b: dict) -> bool:
-    return a.get("pid") is None or b.get("pid") is None or a["pid"] == b["pid"]
-
-
 def _beats(win: dict, base: dict | None) -> bool:
-    return base is not None and _same_process(win, base) and _ms(win) <= (1 - MARGIN) * _ms(base)
+    """Faster by the margin, in the same process (rows without a pid count as the same)."""
+    same = base is not None and (win.get("pid") is None or base.get("pid") is None or win["pid"] == base["pid"])
+    return same and _ms(win) <= (1 - MARGIN) * _ms(base)
 
 
 def _margin_text(win: dict, base: dict) -> str:
@@ -166,12 +139,6 @@ def _choice_wins(lm: list[dict], wins: dict) -> dict[tuple, dict]:
     return out
 
 
-def _decisions(rows: list[dict], passed: dict[str, bool]) -> tuple[dict, dict]:
-    lm = _lm_rows(rows, passed)
-    wins = _config_wins(lm)
-    return _choice_wins(lm, wins), wins
-
-
 def _checks_by_commit(runs: list[tuple]) -> dict[tuple, dict[str, bool]]:
     """(family, commit) -> implementation -> passed: every float64 check row of that commit on that family (the
     second call of a window checks one case per implementation, the first all of them) passed, and some session ran
@@ -195,7 +162,7 @@ def build(paths: list[Path], allow_dirty: bool = False) -> dict:
     """The table from the session files under ``paths``: every usable session of a family, oldest first, each
     entry from the newest session that decided its key."""
     runs = []
-    for f in find_sessions(paths):
+    for f in [f for p in paths for f in (sorted(p.rglob("session*.json")) if p.is_dir() else [p])]:
         data = json.loads(f.read_text())
         env = data.get("env", {})
         run = {"run": _rel(f), "device": env.get("device"), "family": env.get("family"),
@@ -209,9 +176,10 @@ def build(paths: list[Path], allow_dirty: bool = False) -> dict:
     for run, data, why in sorted(runs, key=lambda x: str(x[0]["created"])):
         if why is not None:
             continue
-        fam, ok = run["family"], passed[(run["family"], run["commit"])]
-        measured_h.setdefault(fam, set()).update(r["H"] for r in _lm_rows(data["rows"], ok))
-        for found, decided in zip((choices, configs), _decisions(data["rows"], ok)):
+        fam, lm = run["family"], _lm_rows(data["rows"], passed[(run["family"], run["commit"])])
+        measured_h.setdefault(fam, set()).update(r["H"] for r in lm)
+        wins = _config_wins(lm)
+        for found, decided in ((choices, _choice_wins(lm, wins)), (configs, wins)):
             for k, v in decided.items():  # a newer session's verdict on a key replaces an older one's, win or not
                 found[(fam, *k)] = v if v is None else {**v, "run": run["run"]}
     return _table(runs, {k: v for k, v in choices.items() if v is not None},
@@ -267,15 +235,6 @@ def render(table: dict) -> str:
     return "\n".join(parts)
 
 
-def main(argv: list[str], con=None) -> int:
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="python -m bench defaults", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_options(ap)
-    return command(ap.parse_args(argv), con)
-
-
 def add_options(ap) -> None:
     ap.add_argument("paths", nargs="*", default=[str(REPO_ROOT / "bench" / "results")],
                     help="session files or folders holding them (default bench/results)")
@@ -303,6 +262,3 @@ def command(args, con=None) -> int:
         f"{sum(r['used'] for r in table['RUNS'])} run(s)")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

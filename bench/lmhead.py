@@ -1,9 +1,7 @@
-"""The points of ``run``, ``c1`` and ``gpu``: workloads x providers, each measured in a fresh process on the session's
-harness (``bench.session_run.run_fresh``: its watchdog kills a point past ``RunConfig.timeout_s``), with progress.
-
-Rows come back as flat dicts (one per workload and provider, whatever happened): ``status`` is "ok",
-"skipped" (cannot run here; ``reason`` says why), "n/a" (does not compute this kind of thing) or "error".
-"""
+"""The points of ``run``, ``c1`` and ``gpu``: workloads x providers, each in a fresh process on the session's harness
+(``bench.session_run.run_fresh``, under its watchdog), a line each as it finishes. One flat row per workload and
+provider, whatever happened: ``status`` "ok", "skipped" (cannot run here: ``reason``), "n/a" (does not compute this)
+or "error"."""
 
 from __future__ import annotations
 
@@ -13,7 +11,6 @@ from dataclasses import dataclass, field
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from bench import providers as P
 from bench.session_run import run_fresh
@@ -40,11 +37,9 @@ class RunConfig:
     # provider -> (workload names or groups it still runs on, why only there): --quick trims the slow ones
     only_on: dict = field(default_factory=dict)
     floor_shape: tuple = (2048, 2048, 2048)
-    mode: str = ""  # "quick" | "smoke" | "" (recorded with the results)
+    mode: str = ""  # "full" | "quick" | "smoke" (recorded with the results)
     jobs: int = 1  # measuring processes at once; above 1 they compete for the cores (smoke only)
-    # rows are appended here as JSON lines the moment they finish, so a run stopped part-way (a per-command
-    # time limit on a lent GPU) keeps what it measured; None: only the final files
-    rows_log: str | None = None
+    rows_log: str | None = None  # each row appended here as a JSON line when it finishes (None: the final files only)
 
 
 def floor_workload(dtype: str, shape: tuple) -> Workload:
@@ -62,9 +57,7 @@ def _row(wl: Workload, provider: str, label: str, status: str, reason: str = "")
 
 
 def _finish_row(row: dict, wl: Workload, res: dict, floor: dict) -> dict:
-    row.update({k: v for k, v in res.items() if k not in ("traceback",)})
-    if res.get("traceback"):
-        row["traceback"] = res["traceback"]
+    row.update({k: v for k, v in res.items() if k != "traceback" or v})
     if row["status"] != "ok":
         return row
     row["flops_useful"] = flops(wl, "total")
@@ -72,10 +65,9 @@ def _finish_row(row: dict, wl: Workload, res: dict, floor: dict) -> dict:
     row.update(bytes_moved(wl))
     tot = res["total_ms"]["median"]
     row["tflops"] = row["flops_useful"] / (tot * 1e-3) / 1e12
-    if res.get("fwd_ms"):
-        row["tflops_fwd"] = flops(wl, "fwd") / (res["fwd_ms"]["median"] * 1e-3) / 1e12
-    if res.get("bwd_ms"):
-        row["tflops_bwd"] = flops(wl, "bwd") / (res["bwd_ms"]["median"] * 1e-3) / 1e12
+    for phase in ("fwd", "bwd"):
+        if res.get(f"{phase}_ms"):
+            row[f"tflops_{phase}"] = flops(wl, phase) / (res[f"{phase}_ms"]["median"] * 1e-3) / 1e12
     f = floor.get(wl.dtype)
     if f:
         row["floor_tflops"] = f
@@ -158,46 +150,35 @@ def _floor_row(wl: Workload, res: dict, floor: dict, con) -> dict:
 
 def run(workloads: list[Workload], provs: list[P.Provider], cfg: RunConfig,
         console: Console) -> tuple[list[dict], dict]:
-    """Measure every (workload, provider), each in a fresh process; returns (rows, floor TFLOP/s by dtype)."""
-    plan, rows, same_as = _plan(workloads, provs, cfg)
-    floors, work = [x for x in plan if x[1] is None], [x for x in plan if x[1] is not None]
+    """Measure every (workload, provider), each in a fresh process (the floors first, one at a time); returns
+    (rows, {floor TFLOP/s by dtype, the load average's range})."""
+    plan, unrun, same_as = _plan(workloads, provs, cfg)
+    rows: list[dict] = []
     floor: dict[str, float] = {}
+    floor_rows: list[dict] = []
     loads: list[float] = [os.getloadavg()[0]]
-    cols = (SpinnerColumn(), TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("elapsed"), TimeElapsedColumn())
+    points: dict[int, tuple] = {}
 
-    def keep(row: dict) -> None:
-        if cfg.rows_log:
+    def done(spec: dict, res: dict) -> None:
+        wl, p = points[id(spec)]
+        if p is None:
+            row = _floor_row(wl, res, floor, console)
+            floor_rows.append(row)
+        else:
+            loads.append(os.getloadavg()[0])
+            row = _row(wl, p.name, p.label, res.get("status", "error"), res.get("reason", ""))
+            rows.append(_finish_row(row, wl, res, floor))
+            console.print(f"{len(floor_rows) + len(rows):>4}/{len(plan)} " + _one_line(row))
+        if cfg.rows_log:  # kept as it finishes: a run stopped part-way keeps what it measured
             with open(cfg.rows_log, "a") as f:
                 f.write(json.dumps(row, default=str) + "\n")
 
-    with Progress(*cols, console=console, transient=False) as prog:
-        task = prog.add_task("floor", total=len(plan))
-        floor_rows = []
-        for wl, _ in floors:  # the floor first and alone
-            (res,) = run_fresh([_spec(wl, "matmul", cfg)], cfg.device, cfg.timeout_s)
-            floor_rows.append(_floor_row(wl, res, floor, prog.console))
-            keep(floor_rows[-1])
-            prog.advance(task)
-        by_spec = {}
-
-        def done(spec: dict, res: dict) -> None:
-            wl, p = by_spec[id(spec)]
-            loads.append(os.getloadavg()[0])
-            row = _finish_row(_row(wl, p.name, p.label, res.get("status", "error"), res.get("reason", "")),
-                              wl, res, floor)
-            rows.append(row)
-            keep(row)
-            prog.console.print(_one_line(row))
-            prog.update(task, description=f"{wl.name} | {p.name}")
-            prog.advance(task)
-
-        specs = []
-        for wl, p in work:
-            specs.append(_spec(wl, p.name, cfg))
-            by_spec[id(specs[-1])] = (wl, p)
-        run_fresh(specs, cfg.device, cfg.timeout_s, jobs=cfg.jobs, on_result=done)
-        prog.update(task, description="done")
+    for floors in (True, False):
+        batch = [(wl, p) for wl, p in plan if (p is None) == floors]
+        specs = [_spec(wl, "matmul" if p is None else p.name, cfg) for wl, p in batch]
+        points.update({id(s): point for s, point in zip(specs, batch)})
+        run_fresh(specs, cfg.device, cfg.timeout_s, jobs=1 if floors else cfg.jobs, on_result=done)
+    rows += unrun
     for wl, p, src in same_as:
         orig = next(r for r in rows if r["workload"] == src.name and r["provider"] == p.name)
         row = {**orig, **_row(wl, p.name, p.label, orig["status"], orig["reason"]), "same_as": src.name}

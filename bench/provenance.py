@@ -1,11 +1,9 @@
 """Which fastrl a result measured: the commit, and whether the measured tree was that commit's.
 
-A lent GPU machine gets a copy of the working tree, not the repository, so ``git`` there cannot say which commit
-ran (the H200 run of 8f83654 recorded the copy's own folder as its "commit"). Here, before the call,
-``python -m bench.provenance stamp .whl/COMMIT.json`` writes the commit, whether the tree was clean, and a digest
-of every tracked file under fastrl/, kernels/, bench/ and tests/ (bench/results aside); the stamp travels with the
-carried wheels, and there :func:`provenance` recomputes the digest over the same files: equal means the measured
-tree is the stamped one. Standard library only (it runs before any install).
+A lent GPU machine gets a copy of the working tree, not the repository. ``python -m bench.provenance stamp PATH``
+(bench/device_wheels.sh) writes the commit, whether the tree was clean, and a digest of the tracked files; on the
+GPU :func:`provenance` recomputes the digest: equal means the measured tree is the stamped one. Standard library
+only (it runs before any install).
 """
 
 from __future__ import annotations

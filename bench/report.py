@@ -9,23 +9,22 @@ import json
 import os
 import platform
 import re
-import shutil
 import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-__all__ = ["environment", "device_slug", "new_out_dir", "out_dir", "mode", "prefix", "write_json", "save_results",
-           "save_figure", "write_csv", "plot", "print_table", "console", "SUMMARY_WIDTH"]
+__all__ = ["environment", "device_name", "device_slug", "new_out_dir", "out_dir", "mode", "prefix", "write_json",
+           "save_results", "save_figure", "write_csv", "plot", "table", "print_table", "console", "SUMMARY_WIDTH"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-# the console summary fits this many columns (a terminal narrower than it gets its own width); every figure the
-# summary leaves out is in the JSON / CSV files
+# the console summary fits this many columns; every figure it leaves out is in the JSON / CSV files
 SUMMARY_WIDTH = 120
 
 
@@ -36,8 +35,7 @@ def console() -> Console:
 
 
 def new_out_dir(device_slug: str, what: str = "bench") -> Path:
-    """Where results go without ``--out``: a new folder outside the repository, never the committed
-    ``bench/results/`` (committing results is a deliberate ``--out bench/results/<device>/...``):
+    """A new folder outside the repository, never the committed ``bench/results/``:
     ``$FASTRL_BENCH_OUT/<what>-<device>-<UTC time>-XXXX`` (default root: the system's temporary folder)."""
     root = Path(os.environ.get("FASTRL_BENCH_OUT") or Path(tempfile.gettempdir()) / "fastrl-bench")
     root.mkdir(parents=True, exist_ok=True)
@@ -46,11 +44,8 @@ def new_out_dir(device_slug: str, what: str = "bench") -> Path:
 
 
 def out_dir(args, device_slug: str, what: str) -> Path:
-    """``--out``; else a new folder outside the repository (``new_out_dir``, ``<what>-smoke`` under --smoke):
-    committed results are written only by a deliberate ``--out bench/results/<device>/``."""
-    if args.out:
-        return Path(args.out)
-    return new_out_dir(device_slug, f"{what}-smoke" if args.smoke else what)
+    """``--out``, else ``new_out_dir`` (``<what>-smoke`` under --smoke)."""
+    return Path(args.out) if args.out else new_out_dir(device_slug, f"{what}-smoke" if args.smoke else what)
 
 
 def mode(args) -> str:
@@ -60,39 +55,29 @@ def mode(args) -> str:
 
 def prefix(command: str, args) -> str:
     """The result files' stem: ``<command>``, ``<command>-quick`` or ``<command>-smoke``."""
-    m = mode(args)
-    return command if m == "full" else f"{command}-{m}"
-
-
-def _slug(s: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", s.lower()).strip("-")
+    return command if mode(args) == "full" else f"{command}-{mode(args)}"
 
 
 def _cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "cpu"
+            return next(x.split(":", 1)[1].strip() for x in f if x.lower().startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine() or "cpu"
 
 
 def device_name(device: str) -> str:
-    if device.startswith("cuda"):
-        return torch.cuda.get_device_name(0)
-    return f"{_cpu_name()} ({os.cpu_count()} cores)"
+    return torch.cuda.get_device_name(0) if device.startswith("cuda") else f"{_cpu_name()} ({os.cpu_count()} cores)"
 
 
 def device_slug(device: str) -> str:
     """'nvidia-h100-80gb-hbm3', or 'cpu-amd-epyc-2c': the default results folder name."""
+    def slug(s: str) -> str:
+        return re.sub(r"[^a-z0-9]+", "-", s.lower()).strip("-")
+
     if device.startswith("cuda"):
-        return _slug(torch.cuda.get_device_name(0))
-    name = _slug(_cpu_name())
-    for noise in ("-processor", "-cpu"):
-        name = name.replace(noise, "")
-    return f"cpu-{name}-{os.cpu_count()}c"
+        return slug(torch.cuda.get_device_name(0))
+    return f"cpu-{slug(_cpu_name()).replace('-processor', '').replace('-cpu', '')}-{os.cpu_count()}c"
 
 
 def _version(dist: str) -> str:
@@ -102,29 +87,25 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
+def _run(*cmd: str, timeout: float = 10) -> str:
+    """A command's stdout, stripped; '' when it cannot run."""
+    try:
+        return subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
 def _driver(device: str) -> str:
     if not device.startswith("cuda"):
         return "n/a (CPU)"
-    if shutil.which("nvidia-smi"):
-        try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=20).stdout.strip().splitlines()
-            if out:
-                return out[0].strip()
-        except (OSError, subprocess.SubprocessError):
-            pass
-    return f"unknown (CUDA runtime {torch.version.cuda})"
+    out = _run("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader", timeout=20).splitlines()
+    return out[0].strip() if out else f"unknown (CUDA runtime {torch.version.cuda})"
 
 
 def _git() -> str:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                             text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "fastrl", "kernels"], cwd=REPO_ROOT,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return sha + (" (fastrl/ or kernels/ modified)" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
+    sha = _run("git", "rev-parse", "--short", "HEAD")
+    dirty = _run("git", "status", "--porcelain", "--", "fastrl", "kernels")
+    return (sha + (" (fastrl/ or kernels/ modified)" if dirty else "")) if sha else "unknown"
 
 
 def environment(device: str) -> dict:
@@ -132,29 +113,17 @@ def environment(device: str) -> dict:
     import fastrl
 
     return {
-        "device": device_name(device),
-        "device_slug": device_slug(device),
+        "device": device_name(device), "device_slug": device_slug(device),
         "device_type": "cuda" if device.startswith("cuda") else "cpu",
-        "torch": torch.__version__,
-        "triton": _version("triton"),
-        "driver": _driver(device),
-        "cuda_runtime": torch.version.cuda or "n/a (CPU build)",
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu_threads": torch.get_num_threads(),
-        "fastrl": getattr(fastrl, "__version__", "?"),
-        "fastrl_git": _git(),
-        "trl": _version("trl"),
-        "liger_kernel": _version("liger-kernel"),
-        "cut_cross_entropy": _version("cut-cross-entropy"),
+        "torch": torch.__version__, "triton": _version("triton"), "driver": _driver(device),
+        "cuda_runtime": torch.version.cuda or "n/a (CPU build)", "python": platform.python_version(),
+        "platform": platform.platform(), "cpu_threads": torch.get_num_threads(),
+        "fastrl": getattr(fastrl, "__version__", "?"), "fastrl_git": _git(), "trl": _version("trl"),
+        "liger_kernel": _version("liger-kernel"), "cut_cross_entropy": _version("cut-cross-entropy"),
         "transformers": _version("transformers"),
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
 
-
-# ---------------------------------------------------------------------------------------------------
-# Files
-# ---------------------------------------------------------------------------------------------------
 
 def write_json(path: Path, payload: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -180,8 +149,8 @@ CSV_COLUMNS = [
     "workload", "group", "kind", "provider", "status", "reason", "N", "H", "V", "B", "dtype",
     "fwd_ms_median", "fwd_ms_min", "fwd_ms_max", "bwd_ms_median", "bwd_ms_min", "bwd_ms_max",
     "total_ms_median", "total_ms_min", "total_ms_max", "total_ms_q25", "total_ms_q75", "total_ms_n",
-    "peak_extra_fwd_mb", "peak_extra_mb", "first_step_ms", "first_step_extra_mb", "time_vs_torch", "mem_vs_torch", "time_vs_trl", "mem_vs_trl", "tflops",
-    "tflops_fwd", "tflops_bwd",
+    "peak_extra_fwd_mb", "peak_extra_mb", "first_step_ms", "first_step_extra_mb", "time_vs_torch", "mem_vs_torch",
+    "time_vs_trl", "mem_vs_trl", "tflops", "tflops_fwd", "tflops_bwd",
     "floor_tflops", "floor_fraction", "flops_useful", "flops_executed", "bytes_inputs_outputs", "bytes_logits",
     "logp_max_abs_err", "entropy_max_abs_err", "grad_h_max_abs_err", "loss_value", "path", "notes",
     "device", "torch", "triton", "driver",
@@ -198,17 +167,34 @@ def write_csv(path: Path, rows: list[dict], env: dict, columns: list[str] = CSV_
         w.writeheader()
         for r in rows:
             flat = {**r, **{f"{ph}_{k}": v for ph in nested for k, v in (r.get(ph) or {}).items()}}
-            flat.update({k: env.get(k) for k in ("device", "torch", "triton", "driver")})
-            w.writerow(flat)
+            w.writerow({**flat, **{k: env.get(k) for k in ("device", "torch", "triton", "driver")}})
     return path
 
 
-# ---------------------------------------------------------------------------------------------------
-# Plots
-# ---------------------------------------------------------------------------------------------------
-
 _XLABEL = {"sweep-tokens": "tokens N", "sweep-vocab": "vocabulary V", "sweep-hidden": "hidden size H"}
 _KIND = {"logprob": "log-prob + entropy fwd+bwd", "loss": "GRPO loss fwd+bwd", "forward": "forward only"}
+
+
+def _spread(rows: list[dict]) -> tuple[list, list]:
+    """Median times and their (below, above) distance to the min and max, for error bars."""
+    med = [r["total_ms"]["median"] for r in rows]
+    return med, [[m - r["total_ms"]["min"] for m, r in zip(med, rows)],
+                 [r["total_ms"]["max"] - m for m, r in zip(med, rows)]]
+
+
+def _decorate(axes, ylabel: str, xlabel: str | None = None, ticks: list | None = None) -> None:
+    """Time (``ylabel``) and memory panels: log-log against ``xlabel``, or bars at ``ticks``."""
+    for ax, ylab in zip(axes, (ylabel, "peak extra memory, MB")):
+        ax.set_ylabel(ylab)
+        ax.grid(True, which="major" if ticks else "both", axis="y" if ticks else "both", alpha=0.3)
+        ax.legend(fontsize=8)
+        if ticks:
+            ax.set_xticks(range(len(ticks)))
+            ax.set_xticklabels(ticks)
+        else:
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel(xlabel)
 
 
 def plot(rows: list[dict], out_dir: Path, prefix: str, env: dict) -> list[Path]:
@@ -230,24 +216,14 @@ def plot(rows: list[dict], out_dir: Path, prefix: str, env: dict) -> list[Path]:
         for prov in dict.fromkeys(r["provider"] for r in rs):
             pts = sorted((r for r in rs if r["provider"] == prov), key=lambda r: r["sweep_value"])
             x = [r["sweep_value"] for r in pts]
-            med = [r["total_ms"]["median"] for r in pts]
-            lo = [r["total_ms"]["median"] - r["total_ms"]["min"] for r in pts]
-            hi = [r["total_ms"]["max"] - r["total_ms"]["median"] for r in pts]
-            ax_t.errorbar(x, med, yerr=[lo, hi], marker="o", capsize=3, label=prov)
+            ax_t.errorbar(x, *_spread(pts), marker="o", capsize=3, label=prov)
             ax_m.plot(x, [max(r["peak_extra_mb"], 1e-3) for r in pts], marker="o", label=prov)
+        _decorate((ax_t, ax_m), "fwd+bwd time, ms (median, min-max)", xlabel=_XLABEL.get(group, "tokens N"))
         r0 = rs[0]
         fixed = {"sweep-vocab": f"N={r0['N']} H={r0['H']}",
                  "sweep-hidden": f"N={r0['N']} V={r0['V']}"}.get(group, f"H={r0['H']} V={r0['V']}")
-        for ax, ylab in ((ax_t, "fwd+bwd time, ms (median, min-max)"), (ax_m, "peak extra memory, MB")):
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_xlabel(_XLABEL.get(group, "tokens N"))
-            ax.set_ylabel(ylab)
-            ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=8)
         fig.suptitle(f"{group}: {fixed} {r0['dtype']}, {_KIND.get(r0['kind'], r0['kind'])}\n{title_dev}", fontsize=9)
         save_figure(plt, fig, out_dir / f"{prefix}-{group}.png", written)
-
     core = [r for r in ok if not r["group"].startswith("sweep")]
     if core:
         wls = list(dict.fromkeys(r["workload"] for r in core))
@@ -255,119 +231,92 @@ def plot(rows: list[dict], out_dir: Path, prefix: str, env: dict) -> list[Path]:
         fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(max(8, 2.2 * len(wls) + 4), 4.5))
         width = 0.8 / max(1, len(provs))
         for j, prov in enumerate(provs):
-            xs, ts, errs, ms = [], [], [[], []], []
-            for i, w in enumerate(wls):
-                r = next((r for r in core if r["workload"] == w and r["provider"] == prov), None)
-                if r is None:
-                    continue
-                t = r["total_ms"]
-                xs.append(i + (j - (len(provs) - 1) / 2) * width)
-                ts.append(t["median"])
-                errs[0].append(t["median"] - t["min"])
-                errs[1].append(t["max"] - t["median"])
-                ms.append(r["peak_extra_mb"])
-            ax_t.bar(xs, ts, width, yerr=errs, capsize=2, label=prov)
-            ax_m.bar(xs, ms, width, label=prov)
-        for ax, ylab in ((ax_t, "time, ms (median, min-max)"), (ax_m, "peak extra memory, MB")):
-            ax.set_xticks(range(len(wls)))
-            ax.set_xticklabels(wls)
-            ax.set_ylabel(ylab)
-            ax.grid(True, axis="y", alpha=0.3)
-            ax.legend(fontsize=8)
+            mine = [(i, r) for i, w in enumerate(wls) for r in core if r["workload"] == w and r["provider"] == prov]
+            xs = [i + (j - (len(provs) - 1) / 2) * width for i, _ in mine]
+            med, err = _spread([r for _, r in mine])
+            ax_t.bar(xs, med, width, yerr=err, capsize=2, label=prov)
+            ax_m.bar(xs, [r["peak_extra_mb"] for _, r in mine], width, label=prov)
+        _decorate((ax_t, ax_m), "time, ms (median, min-max)", ticks=wls)
         fig.suptitle(f"workloads (fwd+bwd; forward-only for forward workloads)\n{title_dev}", fontsize=9)
         save_figure(plt, fig, out_dir / f"{prefix}-workloads.png", written)
     return written
 
 
-# ---------------------------------------------------------------------------------------------------
-# Table
-# ---------------------------------------------------------------------------------------------------
+def table(title: str, columns: tuple, rows: list) -> Table:
+    """A summary table from a spec: ``columns`` are (header, justification, cell(row) -> str); a None in ``rows``
+    starts a new section."""
+    from rich import box
 
-def _ms(d: dict | None, spread: bool = False) -> str:
-    if not d:
-        return ""
-    s = f"{d['median']:.1f}" if d["median"] < 1e4 else f"{d['median']:.0f}"
-    if spread and d.get("n", 1) > 1:
-        s += f" [{d['min']:.1f}-{d['max']:.1f}]" if d["max"] < 1e4 else f" [{d['min']:.0f}-{d['max']:.0f}]"
-    return s
+    t = Table(title=title, box=box.SIMPLE_HEAD, header_style="bold", pad_edge=False)
+    for header, just, _ in columns:
+        t.add_column(header, justify=just, no_wrap=True)
+    for r in rows:
+        if r is None:
+            t.add_section()
+        else:
+            t.add_row(*(cell(r) for _, _, cell in columns))
+    return t
 
 
-def _f(x, fmt: str) -> str:
-    return "" if x is None else format(x, fmt)
+def _cell(key: str, fmt: str | Callable[[float], str], scale: float = 1.0) -> Callable[[dict], str]:
+    """A cell showing ``row[key]`` (times ``scale``) in ``fmt`` (or the format it picks from the value), '' when
+    the row has none."""
+    def cell(r: dict) -> str:
+        x = r.get(key)
+        return "" if x is None else format(scale * x, fmt(x) if callable(fmt) else fmt)
+    return cell
 
 
-# the summary's columns: (header, justification); the files hold the rest (forward and backward apart, the spread,
-# the entropy and gradient errors, every memory figure)
-SUMMARY_COLUMNS = (("workload", "left"), ("provider", "left"), ("ms", "right"), ("MB", "right"),
-                   ("t/torch", "right"), ("m/torch", "right"), ("t/trl", "right"), ("m/trl", "right"),
-                   ("TFLOP/s", "right"), ("floor%", "right"), ("|dlogp|", "right"))
+def _ms(r: dict) -> str:
+    m = r["total_ms"]["median"] if r.get("total_ms") else None
+    return "" if m is None else ("fwd " if r["kind"] == "forward" else "") + format(m, ".1f" if m < 1e4 else ".0f")
+
+
+# the summary's columns; the files hold the rest (forward and backward apart, the spread, the entropy and gradient
+# errors, every memory figure)
+SUMMARY_COLUMNS = (
+    ("workload", "left", lambda r: r["workload"]), ("provider", "left", lambda r: r["provider"]),
+    ("ms", "right", _ms), ("MB", "right", _cell("peak_extra_mb", ".1f")),
+    ("t/torch", "right", _cell("time_vs_torch", ".2f")), ("m/torch", "right", _cell("mem_vs_torch", ".3f")),
+    ("t/trl", "right", _cell("time_vs_trl", ".2f")), ("m/trl", "right", _cell("mem_vs_trl", ".3f")),
+    ("TFLOP/s", "right", _cell("tflops", lambda x: ".3f" if x < 10 else ".0f")),
+    ("floor%", "right", _cell("floor_fraction", ".0f", 100)), ("|dlogp|", "right", _cell("logp_max_abs_err", ".1e")),
+)
 SUMMARY_LEGEND = ("ms: forward + backward, median (fwd: forward only); MB: extra peak memory; t/, m/: time and memory "
                   "against torch and TRL in this run; floor%: of the plain GEMM's FLOP rate; |dlogp|: max abs log-prob "
                   "error against float64")
 
 
-def _summary_cells(r: dict) -> list[str]:
-    """One measured row's cells of the summary, in ``SUMMARY_COLUMNS`` order."""
-    fwd_only = r["kind"] == "forward"
-    return [
-        r["workload"], r["provider"],
-        ("fwd " if fwd_only else "") + _ms(r.get("total_ms")),
-        _f(r.get("peak_extra_mb"), ".1f"),
-        _f(r.get("time_vs_torch"), ".2f"), _f(r.get("mem_vs_torch"), ".3f"),
-        _f(r.get("time_vs_trl"), ".2f"), _f(r.get("mem_vs_trl"), ".3f"),
-        _f(r.get("tflops"), ".3f" if r.get("tflops", 0) < 10 else ".0f"),
-        _f(100 * r["floor_fraction"] if "floor_fraction" in r else None, ".0f"),
-        _f(r.get("logp_max_abs_err"), ".1e"),
-    ]
-
-
-def _grouped(pairs) -> dict:
-    """{key: [workload, ...]} in first-seen order, for one line per key below the table."""
-    out: dict = {}
-    for key, wl in pairs:
-        out.setdefault(key, [])
-        if wl not in out[key]:
-            out[key].append(wl)
-    return out
-
-
-def _where(wls: list[str]) -> str:
+def _where(wls: dict) -> str:
+    wls = list(wls)
     return escape("[" + (", ".join(wls) if len(wls) <= 4 else f"{len(wls)} workloads ({wls[0]} ... {wls[-1]})") + "]")
 
 
-def print_table(con: Console, rows: list[dict], title: str, sweeps_compact: bool = True) -> None:
-    """The summary, within ``SUMMARY_WIDTH`` columns: one line per measured row (fwd+bwd ms: the median; extra MB:
-    peak memory above the inputs; t/ and m/: time and memory against torch and TRL measured in the same run), then
-    each workload's shape, each provider's notes, and the rows that did not run (one line per reason). The JSON
-    and CSV files hold every figure."""
-    from rich import box
-
-    t = Table(title=title, box=box.SIMPLE_HEAD, header_style="bold", pad_edge=False)
-    for col, just in SUMMARY_COLUMNS:
-        t.add_column(col, justify=just, no_wrap=True)
-    shapes: dict[str, str] = {}
-    notes, not_run = [], []
-    last_wl = None
+def print_table(con: Console, rows: list[dict], title: str) -> None:
+    """The summary within ``SUMMARY_WIDTH`` columns: one line per measured row, a section per workload; then each
+    workload's shape, each provider's notes, and the rows that did not run (one line per reason)."""
+    shown, shapes = [], {}
+    notes: dict[tuple, dict] = {}  # (provider, note) -> its workloads, in order (a dict as an ordered set)
+    not_run: dict[tuple, dict] = {}  # (provider, status, reason) -> its workloads
     for r in rows:
         if r["group"] == "floor":
             continue
         shapes.setdefault(r["workload"], f"N={r['N']} H={r['H']} V={r['V']} {r['dtype']}")
-        if r["status"] != "ok":
-            not_run.append(((r["provider"], r["status"], r["reason"]), r["workload"]))
-            continue
-        if last_wl is not None and r["workload"] != last_wl:
-            t.add_section()
-        last_wl = r["workload"]
-        t.add_row(*_summary_cells(r))
         note = r.get("notes", "") + (f"; same measurement as {r['same_as']}" if r.get("same_as") else "")
+        if r["status"] != "ok":
+            not_run.setdefault((r["provider"], r["status"], r["reason"]), {})[r["workload"]] = None
+            continue
+        if shown and r["workload"] != shown[-1]["workload"]:
+            shown.append(None)
+        shown.append(r)
         if note:
-            notes.append(((r["provider"], note), r["workload"]))
-    con.print(t)
+            notes.setdefault((r["provider"], note), {})[r["workload"]] = None
+    con.print(table(title, SUMMARY_COLUMNS, shown))
     con.print(SUMMARY_LEGEND, style="dim")
     if shapes:
         con.print("shapes: " + escape("; ".join(f"{wl} {shape}" for wl, shape in shapes.items())), style="dim")
-    for (prov, note), wls in _grouped(notes).items():
+    for (prov, note), wls in notes.items():
         con.print(f"[dim]{escape(prov)}: {escape(note)} {_where(wls)}[/dim]")
-    for (prov, status, reason), wls in _grouped(not_run).items():
+    for (prov, status, reason), wls in not_run.items():
         style = "red" if status == "error" else "dim"
         con.print(f"[{style}]{status:>7} {escape(prov)}: {escape(reason)} {_where(wls)}[/{style}]")
