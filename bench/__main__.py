@@ -90,7 +90,7 @@ DIVERGENCE = (
     ("--tokens", {"type": int, "help": "tokens N (default: by device; results go to divergence-nN.json)"}),
     ("--providers", {"help": f"comma list of {', '.join(divergence.PROVIDERS)} (default all)"}),
 )
-SASS = (  # here: bench/sass.py refuses to import under TRITON_INTERPRET (`python -m bench.sass` has its own parser)
+SASS = (  # here: bench/sass.py refuses to import under TRITON_INTERPRET
     ("--arch", {"type": int, "default": 90, "help": "compute capability x 10 (default 90: H100 / H200)"}),
     ("--only", {"help": "only kernels whose name contains this"}),
     ("--checked-only", {"action": "store_true", "help": "only the variants the check covers"}),
