@@ -104,6 +104,23 @@ def check_targets(targets: torch.Tensor, vocab: int, ignore_index: int) -> None:
         )
 
 
+def first_non_finite(value: torch.Tensor, entropy: torch.Tensor | None, active: torch.Tensor) -> int | None:
+    """The first counted token (``active`` [N] bool) whose value [N] or entropy [N] is not finite, None if none (one
+    host read): the search the output checks below share."""
+    bad = ~torch.isfinite(value)
+    if entropy is not None:
+        bad |= ~torch.isfinite(entropy)
+    bad &= active
+    return int(bad.nonzero()[0, 0]) if bool(bad.any()) else None
+
+
+def check_triton_dtypes(backend: str, *dtypes: torch.dtype) -> None:
+    """The Triton backends compute from float32, bfloat16 or float16 inputs: float64 ones need the torch backend."""
+    if backend.startswith("triton") and torch.float64 in dtypes:
+        raise TypeError("the triton backends compute from float32, bfloat16 or float16 inputs; use backend='torch' "
+                        "for float64")
+
+
 def check_finite_outputs(
     logp: torch.Tensor,  # [N]
     entropy: torch.Tensor | None,  # [N]
@@ -115,13 +132,9 @@ def check_finite_outputs(
 
     Checked on the O(N) outputs; only the offending hidden row is inspected to tell hidden from weight.
     """
-    bad = ~torch.isfinite(logp)
-    if entropy is not None:
-        bad |= ~torch.isfinite(entropy)
-    bad &= active
-    if not bool(bad.any()):
+    n = first_non_finite(logp, entropy, active)
+    if n is None:
         return
-    n = int(bad.nonzero()[0, 0])
     pos = tuple(int(i) for i in torch.unravel_index(torch.tensor(n), lead_shape)) if len(lead_shape) > 1 else (n,)
     what = "log-prob" if not torch.isfinite(logp[n]) else "entropy"
     if not bool(torch.isfinite(hidden[n]).all()):
@@ -200,13 +213,9 @@ def check_divergence_finite(div, ent, active, hidden, teacher_hidden, lead, *, n
     (by its position in ``lead``) and the input at fault (``hidden`` [N, H] / ``teacher_hidden`` [N, H_t] rows).
     ``name`` and ``teacher``: what the caller calls the value and the teacher's inputs (the exact KL of a policy
     loss: "exact KL" and "ref_")."""
-    bad = ~torch.isfinite(div)
-    if ent is not None:
-        bad |= ~torch.isfinite(ent)
-    bad &= active
-    if not bool(bad.any()):
+    n = first_non_finite(div, ent, active)
+    if n is None:
         return
-    n = int(bad.nonzero()[0, 0])
     what, value = (name, div[n]) if not torch.isfinite(div[n]) else ("entropy", ent[n])
     if not bool(torch.isfinite(hidden[n]).all()):
         culprit = "hidden holds inf/nan there"

@@ -38,9 +38,10 @@ from dataclasses import dataclass
 import torch
 
 from fastrl.ops._checks import (
-    autocast_inputs, check_divergence_finite, check_head, compact_rows, dense_bias, token_name, unit_stride,
+    autocast_inputs, check_divergence_finite, check_head, check_triton_dtypes, compact_rows, dense_bias, token_name,
+    unit_stride,
 )
-from fastrl.ops.backend import is_triton, resolve_backend
+from fastrl.ops.backend import resolve_backend
 from fastrl.ops.config import LogitTransform, is_finite_number
 from fastrl.ops.custom_ops import host_sync_enabled
 from fastrl.ops.divergence_op import DivergenceOptions, divergence_backward_op, divergence_op
@@ -159,9 +160,7 @@ def _check_support(support, V: int, lead: tuple[int, ...], device: torch.device,
 
 def _backend_name(hidden: torch.Tensor, teacher_hidden: torch.Tensor, backend: str | None) -> str:
     name = resolve_backend(hidden.device, backend)
-    if is_triton(name) and torch.float64 in (hidden.dtype, teacher_hidden.dtype):
-        raise TypeError("the triton backends compute from float32, bfloat16 or float16 inputs; use backend='torch' "
-                        "for float64")
+    check_triton_dtypes(name, hidden.dtype, teacher_hidden.dtype)
     return name
 
 
@@ -316,14 +315,10 @@ def fused_divergence(
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     active = (mask.reshape(-1) != 0) if mask is not None else None
     support = _check_support(support, weight.shape[0], lead, hidden.device, active, sync)
-    opts = DivergenceOptions(
-        beta=float(beta), temperature=float(tf_s.temperature), logit_scale=float(tf_s.logit_scale),
-        softcap=None if tf_s.softcap is None else float(tf_s.softcap), teacher_logit_scale=float(tf_t.logit_scale),
-        teacher_softcap=None if tf_t.softcap is None else float(tf_t.softcap), with_entropy=with_entropy,
-        backend=_backend_name(hidden, teacher_hidden, backend),
-    )
+    opts = DivergenceOptions.of(beta, tf_s, tf_t, with_entropy, _backend_name(hidden, teacher_hidden, backend))
     planned = plan_divergence(opts, lead, sync, active, support, weight.shape[0], hidden.device)
-    div, ent = run_divergence(planned, hidden, weight, dense_bias(bias), teacher_hidden, teacher_weight, dense_bias(teacher_bias))
+    div, ent = run_divergence(planned, hidden, weight, dense_bias(bias), teacher_hidden, teacher_weight,
+                              dense_bias(teacher_bias))
     if check_finite and sync:
         check_divergence_finite(
             div.detach(), None if ent is None else ent.detach(),

@@ -57,6 +57,18 @@ class DivergenceOptions(PackedOptions):
     tile_elems: int = 0
     cap: int = 0
 
+    @staticmethod
+    def of(beta: float, student: LogitTransform, teacher: LogitTransform, with_entropy: bool,
+           backend: str) -> "DivergenceOptions":
+        """The options of one call: the student's transform and the teacher's scale and softcap (the temperature is
+        the student's, shared); the inverse of ``student`` / ``teacher``."""
+        return DivergenceOptions(
+            beta=float(beta), temperature=float(student.temperature), logit_scale=float(student.logit_scale),
+            softcap=None if student.softcap is None else float(student.softcap),
+            teacher_logit_scale=float(teacher.logit_scale),
+            teacher_softcap=None if teacher.softcap is None else float(teacher.softcap), with_entropy=with_entropy,
+            backend=backend)
+
     @functools.cached_property
     def student(self) -> LogitTransform:
         return LogitTransform(temperature=self.temperature, logit_scale=self.logit_scale, softcap=self.softcap)

@@ -24,10 +24,11 @@ from fastrl.ops.custom_ops import (
     input_grads, layout_of, live_rows, or_none, refuse_double_backward,
 )
 from fastrl.ops._checks import (
-    autocast_inputs, check_finite_outputs, check_linear_inputs, check_targets, compact_rows, dense_bias, unit_stride,
+    autocast_inputs, check_finite_outputs, check_linear_inputs, check_targets, check_triton_dtypes, compact_rows,
+    dense_bias, unit_stride,
 )
 from fastrl.ops._gemm import addmm_f32
-from fastrl.ops.backend import is_triton, resolve_backend
+from fastrl.ops.backend import resolve_backend
 from fastrl.ops.config import LogitTransform
 
 __all__ = ["fused_logprobs", "run_logprobs", "linear_stats", "linear_backward", "host_sync_enabled",
@@ -428,8 +429,7 @@ def fused_logprobs(
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     name = resolve_backend(hidden.device, backend, kind="logprob" if grad else "forward", H=hidden.shape[-1],
                            dtype=hidden.dtype, tensors=(hidden, weight))
-    if is_triton(name) and hidden.dtype == torch.float64:
-        raise TypeError("the triton backends compute from float32, bfloat16 or float16 inputs; use backend='torch' for float64")
+    check_triton_dtypes(name, hidden.dtype)
     if support is not None or return_kept_mass:
         return _support_logprobs(hidden, weight, bias, targets, tf, with_entropy, ignore_index, check_finite, name,
                                  vocab_chunk, support, bool(return_kept_mass), positions, host_sync)

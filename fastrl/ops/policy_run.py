@@ -26,7 +26,7 @@ from fastrl.ops import one_pass
 from fastrl.ops import torch_backend as TB
 from fastrl.ops._checks import (
     autocast_inputs, check_divergence_finite, check_finite_outputs, check_head, check_linear_inputs, check_targets,
-    compact_rows, dense_bias, unit_stride,
+    check_triton_dtypes, compact_rows, dense_bias, unit_stride,
 )
 from fastrl.ops.backend import is_triton, resolve_backend
 from fastrl.ops.config import LogitTransform
@@ -89,9 +89,7 @@ def plan(spec: LossSpec, hidden, weight, bias, targets, logit_scale: float, soft
     tf = LogitTransform(temperature=spec.temperature, logit_scale=logit_scale, softcap=softcap)
     backend = resolve_backend(hidden.device, backend, kind="loss", H=hidden.shape[-1], dtype=hidden.dtype,
                               tensors=(hidden, weight))
-    if is_triton(backend) and torch.float64 in (hidden.dtype, ref[0].dtype if spec.exact_kl else hidden.dtype):
-        raise TypeError("the triton backends compute from float32, bfloat16 or float16 inputs; use backend='torch' "
-                        "for float64")
+    check_triton_dtypes(backend, hidden.dtype, *((ref[0].dtype,) if spec.exact_kl else ()))
     head = dict(spec=spec, hidden=hidden, weight=weight, bias=bias, ref=ref, tf=tf, backend=backend)
     need = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
     grads = torch.is_grad_enabled() and any(need)
@@ -224,10 +222,7 @@ def _reference_kl(plan: LossPlan) -> torch.Tensor:  # [B, T]
     bias; the reference is a constant."""
     spec, tf = plan.spec, plan.tf
     B, T, H = plan.hidden.shape
-    softcap = None if tf.softcap is None else float(tf.softcap)
-    opts = D.DivergenceOptions(beta=1.0, temperature=float(tf.temperature), logit_scale=float(tf.logit_scale),
-                               softcap=softcap, teacher_logit_scale=float(tf.logit_scale), teacher_softcap=softcap,
-                               with_entropy=False, backend=plan.backend)
+    opts = D.DivergenceOptions.of(1.0, tf, tf, False, plan.backend)
     active = spec.in_mask.reshape(-1)
     planned = D.plan_divergence(opts, (B, T), spec.sync, active, None, plan.weight.shape[0], plan.hidden.device)
     kl, _ = D.run_divergence(planned, plan.hidden, plan.weight, plan.bias, *plan.ref)
