@@ -85,9 +85,12 @@ def test_top_p_after_top_k_sorts_the_survivors_only_bit_for_bit(dtype, monkeypat
             assert torch.equal(g, apply_rule(z, r, pos)), r
 
 
-def _as_mask(rows, ids, n, V):
+def _as_mask(rows, ids, vals, n, V, z):
+    """The kept (row, id, logit) triples as a mask, after checking their order and that each logit is the row's own
+    value at that id in ``z`` (what the kept-set engine then takes instead of computing it)."""
     key = rows * (V + 1) + ids
     assert bool((key[1:] > key[:-1]).all()), "pairs not in row-major, ascending-id order"
+    assert torch.equal(vals, z[rows, ids]), "a kept logit is not the row's value at that id"
     m = torch.zeros(n, V, dtype=torch.bool)
     m[rows, ids] = True
     return m
@@ -104,7 +107,7 @@ def test_select_top_k_equals_apply_rule():
             cols = int(torch.randint(1, V + 1, (1,), generator=g))
             got = rules._select_top_k(lambda v0, v1: z[:, v0:v1].clone(), lambda rr: z.index_select(0, rr),
                                       7, V, cols, r, pos, CPU)
-            assert torch.equal(_as_mask(*got, 7, V), apply_rule(z, r, pos)), (r, V, cols)
+            assert torch.equal(_as_mask(*got, 7, V, z), apply_rule(z, r, pos)), (r, V, cols)
 
 
 def _exact_inputs(B, T, H, V, seed):
@@ -257,7 +260,7 @@ def test_select_top_k_rows_with_fewer_finite_logits_than_k(monkeypatch):
     rule_set = (SR(top_k=3, top_p=0.9), SR(top_k=3, top_p=0.99, order="transformers"), SR(top_k=5, top_p=0.99),
                 SR(top_k=3))
     got = [_as_mask(*rules._select_top_k(lambda v0, v1: z[:, v0:v1].clone(), lambda rr: z.index_select(0, rr), 3, V,
-                                         cols, r, None, CPU), 3, V) for r in rule_set]
+                                         cols, r, None, CPU), 3, V, z) for r in rule_set]
     assert bool(got[0][1, [16, 32, 40]].all()) and bool(got[0][2, 48])
     monkeypatch.setattr(rules, "_finite_bound", lambda keep: None)
     for r, m in zip(rule_set, got):
@@ -271,8 +274,9 @@ def test_stages_after_top_k_see_a_real_entry_next_to_padding_with_its_id(order):
     top_v = torch.tensor([[0.3, 0.1, -math.inf]])
     top_i = torch.tensor([[16, 5, 16]])
     keep = torch.tensor([[True, True, False]])
-    rows, ids = rules._finish_after_top_k(top_v, top_i, keep, None, SR(top_k=2, top_p=0.99, order=order), 64, 8)
-    assert rows.tolist() == [0, 0] and ids.tolist() == [5, 16]
+    rows, ids, vals = rules._finish_after_top_k(top_v, top_i, keep, None, SR(top_k=2, top_p=0.99, order=order), 64,
+                                                8)
+    assert rows.tolist() == [0, 0] and ids.tolist() == [5, 16] and vals.tolist() == top_v[0, [1, 0]].tolist()
 
 
 def test_every_rule_keeps_a_rows_set_whatever_the_batch():
@@ -323,7 +327,7 @@ def test_select_top_k_segment_floor_equals_apply_rule(cols, monkeypatch):
         monkeypatch.setattr(torch, "topk", topk)
         got = rules._select_top_k(lambda v0, v1, z=z: z[:, v0:v1].clone(), full_rows, n, V, cols, r, None, CPU)
         monkeypatch.setattr(torch, "topk", real_topk)
-        assert torch.equal(_as_mask(*got, n, V), apply_rule(z, r)), (r, cols)
+        assert torch.equal(_as_mask(*got, n, V, z), apply_rule(z, r)), (r, cols)
         assert max(widths) < cols // 2, (r, cols, widths)  # segment maxima and buffers, never a block
         assert 0 in asked and n - 1 not in asked and 4 not in asked, (r, asked)  # constant row: tie; fives: none
 

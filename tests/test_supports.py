@@ -457,6 +457,55 @@ def test_replay_rule_matches_materialised(order, small_tiles):
     assert ks.contains(torch.where(targets == -100, 0, targets)).reshape(B, T)[targets != -100].all()
 
 
+_HANDED = {"top_k": SR(top_k=20, min_tokens=3, stop_token_ids=(4,)), "top_k+top_p": SR(top_k=20, top_p=0.85),
+           "top_p": SR(top_p=0.8, min_tokens=3, stop_token_ids=(4,))}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, F64])
+@pytest.mark.parametrize("name", list(_HANDED))
+def test_replay_hands_its_logits_to_the_kept_engine(dtype, name, small_tiles, monkeypatch):
+    """A rule's replay returns the logits it read at the kept entries (a target it added too, a stop id before
+    min_tokens included), in the compute dtype, each equal to the float64 logit; the kept-set engine takes them and
+    computes no logit of that head, and fused_logprobs and policy_loss over the rule still equal float64 over the
+    rule's sets (the bounded selection and the whole-row path both)."""
+    from fastrl.ops import kept_rows, rules
+    from fastrl.ops.config import LogitTransform
+
+    rule = _HANDED[name]
+    B, T, H, V = 2, 9, 16, 150
+    hidden, weight, b, targets = make_inputs(B * T, H, V, dtype, lead=(B, T))
+    targets[1, 7:] = -100
+    targets[0, 0] = 4  # a stop id before min_tokens (top_k, top_p) or outside the set: the replay adds the target
+    tf = dict(temperature=0.6, logit_scale=0.9, softcap=5.0)
+    ks, outside, z = rules.replay_checked(hidden.detach(), weight.detach(), b.detach(), targets, rule,
+                                          LogitTransform(**tf), -100, None)
+    assert bool(outside[0, 0]) and z.dtype == (F64 if dtype == F64 else torch.float32) and z.shape == ks.ids.shape
+    z64 = logits_reference(hidden.detach().reshape(-1, H), weight.detach(), b.detach(), dtype=F64, **tf)
+    row = torch.repeat_interleave(torch.arange(B * T), ks.sizes())
+    assert max_err(z, z64[row, ks.ids]) <= (1e-12 if dtype == F64 else 2e-5)
+
+    def computed(*a, **k):
+        raise AssertionError("the kept-set engine computed logits the replay had handed it")
+
+    monkeypatch.setattr(kept_rows, "rows_logits", computed)
+    monkeypatch.setattr(kept_mod, "unit_logits", computed)
+    logp, ent = fastrl.fused_logprobs(hidden, weight, targets, bias=b, support=rule, **tf)
+    config = PolicyLossConfig(loss_type="dapo", entropy_coef=0.01, temperature=tf["temperature"])
+    mask = targets != -100
+    adv = torch.tensor([0.5, -1.0])
+    loss, _ = fastrl.policy_loss(hidden, weight, targets, adv, mask, config=config, bias=b, support=rule,
+                                 logit_scale=tf["logit_scale"], softcap=tf["softcap"])
+    lp64, en64 = masked_logprobs_reference(hidden, weight, targets, ks.to_mask(), bias=b, dtype=F64, **tf)
+    loss64, _ = policy_loss_from_logprobs(lp64, en64, adv.double(), mask, config=config)
+    tol = 1e-10 if dtype == F64 else 2e-5
+    assert max_err(logp, lp64) <= tol and max_err(ent, en64) <= tol
+    assert abs(float(loss.detach()) - float(loss64.detach())) <= tol
+    params = [hidden, weight, b]
+    for gf, gr in zip(torch.autograd.grad(logp.sum() + ent.sum() + loss, params),
+                      torch.autograd.grad(lp64.sum() + en64.sum() + loss64, params)):
+        assert rel_err(gf, gr) <= {F64: 1e-10, torch.float32: 1e-4}.get(dtype, 2**-7)  # bf16 gradients: 2 ulps
+
+
 # ----------------------------------------------------------------------------------------- bad input
 
 

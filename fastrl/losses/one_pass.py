@@ -190,6 +190,7 @@ def policy_loss_one_pass(
     opt_str: str,  # PolicyOptions.pack(config)
     opt_float: list[float],
     opt_int: list[int],
+    support_logits: Optional[torch.Tensor] = None,  # [nnz] the support's entries' logits, computed (a rule's replay)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor, torch.Tensor]:
     # (loss [], metrics [n_metrics] in the order the loss arithmetic names them, grad hidden [B, T, H],
@@ -209,7 +210,8 @@ def policy_loss_one_pass(
         if support_ids is not None:  # the kept-set engine: every value first, then one loss gradient
             loss, metrics, grads, logp_all, ent_all, kl = kept_engine.run(
                 h2, weight, bias, t2, B, T, functools.partial(_whole_loss, inputs, config), o.tf(config), support_ids,
-                support_offsets, need, o.compact, ref, (o.tile_elems, o.cap), plan_arg=chunks, backend=o.backend)
+                support_offsets, need, o.compact, ref, (o.tile_elems, o.cap), plan_arg=chunks, backend=o.backend,
+                given=support_logits)
             grad_kl = None
         else:
             pairs = (list(zip(chunks[0::2], chunks[1::2])) if o.compact
@@ -234,7 +236,7 @@ def policy_loss_one_pass(
 @policy_loss_one_pass.register_fake
 def _(hidden, weight, bias, targets, advantages, mask, old_logprobs, ref_logprobs, importance_weights,
       num_items_in_batch, sampling_logprobs, per_token_kl, ref_hidden, ref_weight, ref_bias, support_ids,
-      support_offsets, chunks, opt_str, opt_float, opt_int):
+      support_offsets, chunks, opt_str, opt_float, opt_int, support_logits=None):
     o, config = PolicyOptions.unpack_symbolic(opt_str, opt_float, opt_int)
     B, T, _ = hidden.shape
     cdt = acc_dtype(hidden.dtype)
@@ -252,7 +254,7 @@ def _(hidden, weight, bias, targets, advantages, mask, old_logprobs, ref_logprob
 
 
 _KL_INPUT = 11  # position of per_token_kl among policy_loss_one_pass's inputs
-_N_INPUTS = 21
+_N_INPUTS = 22
 
 
 def _policy_setup(ctx, inputs, output):

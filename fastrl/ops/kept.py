@@ -130,9 +130,19 @@ def unit_logits(head: Head, u: Unit, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def entry_logits(plan: KeptPlan, heads: Sequence[Head], cdt: torch.dtype) -> list[torch.Tensor]:
+def entry_logits(plan: KeptPlan, heads: Sequence[Head], cdt: torch.dtype,
+                 given: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Each head's transformed logits at every kept entry: [nnz + 1] each (CSR order; the last element scratch).
-    Adds the logits computed to ``plan.computed`` (per head)."""
+    Adds the logits computed to ``plan.computed`` (per head).
+
+    ``given``: the first head's, already computed ([nnz]: a rule's replay read them, ``rules.replay_checked``),
+    taken as they are (nothing computed for that head); an entry the per-row plan cannot hold (past its width)
+    still reads NaN, as if computed here."""
+    if given is not None:
+        z = given.to(cdt)
+        if plan.width:
+            z = z.masked_fill(plan.pos == plan.N * plan.width, float("nan"))
+        return [entries(z)] + (entry_logits(plan, heads[1:], cdt) if len(heads) > 1 else [])
     plan.computed += plan.logits * len(heads)
     if plan.width:
         return [_rows_entry_logits(plan, head, cdt) for head in heads]
@@ -386,6 +396,7 @@ def kept_logprob(
     opt_str: str,  # KeptOptions.pack()
     opt_float: list[float],
     opt_int: list[int],
+    given: Optional[torch.Tensor] = None,  # [nnz] the entries' transformed logits, already computed (a rule's replay)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # logp [N], entropy [N] (or [0]), lse_S [N], the kept entries' logits [nnz] (what the backward reads)
     o = KeptOptions.unpack(opt_str, opt_float, opt_int)
@@ -393,25 +404,25 @@ def kept_logprob(
     active, h = live_rows(targets, hidden, o)
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
         p = op_plan(ids, offsets, weight.shape[0], plan, o.tile_elems, o.cap, o.backend)
-        (z,) = entry_logits(p, [Head(h, weight, bias, o.tf)], cdt)
+        (z,) = entry_logits(p, [Head(h, weight, bias, o.tf)], cdt, given)
         logp, ent, lse, found = logprob_stats(p, z, targets, o.with_entropy)
     logp, ent = dead_rows(active, found, logp, ent)
     return logp, (ent if ent is not None else empty_output(logp)), lse, z[: p.nnz].clone()
 
 
 @kept_logprob.register_fake
-def _(hidden, weight, bias, targets, ids, offsets, plan, opt_str, opt_float, opt_int):
+def _(hidden, weight, bias, targets, ids, offsets, plan, opt_str, opt_float, opt_int, given=None):
     o = KeptOptions.unpack_symbolic(opt_str, opt_float, opt_int)
     logp = hidden.new_empty((hidden.shape[0],), dtype=TB.acc_dtype(hidden.dtype))
     return (logp, torch.empty_like(logp) if o.with_entropy else empty_output(logp), torch.empty_like(logp),
             hidden.new_empty((ids.shape[0],), dtype=TB.acc_dtype(hidden.dtype)))
 
 
-_KEPT_INPUTS = 10  # inputs of fastrl::kept_logprob
+_KEPT_INPUTS = 11  # inputs of fastrl::kept_logprob
 
 
 def _kept_setup(ctx, inputs, output):
-    hidden, weight, bias, targets, ids, offsets, plan, *options = inputs
+    hidden, weight, bias, targets, ids, offsets, plan, *options, _given = inputs
     _, ent, lse, z = output
     ctx.save_for_backward(hidden, weight, bias, targets, ids, offsets, lse, ent, z)
     ctx.plan, ctx.options = plan, options
@@ -491,18 +502,20 @@ def resolve_support(
     ignore_index: int,
     positions: torch.Tensor | None,
     host_sync: bool | None = True,
-) -> tuple[KeptSet | None, torch.Tensor | None]:  # (checked KeptSet or None for the full softmax, outside | None)
+) -> tuple[KeptSet | None, torch.Tensor | None, torch.Tensor | None]:  # (KeptSet | None, outside | None, logits)
     """The KeptSet an op computes over, checked against ``targets`` (``KeptSet.check_tokens``, host reads: eager
     only; the no-sync ops poison a bad token with NaN instead), and for a rule the tokens whose target the rule
-    dropped (``outside``, targets' shape). None: the full softmax (no support, or a rule that keeps every id)."""
+    dropped (``outside``, targets' shape) and, in eager, the kept entries' transformed logits under this head (the
+    replay computed them: the ops take them as ``given`` and compute none). None: the full softmax (no support, or
+    a rule that keeps every id)."""
     from fastrl.ops.support import SamplerRule
 
     V = weight.shape[0]
     if support is None:
-        return None, None
+        return None, None, None
     if isinstance(support, SamplerRule):
         if support.is_identity:
-            return None, torch.zeros(targets.shape, dtype=torch.bool, device=targets.device)
+            return None, torch.zeros(targets.shape, dtype=torch.bool, device=targets.device), None
         from fastrl.ops.kept_rules import replay
 
         return replay(hidden, weight, targets, support, bias=bias, tf=tf, ignore_index=ignore_index,
@@ -518,4 +531,4 @@ def resolve_support(
                          f"{tuple(targets.shape)} hold {targets.numel()}")
     if host_sync_enabled(host_sync):
         support.check_tokens(targets, ignore_index, name="support")
-    return support, None
+    return support, None, None

@@ -95,8 +95,11 @@ def replay(
     ignore_index: int,
     positions: torch.Tensor | None,
     host_sync: bool | None,
-) -> tuple[KeptSet, torch.Tensor]:  # (KeptSet of N rows, outside: bool of targets' shape)
-    """The rule's kept sets on this model's logits: ``fastrl.replay_rule`` in eager, the op while compiling."""
+) -> tuple[KeptSet, torch.Tensor, Optional[torch.Tensor]]:  # (KeptSet of N rows, outside: targets' shape, logits)
+    """The rule's kept sets on this model's logits: ``fastrl.replay_rule`` in eager, the op while compiling.
+    ``logits``: in eager the kept entries' transformed logits that the replay read (``rules.replay_checked``), which
+    the kept-set engine then takes instead of computing them again; None while compiling (the engine computes
+    them)."""
     from fastrl.ops.rules import replay_checked, rule_positions
 
     lead = tuple(targets.shape)
@@ -114,4 +117,4 @@ def replay(
         h, weight, bias, targets.reshape(-1).to(torch.int64), pos, list(rule.stop_token_ids),
         *RuleOptions.of(rule, tf, ignore_index).pack())
     V = weight.shape[0]
-    return KeptSet(ids, offsets, V, lead, validate=False), outside.reshape(lead)
+    return KeptSet(ids, offsets, V, lead, validate=False), outside.reshape(lead), None

@@ -484,7 +484,8 @@ def _support_logprobs(hidden, weight, bias, targets, tf, with_entropy, ignore_in
     from fastrl.ops import kept
 
     sync = host_sync_enabled(host_sync)
-    ks, _outside = kept.resolve_support(support, hidden, weight, bias, targets, tf, ignore_index, positions, host_sync)
+    ks, _outside, given = kept.resolve_support(support, hidden, weight, bias, targets, tf, ignore_index, positions,
+                                               host_sync)
     kw = dict(bias=bias, temperature=tf.temperature, logit_scale=tf.logit_scale, softcap=tf.softcap,
               with_entropy=with_entropy, ignore_index=ignore_index, check_finite=check_finite, backend=name,
               vocab_chunk=vocab_chunk, host_sync=host_sync)
@@ -503,6 +504,8 @@ def _support_logprobs(hidden, weight, bias, targets, tf, with_entropy, ignore_in
         h_live, t_live, ks_live = h, t, ks
     else:
         h_live, t_live, ks_live = h.index_select(0, idx), t.index_select(0, idx), ks[idx]
+    if given is not None and given.shape != ks_live.ids.shape:  # a replay gives ignored rows no entries: never here
+        given = None
     plan = kept.build_plan(ks_live, w.shape[0], h.device, sync)
     opts = kept.KeptOptions(
         temperature=float(tf.temperature), logit_scale=float(tf.logit_scale),
@@ -511,7 +514,7 @@ def _support_logprobs(hidden, weight, bias, targets, tf, with_entropy, ignore_in
     )
     # autograd (when an input needs grad) is the op's registered backward; under no_grad the forward alone runs
     logp, ent, lse_s, _ = torch.ops.fastrl.kept_logprob(h_live, w, bias, t_live, ks_live.ids, ks_live.offsets,
-                                                        plan.arg(), *opts.pack())
+                                                        plan.arg(), *opts.pack(), given)
     ent = ent if with_entropy else None
     mass = None
     if return_kept_mass:  # the one full pass: LSE over the whole vocabulary (path C of the plain op)

@@ -49,13 +49,16 @@ def run(
     bounds: tuple[int, int],  # the engine's (tile_elems, cap); 0: the device's (fastrl.ops.kept.capacity)
     plan_arg: list[int] = (),  # fastrl.ops.kept.build_plan(live rows).arg(); empty: union tiles (host plan if compact)
     backend: str = "torch",
+    given: torch.Tensor | None = None,  # [nnz] the policy's entry logits, computed already (a rule's replay)
 ) -> tuple[torch.Tensor, dict, tuple, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(loss, metrics, (grad_h, grad_w, grad_b), logp [N], entropy [N], the exact KL [N] | None).
 
     ``loss`` is the caller's (the engine knows no loss): given every row's log-prob, entropy and KL as ``[B, T]``
     leaves, it returns the loss, its metrics and, when ``leaves`` is true, d loss / d (logp, entropy, KL)."""
     rows = _KeptRows(hidden, targets, ids, offsets, weight.shape[0], compact)
-    v = _values(rows, hidden, weight, bias, targets, tf, ref, bounds, plan_arg, backend)
+    if given is not None and given.shape != rows.ids.shape:  # dropped rows held entries: not a replay's set
+        given = None
+    v = _values(rows, hidden, weight, bias, targets, tf, ref, bounds, plan_arg, backend, given)
     full = rows.full  # [live rows] -> [N]
     logp_all, ent_all = full(v.logp).view(B, T), full(v.ent).view(B, T)
     kl_all = None if v.kl is None else full(v.kl).view(B, T)
@@ -108,7 +111,7 @@ class _Values:
     lkl: torch.Tensor | None = None  # [entries] log p - log p_ref
 
 
-def _values(rows: _KeptRows, hidden, weight, bias, targets, tf, ref, bounds, plan_arg, backend) -> _Values:
+def _values(rows: _KeptRows, hidden, weight, bias, targets, tf, ref, bounds, plan_arg, backend, given) -> _Values:
     """Every row's log-prob, entropy (and KL to the reference) over its kept set: no vocabulary walk."""
     tile, cap = K.capacity(hidden.device, *bounds)
     if not plan_arg and rows.compact:  # the op called without a plan: the host union plan, as before
@@ -118,7 +121,7 @@ def _values(rows: _KeptRows, hidden, weight, bias, targets, tf, ref, bounds, pla
     if ref is not None:
         heads.append(K.Head(rows.hidden(ref[0]), ref[1], ref[2], tf))
     t = rows.take(targets)
-    zs, *zr = K.entry_logits(plan, heads, TB.acc_dtype(hidden.dtype))
+    zs, *zr = K.entry_logits(plan, heads, TB.acc_dtype(hidden.dtype), given)
     logp, ent, lse, found = K.logprob_stats(plan, zs, t, True)
     v = _Values(plan, heads[0], t, zs, lse, logp, ent)
     if ref is not None:  # KL(pi^S || pi_ref^S): both renormalised over the support

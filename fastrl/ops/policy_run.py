@@ -74,6 +74,7 @@ class LossPlan:
     kl: str | None = None  # where the exact KL is computed: "inside" (the op's chunks), "outside" (its own pass)
     support: KeptSet | None = None  # the checked KeptSet ("kept")
     support_metrics: dict | None = None  # sampling/* metrics, computed when the support was resolved
+    support_logits: torch.Tensor | None = None  # a rule's kept entries' logits, as its replay read them ("kept")
 
 
 def plan(spec: LossSpec, hidden, weight, bias, targets, logit_scale: float, softcap: float | None,
@@ -95,12 +96,12 @@ def plan(spec: LossSpec, hidden, weight, bias, targets, logit_scale: float, soft
     grads = torch.is_grad_enabled() and any(need)
     need = need if grads else (False, False, False)
     if support is not None:
-        kept, outside = resolve_support(support, hidden, weight, bias, spec.eff_targets, tf, IGNORE, positions,
-                                        spec.host_sync)
+        kept, outside, given = resolve_support(support, hidden, weight, bias, spec.eff_targets, tf, IGNORE,
+                                               positions, spec.host_sync)
         head["support_metrics"] = support_metrics(kept, outside, spec.in_mask, weight.shape[0],
                                                   isinstance(support, SamplerRule), TB.acc_dtype(hidden.dtype))
         if kept is not None:
-            return _kept_plan(head, kept, need)
+            return _kept_plan(head, kept, need, given)
     if grads and spec.granularity is not None and backend != "triton-fused":
         one = _one_pass_plan(head, need, chunk_tokens)
         if one is not None:
@@ -146,7 +147,7 @@ def _options(head: dict, need, **extra) -> tuple:
     )
 
 
-def _kept_plan(head: dict, kept: KeptSet, need) -> LossPlan:
+def _kept_plan(head: dict, kept: KeptSet, need, given: torch.Tensor | None) -> LossPlan:
     """The loss over a support: the one-pass op on the kept-set engine (the exact KL over the support inside it)."""
     spec = head["spec"]
     # planned on the rows the op computes: in eager the live ones (it drops the rest first), else every row
@@ -155,7 +156,7 @@ def _kept_plan(head: dict, kept: KeptSet, need) -> LossPlan:
     choice = build_plan(rows, head["weight"].shape[0], head["hidden"].device, spec.sync)
     opts = _options(head, need, tile_elems=choice.tile_elems, cap=choice.cap)
     return LossPlan(**head, path="kept", options=opts, chunks=tuple(choice.arg()), support=kept,
-                    kl="inside" if spec.exact_kl else None)
+                    kl="inside" if spec.exact_kl else None, support_logits=given)
 
 
 def _one_pass_plan(head: dict, need, chunk_tokens: int | None) -> LossPlan | None:
@@ -195,7 +196,7 @@ def _op(plan: LossPlan, per_token_kl: torch.Tensor | None):
     # loss, and its backward hands grad_out times that to the KL's graph
     loss, mvec, _, _, _, logp_all, ent_all, _, kl = torch.ops.fastrl.policy_loss_one_pass(
         plan.hidden, plan.weight, plan.bias, spec.eff_targets, *spec.loss_tensors, per_token_kl,
-        *detached, *support, list(plan.chunks), *plan.options,
+        *detached, *support, list(plan.chunks), *plan.options, plan.support_logits,
     )
     if spec.sync and spec.check_finite:
         live = spec.eff_targets.reshape(-1) != IGNORE

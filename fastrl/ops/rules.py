@@ -389,8 +389,8 @@ def _select_top_k(
     rule: SamplerRule,
     positions: torch.Tensor | None,  # [n] (min_tokens)
     device: torch.device,
-) -> tuple[torch.Tensor, torch.Tensor]:  # (row [m], id [m]) kept pairs, rows ascending, ids ascending within a row
-    """``apply_rule``'s kept set for a ``_bounded`` rule, from the logits in vocabulary blocks (GEMMs over every row
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # kept (row [m], id [m], logit [m]): row-major, ids ascending
+    """``apply_rule``'s kept set for a ``_bounded`` rule, with each kept id's logit (the selection's own value), from the logits in vocabulary blocks (GEMMs over every row
     of the chunk: wide, not a few whole rows) and a running top-``(k + 1)`` of each row (``_running_top``), never a
     sort of a row.
 
@@ -428,51 +428,60 @@ def _select_top_k(
         keep &= ~tie[:, None]
     per = _rows_per_tile(V, device)  # whole rows, a bounded tile at a time
     if _after_top_k(rule):
-        rows, ids = _finish_after_top_k(top_v, top_i, keep, tie, rule, V, per)
+        rows, ids, vals = _finish_after_top_k(top_v, top_i, keep, tie, rule, V, per)
     else:
-        ids = torch.where(keep, top_i, V).sort(dim=-1).values  # kept ids ascending, then the sentinel V
-        taken = torch.arange(width, device=device) < keep.sum(dim=-1, keepdim=True)
-        rows = torch.arange(n, device=device)[:, None].expand(n, width)[taken]
-        ids = ids[taken]
+        rows, ids, vals = _kept_pairs(torch.arange(n, device=device), top_v, top_i, keep, V)
     tie_rows = tie.nonzero().squeeze(1) if tie is not None else rows[:0]
     if tie_rows.numel() == 0:
-        return rows, ids
-    t_rows, t_ids = [rows], [ids]
+        return rows, ids, vals
+    t_rows, t_ids, t_vals = [rows], [ids], [vals]
     for r0 in range(0, tie_rows.numel(), per):
         r = tie_rows[r0 : r0 + per]
-        m = apply_rule(full_rows(r), rule, None if positions is None else positions.index_select(0, r))
+        z = full_rows(r)
+        m = apply_rule(z, rule, None if positions is None else positions.index_select(0, r))
         i, j = m.nonzero().unbind(1)
         t_rows.append(r.index_select(0, i))
         t_ids.append(j)
-    rows, ids = torch.cat(t_rows), torch.cat(t_ids)
+        t_vals.append(z[i, j])
+    rows, ids, vals = torch.cat(t_rows), torch.cat(t_ids), torch.cat(t_vals)
     order = torch.sort(rows * (V + 1) + ids).indices
-    return rows.index_select(0, order), ids.index_select(0, order)
+    return rows.index_select(0, order), ids.index_select(0, order), vals.index_select(0, order)
+
+
+def _kept_pairs(r: torch.Tensor, top_v: torch.Tensor, top_i: torch.Tensor, keep: torch.Tensor, V: int):
+    """The buffer entries that ``keep`` marks, as (row, id, value) triples: rows ``r`` in order, ids ascending
+    within a row (the buffer is in value order)."""
+    width = top_v.shape[1]
+    ids, o = torch.where(keep, top_i, V).sort(dim=-1)  # kept ids ascending, then the sentinel V
+    taken = torch.arange(width, device=r.device) < keep.sum(dim=-1, keepdim=True)
+    rows = r[:, None].expand(r.numel(), width)[taken]
+    return rows, ids[taken], top_v.gather(1, o)[taken]
 
 
 def _finish_after_top_k(top_v, top_i, keep, tie, rule: SamplerRule, V: int, per: int):
     """The stages past top_k (``_after_top_k``) for the rows without a tie, ``per`` whole rows at a time: each row's
     logits with every id but top_k's survivors at ``-inf`` (the survivors' values are the row's own, from the
-    buffer), which is the tile ``apply_rule`` hands to the same functions after its own top_k. (row, id) pairs."""
-    n, width = top_v.shape
+    buffer), which is the tile ``apply_rule`` hands to the same functions after its own top_k. (row, id, value)
+    triples, as ``_kept_pairs`` gives them."""
+    n = top_v.shape[0]
     dev = top_v.device
     ok = torch.arange(n, device=dev) if tie is None else (~tie).nonzero().squeeze(1)
-    rows, ids = [], []
+    out = []
     for r0 in range(0, ok.numel(), per):
         r = ok[r0 : r0 + per]
-        kv, iv = keep.index_select(0, r), top_i.index_select(0, r)
-        vals = top_v.index_select(0, r).masked_fill(~kv, -math.inf)
+        kv, iv, tv = keep.index_select(0, r), top_i.index_select(0, r), top_v.index_select(0, r)
+        vals = tv.masked_fill(~kv, -math.inf)
         # amax: padding in the buffer (-inf at a block's first id) may share its id with a real entry
         z = top_v.new_full((r.numel(), V), -math.inf).scatter_reduce_(1, iv, vals, "amax")
         survivors = z > -math.inf
         m = (_vllm_after_top_k(z, survivors, rule) if rule.order == "vllm"
              else _transformers_after_top_k(z, rule, survivors))
         kv &= m.gather(1, iv)  # what is kept lies among the survivors: read it at their ids, not over the row
-        iv = torch.where(kv, iv, V).sort(dim=-1).values  # kept ids ascending, then the sentinel V
-        taken = torch.arange(width, device=dev) < kv.sum(dim=-1, keepdim=True)
-        rows.append(r[:, None].expand(r.numel(), width)[taken])
-        ids.append(iv[taken])
-    empty = torch.zeros(0, dtype=torch.int64, device=dev)
-    return (torch.cat(rows), torch.cat(ids)) if rows else (empty, empty)
+        out.append(_kept_pairs(r, tv, iv, kv, V))
+    if not out:
+        empty = torch.zeros(0, dtype=torch.int64, device=dev)
+        return empty, empty, top_v.new_zeros((0,))
+    return tuple(torch.cat(x) for x in zip(*out))
 
 
 def logits_tile(
@@ -493,7 +502,8 @@ def logits_tile(
 
 def _replay_sorted(h, weight, bias, t, tf, rule, pos, live, cdt, sizes, outside, pieces) -> None:
     """``replay_rule``'s loop for any rule: token chunks of whole rows ``[chunk, V]``, ``apply_rule`` on each; fills
-    ``sizes`` [N], ``outside`` [N] and ``pieces`` (each chunk's kept ids, row-major) for the live rows ``live``."""
+    ``sizes`` [N], ``outside`` [N] and ``pieces`` (each chunk's kept ids and their logits, row-major) for the live
+    rows ``live``."""
     V = weight.shape[0]
     rows = _rows_per_tile(V, h.device)
     buf = torch.empty(min(rows, max(live.numel(), 1)) * V, dtype=cdt, device=h.device)
@@ -507,7 +517,8 @@ def _replay_sorted(h, weight, bias, t, tf, rule, pos, live, cdt, sizes, outside,
         outside[r] = ~keep[ar, tc]
         keep[ar, tc] = True
         sizes[r] = keep.sum(1)
-        pieces.append(keep.nonzero()[:, 1])  # row-major: ascending ids within each row, rows in order
+        i, j = keep.nonzero().unbind(1)  # row-major: ascending ids within each row, rows in order
+        pieces.append((j, z[i, j]))
 
 
 def _replay_bounded(h, weight, bias, t, tf, rule, pos, live, cdt, sizes, outside, pieces) -> None:
@@ -536,19 +547,31 @@ def _replay_bounded(h, weight, bias, t, tf, rule, pos, live, cdt, sizes, outside
             return logits_tile(h_c.index_select(0, rr), weight, bias, tf,
                                out=torch.empty((rr.numel(), V), dtype=cdt, device=dev))
 
-        kr, ki = _select_top_k(block, full_rows, n, V, cols, rule, None if pos is None else pos.index_select(0, r),
-                               dev)
+        kr, ki, kz = _select_top_k(block, full_rows, n, V, cols, rule,
+                                   None if pos is None else pos.index_select(0, r), dev)
         tc = t.index_select(0, r)
         present = torch.zeros(n, dtype=torch.bool, device=dev)
         present[kr[ki == tc.index_select(0, kr)]] = True
         outside[r] = ~present
         add = (~present).nonzero().squeeze(1)
-        if add.numel():  # the target joins the set of a token whose target the rule dropped
-            kr, ki = torch.cat([kr, add]), torch.cat([ki, tc.index_select(0, add)])
+        if add.numel():  # the target joins the set of a token whose target the rule dropped, with its own logit
+            ta = tc.index_select(0, add)
+            za = _row_logits(h_c.index_select(0, add), weight, bias, ta, tf, cdt)
+            kr, ki, kz = torch.cat([kr, add]), torch.cat([ki, ta]), torch.cat([kz, za])
             order = torch.sort(kr * (V + 1) + ki).indices
-            kr, ki = kr.index_select(0, order), ki.index_select(0, order)
+            kr, ki, kz = kr.index_select(0, order), ki.index_select(0, order), kz.index_select(0, order)
         sizes[r] = torch.bincount(kr, minlength=n)
-        pieces.append(ki)
+        pieces.append((ki, kz))
+
+
+def _row_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor,
+                tf: LogitTransform, cdt: torch.dtype) -> torch.Tensor:  # [n]
+    """Each row's transformed logit at its own id ``ids[i]``: ``h[i] . W[ids[i]] (+ b)``, products and sum in the
+    compute dtype (never rounded to a 2-byte input dtype)."""
+    z = (h.to(cdt) * weight.index_select(0, ids).to(cdt)).sum(-1)
+    if bias is not None:
+        z += bias.index_select(0, ids).to(cdt)
+    return tf.apply_(z)
 
 
 @torch.no_grad()
@@ -586,7 +609,8 @@ def replay_rule(
     V = weight.shape[0]
     check_targets(targets, V, ignore_index)
     resolve_backend(hidden.device, backend)
-    return replay_checked(hidden, weight, bias, targets, rule, tf, ignore_index, positions)
+    kept, outside, _ = replay_checked(hidden, weight, bias, targets, rule, tf, ignore_index, positions)
+    return kept, outside
 
 
 @torch.no_grad()
@@ -599,9 +623,11 @@ def replay_checked(
     tf: LogitTransform,
     ignore_index: int,
     positions: torch.Tensor | None,
-) -> tuple[KeptSet, torch.Tensor]:
+) -> tuple[KeptSet, torch.Tensor, torch.Tensor]:  # (KeptSet, outside, logits [nnz])
     """``replay_rule`` on inputs its caller has checked (autocast applied, shapes, dense bias, targets in range,
-    backend): the loss and log-prob paths, which checked them once already."""
+    backend): the loss and log-prob paths, which checked them once already. Also returns the transformed logits of
+    the kept entries (CSR order, compute dtype: float32, float64 for float64 inputs), the values the selection
+    read, so the kept-set engine does not compute them again (``fastrl.ops.kept``'s ``given``)."""
     V = weight.shape[0]
     pos = rule_positions(targets, rule, positions)
     lead = tuple(targets.shape)
@@ -618,5 +644,6 @@ def replay_checked(
         replay(h, weight, bias, t, tf, rule, pos, live, cdt, sizes, outside, pieces)
     offsets = torch.zeros(N + 1, dtype=torch.int64, device=h.device)
     offsets[1:] = sizes.cumsum(0)
-    ids = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64, device=h.device)
-    return KeptSet(ids, offsets, V, lead, validate=False), outside.reshape(lead)
+    ids = torch.cat([p[0] for p in pieces]) if pieces else torch.zeros(0, dtype=torch.int64, device=h.device)
+    z = torch.cat([p[1] for p in pieces]) if pieces else torch.zeros(0, dtype=cdt, device=h.device)
+    return KeptSet(ids, offsets, V, lead, validate=False), outside.reshape(lead), z
