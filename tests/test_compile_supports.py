@@ -144,7 +144,15 @@ def test_keptset_logprobs_inductor_fullgraph_dynamic():
              lambda x: (x["h"], x["w"], x["bias"]))
 
 
-def test_rule_logprobs_inductor_fullgraph_dynamic():
+def test_rule_logprobs_inductor_fullgraph_dynamic(monkeypatch):
+    """The compiled rule path; the replay op hands its kept logits to the kept-set op, which computes none."""
+    from fastrl.ops import kept_rows
+
+    def computed(*a, **k):
+        raise AssertionError("the kept-set engine computed logits the replay had handed it")
+
+    monkeypatch.setattr(kept_rows, "rows_logits", computed)
+    monkeypatch.setattr(kept, "unit_logits", computed)
     rule = SamplerRule(top_k=9, top_p=0.9, min_p=0.01, min_tokens=2, stop_token_ids=(1, 3))
     _dynamic(logprob_fn, lambda x: (x["h"], x["w"], x["bias"], x["targets"], x["mask"], rule),
              lambda x: (x["h"], x["w"], x["bias"]))
@@ -292,6 +300,7 @@ def _opcheck_cases():
         cases[f"kept_logprob[{name}]"] = (torch.ops.fastrl.kept_logprob, fwd)
         with torch.no_grad():
             _, ent, lse, z = torch.ops.fastrl.kept_logprob(*fwd)
+        cases[f"kept_logprob_given[{name}]"] = (torch.ops.fastrl.kept_logprob, (*fwd, z))
         n = hh.shape[0]
         cases[f"kept_logprob_backward[{name}]"] = (
             torch.ops.fastrl.kept_logprob_backward,

@@ -18,6 +18,7 @@ import torch
 from fastrl.ops.config import LogitTransform
 from fastrl.ops.custom_ops import PackedOptions, define_op, host_sync_enabled, layout_of
 from fastrl.ops.support import KeptSet, SamplerRule
+from fastrl.ops.torch_backend import acc_dtype
 
 __all__ = ["replay", "RuleOptions"]
 
@@ -46,6 +47,10 @@ class RuleOptions(PackedOptions):
             temperature=float(tf.temperature), logit_scale=float(tf.logit_scale),
             softcap=None if tf.softcap is None else float(tf.softcap), ignore_index=ignore_index)
 
+    @property
+    def tf(self) -> LogitTransform:
+        return LogitTransform(temperature=self.temperature, logit_scale=self.logit_scale, softcap=self.softcap)
+
     def rule(self, stop_token_ids) -> SamplerRule:
         stops = tuple(int(s) for s in stop_token_ids)
         return SamplerRule(top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, min_tokens=self.min_tokens,
@@ -66,14 +71,15 @@ def replay_rule_op(
     opt_str: str,  # RuleOptions.pack()
     opt_float: list[float],
     opt_int: list[int],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # CSR ids [nnz] (nnz from the data), offsets [N + 1], outside [N]
-    from fastrl.ops.rules import replay_rule
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # CSR ids [nnz] (nnz from the data), offsets [N + 1], outside [N], the kept entries' logits [nnz] (compute dtype)
+    from fastrl.ops.rules import check_replay_inputs, replay_checked
 
     o = RuleOptions.unpack(opt_str, opt_float, opt_int)
-    ks, outside = replay_rule(hidden, weight, targets, o.rule(stop_token_ids), bias=bias, temperature=o.temperature,
-                              logit_scale=o.logit_scale, softcap=o.softcap, ignore_index=o.ignore_index,
-                              positions=positions, backend="torch")
-    return ks.ids.clone(), ks.offsets.clone(), outside.clone()
+    hidden, weight, bias = check_replay_inputs(hidden, weight, bias, targets, o.ignore_index, "torch")
+    ks, outside, z = replay_checked(hidden, weight, bias, targets, o.rule(stop_token_ids), o.tf, o.ignore_index,
+                                    positions)
+    return ks.ids.clone(), ks.offsets.clone(), outside.clone(), z
 
 
 @replay_rule_op.register_fake
@@ -81,7 +87,7 @@ def _(hidden, weight, bias, targets, positions, stop_token_ids, opt_str, opt_flo
     nnz = torch.library.get_ctx().new_dynamic_size()  # how many ids the rule keeps: known after it ran
     N = targets.shape[0]
     return (targets.new_empty((nnz,), dtype=torch.int64), targets.new_empty((N + 1,), dtype=torch.int64),
-            targets.new_empty((N,), dtype=torch.bool))
+            targets.new_empty((N,), dtype=torch.bool), hidden.new_empty((nnz,), dtype=acc_dtype(hidden.dtype)))
 
 
 def replay(
@@ -95,11 +101,10 @@ def replay(
     ignore_index: int,
     positions: torch.Tensor | None,
     host_sync: bool | None,
-) -> tuple[KeptSet, torch.Tensor, Optional[torch.Tensor]]:  # (KeptSet of N rows, outside: targets' shape, logits)
+) -> tuple[KeptSet, torch.Tensor, torch.Tensor]:  # (KeptSet of N rows, outside: targets' shape, logits [nnz])
     """The rule's kept sets on this model's logits: ``fastrl.replay_rule`` in eager, the op while compiling.
-    ``logits``: in eager the kept entries' transformed logits that the replay read (``rules.replay_checked``), which
-    the kept-set engine then takes instead of computing them again; None while compiling (the engine computes
-    them)."""
+    ``logits``: the kept entries' transformed logits that the replay read (``rules.replay_checked``), which the
+    kept-set engine then takes instead of computing them again."""
     from fastrl.ops.rules import replay_checked, rule_positions
 
     lead = tuple(targets.shape)
@@ -113,8 +118,8 @@ def replay(
             "one op (fastrl::replay_rule) with no graph break, but is not CUDA-graph safe")
     pos = rule_positions(targets, rule, positions)
     h = hidden.reshape(-1, hidden.shape[-1])
-    ids, offsets, outside = torch.ops.fastrl.replay_rule(
+    ids, offsets, outside, logits = torch.ops.fastrl.replay_rule(
         h, weight, bias, targets.reshape(-1).to(torch.int64), pos, list(rule.stop_token_ids),
         *RuleOptions.of(rule, tf, ignore_index).pack())
     V = weight.shape[0]
-    return KeptSet(ids, offsets, V, lead, validate=False), outside.reshape(lead), None
+    return KeptSet(ids, offsets, V, lead, validate=False), outside.reshape(lead), logits

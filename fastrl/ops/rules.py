@@ -36,7 +36,7 @@ from fastrl.ops.budget import tile_budget, tile_columns
 from fastrl.ops.config import LogitTransform
 from fastrl.ops.support import KeptSet, SamplerRule
 
-__all__ = ["replay_checked", "apply_rule", "replay_rule", "rule_positions"]
+__all__ = ["replay_checked", "apply_rule", "replay_rule", "rule_positions", "check_replay_inputs"]
 
 
 def _pack(row: torch.Tensor, col: torch.Tensor, values: torch.Tensor, n: int, fill: float):
@@ -600,17 +600,23 @@ def replay_rule(
     """
     if not isinstance(rule, SamplerRule):
         raise TypeError(f"rule must be a fastrl.SamplerRule, got {type(rule).__name__}")
+    tf = LogitTransform(temperature=temperature, logit_scale=logit_scale, softcap=softcap)
+    hidden, weight, bias = check_replay_inputs(hidden, weight, bias, targets, ignore_index, backend)
+    kept, outside, _ = replay_checked(hidden, weight, bias, targets, rule, tf, ignore_index, positions)
+    return kept, outside
+
+
+def check_replay_inputs(hidden, weight, bias, targets, ignore_index, backend) -> tuple:
+    """``replay_rule``'s input checks (named errors); returns (hidden, weight, bias) with autocast applied and the
+    bias dense, as ``replay_checked`` takes them."""
     hidden, weight, bias = autocast_inputs(hidden, weight, bias)
     check_linear_inputs(hidden, weight, targets, bias)
     bias = dense_bias(bias)
     if not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
-    tf = LogitTransform(temperature=temperature, logit_scale=logit_scale, softcap=softcap)
-    V = weight.shape[0]
-    check_targets(targets, V, ignore_index)
+    check_targets(targets, weight.shape[0], ignore_index)
     resolve_backend(hidden.device, backend)
-    kept, outside, _ = replay_checked(hidden, weight, bias, targets, rule, tf, ignore_index, positions)
-    return kept, outside
+    return hidden, weight, bias
 
 
 @torch.no_grad()
