@@ -18,10 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
+from fastrl.kernels.kept_rows import DEFAULT_CONFIGS as KEPT_CONFIGS
 from fastrl.ops import hybrid
 from fastrl.ops.budget import grad_columns, one_pass_rows, tile_budget
 
-__all__ = ["WORKLOADS", "IMPLEMENTATIONS", "TARGETS", "MEMORY", "model", "targets", "measured"]
+__all__ = ["WORKLOADS", "IMPLEMENTATIONS", "TARGETS", "MEMORY", "ENGINE_ENTRY_BYTES", "model", "targets", "measured",
+           "kept_rows_bytes"]
 
 TFLOPS = 700e12  # bf16 GEMM rate, FLOP/s
 HBM = 4.3e12  # bytes/s
@@ -66,8 +68,10 @@ IMPLEMENTATIONS = {
                    ()),
     "union": ("fastrl's kept-set engine (built): union GEMMs per unit of rows (host plan, cap 8192 ids), disjoint "
               "sets (the worst case)", ("kept", "fastrl-kept")),
-    "gather": ("a per-row gather (not built): each token reads its K rows of W; grad_W by id-sorted segments",
-               ("kept-gather",)),
+    "gather": ("fastrl's kept-set engine, per-row plan (built: fastrl.ops.kept_rows, fastrl.kernels.kept_rows; the "
+               "default for disjoint sets, host_sync=False and torch.compile): each token gathers its K rows of W, "
+               "again for grad_h; grad_W by float32 atomics into a float32 buffer over the kept ids, cast and "
+               "scattered into the bf16 gradient", ("kept-gather",)),
     "atomics": ("a fully fused backward (Cut Cross-Entropy's design): both gradient GEMMs in the tile kernel, "
                 "float32 atomics", ("cce",)),
 }
@@ -110,9 +114,48 @@ def _kept(w: Shape, impl: str) -> tuple[float, float, str] | None:
         bwd = 3 * u_tile * 4 + u_tile * S + 3 * u_w * S + u_w * 4 * 4
         how = f"{units} units of {rows} rows x {cap} ids, gathers + fp32 dW rows"
         return 6.0 * N * cap * H, units * (fwd + bwd), how
-    if impl == "gather":  # forward and grad_h read each entry's W row; grad_W reads each entry's h row (id order)
-        return 6.0 * N * K * H, 3.0 * N * K * H * S, "3 x N K H bf16 rows gathered, no tile, no [V, H] buffer"
+    if impl == "gather":  # the per-row plan as it runs on CUDA: kept_rows_bytes
+        parts = kept_rows_bytes(w)
+        slots = min(w.V, N * K)
+        how = (f"2 gathers of N K H bf16 rows, float32 atomics into [{slots}, H] slots, "
+               f"{parts['grad_W atomics'] / sum(parts.values()):.0%} of the bytes")
+        return 6.0 * N * K * H, sum(parts.values()), how
     return None
+
+
+# The kept-set engine's torch work per kept entry outside the per-row kernels, forward + backward, in bytes read and
+# written: the plan's layout (built by the forward op and again by the backward op), the statistics, G and its
+# [N, K] scatter, the weight-gradient slots' sort and lookup. Counted by tests/test_roofline.py (every aten op's
+# tensors under a TorchDispatchMode, N=256, K=64), which holds this figure to that count.
+ENGINE_ENTRY_BYTES = 920
+
+
+def kept_rows_bytes(w: Shape) -> dict[str, float]:
+    """HBM bytes of ``fused_logprobs(support=KeptSet)`` forward + backward on the per-row plan, as it runs on CUDA
+    with a bf16 head and no bias (``fastrl.ops.kept._rows_backward``, ``fastrl.kernels.kept_rows``, atomic scatter:
+    the default, not ``torch.use_deterministic_algorithms``), beyond one read of hidden and W; the bf16
+    gradients' one write each is an output, as elsewhere. Each float32 atomic add is a read + write of its element:
+    the [slots, H] buffer (2.5 GB at W1 shapes) does not stay in L2 and a sampled id recurs far apart in time."""
+    N, H, V, K = w.N, w.H, w.V, w.K
+    E = N * K  # kept entries, every set K wide
+    slots = min(V, E)  # _WeightSlots without a host read: min(V, nnz) float32 rows
+    fwd, bwd = KEPT_CONFIGS["kept_logits"], KEPT_CONFIGS["kept_backward"]
+    h_slices = math.ceil(H / bwd.block_h)  # backward programs per token, each reading the token's ids, G and rows
+    return {
+        "forward gather": E * H * S,  # logits_kernel: K rows of W per token
+        # the forward reads h once per block of ids, the backward once more: all but one read are extra
+        "hidden re-reads": math.ceil(K / fwd.block_v) * N * H * S,
+        "logits y": E * (8 + 4),  # the kernel reads the padded ids, writes float32 y (read back: ENGINE_ENTRY_BYTES)
+        "backward gather": E * H * S,  # backward_kernel: grad_h from the same rows
+        "ids, G, slot rows per H slice": h_slices * E * (8 + 4 + 8),
+        "grad_h float32": N * H * 4 * 2,  # written by the kernel, read by the cast to bf16
+        "grad_W buffer zeroed": slots * H * 4,
+        "grad_W atomics": E * H * 4 * 2,  # float32 read-modify-write per kept (entry, column)
+        # _WeightSlots.scatter: buffer read, bf16 copy written and read, index_add_ reads + writes the gradient's rows
+        # (its zeroing is the output's one write)
+        "grad_W scatter to bf16": slots * H * (4 + S + S + 2 * S),
+        "engine per entry": E * ENGINE_ENTRY_BYTES,
+    }
 
 
 def model(w: Shape, impl: str, memory: int | None = MEMORY) -> tuple[float, float, str] | None:
@@ -187,7 +230,7 @@ TARGETS = (
     ("divergence", 0.8, "trl"),
     ("kept", 0.15, "full head"),  # the same call over the whole vocabulary: the fastest fastrl design at W1-lp
 )
-_BUILT = ("hybrid", "fused", "sm90", "sm90-nomem", "union")  # fastrl designs that exist as code
+_BUILT = ("hybrid", "fused", "sm90", "sm90-nomem", "union", "gather")  # fastrl designs that exist as code
 _NOT_DESIGNS = ("floor", "trl")
 
 
@@ -226,13 +269,21 @@ def _why(w: Shape, impl: str, memory: int | None) -> str:
                 f"extra memory {_sm90_tile_gb(w, memory):.1f} GB (unknown: {_sm90_tile_gb(w, None):.1f} GB); "
                 f"GEMMs alone {floor:.1f} ms")
     if w.kind == "kept":
-        best_full = min(implied_ms(_workload("W1-lp"), i, memory) for i in _BUILT if i != "union")
-        u = implied_ms(w, "union", memory)
-        return (f"union (built) {u:.1f} ms = {u / best_full:.2f}x on disjoint sets: its per-unit gathers and "
-                f"float32 [|U|, H] weight-gradient rows; the gather design is not built")
+        full, u = _full_head_ms(memory), implied_ms(w, "union", memory)
+        parts = kept_rows_bytes(w)
+        return (f"per-row plan (built) {parts['grad_W atomics'] / 1e9:.1f} of its {sum(parts.values()) / 1e9:.1f} GB "
+                f"are grad_W's float32 atomics, {2 * parts['forward gather'] / 1e9:.1f} GB its two gathers; union "
+                f"(built) {u:.1f} ms = {u / full:.2f}x on disjoint sets: its per-unit gathers and float32 [|U|, H] "
+                "weight-gradient rows")
     if w.kind == "logprob":
         return f"path A's 4 GEMMs alone {8.0 * w.N * w.H * w.V / TFLOPS * 1e3:.1f} ms" + slices
     return f"GEMMs alone {floor:.1f} ms" + slices
+
+
+def _full_head_ms(memory: int | None) -> float:
+    """The kept target's baseline: the fastest built fastrl design of the same call over the whole vocabulary."""
+    w = _workload("W1-lp")
+    return min(implied_ms(w, i, memory) for i in _BUILT if model(w, i, memory) is not None)
 
 
 def _gib(memory: int | None) -> str:
@@ -247,8 +298,8 @@ def targets(memory: int | None = MEMORY) -> list[dict]:
         w = _workload(name)
         if base == "trl":
             base_ms = implied_ms(w, "trl", memory)
-        else:  # the full head: the fastest built fastrl design of the same call over the whole vocabulary
-            base_ms = min(implied_ms(_workload("W1-lp"), i, memory) for i in _BUILT if model(_workload("W1-lp"), i))
+        else:
+            base_ms = _full_head_ms(memory)
         designs = [i for i in IMPLEMENTATIONS if i not in _NOT_DESIGNS and model(w, i, memory) is not None]
         best = min(designs, key=lambda i: implied_ms(w, i, memory))
         fl, by, _ = model(w, best, memory)
