@@ -180,7 +180,7 @@ def _rows_backward(plan: KeptPlan, head: Head, G: torch.Tensor, need: tuple[bool
     slots = rows = None
     if need_w and direct_w:  # the gradient itself
         grad_w = torch.zeros(weight.shape, dtype=cdt, device=dev)
-    elif need_w:  # a bf16/fp16 head: a float32 buffer over the kept ids only (never a float32 [V, H])
+    elif need_w:  # a bf16/fp16 head: a float32 buffer of min(V, nnz) rows (_WeightSlots: [V, H] once N K >= V)
         slots = _WeightSlots(plan, weight.shape[0])
         grad_w = torch.zeros((slots.count, weight.shape[1]), dtype=cdt, device=dev)
         rows = slots.of(plan.padded.clamp(min=0))
