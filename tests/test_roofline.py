@@ -192,3 +192,20 @@ def test_measured_times_under_the_unpack_path(tmp_path):
             dict(workload="W1", provider="fastrl", implementation="triton-sm90", status="ok", total_ms=92.0)]
     (d / "session.json").write_text(json.dumps(dict(rows=rows)))
     assert R.measured(str(tmp_path)) == {("W1", "trl"): 131.0, ("W1", "sm90"): 92.0}
+
+
+def test_measured_kept_times_come_from_the_sessions_keptset_rows(tmp_path):
+    """bench session's keptset rows (workload keptset-W1-kept, a row per plan and kind of sets) fill the kept shape's
+    measured column by the plan each ran, disjoint sets only (the model's case)."""
+    rows = [{"workload": R.KEPT_SESSION_WORKLOAD, "provider": "kept-uniform", "sets": "uniform", "plan": "rows",
+             "ms": 16.0, "status": "ok"},
+            {"workload": R.KEPT_SESSION_WORKLOAD, "provider": "rows-nosync-uniform", "sets": "uniform", "plan": "rows",
+             "ms": 15.0, "status": "ok"},
+            {"workload": R.KEPT_SESSION_WORKLOAD, "provider": "union-uniform", "sets": "uniform", "plan": "union-host",
+             "ms": 40.0, "status": "ok"},
+            {"workload": R.KEPT_SESSION_WORKLOAD, "provider": "kept-zipf", "sets": "zipf", "plan": "rows", "ms": 9.0,
+             "status": "ok"},
+            {"workload": R.KEPT_SESSION_WORKLOAD, "provider": "full", "sets": "zipf", "ms": 120.0, "status": "ok"}]
+    (tmp_path / "nvidia-h200" / "2026-12-01-abc").mkdir(parents=True)
+    (tmp_path / "nvidia-h200" / "2026-12-01-abc" / "session.json").write_text(json.dumps({"rows": rows}))
+    assert R.measured(str(tmp_path)) == {("kept", "gather"): 15.0, ("kept", "union"): 40.0}
