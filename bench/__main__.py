@@ -4,9 +4,7 @@
     python -m bench                      everything for this device (GPU sizes on CUDA, CPU sizes otherwise)
     python -m bench COMMAND --help       that command's options (the commands are listed below)
 
-Each point is measured in a fresh process under a watchdog; the summary is printed last (120 columns) and the rows
-are written as JSON, CSV and PNG under --out (default: a new folder under $FASTRL_BENCH_OUT or the system's
-temporary folder; committing results is a deliberate --out bench/results/<device>/).
+Results go to --out (default: a new folder under $FASTRL_BENCH_OUT or the system's temporary folder).
 """
 
 from __future__ import annotations
@@ -22,27 +20,12 @@ from typing import Callable
 import torch
 
 from bench import providers as P
-from bench import divergence, lmhead, report, session_report, w4, w5
+from bench import divergence, lmhead, report, w4, w5
 from bench import workloads as W
 
 C1_PROVIDERS = "fastrl,fastrl-fused,torch,trl,liger-fused"
 # the CPU targets: workload -> (provider, max time ratio, max extra-peak ratio), against torch in the same run
 C1_TARGETS = {"C1": ("fastrl", 1.1, 0.10), "C1-loss": ("fastrl-fused", 1.0, 0.10)}
-GPU_WORKLOADS = ("W1", "W1-lp", "W2", "W2-lp", "W3", "W1-frozen")  # + the loss sweeps (groups sweep-loss-*)
-# The GPU targets against TRL 1.16 in the same run: workload or loss-sweep group -> [(provider, ratio, max)]; time:
-# fwd+bwd (forward only for W3), mem: extra peak memory; "mem_vs_trl@W1": against TRL's extra peak at W1 (a trained
-# head: the frozen head's target is a fraction of that). The time limits are the session's (TIME_TARGETS).
-_TIME = dict(session_report.TIME_TARGETS)
-GPU_TARGETS = {
-    "W1": [("fastrl-fused", "time_vs_trl", _TIME["W1"]), ("fastrl-fused", "mem_vs_trl", 1.5)],
-    "W1-lp": [("fastrl", "time_vs_trl", _TIME["W1-lp"]), ("fastrl", "mem_vs_trl", 0.2)],
-    "W2": [("fastrl-fused", "time_vs_trl", _TIME["W2"])],
-    "W2-lp": [("fastrl", "time_vs_trl", _TIME["W2-lp"])],
-    "W3": [("fastrl", "time_vs_trl", _TIME["W3"])],
-    "W1-frozen": [("fastrl-fused", "mem_vs_trl@W1", 0.2)],
-    "sweep-loss-h4096": [("fastrl-fused", "time_vs_trl", _TIME["W1"])],
-    "sweep-loss-h896": [("fastrl-fused", "time_vs_trl", _TIME["W2"])],
-}
 # what --quick on CPU trims to stay within a few minutes on 2 cores
 QUICK_ONLY_ON = {
     "torch-compile": (("C1-quick",), "inductor compiles every shape afresh, tens of seconds each on CPU"),
@@ -50,19 +33,16 @@ QUICK_ONLY_ON = {
 }
 SMOKE_LEAVE_OUT = {"torch-compile": "left out by --smoke: compiling alone takes longer than the whole smoke run"}
 # Options, as (flag, argparse keywords) by group; each command takes its groups (or a module's add_options)
-DEVICE = (("--device", {"choices": ("cpu", "cuda"), "help": "default: cuda when available"}),)
 RUN = (  # every measuring command
     ("--quick", {"action": "store_true", "help": "smaller shapes and fewer points (CPU: a few minutes)"}),
     ("--smoke", {"action": "store_true", "help": "tiny shapes, one repetition: checks the plumbing only (results go "
                                                  "to a temporary folder unless --out is given)"}),
     ("--out", {"help": "results folder (default: a new folder under $FASTRL_BENCH_OUT or the system's temporary "
                        "folder, never the committed bench/results/)"}),
-    *DEVICE,
+    ("--device", {"choices": ("cpu", "cuda"), "help": "default: cuda when available"}),
     ("--reps", {"type": int, "help": "timed repetitions per measurement on CPU (default 3; smoke 1)"}),
     ("--warmup", {"type": int, "help": "untimed steps before timing (default 1; smoke 0)"}),
     ("--timeout", {"type": int, "help": "seconds per measuring process"}),
-    ("--jobs", {"type": int, "help": "measuring processes at once (default 1; --smoke 2): above 1 they share the "
-                                     "cores, so times are not comparable"}),
     ("--threads", {"type": int, "default": 0, "help": "CPU threads per worker (default: torch's)"}),
     ("--fastrl-backend", {"choices": ("triton", "triton-hybrid", "triton-fused", "torch"),
                           "help": "force fastrl's backend"}),
@@ -95,8 +75,7 @@ SASS = (  # here: bench/sass.py refuses to import under TRITON_INTERPRET
     ("--only", {"help": "only kernels whose name contains this"}),
     ("--checked-only", {"action": "store_true", "help": "only the variants the check covers"}),
 )
-TARGETS = (("paths", {"nargs": "+", "help": "result files (session*.json, gpu*.json, or gpu*.rows.jsonl of a run "
-                                            "stopped part-way) or folders holding them"}),)
+TARGETS = (("paths", {"nargs": "+", "help": "session*.json files or folders holding them"}),)
 # what a command that does not take a measuring option reads for it
 _UNSET = {flag.lstrip("-").replace("-", "_"): kw.get("default", False if kw.get("action") == "store_true" else None)
           for flag, kw in RUN + WORKLOADS + W4_OPTIONS}
@@ -155,11 +134,10 @@ def _config(args, device: str) -> lmhead.RunConfig:
     if args.smoke:
         cfg = replace(cfg, reps=1, warmup=0, n_sets=1, accuracy_rows=16, rep_ms=50, timeout_s=300,
                       floor_shape=(256, 256, 256), leave_out=dict(SMOKE_LEAVE_OUT), only_on={},
-                      options={"liger_compiled": False}, jobs=2)
+                      options={"liger_compiled": False})
     if args.command == "c1":  # C1 is about the CPU path, named explicitly
         cfg.options = {**cfg.options, "fastrl_backend": "torch"}
-    for option, field in (("reps", "reps"), ("warmup", "warmup"), ("sets", "n_sets"), ("timeout", "timeout_s"),
-                          ("jobs", "jobs")):
+    for option, field in (("reps", "reps"), ("warmup", "warmup"), ("sets", "n_sets"), ("timeout", "timeout_s")):
         if getattr(args, option) is not None:
             setattr(cfg, field, getattr(args, option))
     if args.fastrl_backend:
@@ -173,18 +151,13 @@ def _is_w4(key: str) -> bool:
 
 def _workloads(args, device: str) -> list[W.Workload]:
     if args.command == "c1":
-        wls = [W.C1, W.C1_LOSS]
-    elif args.command == "gpu":
-        wls = [w for w in W.gpu_workloads() if w.name in GPU_WORKLOADS or w.group.startswith("sweep-loss")]
+        wls = [W.tiny(w) for w in (W.C1, W.C1_LOSS)] if args.smoke else [W.C1, W.C1_LOSS]
     elif args.smoke:
         wls = W.smoke_workloads()
     else:
         wls = W.gpu_workloads() if device == "cuda" else W.cpu_workloads(args.quick)
-    if args.smoke and args.command != "run":
-        wls = [W.tiny(w) for w in wls]
-    # W4 and (in `gpu`) the divergence are measured apart: --workload W4 (or divergence) alone measures no rows here
-    keys = [k for k in (args.workload or "").split(",") if k.strip() and not _is_w4(k)
-            and not (args.command == "gpu" and k.strip().lower() == "divergence")]
+    # W4 is measured apart: --workload W4 alone measures no rows here
+    keys = [k for k in (args.workload or "").split(",") if k.strip() and not _is_w4(k)]
     if args.workload and not keys:
         return []
     return W.select(wls, ",".join(keys) if args.workload else None)
@@ -197,26 +170,6 @@ def _want_w4(args) -> bool:
     if args.workload:
         return any(_is_w4(k) for k in args.workload.split(","))
     return not args.smoke and not args.quick
-
-
-def _list(args, device: str, con) -> int:
-    con.print(f"[bold]device[/bold]: {report.device_name(device)}")
-    for title, wls, dev, mode in (("GPU workloads", W.gpu_workloads(), "cuda", "full"),
-                                  ("CPU workloads (--quick)", W.cpu_workloads(True), "cpu", "quick"),
-                                  ("CPU workloads", W.cpu_workloads(False), "cpu", "full")):
-        con.print(f"\n[bold]{title}[/bold]")
-        for w in wls:
-            con.print(f"  {w.name:<14} {w.kind:<8} {f'N={w.N} H={w.H} V={w.V} {w.dtype}':<36} {w.note}")
-        s = w4.shape_for(dev, mode)
-        con.print(f"  {s.name:<14} {'trainer':<8} {f'V={s.vocab} H={s.hidden} L={s.layers} {s.dtype}':<36} "
-                  f"{s.note}; {s.completions} x {'/'.join(map(str, s.lengths))} tokens, budget {s.budget_mb:.0f} MB")
-    con.print("\n[bold]providers[/bold] (on this device, C1 / W1 at CPU size / W3)")
-    probe = [W.C1] + [w for w in W.cpu_workloads(True) if w.name in ("W1", "W3")]
-    for p in P.PROVIDERS.values():
-        why = [p.unavailable(w, device) for w in probe]
-        txt = "; ".join(f"{w.kind}: {y[0]} ({y[1]})" if y else f"{w.kind}: runs" for w, y in zip(probe, why))
-        con.print(f"  {p.name:<14} {p.label}\n  {'':<14} [dim]{txt}[/dim]")
-    return 0
 
 
 def _find(rows: list[dict], workload: str, provider: str) -> dict | None:
@@ -233,34 +186,6 @@ def _judge(con, what: str, value, limit: float, why: str, unit: Callable = lambd
     verdict = "[green]PASS[/green]" if ok else "[red]FAIL[/red]"
     con.print(f"{what} = {unit(value)} (target <= {unit(limit)}): {verdict}")
     return ok
-
-
-def _gpu_targets(rows: list[dict], con) -> dict:
-    """GPU_TARGETS against the rows of this run: each (workload, provider, ratio) with its value and PASS/FAIL; then
-    per workload fastrl's paths from fastest to slowest (the evidence for which backend and path runs there)."""
-    out = {}
-    for key, checks in GPU_TARGETS.items():
-        for wl in dict.fromkeys(r["workload"] for r in rows if key in (r["workload"], r["group"])):
-            for prov, ratio, limit in checks:
-                r = _find(rows, wl, prov)
-                if "@" in ratio:  # against another workload's TRL row
-                    base = _find(rows, ratio.split("@")[1], "trl")
-                    ok = r is not None and base is not None and base["peak_extra_mb"] > 0
-                    value = r["peak_extra_mb"] / base["peak_extra_mb"] if ok else None
-                else:
-                    value = None if r is None else r.get(ratio)
-                what = f"{wl}: {prov} {ratio.replace('_vs_', ' vs ').replace('@', ' at ')}"
-                passed = _judge(con, what, value, limit, "did not run" if r is None else "no TRL row to compare with")
-                out.setdefault(wl, []).append(
-                    {"provider": prov, "ratio": ratio, "target": limit, "value": value, "pass": passed})
-    ranked: dict[str, list[tuple[str, float]]] = {}
-    for r in rows:
-        if r["provider"].startswith("fastrl") and r["status"] == "ok" and r.get("time_vs_trl") is not None:
-            ranked.setdefault(r["workload"], []).append((r["provider"], r["time_vs_trl"]))
-    for wl, paths in ranked.items():
-        paths.sort(key=lambda p: p[1])
-        con.print(f"{wl} fastest fastrl path: " + ", ".join(f"{p} {x:.2f}x" for p, x in paths) + " (vs trl)")
-    return out
 
 
 def _c1_targets(rows: list[dict], con) -> dict:
@@ -297,54 +222,23 @@ def _c1_targets(rows: list[dict], con) -> dict:
 
 
 def _targets_command(args, device: str, con) -> int:
-    """The targets over the result files of several runs (e.g. bench/gpu_session.sh's stages): session files with
-    the session's targets, gpu runs with GPU_TARGETS; ratios within each run."""
+    """The session's targets over the session files of several calls (e.g. bench/gpu_session.sh's), ratios within
+    each file."""
     from bench.session_report import add_ratios, targets
 
-    sessions, runs = [], []
-    for p in map(Path, args.paths):
-        if not p.exists():
-            con.print(f"[red]{p}: no such file or folder[/red]")
-            return 2
-        if not p.is_dir():
-            (sessions if p.name.startswith("session") else runs).append(p)
-            continue
-        sessions += sorted(p.rglob("session*.json"))
-        found = sorted(p.rglob("gpu*.json")) + sorted(p.rglob("gpu*.rows.jsonl"))
-        finished = {f.with_suffix("") for f in found if f.suffix == ".json"}  # its JSON is the whole record
-        runs += [f for f in found if f.suffix == ".json" or f.with_suffix("").with_suffix("") not in finished]
-    for f in sessions:
+    paths = [Path(p) for p in args.paths]
+    files = [f for p in paths for f in (sorted(p.rglob("session*.json")) if p.is_dir() else [p])]
+    missing = [str(p) for p in paths if not p.exists()]
+    if missing or not files:
+        con.print(f"[red]no session*.json at {', '.join(missing or args.paths)}[/red]")
+        return 2
+    for f in files:
         data = json.loads(f.read_text())
         add_ratios(data["rows"])
         env = data["env"]
         con.print(f"[bold]{f}[/bold] ({env.get('device')}, fastrl {str(env.get('fastrl_commit'))[:10]})")
         targets(data["rows"], con, smoke=data.get("smoke", False))
-    if not runs and not sessions:
-        con.print(f"[red]no session*.json, gpu*.json or gpu*.rows.jsonl under {', '.join(args.paths)}[/red]")
-        return 2
-    rows = []
-    for f in runs:  # a finished run's JSON, else the rows a stopped one appended as it went (without ratios)
-        text = f.read_text()
-        found = json.loads(text).get("rows", []) if f.suffix == ".json" else [json.loads(x) for x in text.splitlines()]
-        found = [r for r in found if r.get("group") != "floor"]
-        lmhead.add_ratios(found)  # against the TRL row of the same run only
-        rows += found
-        con.print(f"{f}: {len(found)} rows")
-    if runs:
-        _gpu_targets(rows, con)
     return 0
-
-
-def _gpu_divergence(args, device: str, con) -> dict | None:
-    """`bench gpu` measures the divergence too (bench/divergence.py), unless --workload leaves it out."""
-    if args.workload and "divergence" not in [k.strip().lower() for k in args.workload.split(",")]:
-        return None
-    wls = divergence.workloads(device, smoke=args.smoke)
-    rows = divergence.run(wls, list(divergence.PROVIDERS), device, reps=args.reps or 3, warmup=args.warmup or 2,
-                          n_sets=1 if args.smoke else 2, timeout_s=args.timeout or 1200, threads=args.threads,
-                          options={"fastrl_backend": args.fastrl_backend} if args.fastrl_backend else {},
-                          rep_ms=50 if args.smoke else 500 if args.quick else 2000, console=con)
-    return {"rows": rows, "targets": divergence.targets(rows, device, None)}
 
 
 def _measure_w4(args, device: str, cfg, con) -> tuple[list, dict]:
@@ -355,8 +249,7 @@ def _measure_w4(args, device: str, cfg, con) -> tuple[list, dict]:
     rows, summary = w4.run(
         shape, device, con, reps=args.reps or (3 if device == "cuda" else 1),
         warmup=args.warmup if args.warmup is not None else 1,
-        timeout_s=args.timeout or (1200 if device == "cuda" else 900), threads=cfg.threads,
-        options=cfg.options, jobs=cfg.jobs)
+        timeout_s=args.timeout or (1200 if device == "cuda" else 900), threads=cfg.threads, options=cfg.options)
     summary["elapsed_s"] = time.perf_counter() - t1
     return rows, summary
 
@@ -370,11 +263,7 @@ def _summary(args, cfg, env, rows, info, con) -> dict:
         con.print(f"matmul floor ({dt}, {'x'.join(map(str, cfg.floor_shape))}), measured in this run: "
                   f"{f:.3f} TFLOP/s; '% floor' = (6NHV / floor) / time (2NHV for forward-only)")
     measured = [r for r in rows if r["group"] != "floor"]
-    if args.command == "c1":
-        return {"targets": _c1_targets(measured, con)}
-    if args.command == "gpu" and not args.smoke:
-        return {"targets": _gpu_targets(measured, con)}
-    return {}
+    return {"targets": _c1_targets(measured, con)} if args.command == "c1" else {}
 
 
 def _w4_summary(cfg, env, rows, summary, con) -> None:
@@ -386,11 +275,7 @@ def _w4_summary(cfg, env, rows, summary, con) -> None:
 
 
 def _measure(args, device: str, con) -> int:
-    """run, c1, gpu, w4: measure, print the summary last, write the files."""
-    if args.command == "gpu" and device != "cuda" and not args.smoke:
-        con.print("[red]`python -m bench gpu` measures W1-W3 at full size and needs CUDA; on CPU use "
-                  "`python -m bench --quick` or `python -m bench c1` (or add --smoke to check the plumbing)[/red]")
-        return 2
+    """run, c1, w4: measure, print the summary last, write the files."""
     cfg, want_w4 = _config(args, device), _want_w4(args)
     wls = [] if args.command == "w4" else _workloads(args, device)
     provs = P.select(args.providers or (C1_PROVIDERS if args.command == "c1" else None))
@@ -409,24 +294,17 @@ def _measure(args, device: str, con) -> int:
                   f"are in docs/design.md)[/yellow]")
     t0 = time.perf_counter()
     rows, info = lmhead.run(wls, provs, cfg, con) if wls else ([], {"floor_tflops": {}})
-    div = _gpu_divergence(args, device, con) if args.command == "gpu" else None
     w4_rows, w4_sum = _measure_w4(args, device, cfg, con) if want_w4 else ([], None)
     elapsed = time.perf_counter() - t0
     payload = {"command": args.command, "mode": cfg.mode, "argv": args.argv, "env": env, "config": asdict(cfg),
                **info, "elapsed_s": elapsed, "workloads": [w.to_dict() for w in wls], "rows": rows,
-               **({"w4": {**w4_sum, "rows": w4_rows}} if want_w4 else {}),
-               **({"divergence": div} if div is not None else {})}
+               **({"w4": {**w4_sum, "rows": w4_rows}} if want_w4 else {})}
     plots = [] if args.no_plots or not rows else report.plot(rows, out_dir, prefix, env)
     written = []
     con.print()  # the summary is printed last
     if rows:
         payload.update(_summary(args, cfg, env, rows, info, con))
         written.append(report.write_csv(out_dir / f"{prefix}.csv", rows, env))
-    if div is not None:
-        con.print()
-        divergence.print_table(con, div["rows"], f"divergence on {env['device']} (student vs teacher head)")
-        if not args.smoke:
-            divergence.targets(div["rows"], device, con)
     if want_w4:
         if rows:
             con.print()
@@ -434,9 +312,6 @@ def _measure(args, device: str, con) -> int:
         w4_prefix = prefix if args.command == "w4" else f"{prefix}-w4"
         written += w4.write_files(out_dir, w4_prefix, w4_rows, w4_sum, env, plots=not args.no_plots)
     report.save_results(con, out_dir / f"{prefix}.json", payload, elapsed, written + plots)
-    if args.command == "gpu" and not args.workload and not args.providers:  # the whole GPU set: keptset too
-        con.print()
-        _lazy("keptset", "cli")(args, device, con)
     return 1 if args.smoke and any(r["status"] == "error" for r in rows + w4_rows) else 0
 
 
@@ -471,8 +346,6 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             (*_MEASURE, W4_OPTIONS), _measure),
     Command("c1", "C1 and C1-loss on CPU against the CPU targets (time and extra peak memory vs torch)", _MEASURE,
             _measure),
-    Command("gpu", "W1-W3 at full size, every provider, with the GPU targets (refuses to run without CUDA but with "
-            "--smoke)", _MEASURE, _measure),
     Command("w4", "W4: one GRPOTrainer step, stock TRL vs fastrl, per completion length", (RUN, W4_OPTIONS),
             _measure),
     Command("w5", "W5: the longest completion whose GRPO step fits a memory budget, per trainer and option set",
@@ -486,8 +359,8 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             _lazy("gap", "command")),
     Command("compile", "a training step with fastrl inside torch.compile vs eager vs compiled materialised reference",
             (_lazy("compiled_step", "add_options"),), _lazy("compiled_step", "command")),
-    Command("list", "workloads and providers, and why a provider cannot run here", (DEVICE,), _list),
-    Command("targets", "the GPU targets over the result files of several runs", (TARGETS,), _targets_command),
+    Command("targets", "the session's targets over the session files of several calls", (TARGETS,),
+            _targets_command),
     Command("session", "everything a GPU window measures, in one command sized to a time budget",
             (_lazy("session", "add_options"),), _lazy("session", "command")),
     Command("defaults", "the measured defaults table (kernels/_defaults.py) from committed session results",

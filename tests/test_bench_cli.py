@@ -63,8 +63,8 @@ def test_bench_cli_commands(tmp_path):
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert proc.returncode == 0 and line, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
     res = json.loads(line[len("RESULT "):])
-    assert res["commands"] == ["run", "c1", "gpu", "w4", "w5", "keptset", "divergence", "gap", "compile", "list",
-                               "targets", "session", "defaults", "sass", "roofline"]
+    assert res["commands"] == ["run", "c1", "w4", "w5", "keptset", "divergence", "gap", "compile", "targets",
+                               "session", "defaults", "sass", "roofline"]
     assert "--budget" in res["help"]["session"] and "--sections" in res["help"]["session"]
     assert "--check" in res["help"]["defaults"]
     assert "--results" in res["help"]["roofline"] and "4.3 TB/s" in res["help"]["roofline"]
@@ -75,8 +75,7 @@ def test_bench_cli_commands(tmp_path):
     assert "--providers" in helps["c1"] and "--lengths" not in helps["c1"]  # its own options, not the CLI's
     assert "--lengths" in helps["w4"] and "--budget-mb" in helps["w4"] and "--providers" not in helps["w4"]
     assert "--lengths" in helps["run"] and "--workload" in helps["run"]
-    assert "--device" in helps["list"] and "--smoke" not in helps["list"]
-    assert "requires CUDA" in helps["gpu"] or "without CUDA" in helps["gpu"]
+    assert "--device" not in helps["targets"] and "--smoke" not in helps["targets"]
     for name in res["commands"]:  # the command list, with a line of help each
         assert f"\n    {name} " in res["top"] or f"\n    {name}\n" in res["top"], name  # long names: help below
     assert "COMMAND --help" in res["top"] and "DESIGN.md" not in res["top"] and "issues" not in res["top"]

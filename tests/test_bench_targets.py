@@ -1,4 +1,5 @@
-"""The GPU workloads and targets of `python -m bench gpu`, checked on made-up rows (nothing is timed here)."""
+"""The GPU workloads of `python -m bench run --device cuda` and `python -m bench targets` over session files, checked
+on made-up rows (nothing is timed here)."""
 
 from rich.console import Console
 
@@ -18,63 +19,39 @@ def test_gpu_workloads_include_the_loss_sweeps_and_the_frozen_head():
     assert frozen.frozen_head and W.flops(frozen, "total") == 4.0 * frozen.N * frozen.H * frozen.V
 
 
-def _row(wl, prov, **kw):
-    return dict(workload=wl, group="sweep-loss-h896" if wl.startswith("W2-") else "core", provider=prov,
-                status="ok", **kw)
-
-
-def test_gpu_targets_pass_fail_and_missing():
-    rows = [
-        _row("W1", "trl", peak_extra_mb=2900.0, time_vs_trl=1.0, mem_vs_trl=1.0),
-        _row("W1", "fastrl-fused", peak_extra_mb=3600.0, time_vs_trl=0.80, mem_vs_trl=1.24),
-        _row("W1-frozen", "fastrl-fused", peak_extra_mb=300.0, time_vs_trl=0.5, mem_vs_trl=0.9),
-        _row("W2-2048", "fastrl-fused", peak_extra_mb=100.0, time_vs_trl=0.84),
-    ]
-    res = cli._gpu_targets(rows, Console(file=open("/dev/null", "w")))
-    w1 = {r["ratio"]: r for r in res["W1"]}
-    assert not w1["time_vs_trl"]["pass"] and w1["mem_vs_trl"]["pass"]
-    frozen = res["W1-frozen"][0]  # against TRL's W1 extra peak: 300 / 2900
-    assert abs(frozen["value"] - 300 / 2900) < 1e-12 and frozen["pass"]
-    assert res["W2-2048"][0]["pass"]
-    assert "W3" not in res  # no rows: nothing claimed
-
-
-def test_targets_over_staged_runs(tmp_path):
-    """`python -m bench targets`: rows of a finished run (JSON) and of a run stopped part-way (rows.jsonl, no
-    ratios yet) give the same verdicts as one run; ratios only against the TRL row of the same run."""
+def test_targets_over_several_session_calls(tmp_path):
+    """`python -m bench targets`: the session's targets over the session files of several calls, each file's ratios
+    against its own TRL row only; a path with no session file is refused."""
     import io
     import json
     from argparse import Namespace
 
-    def row(wl, prov, ms, mb):
-        return dict(workload=wl, group="core", provider=prov, status="ok", total_ms={"median": ms}, peak_extra_mb=mb)
+    def row(wl, prov, ms, mb, impl=None):
+        return dict(section="tournament", workload=wl, provider=prov, implementation=impl, status="ok",
+                    total_ms={"median": ms}, extra_mb=mb)
 
-    (tmp_path / "check").mkdir()
-    (tmp_path / "check" / "gpu.json").write_text(json.dumps({"rows": [
-        dict(workload="W1", group="floor", provider="matmul", status="ok"),
-        row("W1", "trl", 132.0, 2900.0), row("W1", "fastrl-fused", 95.0, 3600.0),
-        row("W1-frozen", "fastrl-fused", 90.0, 290.0)]}))
-    # that run finished, so its rows log is there too: read once, through its JSON
-    (tmp_path / "check" / "gpu.rows.jsonl").write_text(json.dumps(row("W1", "fastrl-fused", 999.0, 1.0)))
-    # a later stage, stopped by its time limit: only its rows file; its W2 is compared with its own TRL row
-    (tmp_path / "core").mkdir()
-    (tmp_path / "core" / "gpu.rows.jsonl").write_text("\n".join(json.dumps(r) for r in (
-        row("W2", "trl", 35.0, 700.0), row("W2", "fastrl-fused", 31.5, 800.0), row("W2", "fastrl-tfused", 28.0, 90.0),
-        row("W3", "fastrl", 30.0, 10.0))))
+    def session(folder, name, rows):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / name).write_text(json.dumps({"env": {"device": "H", "fastrl_commit": "abc"},
+                                                          "rows": rows}))
+
+    session("call1", "session.json", [row("W1", "trl", 132.0, 2900.0),
+                                      row("W1", "fastrl-fused", 95.0, 2000.0, "triton-hybrid")])
+    # a later call: its W2 is compared with its own TRL row, not with the first call's
+    session("call2", "session-rest.json", [row("W2", "trl", 35.0, 700.0),
+                                           row("W2", "fastrl-fused", 31.5, 800.0, "triton-hybrid"),
+                                           row("W1", "fastrl-fused", 10.0, 1.0, "triton-hybrid")])
     out = io.StringIO()
     assert cli._targets_command(Namespace(paths=[str(tmp_path)]), "cpu", Console(file=out, width=200)) == 0
     text = out.getvalue()
-    assert "gpu.rows.jsonl: 1 rows" not in text and "0.72x" in text and "7.57x" not in text
-    assert "W1: fastrl-fused time vs trl = 0.72x (target <= 0.75x): PASS" in text
-    assert "W1: fastrl-fused mem vs trl = 1.24x (target <= 1.50x): PASS" in text
-    assert "W1-frozen: fastrl-fused mem vs trl at W1 = 0.10x (target <= 0.20x): PASS" in text
-    assert "W2: fastrl-fused time vs trl = 0.90x (target <= 0.85x): FAIL" in text
-    assert "W3: fastrl time vs trl: not evaluated (no TRL row to compare with)" in text
-    # which of fastrl's paths is fastest at each shape, within each run
-    assert "W2 fastest fastrl path: fastrl-tfused 0.80x, fastrl-fused 0.90x (vs trl)" in text
-    assert "W1 fastest fastrl path: fastrl-fused 0.72x (vs trl)" in text
-    assert "W3 fastest" not in text
+    assert "call1/session.json" in text and "call2/session-rest.json" in text
+    assert "W1 time vs TRL: triton-hybrid (one pass) 0.72x (target <= 0.75x): PASS" in text
+    assert "W2 time vs TRL: triton-hybrid (one pass) 0.90x (target <= 0.85x): FAIL" in text
+    assert "0.08x" not in text  # the second call's W1 has no TRL row of its own: not evaluated there
+    assert "W3 time vs TRL: not evaluated" in text
     assert cli._targets_command(Namespace(paths=[str(tmp_path / "none")]), "cpu", Console(file=out)) == 2
+    (tmp_path / "empty").mkdir()
+    assert cli._targets_command(Namespace(paths=[str(tmp_path / "empty")]), "cpu", Console(file=out)) == 2
 
 
 def test_keptset_points_and_one_point_in_process():
