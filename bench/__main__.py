@@ -31,6 +31,7 @@ QUICK_ONLY_ON = {
     "torch-compile": (("C1-quick",), "inductor compiles every shape afresh, tens of seconds each on CPU"),
     "trl": (("core",), "each TRL process pays ~5 s of imports at its first backward; sweeps use fastrl vs torch"),
 }
+SWEEP_X = {"sweep-tokens": "tokens N", "sweep-vocab": "vocabulary V", "sweep-hidden": "hidden size H"}
 SMOKE_LEAVE_OUT = {"torch-compile": "left out by --smoke: compiling alone takes longer than the whole smoke run"}
 # Options, as (flag, argparse keywords) by group; each command takes its groups (or a module's add_options)
 RUN = (  # every measuring command
@@ -266,6 +267,17 @@ def _summary(args, cfg, env, rows, info, con) -> dict:
     return {"targets": _c1_targets(measured, con)} if args.command == "c1" else {}
 
 
+def _plots(rows: list[dict], out_dir: Path, prefix: str, env: dict) -> list[Path]:
+    """A PNG per sweep: time and extra memory against the swept size, a line per provider."""
+    panels = (("time, ms (median)", lambda r: r["total_ms"]["median"]), ("peak extra memory, MB", "peak_extra_mb"))
+    written = []
+    for group in sorted({r["group"] for r in rows if r["group"].startswith("sweep")}):
+        written += report.plot([r for r in rows if r["group"] == group], out_dir / f"{prefix}-{group}.png",
+                               f"{group} | {env['device']} | torch {env['torch']}",
+                               (SWEEP_X.get(group, "tokens N"), "sweep_value"), panels)
+    return written
+
+
 def _w4_summary(cfg, env, rows, summary, con) -> None:
     s, reps = w4.W4Shape.from_dict(summary["shape"]), summary["reps"]
     steps = f"median of {reps} timed steps" if reps > 1 else "one timed step"
@@ -299,7 +311,7 @@ def _measure(args, device: str, con) -> int:
     payload = {"command": args.command, "mode": cfg.mode, "argv": args.argv, "env": env, "config": asdict(cfg),
                **info, "elapsed_s": elapsed, "workloads": [w.to_dict() for w in wls], "rows": rows,
                **({"w4": {**w4_sum, "rows": w4_rows}} if want_w4 else {})}
-    plots = [] if args.no_plots or not rows else report.plot(rows, out_dir, prefix, env)
+    plots = [] if args.no_plots else _plots(rows, out_dir, prefix, env)
     written = []
     con.print()  # the summary is printed last
     if rows:

@@ -1,4 +1,4 @@
-"""Where results go: environment record, JSON, CSV, PNG plots and the summary table printed last."""
+"""Where results go: environment record, JSON, CSV, the one plot and the summary table printed last."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from rich.markup import escape
 from rich.table import Table
 
 __all__ = ["environment", "device_name", "device_slug", "new_out_dir", "out_dir", "mode", "prefix", "write_json",
-           "save_results", "save_figure", "write_csv", "plot", "table", "print_table", "console", "SUMMARY_WIDTH"]
+           "save_results", "write_csv", "plot", "table", "print_table", "console", "SUMMARY_WIDTH"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # the console summary fits this many columns; every figure it leaves out is in the JSON / CSV files
@@ -137,14 +137,6 @@ def save_results(con, path: Path, payload: dict, elapsed: float, also: list | tu
     con.print("wrote " + ", ".join(str(p) for p in [path, *also]) + f"  ({elapsed:.0f} s)")
 
 
-def save_figure(plt, fig, path: Path, written: list) -> None:
-    """Lay out, write (110 dpi) and close one figure; its path joins ``written``."""
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
-
-
 CSV_COLUMNS = [
     "workload", "group", "kind", "provider", "status", "reason", "N", "H", "V", "B", "dtype",
     "fwd_ms_median", "fwd_ms_min", "fwd_ms_max", "bwd_ms_median", "bwd_ms_min", "bwd_ms_max",
@@ -171,34 +163,23 @@ def write_csv(path: Path, rows: list[dict], env: dict, columns: list[str] = CSV_
     return path
 
 
-_XLABEL = {"sweep-tokens": "tokens N", "sweep-vocab": "vocabulary V", "sweep-hidden": "hidden size H"}
-_KIND = {"logprob": "log-prob + entropy fwd+bwd", "loss": "GRPO loss fwd+bwd", "forward": "forward only"}
+def save_figure(plt, fig, path: Path, written: list) -> None:
+    """Lay out, write (110 dpi) and close one figure; its path joins ``written``."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
 
 
-def _spread(rows: list[dict]) -> tuple[list, list]:
-    """Median times and their (below, above) distance to the min and max, for error bars."""
-    med = [r["total_ms"]["median"] for r in rows]
-    return med, [[m - r["total_ms"]["min"] for m, r in zip(med, rows)],
-                 [r["total_ms"]["max"] - m for m, r in zip(med, rows)]]
+def _value(r: dict, key: str | Callable[[dict], object]):
+    return key(r) if callable(key) else r[key]
 
 
-def _decorate(axes, ylabel: str, xlabel: str | None = None, ticks: list | None = None) -> None:
-    """Time (``ylabel``) and memory panels: log-log against ``xlabel``, or bars at ``ticks``."""
-    for ax, ylab in zip(axes, (ylabel, "peak extra memory, MB")):
-        ax.set_ylabel(ylab)
-        ax.grid(True, which="major" if ticks else "both", axis="y" if ticks else "both", alpha=0.3)
-        ax.legend(fontsize=8)
-        if ticks:
-            ax.set_xticks(range(len(ticks)))
-            ax.set_xticklabels(ticks)
-        else:
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_xlabel(xlabel)
-
-
-def plot(rows: list[dict], out_dir: Path, prefix: str, env: dict) -> list[Path]:
-    """One PNG per sweep (time and memory against the swept size, a line per provider), one for the rest."""
+def plot(rows: list[dict], path: Path, title: str, x: tuple, panels: tuple, series: str | Callable = "provider",
+         lines: tuple = ()) -> list[Path]:
+    """The one plot every command draws: a panel per (y label, key or function of a row) in ``panels`` against ``x``
+    (x label, key or function), log-log, a line per ``series`` value among the ok rows; ``lines`` ((label, y), ...)
+    across the first panel (budgets). Writes ``path`` and returns ``[path]``, or ``[]`` without matplotlib."""
     try:
         import matplotlib
     except ImportError:  # the GPU machine may not have it; the JSON and CSV hold every number anyway
@@ -207,38 +188,21 @@ def plot(rows: list[dict], out_dir: Path, prefix: str, env: dict) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ok = [r for r in rows if r["status"] == "ok" and r["group"] != "floor"]
+    ok = [r for r in rows if r["status"] == "ok"]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    for ax, (ylabel, y) in zip(axes[0], panels):
+        for name in dict.fromkeys(_value(r, series) for r in ok):
+            pts = sorted((r for r in ok if _value(r, series) == name), key=lambda r: _value(r, x[1]))
+            ax.plot([_value(r, x[1]) for r in pts], [_value(r, y) for r in pts], marker="o", label=name)
+        for label, at in lines if ax is axes[0][0] else ():
+            ax.axhline(at, ls="--", color="gray", lw=1, label=label)
+        ax.set_xscale("log", base=2)
+        ax.set(yscale="log", xlabel=x[0], ylabel=ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
     written: list[Path] = []
-    title_dev = f"{env['device']} | torch {env['torch']}"
-    for group in sorted({r["group"] for r in ok if r["group"].startswith("sweep")}):
-        rs = [r for r in ok if r["group"] == group]
-        fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.5))
-        for prov in dict.fromkeys(r["provider"] for r in rs):
-            pts = sorted((r for r in rs if r["provider"] == prov), key=lambda r: r["sweep_value"])
-            x = [r["sweep_value"] for r in pts]
-            ax_t.errorbar(x, *_spread(pts), marker="o", capsize=3, label=prov)
-            ax_m.plot(x, [max(r["peak_extra_mb"], 1e-3) for r in pts], marker="o", label=prov)
-        _decorate((ax_t, ax_m), "fwd+bwd time, ms (median, min-max)", xlabel=_XLABEL.get(group, "tokens N"))
-        r0 = rs[0]
-        fixed = {"sweep-vocab": f"N={r0['N']} H={r0['H']}",
-                 "sweep-hidden": f"N={r0['N']} V={r0['V']}"}.get(group, f"H={r0['H']} V={r0['V']}")
-        fig.suptitle(f"{group}: {fixed} {r0['dtype']}, {_KIND.get(r0['kind'], r0['kind'])}\n{title_dev}", fontsize=9)
-        save_figure(plt, fig, out_dir / f"{prefix}-{group}.png", written)
-    core = [r for r in ok if not r["group"].startswith("sweep")]
-    if core:
-        wls = list(dict.fromkeys(r["workload"] for r in core))
-        provs = list(dict.fromkeys(r["provider"] for r in core))
-        fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(max(8, 2.2 * len(wls) + 4), 4.5))
-        width = 0.8 / max(1, len(provs))
-        for j, prov in enumerate(provs):
-            mine = [(i, r) for i, w in enumerate(wls) for r in core if r["workload"] == w and r["provider"] == prov]
-            xs = [i + (j - (len(provs) - 1) / 2) * width for i, _ in mine]
-            med, err = _spread([r for _, r in mine])
-            ax_t.bar(xs, med, width, yerr=err, capsize=2, label=prov)
-            ax_m.bar(xs, [r["peak_extra_mb"] for _, r in mine], width, label=prov)
-        _decorate((ax_t, ax_m), "time, ms (median, min-max)", ticks=wls)
-        fig.suptitle(f"workloads (fwd+bwd; forward-only for forward workloads)\n{title_dev}", fontsize=9)
-        save_figure(plt, fig, out_dir / f"{prefix}-workloads.png", written)
+    save_figure(plt, fig, path, written)
     return written
 
 
