@@ -1,7 +1,7 @@
-"""The points of ``run``, ``c1`` and ``gpu``: workloads x providers, each in a fresh process on the session's harness
-(``bench.session_run.run_fresh``, under its watchdog), a line each as it finishes. One flat row per workload and
-provider, whatever happened: ``status`` "ok", "skipped" (cannot run here: ``reason``), "n/a" (does not compute this)
-or "error"."""
+"""The points of ``run`` and ``c1``: workloads x providers, each in a fresh process (``bench.session_run.run_fresh``).
+
+One flat row per workload and provider, whatever happened: ``status`` "ok", "skipped" (cannot run here: ``reason``),
+"n/a" (does not compute this) or "error"."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ __all__ = ["RunConfig", "run", "floor_workload", "add_ratios"]
 
 @dataclass
 class RunConfig:
-    command: str  # "run" | "c1" | "gpu"
+    command: str  # "run" | "c1" | "w4"
     device: str  # "cpu" | "cuda"
     reps: int = 3  # timed repetitions per provider on CPU (on CUDA do_bench picks its own count)
     warmup: int = 1  # untimed full steps first
@@ -38,7 +38,6 @@ class RunConfig:
     only_on: dict = field(default_factory=dict)
     floor_shape: tuple = (2048, 2048, 2048)
     mode: str = ""  # "full" | "quick" | "smoke" (recorded with the results)
-    jobs: int = 1  # measuring processes at once; above 1 they compete for the cores (smoke only)
     rows_log: str | None = None  # each row appended here as a JSON line when it finishes (None: the final files only)
 
 
@@ -150,14 +149,15 @@ def _floor_row(wl: Workload, res: dict, floor: dict, con) -> dict:
 
 def run(workloads: list[Workload], provs: list[P.Provider], cfg: RunConfig,
         console: Console) -> tuple[list[dict], dict]:
-    """Measure every (workload, provider), each in a fresh process (the floors first, one at a time); returns
-    (rows, {floor TFLOP/s by dtype, the load average's range})."""
+    """Measure every (workload, provider), each in a fresh process (the floors first); returns (rows, {floor TFLOP/s
+    by dtype, the load average's range})."""
     plan, unrun, same_as = _plan(workloads, provs, cfg)
     rows: list[dict] = []
     floor: dict[str, float] = {}
     floor_rows: list[dict] = []
     loads: list[float] = [os.getloadavg()[0]]
-    points: dict[int, tuple] = {}
+    specs = [_spec(wl, "matmul" if p is None else p.name, cfg) for wl, p in plan]  # the floors first
+    points = {id(s): point for s, point in zip(specs, plan)}
 
     def done(spec: dict, res: dict) -> None:
         wl, p = points[id(spec)]
@@ -173,11 +173,7 @@ def run(workloads: list[Workload], provs: list[P.Provider], cfg: RunConfig,
             with open(cfg.rows_log, "a") as f:
                 f.write(json.dumps(row, default=str) + "\n")
 
-    for floors in (True, False):
-        batch = [(wl, p) for wl, p in plan if (p is None) == floors]
-        specs = [_spec(wl, "matmul" if p is None else p.name, cfg) for wl, p in batch]
-        points.update({id(s): point for s, point in zip(specs, batch)})
-        run_fresh(specs, cfg.device, cfg.timeout_s, jobs=1 if floors else cfg.jobs, on_result=done)
+    run_fresh(specs, cfg.device, cfg.timeout_s, on_result=done)
     rows += unrun
     for wl, p, src in same_as:
         orig = next(r for r in rows if r["workload"] == src.name and r["provider"] == p.name)

@@ -1,13 +1,6 @@
 """pytest-benchmark over the providers, timed in this process: ``pytest bench/ --benchmark-only``
-(``--benchmark-disable``: each once, as a smoke test). ``python -m bench`` is the one that isolates every provider in a
-fresh process and measures memory.
-
-Shape: CPU-sized on CPU, W1's on CUDA; ``FASTRL_BENCH_SHAPE="N,H,V,dtype"`` overrides it. ``logprob``: log-prob +
-entropy with gradients (fastrl path A), loss ``sum(logp) + 0.01 sum(entropy)``; ``forward``: log-probs without
-gradients (path C); ``loss``: the GRPO policy loss from hidden states (dapo, beta 0.04 with k3 KL, entropy 0.01;
-fastrl-fused is ``fastrl.policy_loss``; Liger has no entropy term), N tokens in 16 sequences (8 on CPU); the floor:
-one plain [N, H] @ [H, V] GEMM. FLOPs: forward 2NHV, backward 4NHV, both 6NHV (``bench.workloads.flops``); TFLOP/s
-is in each benchmark's extra_info.
+(``--benchmark-disable``: each once, as a smoke test); what each one runs: bench/README.md. ``python -m bench`` is
+the one that isolates every provider in a fresh process and measures memory.
 """
 
 from __future__ import annotations
@@ -102,29 +95,18 @@ def run(benchmark, wl: Workload, provider: str, phase: str) -> None:
         benchmark.extra_info["peak_extra_mb_incl_outputs"] = (torch.cuda.max_memory_allocated() - base) / MB
 
 
-def workload(kind: str, batch: int = 1) -> Workload:
+# (kind, provider, phase) -> its pytest-benchmark group
+CASES = {**{("logprob", p, ph): f"logprob+entropy {ph}" for p in LOGPROB_PROVIDERS for ph in PHASES},
+         **{("forward", p, "fwd"): "forward-only logprob" for p in LOGPROB_PROVIDERS},
+         **{("loss", p, ph): f"grpo loss {ph}" for p in LOSS_PROVIDERS for ph in PHASES}}
+
+
+@pytest.mark.parametrize("kind,provider,phase", list(CASES))
+def test_provider(benchmark, kind, provider, phase):
     n, h, v, dt = shape()
-    return Workload(f"pytest-{kind}", kind, n, h, v, dt, batch=batch if kind == "loss" else 1)
-
-
-@pytest.mark.parametrize("phase", PHASES)
-@pytest.mark.parametrize("provider", LOGPROB_PROVIDERS)
-def test_logprob_entropy(benchmark, provider, phase):
-    benchmark.group = f"logprob+entropy {phase}"
-    run(benchmark, workload("logprob"), provider, phase)
-
-
-@pytest.mark.parametrize("provider", LOGPROB_PROVIDERS)
-def test_forward_only(benchmark, provider):
-    benchmark.group = "forward-only logprob"
-    run(benchmark, workload("forward"), provider, "fwd")
-
-
-@pytest.mark.parametrize("phase", PHASES)
-@pytest.mark.parametrize("provider", LOSS_PROVIDERS)
-def test_grpo_loss(benchmark, provider, phase):
-    benchmark.group = f"grpo loss {phase}"
-    run(benchmark, workload("loss", batch=16 if DEVICE == "cuda" else 8), provider, phase)
+    benchmark.group = CASES[kind, provider, phase]
+    batch = (16 if DEVICE == "cuda" else 8) if kind == "loss" else 1  # loss: N tokens in `batch` sequences
+    run(benchmark, Workload(f"pytest-{kind}", kind, n, h, v, dt, batch=batch), provider, phase)
 
 
 def test_matmul_floor(benchmark):
