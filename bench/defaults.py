@@ -1,10 +1,6 @@
-"""``python -m bench defaults [PATH...]``: ``kernels/_defaults.py`` from committed GPU session results.
-
-Per GPU family, kind of work (or kernel), dtype and H range, the implementation (``CHOICES``) and the launch
-configurations (``CONFIGS``) that beat the built-in ones by at least ``MARGIN`` in the same process, in the newest
-clean GPU session that measured the key, among the implementations that passed the full float64 checks of their
-commit; ``fastrl.ops.backend.choose_triton`` and ``fastrl.kernels.tuning.config_for`` read it. The rules, step by
-step: docs/gpu-window.md, "From results to defaults". ``--check`` exits 1 when the committed file is stale.
+"""``python -m bench defaults [PATH...]``: ``kernels/_defaults.py`` (read by ``fastrl.ops.backend.choose_triton`` and
+``fastrl.kernels.tuning.config_for``) from committed GPU session results; ``--check`` exits 1 when it is stale. The
+rules: docs/gpu-window.md, "From results to defaults".
 """
 
 from __future__ import annotations

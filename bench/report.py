@@ -16,14 +16,14 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 __all__ = ["environment", "device_name", "device_slug", "new_out_dir", "out_dir", "mode", "prefix", "write_json",
-           "save_results", "write_csv", "plot", "table", "print_table", "console", "SUMMARY_WIDTH"]
+           "save_results", "write_csv", "plot", "print_table", "console", "SUMMARY_WIDTH"]
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 # the console summary fits this many columns; every figure it leaves out is in the JSON / CSV files
 SUMMARY_WIDTH = 120
 
@@ -87,41 +87,35 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
-def _run(*cmd: str, timeout: float = 10) -> str:
-    """A command's stdout, stripped; '' when it cannot run."""
-    try:
-        return subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
 def _driver(device: str) -> str:
     if not device.startswith("cuda"):
         return "n/a (CPU)"
-    out = _run("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader", timeout=20).splitlines()
-    return out[0].strip() if out else f"unknown (CUDA runtime {torch.version.cuda})"
-
-
-def _git() -> str:
-    sha = _run("git", "rev-parse", "--short", "HEAD")
-    dirty = _run("git", "status", "--porcelain", "--", "fastrl", "kernels")
-    return (sha + (" (fastrl/ or kernels/ modified)" if dirty else "")) if sha else "unknown"
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        out = []
+    return out[0] if out else f"unknown (CUDA runtime {torch.version.cuda})"
 
 
 def environment(device: str) -> dict:
     """Everything needed to know where a number came from."""
     import fastrl
 
+    from bench.provenance import provenance
+
+    prov = provenance()
+    git = str(prov["fastrl_commit"])[:7] + ("" if prov["tree_clean"] else " (tree modified or unknown)")
     return {
         "device": device_name(device), "device_slug": device_slug(device),
         "device_type": "cuda" if device.startswith("cuda") else "cpu",
         "torch": torch.__version__, "triton": _version("triton"), "driver": _driver(device),
         "cuda_runtime": torch.version.cuda or "n/a (CPU build)", "python": platform.python_version(),
         "platform": platform.platform(), "cpu_threads": torch.get_num_threads(),
-        "fastrl": getattr(fastrl, "__version__", "?"), "fastrl_git": _git(), "trl": _version("trl"),
+        "fastrl": getattr(fastrl, "__version__", "?"), "fastrl_git": git, "trl": _version("trl"),
         "liger_kernel": _version("liger-kernel"), "cut_cross_entropy": _version("cut-cross-entropy"),
         "transformers": _version("transformers"),
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), **prov,
     }
 
 
@@ -206,22 +200,6 @@ def plot(rows: list[dict], path: Path, title: str, x: tuple, panels: tuple, seri
     return written
 
 
-def table(title: str, columns: tuple, rows: list) -> Table:
-    """A summary table from a spec: ``columns`` are (header, justification, cell(row) -> str); a None in ``rows``
-    starts a new section."""
-    from rich import box
-
-    t = Table(title=title, box=box.SIMPLE_HEAD, header_style="bold", pad_edge=False)
-    for header, just, _ in columns:
-        t.add_column(header, justify=just, no_wrap=True)
-    for r in rows:
-        if r is None:
-            t.add_section()
-        else:
-            t.add_row(*(cell(r) for _, _, cell in columns))
-    return t
-
-
 def _cell(key: str, fmt: str | Callable[[float], str], scale: float = 1.0) -> Callable[[dict], str]:
     """A cell showing ``row[key]`` (times ``scale``) in ``fmt`` (or the format it picks from the value), '' when
     the row has none."""
@@ -259,23 +237,25 @@ def _where(wls: dict) -> str:
 def print_table(con: Console, rows: list[dict], title: str) -> None:
     """The summary within ``SUMMARY_WIDTH`` columns: one line per measured row, a section per workload; then each
     workload's shape, each provider's notes, and the rows that did not run (one line per reason)."""
-    shown, shapes = [], {}
+    t = Table(title=title, box=box.SIMPLE_HEAD, header_style="bold", pad_edge=False)
+    for header, just, _ in SUMMARY_COLUMNS:
+        t.add_column(header, justify=just, no_wrap=True)
+    shapes, last = {}, None
     notes: dict[tuple, dict] = {}  # (provider, note) -> its workloads, in order (a dict as an ordered set)
     not_run: dict[tuple, dict] = {}  # (provider, status, reason) -> its workloads
-    for r in rows:
-        if r["group"] == "floor":
-            continue
+    for r in (r for r in rows if r["group"] != "floor"):
         shapes.setdefault(r["workload"], f"N={r['N']} H={r['H']} V={r['V']} {r['dtype']}")
-        note = r.get("notes", "") + (f"; same measurement as {r['same_as']}" if r.get("same_as") else "")
         if r["status"] != "ok":
             not_run.setdefault((r["provider"], r["status"], r["reason"]), {})[r["workload"]] = None
             continue
-        if shown and r["workload"] != shown[-1]["workload"]:
-            shown.append(None)
-        shown.append(r)
+        if last not in (None, r["workload"]):
+            t.add_section()
+        last = r["workload"]
+        t.add_row(*(cell(r) for _, _, cell in SUMMARY_COLUMNS))
+        note = r.get("notes", "") + (f"; same measurement as {r['same_as']}" if r.get("same_as") else "")
         if note:
             notes.setdefault((r["provider"], note), {})[r["workload"]] = None
-    con.print(table(title, SUMMARY_COLUMNS, shown))
+    con.print(t)
     con.print(SUMMARY_LEGEND, style="dim")
     if shapes:
         con.print("shapes: " + escape("; ".join(f"{wl} {shape}" for wl, shape in shapes.items())), style="dim")
