@@ -36,17 +36,14 @@ SMOKE_LEAVE_OUT = {"torch-compile": "left out by --smoke: compiling alone takes 
 # Options, as (flag, argparse keywords) by group; each command takes its groups (or a module's add_options)
 RUN = (  # every measuring command
     ("--quick", {"action": "store_true", "help": "smaller shapes and fewer points (CPU: a few minutes)"}),
-    ("--smoke", {"action": "store_true", "help": "tiny shapes, one repetition: checks the plumbing only (results go "
-                                                 "to a temporary folder unless --out is given)"}),
-    ("--out", {"help": "results folder (default: a new folder under $FASTRL_BENCH_OUT or the system's temporary "
-                       "folder, never the committed bench/results/)"}),
+    ("--smoke", {"action": "store_true", "help": "tiny shapes, one repetition: checks the plumbing only"}),
+    ("--out", {"help": "results folder (default: a new one under $FASTRL_BENCH_OUT or the system's temporary folder)"}),
     ("--device", {"choices": ("cpu", "cuda"), "help": "default: cuda when available"}),
     ("--reps", {"type": int, "help": "timed repetitions per measurement on CPU (default 3; smoke 1)"}),
     ("--warmup", {"type": int, "help": "untimed steps before timing (default 1; smoke 0)"}),
     ("--timeout", {"type": int, "help": "seconds per measuring process"}),
     ("--threads", {"type": int, "default": 0, "help": "CPU threads per worker (default: torch's)"}),
-    ("--fastrl-backend", {"choices": ("triton", "triton-hybrid", "triton-fused", "torch"),
-                          "help": "force fastrl's backend"}),
+    ("--fastrl-backend", {"choices": ("triton", "triton-hybrid", "triton-fused", "torch"), "help": "force it"}),
     ("--no-plots", {"action": "store_true", "help": "write JSON and CSV only"}),
 )
 WORKLOADS = (  # the commands that measure workloads x providers
@@ -369,7 +366,7 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
     Command("gap", "the vLLM-trainer log-prob gap: TRL, fastrl, fastrl + vLLM float32 head; replay off and on (needs "
             "vLLM: the python `bash .ci/vllm-env.sh` prints)", (RUN, _lazy("gap", "add_options")),
             _lazy("gap", "command")),
-    Command("compile", "a training step with fastrl inside torch.compile vs eager vs compiled materialised reference",
+    Command("compile", "a training step with fastrl inside torch.compile vs eager vs the compiled reference",
             (_lazy("compiled_step", "add_options"),), _lazy("compiled_step", "command")),
     Command("targets", "the session's targets over the session files of several calls", (TARGETS,),
             _targets_command),
@@ -377,8 +374,8 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             (_lazy("session", "add_options"),), _lazy("session", "command")),
     Command("defaults", "the measured defaults table (kernels/_defaults.py) from committed session results",
             (_lazy("defaults", "add_options"),), _lazy("defaults", "command", device=False)),
-    Command("sass", "compile every kernel for sm_90 without a GPU; fail on spills or missing HGMMA",
-            (SASS,), _lazy("sass", "command", device=False)),
+    Command("sass", "compile every kernel for sm_90 without a GPU; fail on spills or missing HGMMA", (SASS,),
+            _lazy("sass", "command", device=False)),
     Command("roofline", "the FLOPs and HBM bytes of every implementation per workload, and the time they imply at "
             "700 TFLOP/s and 4.3 TB/s", (_lazy("roofline", "add_options"),),
             _lazy("roofline", "command", device=False)),

@@ -16,7 +16,7 @@ from bench import providers as P
 from bench.session_run import run_fresh
 from bench.workloads import Workload, bytes_moved, flops, flops_executed
 
-__all__ = ["RunConfig", "run", "floor_workload", "add_ratios"]
+__all__ = ["RunConfig", "run", "add_ratios"]
 
 
 @dataclass
@@ -39,12 +39,6 @@ class RunConfig:
     floor_shape: tuple = (2048, 2048, 2048)
     mode: str = ""  # "full" | "quick" | "smoke" (recorded with the results)
     rows_log: str | None = None  # each row appended here as a JSON line when it finishes (None: the final files only)
-
-
-def floor_workload(dtype: str, shape: tuple) -> Workload:
-    m, k, n = shape
-    return Workload(f"matmul-{dtype}", "forward", m, k, n, dtype, group="floor",
-                    note=f"plain [{m},{k}] @ [{k},{n}] GEMM: the floor every FLOP rate is compared with")
 
 
 def _row(wl: Workload, provider: str, label: str, status: str, reason: str = "") -> dict:
@@ -103,8 +97,11 @@ def _plan(workloads: list[Workload], provs: list[P.Provider], cfg: RunConfig) ->
     shape; the rows of those that cannot run, with the reason; the copies: (workload, provider, the workload whose
     row it repeats)). Sweeps share their base point, and on CUDA W1-lp is also tokens-16384, vocab-151936 and
     hidden-4096."""
-    plan: list[tuple[Workload, P.Provider | None]] = [(floor_workload(dt, cfg.floor_shape), None)
-                                                       for dt in sorted({w.dtype for w in workloads})]
+    m, k, n = cfg.floor_shape
+    plan: list[tuple[Workload, P.Provider | None]] = [
+        (Workload(f"matmul-{dt}", "forward", m, k, n, dt, group="floor",
+                  note=f"plain [{m},{k}] @ [{k},{n}] GEMM: the floor every FLOP rate is compared with"), None)
+        for dt in sorted({w.dtype for w in workloads})]
     rows, same_as, first = [], [], {}
     for wl in workloads:
         for p in provs:

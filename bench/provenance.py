@@ -63,15 +63,10 @@ def provenance(path: Path = STAMP) -> dict:
         return {"fastrl_commit": "unknown", "tree_clean": None, "provenance": "no stamp and no git"}
 
 
-def main(argv: list[str]) -> int:
-    if len(argv) not in (1, 2) or argv[0] != "stamp":
+if __name__ == "__main__":
+    if len(sys.argv) not in (2, 3) or sys.argv[1] != "stamp":
         print("usage: python -m bench.provenance stamp [PATH]   (default .whl/COMMIT.json)", file=sys.stderr)
-        return 2
-    info = stamp(Path(argv[1]) if len(argv) == 2 else STAMP)
+        sys.exit(2)
+    info = stamp(Path(sys.argv[2]) if len(sys.argv) == 3 else STAMP)
     print(f"stamped {info['commit'][:10]} ({'clean' if info['clean'] else 'UNCOMMITTED CHANGES'}), "
           f"{len(info['paths'])} files")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
