@@ -105,7 +105,7 @@ def environment(device: str) -> dict:
     from bench.provenance import provenance
 
     prov = provenance()
-    git = str(prov["fastrl_commit"])[:7] + ("" if prov["tree_clean"] else " (tree modified or unknown)")
+    git = str(prov["fastrl_commit"])[:7] + (" (tree modified)" if prov["tree_clean"] is False else "")
     return {
         "device": device_name(device), "device_slug": device_slug(device),
         "device_type": "cuda" if device.startswith("cuda") else "cpu",
