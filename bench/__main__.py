@@ -252,18 +252,6 @@ def _measure_w4(args, device: str, cfg, con) -> tuple[list, dict]:
     return rows, summary
 
 
-def _summary(args, cfg, env, rows, info, con) -> dict:
-    """The summary table of W1-W3 / C1 rows, the floor, and the command's targets (the payload's ``targets``)."""
-    title = (f"{args.command} ({cfg.mode}) on {env['device']} | torch {env['torch']} | triton {env['triton']} | "
-             f"driver {env['driver']} | ms: median of {cfg.reps if cfg.device == 'cpu' else 'do_bench'} runs")
-    report.print_table(con, rows, title)
-    for dt, f in info["floor_tflops"].items():
-        con.print(f"matmul floor ({dt}, {'x'.join(map(str, cfg.floor_shape))}), measured in this run: "
-                  f"{f:.3f} TFLOP/s; '% floor' = (6NHV / floor) / time (2NHV for forward-only)")
-    measured = [r for r in rows if r["group"] != "floor"]
-    return {"targets": _c1_targets(measured, con)} if args.command == "c1" else {}
-
-
 def _plots(rows: list[dict], out_dir: Path, prefix: str, env: dict) -> list[Path]:
     """A PNG per sweep: time and extra memory against the swept size, a line per provider."""
     panels = (("time, ms (median)", lambda r: r["total_ms"]["median"]), ("peak extra memory, MB", "peak_extra_mb"))
@@ -312,7 +300,14 @@ def _measure(args, device: str, con) -> int:
     written = []
     con.print()  # the summary is printed last
     if rows:
-        payload.update(_summary(args, cfg, env, rows, info, con))
+        report.print_table(con, rows, f"{args.command} ({cfg.mode}) on {env['device']} | torch {env['torch']} | triton "
+                           f"{env['triton']} | driver {env['driver']} | ms: median of "
+                           f"{cfg.reps if cfg.device == 'cpu' else 'do_bench'} runs")
+        for dt, f in info["floor_tflops"].items():
+            con.print(f"matmul floor ({dt}, {'x'.join(map(str, cfg.floor_shape))}), measured in this run: "
+                      f"{f:.3f} TFLOP/s; '% floor' = (6NHV / floor) / time (2NHV for forward-only)")
+        if args.command == "c1":
+            payload["targets"] = _c1_targets(rows, con)
         written.append(report.write_csv(out_dir / f"{prefix}.csv", rows, env))
     if want_w4:
         if rows:
