@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, fields, replace
 import torch
 
 from bench import measure, report
-from bench.keptset import verdict, wall_ms
+from bench.keptset import verdict
 from bench.lmhead import add_ratios
 from bench.providers import Op
 from bench.session_run import run_fresh
@@ -218,7 +218,7 @@ def _interleaved(wl: DivWorkload, spec: dict, inp: dict, device: torch.device) -
 
     for _ in range(max(5, spec["reps"])):
         for p in KL_PROVIDERS:
-            times[p].append(wall_ms(step, device.type == "cuda", p))
+            times[p].append(measure.wall_ms(step, device.type == "cuda", p))
     return {"k3_ms": statistics.median(times["k3"]), "exact_ms": statistics.median(times["exact"]),
             "ratio": statistics.median(e / k for e, k in zip(times["exact"], times["k3"])), "reps": len(times["k3"]),
             "k3_all_ms": times["k3"], "exact_all_ms": times["exact"]}

@@ -5,7 +5,6 @@ inputs, one point per fresh process (issues 26 and 34); what each row measures: 
 
 from __future__ import annotations
 
-import gc
 import statistics
 import time
 
@@ -49,17 +48,6 @@ def make_sets(N: int, V: int, K: int, kind: str, device: torch.device, seed: int
     return fastrl.KeptSet.from_padded(ids, V), ids[torch.arange(N, device=device), pick]
 
 
-def wall_ms(fn, cuda: bool = False, *args) -> float:
-    """One call ``fn(*args)``: its wall time (ms), the device synchronised before and after on CUDA."""
-    if cuda:
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn(*args)
-    if cuda:
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e3
-
-
 def verdict(con, text: str, ok: bool) -> None:
     con.print(f"{text} " + ("[green]PASS[/green]" if ok else "[red]FAIL[/red]"))
 
@@ -80,24 +68,10 @@ def run_point(spec: dict) -> dict:
     res = {}
     step = _step(spec, hidden, weight, targets, ks, res)
     if dev.type == "cuda":
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
         res["device_name"] = torch.cuda.get_device_name(dev)
     elif spec.get("threads"):
         torch.set_num_threads(spec["threads"])
-    for _ in range(spec["warmup"]):
-        step()
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        times = measure.event_times(step, spec["reps"])
-        res["peak_extra_mb"] = (torch.cuda.max_memory_allocated() - base) / measure.MB
-    else:
-        gc.collect()
-        base = measure.rss_mb()
-        measure.reset_peak()
-        times = [wall_ms(step) for _ in range(spec["reps"])]
-        res["peak_extra_mb"] = max(0.0, measure.peak_rss_mb() - base)
+    times, res["peak_extra_mb"] = measure.time_steps(step, spec["reps"], spec["warmup"], dev.type == "cuda")
     b = tile_budget("kept", dev)
     plan = chunk_plan(ks, V, b.elems, b.cap)
     unions = [torch.unique(ks[c0:c1].ids).numel() for c0, c1 in plan]
