@@ -46,7 +46,7 @@ class DivWorkload:
     kind: str = "divergence"  # or "exact-kl": the policy loss with k3 vs the exact KL (beta is the loss's)
 
     def flops(self) -> dict[str, float]:
-        """FLOPs of fastrl's and TRL's chunked paths (docs/benchmarks.md); KL-exact: the exact provider's."""
+        """FLOPs of the chunked paths (docs/benchmarks.md); KL-exact: the exact provider's."""
         div = self.kind == "divergence"
         both = 2.0 * self.N * (self.H + self.Ht) * self.V
         fwd = both * (2 if div and 0.0 < self.beta < 1.0 else 1)
@@ -65,8 +65,7 @@ def workloads(device: str, quick: bool = False, smoke: bool = False, betas=BETAS
 
 
 def kl_workloads(device: str, quick: bool = False, smoke: bool = False) -> list[DivWorkload]:
-    """KL-exact: examples/exact_kl_cost.py's shape on a CPU (8 x 256 tokens, H = H_ref = 512, V=32768; --quick 4 x
-    256), W2's head on CUDA."""
+    """KL-exact: examples/exact_kl_cost.py's shape on a CPU, W2's head on CUDA."""
     n, h, v, dtype, note = ((64, 32, 1000, "float32", "plumbing only") if smoke else
                             (16384, 896, 151936, "bfloat16", "W2 head, 64 x 256 tokens") if device == "cuda" else
                             (1024 if quick else 2048, 512, 32768, "float32", f"{4 if quick else 8} x 256 tokens"))
@@ -74,7 +73,7 @@ def kl_workloads(device: str, quick: bool = False, smoke: bool = False) -> list[
 
 
 def providers_for(wl: DivWorkload, chosen: list[str]) -> list[str]:
-    """The providers that apply to ``wl`` among ``chosen`` (KL-exact: k3 / exact; otherwise the divergences)."""
+    """Those of ``chosen`` that apply to ``wl`` (KL-exact: k3 / exact; otherwise the divergences)."""
     return [p for p in chosen if (p in KL_PROVIDERS) == (wl.kind == "exact-kl")]
 
 
@@ -89,8 +88,8 @@ def provider_unavailable(name: str, device: str) -> str | None:
 
 def _inputs(wl: DivWorkload, device: torch.device, seed: int) -> dict:
     """Random heads whose logits have unit scale, the teacher's a little sharper; a disjoint kept set of K ids per
-    token (consecutive runs of one permutation of the vocabulary: ids repeat only when N K > V). KL-exact: B x 256
-    tokens for the policy loss, the old and reference log-probs the policy's and the reference head's own."""
+    token (runs of one permutation of the vocabulary). KL-exact: B x 256 tokens, old and reference log-probs the
+    policy's and the reference head's own."""
     import fastrl
 
     g = torch.Generator(device=device).manual_seed(seed)
@@ -119,8 +118,8 @@ def _inputs(wl: DivWorkload, device: torch.device, seed: int) -> dict:
 
 
 def _op(wl: DivWorkload, provider: str, opts: dict) -> Op:
-    """One provider's timed forward: the loss, and the per-token divergence where it returns one (kept where the
-    measuring code keeps log-probs, for its error); gradients to the student's hidden states and head."""
+    """One provider's timed forward: the loss, and the per-token divergence where it returns one (as ``logp``, so the
+    measuring code keeps it for its error); gradients to the student's hidden states and head."""
     import fastrl
     from fastrl.reference import divergence_reference
 
@@ -158,8 +157,8 @@ def _op(wl: DivWorkload, provider: str, opts: dict) -> Op:
 
 
 def _accuracy(wl: DivWorkload, provider: str, inp: dict, kept: dict, rows: int) -> dict:
-    """Errors against float64 on the first ``rows`` tokens: the per-token divergence (where the provider returns it)
-    and d(loss)/d(hidden), over the support for fastrl-kept64 (KL-exact: tests/test_exact_kl.py checks the loss)."""
+    """Errors against float64 on the first ``rows`` tokens: the per-token divergence and d(loss)/d(hidden), over the
+    support for fastrl-kept64 (KL-exact: none here; tests/test_exact_kl.py checks the loss)."""
     from fastrl.reference import divergence_reference
 
     if wl.kind == "exact-kl":
@@ -178,9 +177,8 @@ def _accuracy(wl: DivWorkload, provider: str, inp: dict, kept: dict, rows: int) 
 
 
 def run_point(spec: dict) -> dict:
-    """One (workload, provider) in this fresh process (``bench.session_points.run_spec``, kind "divergence"): time
-    and memory as ``bench.measure`` measures every op, errors against float64, and for ``exact`` the interleaved
-    steps."""
+    """One (workload, provider) in this process: time and memory as ``bench.measure`` measures every op, errors
+    against float64, and for ``exact`` the interleaved steps."""
     load0 = os.getloadavg()[0]
     wl, device = DivWorkload(**spec["workload"]), torch.device(spec["device"])
     if device.type == "cpu" and spec.get("threads"):
@@ -206,9 +204,8 @@ def run_point(spec: dict) -> dict:
 
 
 def _interleaved(wl: DivWorkload, spec: dict, inp: dict, device: torch.device) -> dict:
-    """k3 and exact steps alternately, after the measurement: the load of a shared machine moves between two
-    processes run one after the other and, within one, from step to step, so the exact / k3 ratio judged is the
-    median of the adjacent pairs' ratios."""
+    """k3 and exact steps alternately: the ratio judged is the median of the adjacent pairs' (a shared machine's load
+    moves from process to process and from step to step)."""
     ops = {p: _op(wl, p, spec.get("options", {})) for p in KL_PROVIDERS}
     states = {p: ops[p].prepare(inp) for p in KL_PROVIDERS}
     times: dict[str, list[float]] = {p: [] for p in KL_PROVIDERS}
@@ -226,8 +223,8 @@ def _interleaved(wl: DivWorkload, spec: dict, inp: dict, device: torch.device) -
 
 def run(wls: list[DivWorkload], providers: list[str], device: str, *, reps: int, warmup: int, n_sets: int,
         timeout_s: int, threads: int = 0, options: dict | None = None, rep_ms: int = 2000, console=None) -> list[dict]:
-    """Every (workload, provider) in a fresh process (``bench.session_run.run_fresh``), a line each as it finishes;
-    the rows with their ratios against ``REFERENCES``."""
+    """Every (workload, provider) in a fresh process, a line each as it finishes; the rows with their ratios against
+    ``REFERENCES``."""
     rows = [{"workload": wl.name, "provider": p, **asdict(wl), "flops": wl.flops()}
             for wl in wls for p in providers_for(wl, providers)]
     for r in rows:  # a provider that cannot run here needs no process to say so
@@ -261,8 +258,8 @@ def _one_line(r: dict) -> str:
 
 
 def targets(rows: list[dict], device: str, console=None) -> dict:
-    """Issue 21's targets for fastrl against TRL (time; extra memory on a CPU), issue 26's (CPU) for fastrl-kept64
-    against fastrl and for exact against k3 (judged on the interleaved steps): {workload[/provider]: verdict}."""
+    """Issue 21's targets (fastrl against TRL), issue 26's (fastrl-kept64 against fastrl, exact against k3 on the
+    interleaved steps): {workload[/provider]: verdict}."""
     t_trl, m_trl = CPU_TARGETS if device == "cpu" else GPU_TARGETS
     bounds = {"fastrl": ("trl", t_trl, m_trl), "fastrl-kept64": ("fastrl", KEPT_TARGET, None),
               "exact": ("k3", EXACT_KL_TARGET, None)}
@@ -285,12 +282,10 @@ def targets(rows: list[dict], device: str, console=None) -> dict:
 
 
 def print_table(con, rows: list[dict], title: str) -> None:
-    """The rows in the summary every benchmark prints (``bench.report.print_table``)."""
     report.print_table(con, [{"group": "divergence", **r} for r in rows], title)
 
 
 def cli(args, device: str, con) -> int:
-    """The `divergence` command (bench/__main__.py)."""
     betas = BETAS if not getattr(args, "beta", None) else tuple(float(b) for b in args.beta.split(","))
     wls = workloads(device, quick=args.quick, smoke=args.smoke, betas=betas)
     tokens = getattr(args, "tokens", None)

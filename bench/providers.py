@@ -247,9 +247,11 @@ def _build_liger_triton(wl: Workload, device: torch.device, opts: dict) -> Op:
     def fwd(st):
         i = st["inp"]
         logits = torch.matmul(st["h_pad"], i.weight.T)  # [B, T+1, V] materialised, input dtype
-        return _out(triton_grpo_loss(logits, i.old_logprobs, i.ref_logprobs, i.targets, i.advantages, i.mask,
-                                     temperature=1.0, beta=BETA, eps_low=EPSILON, eps_high=EPSILON, inplace=True,
-                                     loss_type=LOSS_TYPE, reduce=True, use_bias_correction_kl=USE_BIAS_CORRECTION_KL)[0])
+        loss, _metrics = triton_grpo_loss(logits, i.old_logprobs, i.ref_logprobs, i.targets, i.advantages, i.mask,
+                                          temperature=1.0, beta=BETA, eps_low=EPSILON, eps_high=EPSILON, inplace=True,
+                                          loss_type=LOSS_TYPE, reduce=True,
+                                          use_bias_correction_kl=USE_BIAS_CORRECTION_KL)
+        return _out(loss)
     return Op(fwd, prepare, needs_grad=True, has_entropy=False, path="materialised",
               notes=["triton_grpo_loss on materialised logits, inplace, no entropy term"])
 

@@ -78,7 +78,7 @@ IMPLEMENTATIONS = {
 
 
 def _chunks(N: int, V: int) -> int:
-    """One-pass chunks: the ``one-pass`` CUDA tile budget in 128-row blocks (``one_pass_rows``, memory unknown)."""
+    """One-pass chunks: the ``one-pass`` CUDA tile budget in 128-row blocks (memory unknown)."""
     return math.ceil(N / max(128, tile_budget("one-pass", "cuda").elems // V // 128 * 128))
 
 
@@ -88,7 +88,7 @@ def _slices(N: int, V: int) -> int:
 
 
 def _sm90_rows(w: Shape, memory: int | None) -> int:
-    """sm90 one-pass chunk rows: ``fastrl.ops.budget.one_pass_rows`` (bf16 scaled exps within 1/16 of ``memory``)."""
+    """sm90 one-pass chunk rows (bf16 scaled exps within 1/16 of ``memory``)."""
     return one_pass_rows(w.V, w.H, w.N, torch.bfloat16, total_memory=memory)
 
 
@@ -97,12 +97,11 @@ def _sm90_chunks(w: Shape, memory: int | None) -> int:
 
 
 def _sm90_slices(N: int, V: int, memory: int | None) -> int:
-    """sm90 path A backward slices: ``fastrl.ops.budget.grad_columns`` (bf16 G within 1/128 of ``memory``)."""
+    """sm90 path A backward slices (bf16 G within 1/128 of ``memory``)."""
     return math.ceil(V / grad_columns(min(N, 1 << 14), V, torch.bfloat16, total_memory=memory))
 
 
 def _kept(w: Shape, impl: str) -> tuple[float, float, str] | None:
-    """fused_logprobs forward + backward over K ids per token (bf16 head, float32 weight-gradient rows)."""
     N, H, K = w.N, w.H, w.K
     if impl == "union":  # disjoint sets: cap // K rows per unit, |U| = cap ids; kept.entry_logits / entry_backward
         cap = tile_budget("kept", "cuda").cap
@@ -123,19 +122,14 @@ def _kept(w: Shape, impl: str) -> tuple[float, float, str] | None:
     return None
 
 
-# The kept-set engine's torch work per kept entry outside the per-row kernels, forward + backward, in bytes read and
-# written: the plan's layout (built by the forward op and again by the backward op), the statistics, G and its
-# [N, K] scatter, the weight-gradient slots' sort and lookup. Counted by tests/test_roofline.py (every aten op's
-# tensors under a TorchDispatchMode, N=256, K=64), which holds this figure to that count.
+# The kept-set engine's torch work per kept entry outside the per-row kernels, forward + backward, bytes read and
+# written: held to a recount of every aten op's tensors by tests/test_roofline.py.
 ENGINE_ENTRY_BYTES = 920
 
 
 def kept_rows_bytes(w: Shape) -> dict[str, float]:
-    """HBM bytes of ``fused_logprobs(support=KeptSet)`` forward + backward on the per-row plan, as it runs on CUDA
-    with a bf16 head and no bias (``fastrl.ops.kept._rows_backward``, ``fastrl.kernels.kept_rows``, atomic scatter:
-    the default, not ``torch.use_deterministic_algorithms``), beyond one read of hidden and W; the bf16
-    gradients' one write each is an output, as elsewhere. Each float32 atomic add is a read + write of its element:
-    the [slots, H] buffer (2.5 GB at W1 shapes) does not stay in L2 and a sampled id recurs far apart in time."""
+    """HBM bytes of ``fused_logprobs(support=KeptSet)`` forward + backward on the per-row plan as it runs on CUDA (bf16
+    head, no bias, atomic scatter), beyond one read of hidden and W, by part (docs/roofline.md, "The kept set")."""
     N, H, V, K = w.N, w.H, w.V, w.K
     E = N * K  # kept entries, every set K wide
     slots = min(V, E)  # _WeightSlots without a host read: min(V, nnz) float32 rows
@@ -332,7 +326,8 @@ def measured(root: str) -> dict[tuple[str, str], float]:
             if key is None:
                 impl = alias.get(str(r.get("implementation", ""))) or alias.get(str(r.get("provider", "")))
                 key = (str(r.get("workload")), impl) if impl else None
-                ms = (r.get("total_ms") or {}).get("median") if isinstance(r.get("total_ms"), dict) else r.get("total_ms")
+                t = r.get("total_ms")
+                ms = t.get("median") if isinstance(t, dict) else t
             if key and isinstance(ms, (int, float)):
                 out[key] = min(out.get(key, math.inf), float(ms))
     return out

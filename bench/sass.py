@@ -27,6 +27,8 @@ __all__ = ["Spec", "specs", "compile_spec"]
 
 _TY = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 MATMUL_KERNELS = ("stats", "grad", "sm90_stats", "sm90_grad", "sm90_div_stats", "sm90_div_jsd", "sm90_div_grad")
+_SIZES = ("H", "stride_hn", "stride_wv", "stride_gn", "stride_yr", "stride_gr", "V", "N", "C", "V_blk", "stride_ys",
+          "stride_yt", "stride_g", "stride_er", "v_per_split")
 SMEM_LIMIT = 232448  # bytes of shared memory one block may have on sm_90 (227 KB)
 
 # spec.kernel -> (module of fastrl.kernels, kernel, its MODE constexpr: a divergence_fold mode or None)
@@ -181,14 +183,11 @@ def compile_spec(spec: Spec, arch: int):
 
     fn, consts, cfg, label, warps, stages = _launch(spec, arch)
     sig = {a: "constexpr" if a in consts else _arg_type(a, spec, cfg) for a in fn.arg_names}
-    # tt.divisibility 16 on every pointer and size, as Triton specialises them at a launch with real shapes
-    # (H = 896 / 4096, V = 151936, 16-byte aligned tensors)
-    sizes = ("H", "stride_hn", "stride_wv", "stride_gn", "stride_yr", "stride_gr", "V", "N", "C", "V_blk", "stride_ys",
-             "stride_yt", "stride_g", "stride_er", "v_per_split")
+    # tt.divisibility 16 on every pointer and size, as a launch with real shapes (H = 896 / 4096, V = 151936, 16-byte
+    # aligned tensors) specialises them
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
-             if sig[a].startswith("*") or a in sizes}
-    src = ASTSource(fn, sig, consts, attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+             if sig[a].startswith("*") or a in _SIZES}
+    compiled = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", arch, 32),
                               options=dict(num_warps=warps, num_stages=stages))
     return compiled, label
 
@@ -261,17 +260,14 @@ def command(args, con=None) -> int:
         bad = verdict(spec, r, args.arch)
         if bad:
             failures.append(f"{spec.kernel} [{spec.label}] {cfg}: {bad}")
-        cells = [f"{r['shared'] / 1024:.0f}" if k == "shared" else str(r[k]) for k in (
-            "registers", "stack", "spill_loads", "spill_stores", "shared", "tensor_core", "tma_loads", "tma_stores",
-            "ctas_per_sm")]
+        cells = [f"{v / 1024:.0f}" if k == "shared" else str(v) for k, v in r.items()]  # inspect's order
         table.append((spec.kernel, spec.label, cfg, *cells,
                       "FAIL" if bad else ("ok" if spec.checked and args.arch >= 90 else "-")))
     print(f"Kernels compiled for sm_{args.arch} at their default launch configurations (no GPU needed):")
     print_columns(table)
     if failures:
-        print(f"\nFAIL: {len(failures)} checked kernel(s) at their default configuration:", file=sys.stderr)
-        for f in failures:
-            print("  " + f, file=sys.stderr)
+        print(f"\nFAIL: {len(failures)} checked kernel(s) at their default configuration:", *failures,
+              sep="\n  ", file=sys.stderr)
         return 1
     if args.arch >= 90:
         print(f"\nOK: no spills in the checked kernels, HGMMA in every bf16/fp16 matmul kernel (sm_{args.arch}).")
