@@ -1,10 +1,6 @@
-"""``python -m bench roofline``: bytes moved and FLOPs of every implementation per GPU workload, and the time implied.
-
-No GPU and nothing timed: per implementation, what it computes (FLOPs, recomputed logits counted) and what it moves
-through HBM beyond one read of its inputs; implied ms = FLOPs / 700 TFLOP/s + bytes / 4.3 TB/s. Every token is live
-and inputs are bf16; one-pass chunks and two-pass slices are sized by fastrl's own rules (``fastrl.ops.budget``,
-``fastrl.ops.hybrid``). The measured column reads committed session results (``bench/results/*/session.json`` and
-``*/*/session.json``). The model, its conventions and the targets on paper: docs/roofline.md.
+"""``python -m bench roofline``: FLOPs and HBM bytes of every implementation per GPU workload, the time they imply at
+700 TFLOP/s and 4.3 TB/s, and the measured time where a committed ``session.json`` has one. No GPU, nothing timed; the
+model, its conventions and the targets on paper: docs/roofline.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""``python -m bench sass``: compile every kernel at its default launch configuration for a GPU, without a GPU.
-
-``triton.compile`` with a ``GPUTarget``, and the ``cuobjdump`` Triton ships, give per kernel and variant: registers,
-stack and spill loads/stores (``LDL`` / ``STL``), shared memory (over the 227 KB a block may have on sm_90 it would
-not launch), tensor-core (``HGMMA``; ``HMMA`` before Hopper) and TMA (``UTMALDG`` / ``UTMASTG``) instruction counts.
-Exits 1 when a checked variant spills or a bf16/fp16 matmul kernel has no HGMMA (docs/design.md, "On the GPU").
+"""``python -m bench sass``: compile every kernel at its default launch configuration for a GPU, without a GPU, and
+report per variant registers, spills, shared memory, tensor-core and TMA instruction counts (``cuobjdump``); exits 1
+when a checked variant spills or a bf16/fp16 matmul kernel has no HGMMA (docs/design.md, "On the GPU").
 
     python -m bench sass [--arch 80] [--only stats] [--checked-only]
 """
