@@ -286,19 +286,15 @@ def targets(memory: int | None = MEMORY) -> list[dict]:
     out = []
     for name, goal, base in TARGETS:
         w = _workload(name)
-        if base == "trl":
-            base_ms = implied_ms(w, "trl", memory)
-        else:
-            base_ms = _full_head_ms(memory)
+        base_ms = implied_ms(w, "trl", memory) if base == "trl" else _full_head_ms(memory)
         designs = [i for i in IMPLEMENTATIONS if i not in _NOT_DESIGNS and model(w, i, memory) is not None]
         best = min(designs, key=lambda i: implied_ms(w, i, memory))
         fl, by, _ = model(w, best, memory)
         ms = implied_ms(w, best, memory)
         tied = [i for i in designs if i != best and model(w, i, memory)[:2] == (fl, by)]  # the same FLOPs and bytes
         out.append(dict(target=name, goal=goal, baseline=base, baseline_ms=base_ms, design=best, tied=tied,
-                        built=best in _BUILT,
-                        tflop=fl / 1e12, gb=by / 1e9, implied_ms=ms, ratio=ms / base_ms, met=ms / base_ms <= goal,
-                        why=_why(w, best, memory)))
+                        built=best in _BUILT, tflop=fl / 1e12, gb=by / 1e9, implied_ms=ms, ratio=ms / base_ms,
+                        met=ms / base_ms <= goal, why=_why(w, best, memory)))
     return out
 
 
@@ -362,32 +358,25 @@ def command(args, con=None) -> int:
     """``python -m bench roofline``: the model's table, then the targets (arithmetic only: no GPU, no provider)."""
     memory = int(args.memory_gib * (1 << 30)) or None
     got = measured(args.results)
-    head = ("workload", "implementation", "TFLOP", "GB moved", "ms @700TF", "ms @4.3TB/s", "implied ms", "measured ms",
-            "how")
-    table = [head]
-    for w in WORKLOADS:
-        for impl in IMPLEMENTATIONS:
-            m = model(w, impl, memory)
-            if m is None:
-                continue
-            fl, by, how = m
-            t_f, t_b = fl / TFLOPS * 1e3, by / HBM * 1e3
-            ms = got.get((w.name, impl))
-            table.append((w.name, impl, f"{fl / 1e12:.1f}", f"{by / 1e9:.1f}", f"{t_f:.1f}", f"{t_b:.1f}",
-                          f"{t_f + t_b:.1f}", "not measured" if ms is None else f"{ms:.1f}", how))
+    table = [("workload", "implementation", "TFLOP", "GB moved", "ms @700TF", "ms @4.3TB/s", "implied ms",
+              "measured ms", "how")]
+    for w, impl in ((w, i) for w in WORKLOADS for i in IMPLEMENTATIONS if model(w, i, memory) is not None):
+        fl, by, how = model(w, impl, memory)
+        t_f, t_b, ms = fl / TFLOPS * 1e3, by / HBM * 1e3, got.get((w.name, impl))
+        table.append((w.name, impl, f"{fl / 1e12:.1f}", f"{by / 1e9:.1f}", f"{t_f:.1f}", f"{t_b:.1f}",
+                      f"{t_f + t_b:.1f}", "not measured" if ms is None else f"{ms:.1f}", how))
     print("Roofline model (no GPU, nothing timed): implied ms = FLOPs / 700 TFLOP/s + bytes / 4.3 TB/s; "
           f"sm90 tiles for {_gib(memory)}.")
     for name, (what, _) in IMPLEMENTATIONS.items():
         print(f"  {name:8s} {what}")
     print()
     print_columns(table)
-    head = ("target", "goal", "design", "built", "TFLOP", "GB moved", "implied ms", "baseline ms", "ratio", "on paper",
-            "why")
-    table = [head] + [(r["target"], f"<= {r['goal']:g}x", "=".join([r["design"]] + r["tied"]),
-                       "yes" if r["built"] else "no (paper)",
-                       f"{r['tflop']:.2f}", f"{r['gb']:.1f}", f"{r['implied_ms']:.1f}",
-                       f"{r['baseline_ms']:.1f} ({r['baseline']})", f"{r['ratio']:.3f}x",
-                       "met" if r["met"] else "NOT met", r["why"]) for r in targets(memory)]
+    table = [("target", "goal", "design", "built", "TFLOP", "GB moved", "implied ms", "baseline ms", "ratio",
+              "on paper", "why")]
+    table += [(r["target"], f"<= {r['goal']:g}x", "=".join([r["design"]] + r["tied"]),
+               "yes" if r["built"] else "no (paper)", f"{r['tflop']:.2f}", f"{r['gb']:.1f}", f"{r['implied_ms']:.1f}",
+               f"{r['baseline_ms']:.1f} ({r['baseline']})", f"{r['ratio']:.3f}x", "met" if r["met"] else "NOT met",
+               r["why"]) for r in targets(memory)]
     print("\nTargets (issue 33): the fastest modelled fastrl design per target, its ratio computed from the rows above")
     print_columns(table)
     return 0
