@@ -292,16 +292,14 @@ def cli(args, device: str, con) -> int:
     if tokens:
         wls = [replace(w, N=tokens, note=f"{w.note}; N set by --tokens") for w in wls]
     provs = [p.strip() for p in (args.providers or ",".join(PROVIDERS)).split(",") if p.strip()]
-    bad = [p for p in provs if p not in PROVIDERS]
-    if bad:
+    if set(provs) - set(PROVIDERS):
+        bad = [p for p in provs if p not in PROVIDERS]
         con.print(f"[red]unknown divergence provider(s) {bad}; choose from {', '.join(PROVIDERS)}[/red]")
         return 2
-    if any(p in KL_PROVIDERS for p in provs):
-        wls = wls + kl_workloads(device, quick=args.quick, smoke=args.smoke)
-    cuda = device == "cuda"
+    wls += kl_workloads(device, quick=args.quick, smoke=args.smoke) if set(provs) & set(KL_PROVIDERS) else []
+    cuda, env = device == "cuda", report.environment(device)
     reps = args.reps or (1 if args.smoke else 3 if cuda else 2)
     warmup = args.warmup if args.warmup is not None else (0 if args.smoke else 1)
-    env = report.environment(device)
     con.print(f"[bold]fastrl bench divergence[/bold] on {env['device']}: torch {env['torch']}, trl {env['trl']}, "
               f"liger {env['liger_kernel']}; {len(wls)} workloads x {len(provs)} providers, each in a fresh process")
     t0 = time.perf_counter()
@@ -314,8 +312,8 @@ def cli(args, device: str, con) -> int:
                            f"of {reps} runs")
     tg = targets(rows, device, con) if not args.smoke else {}
     elapsed = time.perf_counter() - t0
-    out = report.out_dir(args, env["device_slug"], "divergence")
-    report.save_results(con, out / (report.prefix("divergence", args) + (f"-n{tokens}.json" if tokens else ".json")),
+    name = report.prefix("divergence", args) + (f"-n{tokens}.json" if tokens else ".json")
+    report.save_results(con, report.out_dir(args, env["device_slug"], "divergence") / name,
                         {"command": "divergence", "argv": getattr(args, "argv", []), "env": env, "elapsed_s": elapsed,
                          "reps": reps, "warmup": warmup, "targets": tg, "rows": rows}, elapsed)
     return 1 if args.smoke and any(r.get("status") == "error" for r in rows) else 0

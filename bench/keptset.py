@@ -194,11 +194,9 @@ def targets(rows: list[dict], con) -> None:
 
 
 def cli(args, device: str, con) -> int:
-    """``python -m bench keptset`` (also run at the end of ``python -m bench gpu``): a line per point as it finishes,
-    then the targets; writes ``keptset.json``."""
-    env = report.environment(device)
-    out_dir, prefix = report.out_dir(args, env["device_slug"], args.command), report.prefix("keptset", args)
-    cuda = device == "cuda"
+    """``python -m bench keptset``: a line per point as it finishes, then the targets; writes ``keptset.json``."""
+    env, cuda = report.environment(device), device == "cuda"
+    out = report.out_dir(args, env["device_slug"], args.command) / f"{report.prefix('keptset', args)}.json"
     reps = args.reps or (1 if args.smoke else (10 if cuda else 3))
     full_reps = reps if cuda else max(1, min(reps, 2))  # the full-vocabulary rows: fewer repetitions on a CPU
     warmup = args.warmup if args.warmup is not None else (0 if args.smoke else (2 if cuda else 1))
@@ -219,6 +217,6 @@ def cli(args, device: str, con) -> int:
     run_fresh(specs, device, args.timeout or 1200, on_result=done)
     targets(rows, con)
     elapsed = time.perf_counter() - t0
-    report.save_results(con, out_dir / f"{prefix}.json", {"command": "keptset", "argv": getattr(args, "argv", []),
-                                                          "env": env, "elapsed_s": elapsed, "rows": rows}, elapsed)
+    report.save_results(con, out, {"command": "keptset", "argv": getattr(args, "argv", []), "env": env,
+                                   "elapsed_s": elapsed, "rows": rows}, elapsed)
     return 1 if args.smoke and any(r["status"] != "ok" for r in rows) else 0

@@ -283,10 +283,8 @@ class Provider:
     cuda_only: str = ""  # non-empty: why it cannot run off CUDA
     not_for: dict = field(default_factory=dict)  # kind -> why it does not apply
     compile_fails_skip: bool = False  # a failure while compiling is a "skipped" row, not an "error"
-    # input the peer refuses by design (a dtype, a shape): workload -> why, or None; decided in the parent
-    refuses: Callable[[Workload], str | None] | None = None
-    # substrings of the peer's own error messages that mean "this input is not supported" rather than a
-    # failure: a measurement that raises one becomes an "n/a" row quoting it (the net under ``refuses``)
+    refuses: Callable[[Workload], str | None] | None = None  # an input it refuses by design -> why (in the parent)
+    # its own errors that mean "this input is not supported": a measurement raising one is an "n/a" row quoting it
     refusal_messages: tuple[str, ...] = ()
 
     def unavailable(self, wl: Workload, device: str) -> tuple[str, str] | None:
@@ -318,7 +316,6 @@ class Provider:
 
 _ALL = ("logprob", "forward", "loss")
 _NO_LOGPROBS = {k: "returns a GRPO loss only, not per-token log-probs or entropy" for k in ("logprob", "forward")}
-_TFUSED = "compiled Triton kernels (the CPU tests run them interpreted)"
 
 PROVIDERS: dict[str, Provider] = {p.name: p for p in [
     Provider("fastrl", "fastrl (path A fwd+bwd / path C fwd; backend auto)", _ALL, _build_fastrl),
@@ -327,7 +324,7 @@ PROVIDERS: dict[str, Provider] = {p.name: p for p in [
              not_for={k: "fastrl.policy_loss is the loss workloads' fused path" for k in ("logprob", "forward")}),
     Provider("fastrl-tfused", "fastrl, backend triton-fused (tl.dot kernels, no stored logit)", _ALL,
              lambda wl, d, o: _build_fastrl(wl, d, {**o, "fastrl_backend": "triton-fused"}), needs=("triton",),
-             cuda_only=_TFUSED),
+             cuda_only="compiled Triton kernels (the CPU tests run them interpreted)"),
     Provider("torch", "materialised torch eager (input dtype)", _ALL, _build_torch),
     Provider("torch-compile", "torch.compile of the materialised reference", _ALL,
              lambda wl, d, o: _build_torch(wl, d, o, compile_=True), compile_fails_skip=True),

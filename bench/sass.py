@@ -81,7 +81,6 @@ class Spec:
     softcap: bool = False
     entropy: bool = True
     store_exp: bool = False  # sm90_stats: also writes the scaled-exp tile (the one-pass loss)
-    checked: bool = True  # a spill (or missing HGMMA) here fails the command
 
     @property
     def matmul(self) -> bool:
@@ -96,7 +95,7 @@ class Spec:
 
 
 def specs() -> list[Spec]:
-    """Every kernel's variants (``VARIANTS``); ``checked`` ones are those real models and defaults use."""
+    """Every kernel's variants (``VARIANTS``), each checked on sm_90."""
     out = []
     for kernels, variants in VARIANTS:
         for k in kernels:
@@ -223,7 +222,7 @@ def ctas_per_sm(registers: int, shared: int, num_warps: int) -> int:
 
 def verdict(spec: Spec, r: dict, arch: int) -> str:
     """'' when fine, else why this row fails the check."""
-    if not spec.checked or arch < 90:
+    if arch < 90:
         return ""
     why = []
     if r["spill_loads"] or r["spill_stores"] or r["stack"]:
@@ -249,7 +248,7 @@ def command(args, con=None) -> int:
             if spec.kernel.startswith("sm90_"):
                 continue
             spec = replace(spec, tma=False)
-        if spec in seen or (args.only and args.only not in spec.kernel) or (args.checked_only and not spec.checked):
+        if spec in seen or (args.only and args.only not in spec.kernel):  # every variant is checked: --checked-only too
             continue
         seen.add(spec)
         compiled, cfg = compile_spec(spec, args.arch)
@@ -259,7 +258,7 @@ def command(args, con=None) -> int:
             failures.append(f"{spec.kernel} [{spec.label}] {cfg}: {bad}")
         cells = [f"{v / 1024:.0f}" if k == "shared" else str(v) for k, v in r.items()]  # inspect's order
         table.append((spec.kernel, spec.label, cfg, *cells,
-                      "FAIL" if bad else ("ok" if spec.checked and args.arch >= 90 else "-")))
+                      "FAIL" if bad else ("ok" if args.arch >= 90 else "-")))
     print(f"Kernels compiled for sm_{args.arch} at their default launch configurations (no GPU needed):")
     print_columns(table)
     if failures:
