@@ -221,33 +221,6 @@ def _interleaved(wl: DivWorkload, spec: dict, inp: dict, device: torch.device) -
             "k3_all_ms": times["k3"], "exact_all_ms": times["exact"]}
 
 
-def run(wls: list[DivWorkload], providers: list[str], device: str, *, reps: int, warmup: int, n_sets: int,
-        timeout_s: int, threads: int = 0, options: dict | None = None, rep_ms: int = 2000, console=None) -> list[dict]:
-    """Every (workload, provider) in a fresh process, a line each as it finishes; the rows with their ratios against
-    ``REFERENCES``."""
-    rows = [{"workload": wl.name, "provider": p, **asdict(wl), "flops": wl.flops()}
-            for wl in wls for p in providers_for(wl, providers)]
-    for r in rows:  # a provider that cannot run here needs no process to say so
-        why = provider_unavailable(r["provider"], device)
-        r.update({"status": "skipped", "reason": why} if why else {})
-    todo = [r for r in rows if "status" not in r]
-    specs = [{"kind": "divergence", "workload": {f.name: r[f.name] for f in fields(DivWorkload)}, "device": device,
-              "provider": r["provider"], "reps": reps, "warmup": warmup, "n_sets": n_sets, "seed": 1234,
-              "threads": threads, "options": options or {}, "rep_ms": rep_ms,
-              "accuracy_rows": 64 if device == "cpu" else 256}
-             for r in todo]
-
-    def done(spec: dict, res: dict) -> None:
-        row = todo[specs.index(spec)]
-        row.update(res)
-        if console is not None:
-            console.print(_one_line(row))
-
-    run_fresh(specs, device, timeout_s, on_result=done)
-    add_ratios(rows, REFERENCES)
-    return rows
-
-
 def _one_line(r: dict) -> str:
     if r.get("status") != "ok":
         return f"[dim]{r['workload']:>10} {r['provider']:<13} {r.get('status')}: {r.get('reason', '')}[/dim]"
@@ -281,11 +254,9 @@ def targets(rows: list[dict], device: str, console=None) -> dict:
     return out
 
 
-def print_table(con, rows: list[dict], title: str) -> None:
-    report.print_table(con, [{"group": "divergence", **r} for r in rows], title)
-
-
 def cli(args, device: str, con) -> int:
+    """``python -m bench divergence``: every (workload, provider) in a fresh process, a line each as it finishes;
+    the summary with ratios against ``REFERENCES``, the targets; writes ``divergence.json``."""
     betas = BETAS if not getattr(args, "beta", None) else tuple(float(b) for b in args.beta.split(","))
     wls = workloads(device, quick=args.quick, smoke=args.smoke, betas=betas)
     tokens = getattr(args, "tokens", None)
@@ -303,13 +274,28 @@ def cli(args, device: str, con) -> int:
     con.print(f"[bold]fastrl bench divergence[/bold] on {env['device']}: torch {env['torch']}, trl {env['trl']}, "
               f"liger {env['liger_kernel']}; {len(wls)} workloads x {len(provs)} providers, each in a fresh process")
     t0 = time.perf_counter()
-    rows = run(wls, provs, device, reps=reps, warmup=warmup, n_sets=1 if args.smoke else 2,
-               timeout_s=args.timeout or (1200 if cuda else 900), threads=args.threads,
-               options={"fastrl_backend": args.fastrl_backend} if args.fastrl_backend else {},
-               rep_ms=50 if args.smoke else 2000, console=con)
+    rows = [{"workload": wl.name, "provider": p, **asdict(wl), "flops": wl.flops()}
+            for wl in wls for p in providers_for(wl, provs)]
+    for r in rows:  # a provider that cannot run here needs no process to say so
+        why = provider_unavailable(r["provider"], device)
+        r.update({"status": "skipped", "reason": why} if why else {})
+    todo = [r for r in rows if "status" not in r]
+    specs = [{"kind": "divergence", "workload": {f.name: r[f.name] for f in fields(DivWorkload)}, "device": device,
+              "provider": r["provider"], "reps": reps, "warmup": warmup, "n_sets": 1 if args.smoke else 2,
+              "seed": 1234, "threads": args.threads, "rep_ms": 50 if args.smoke else 2000,
+              "options": {"fastrl_backend": args.fastrl_backend} if args.fastrl_backend else {},
+              "accuracy_rows": 64 if device == "cpu" else 256} for r in todo]
+
+    def done(spec: dict, res: dict) -> None:
+        todo[specs.index(spec)].update(res)
+        con.print(_one_line(todo[specs.index(spec)]))
+
+    run_fresh(specs, device, args.timeout or (1200 if cuda else 900), on_result=done)
+    add_ratios(rows, REFERENCES)
     con.print()
-    print_table(con, rows, f"divergence ({report.mode(args)}) on {env['device']} | torch {env['torch']} | ms: median "
-                           f"of {reps} runs")
+    report.print_table(con, [{"group": "divergence", **r} for r in rows],
+                       f"divergence ({report.mode(args)}) on {env['device']} | torch {env['torch']} | ms: median of "
+                       f"{reps} runs")
     tg = targets(rows, device, con) if not args.smoke else {}
     elapsed = time.perf_counter() - t0
     name = report.prefix("divergence", args) + (f"-n{tokens}.json" if tokens else ".json")
