@@ -2,7 +2,7 @@
 # Wheels a GPU machine without internet needs (TRL, Liger, transformers, datasets, dill, multiprocess; Python 3.12,
 # x86-64 Linux) into .whl/ (ignored by git), then .whl/COMMIT.json naming the commit they measure: run it right
 # before the GPU call, after the last commit (bench/README.md, "A GPU window, step by step"). Versions: those the CPU
-# tests run with (the GPU image's transformers 5.17 is below the trainers' floor); override one with TRANSFORMERS=5.18.0.
+# tests run with (the GPU image's transformers 5.17 is below the trainers' floor); override one: TRANSFORMERS=5.18.0.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST="${1:-.whl}"
