@@ -287,8 +287,9 @@ def cli(args, device: str, con) -> int:
               "accuracy_rows": 64 if device == "cpu" else 256} for r in todo]
 
     def done(spec: dict, res: dict) -> None:
-        todo[specs.index(spec)].update(res)
-        con.print(_one_line(todo[specs.index(spec)]))
+        row = todo[specs.index(spec)]
+        row.update(res)
+        con.print(_one_line(row))
 
     run_fresh(specs, device, args.timeout or (1200 if cuda else 900), on_result=done)
     add_ratios(rows, REFERENCES)
