@@ -122,9 +122,10 @@ def _cpu_step(op: Op, st: dict):
     peak_f = peak_rss_mb()
     grads = torch.autograd.grad(out["loss"], st["wrt"]) if op.needs_grad else None
     t2 = time.perf_counter()
+    peak_t = peak_rss_mb()
     ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
-    m = dict(fwd=(t1 - t0) * 1e3, bwd=(t2 - t1) * 1e3, tot=(t2 - t0) * 1e3, fwd_mb=peak_f - base,
-             tot_mb=peak_rss_mb() - base, base=base, ru=ru - base, reset=reset)
+    m = dict(fwd=(t1 - t0) * 1e3, bwd=(t2 - t1) * 1e3, tot=(t2 - t0) * 1e3, fwd_mb=peak_f - base, tot_mb=peak_t - base,
+             base=base, ru=ru - base, reset=reset)
     return m, out, grads
 
 
