@@ -27,9 +27,8 @@ RULE_TARGET = 0.25  # issue 34: support=SamplerRule(top_k=64), fwd + bwd, at <= 
 
 
 def make_sets(N: int, V: int, K: int, kind: str, device: torch.device, seed: int = 0, rows: int = 256):
-    """(KeptSet, targets [N]): K distinct ids per token (``zipf``: from a Zipf(1.1) law over a shuffled vocabulary;
-    ``uniform``: uniformly at random), the target one of them. Gumbel top-K over blocks of ``rows`` tokens on the
-    device: one pass per block, not one multinomial call per token (slower than the measurement at W1's N)."""
+    """(KeptSet, targets [N]): K distinct ids per token (``zipf`` or ``uniform``), the target one of them; Gumbel
+    top-K over blocks of ``rows`` tokens on the device (one multinomial call per token is slower than the point)."""
     import fastrl
 
     device = torch.device(device)
@@ -53,9 +52,8 @@ def verdict(con, text: str, ok: bool) -> None:
 
 
 def run_point(spec: dict) -> dict:
-    """The point's step (``ms``: the median of ``ms_all``), its extra peak memory (CUDA: allocated over the inputs,
-    steps timed with events after an L2 flush; CPU: peak RSS over the RSS before), the plan it ran and the work of
-    the union GEMMs against the full vocabulary's."""
+    """The point's step (``ms``: the median of ``ms_all``), its extra peak memory (``measure.time_steps``), the plan
+    it ran and the union GEMMs' work against the full vocabulary's (docs/benchmarks.md)."""
     from fastrl.ops.budget import tile_budget
     from fastrl.ops.kept import chunk_plan
 
@@ -137,9 +135,7 @@ def points(device: str, smoke: bool, quick: bool) -> list[dict]:
 
 
 def session_points(smoke: bool) -> list[tuple[str, dict]]:
-    """The GPU session's keptset section (bench/session.py), K=64: (provider, the point's mode, sets and plan). A
-    smoke run checks the plumbing on the first three; a full one adds both plans without host reads (``nosync``,
-    what CUDA graphs run) and the host union plan (issue 34)."""
+    """The session's keptset section, K=64: (provider, the point's mode, sets and plan); smoke: the first three."""
     out = [("full", dict(mode="full", sets="zipf"))] + [(f"kept-{s}", dict(mode="kept", sets=s)) for s in KINDS]
     if not smoke:
         out += [(f"rows-nosync-{s}", dict(mode="nosync", sets=s)) for s in KINDS]
@@ -148,8 +144,8 @@ def session_points(smoke: bool) -> list[tuple[str, dict]]:
 
 
 def _with_ratios(row: dict, rows: list[dict]) -> dict:
-    """``row`` with its time and memory against the full-vocabulary row of its shape and kind (log-probs, or the
-    loss) and, without host reads, its time against the eager row of the same plan kind, both measured before it."""
+    """``row`` with its time and memory against its shape's full-vocabulary row (log-probs or loss) and, without host
+    reads, its time against the eager row of the same plan kind, both measured before it."""
     def find(**kw):
         return next((x for x in rows if "ms" in x and all(x.get(k) == v for k, v in kw.items())), None)
 
