@@ -1,13 +1,8 @@
 #!/usr/bin/env bash
-# Wheels that a GPU machine without internet needs for `python -m bench session / gpu / w4 / w5` and the GPU
-# test-suite, downloaded here into .whl/ (ignored by git) for Python 3.12 on x86-64 Linux. The GPU image this
-# project is measured on has torch 2.11, triton 3.6 and transformers 5.17 (below the trainers' floor, 5.18) but not
-# TRL, Liger, datasets, dill or multiprocess. Carry `.whl` with the command: bench/gpu_session.sh installs it there
-# (and fastrl itself, editable, since fastrl.kernels is the kernels/ folder).
-# Last, .whl/COMMIT.json: the commit, whether the tree is clean, and a digest of the tracked files
-# (bench/provenance.py), so the results name the fastrl they measured: run this right before the GPU call, after
-# the last commit (it downloads nothing already in .whl/).
-# Versions are the ones this repository's CPU tests run with; override one with e.g. TRANSFORMERS=5.18.0.
+# Wheels a GPU machine without internet needs (TRL, Liger, transformers, datasets, dill, multiprocess; Python 3.12,
+# x86-64 Linux) into .whl/ (ignored by git), then .whl/COMMIT.json naming the commit they measure: run it right
+# before the GPU call, after the last commit (bench/README.md, "A GPU window, step by step"). Versions: those the CPU
+# tests run with (the GPU image's transformers 5.17 is below the trainers' floor); override one: TRANSFORMERS=5.18.0.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST="${1:-.whl}"

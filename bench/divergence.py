@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, fields, replace
 import torch
 
 from bench import measure, report
-from bench.keptset import verdict, wall_ms
+from bench.keptset import verdict
 from bench.lmhead import add_ratios
 from bench.providers import Op
 from bench.session_run import run_fresh
@@ -46,7 +46,7 @@ class DivWorkload:
     kind: str = "divergence"  # or "exact-kl": the policy loss with k3 vs the exact KL (beta is the loss's)
 
     def flops(self) -> dict[str, float]:
-        """FLOPs of fastrl's and TRL's chunked paths (docs/benchmarks.md); KL-exact: the exact provider's."""
+        """FLOPs of the chunked paths (docs/benchmarks.md); KL-exact: the exact provider's."""
         div = self.kind == "divergence"
         both = 2.0 * self.N * (self.H + self.Ht) * self.V
         fwd = both * (2 if div and 0.0 < self.beta < 1.0 else 1)
@@ -65,8 +65,7 @@ def workloads(device: str, quick: bool = False, smoke: bool = False, betas=BETAS
 
 
 def kl_workloads(device: str, quick: bool = False, smoke: bool = False) -> list[DivWorkload]:
-    """KL-exact: examples/exact_kl_cost.py's shape on a CPU (8 x 256 tokens, H = H_ref = 512, V=32768; --quick 4 x
-    256), W2's head on CUDA."""
+    """KL-exact: examples/exact_kl_cost.py's shape on a CPU, W2's head on CUDA."""
     n, h, v, dtype, note = ((64, 32, 1000, "float32", "plumbing only") if smoke else
                             (16384, 896, 151936, "bfloat16", "W2 head, 64 x 256 tokens") if device == "cuda" else
                             (1024 if quick else 2048, 512, 32768, "float32", f"{4 if quick else 8} x 256 tokens"))
@@ -74,7 +73,7 @@ def kl_workloads(device: str, quick: bool = False, smoke: bool = False) -> list[
 
 
 def providers_for(wl: DivWorkload, chosen: list[str]) -> list[str]:
-    """The providers that apply to ``wl`` among ``chosen`` (KL-exact: k3 / exact; otherwise the divergences)."""
+    """Those of ``chosen`` that apply to ``wl`` (KL-exact: k3 / exact; otherwise the divergences)."""
     return [p for p in chosen if (p in KL_PROVIDERS) == (wl.kind == "exact-kl")]
 
 
@@ -89,8 +88,8 @@ def provider_unavailable(name: str, device: str) -> str | None:
 
 def _inputs(wl: DivWorkload, device: torch.device, seed: int) -> dict:
     """Random heads whose logits have unit scale, the teacher's a little sharper; a disjoint kept set of K ids per
-    token (consecutive runs of one permutation of the vocabulary: ids repeat only when N K > V). KL-exact: B x 256
-    tokens for the policy loss, the old and reference log-probs the policy's and the reference head's own."""
+    token (runs of one permutation of the vocabulary). KL-exact: B x 256 tokens, old and reference log-probs the
+    policy's and the reference head's own."""
     import fastrl
 
     g = torch.Generator(device=device).manual_seed(seed)
@@ -119,8 +118,8 @@ def _inputs(wl: DivWorkload, device: torch.device, seed: int) -> dict:
 
 
 def _op(wl: DivWorkload, provider: str, opts: dict) -> Op:
-    """One provider's timed forward: the loss, and the per-token divergence where it returns one (kept where the
-    measuring code keeps log-probs, for its error); gradients to the student's hidden states and head."""
+    """One provider's timed forward: the loss, and the per-token divergence where it returns one (as ``logp``, so the
+    measuring code keeps it for its error); gradients to the student's hidden states and head."""
     import fastrl
     from fastrl.reference import divergence_reference
 
@@ -158,8 +157,8 @@ def _op(wl: DivWorkload, provider: str, opts: dict) -> Op:
 
 
 def _accuracy(wl: DivWorkload, provider: str, inp: dict, kept: dict, rows: int) -> dict:
-    """Errors against float64 on the first ``rows`` tokens: the per-token divergence (where the provider returns it)
-    and d(loss)/d(hidden), over the support for fastrl-kept64 (KL-exact: tests/test_exact_kl.py checks the loss)."""
+    """Errors against float64 on the first ``rows`` tokens: the per-token divergence and d(loss)/d(hidden), over the
+    support for fastrl-kept64 (KL-exact: none here; tests/test_exact_kl.py checks the loss)."""
     from fastrl.reference import divergence_reference
 
     if wl.kind == "exact-kl":
@@ -178,9 +177,8 @@ def _accuracy(wl: DivWorkload, provider: str, inp: dict, kept: dict, rows: int) 
 
 
 def run_point(spec: dict) -> dict:
-    """One (workload, provider) in this fresh process (``bench.session_points.run_spec``, kind "divergence"): time
-    and memory as ``bench.measure`` measures every op, errors against float64, and for ``exact`` the interleaved
-    steps."""
+    """One (workload, provider) in this process: time and memory as ``bench.measure`` measures every op, errors
+    against float64, and for ``exact`` the interleaved steps."""
     load0 = os.getloadavg()[0]
     wl, device = DivWorkload(**spec["workload"]), torch.device(spec["device"])
     if device.type == "cpu" and spec.get("threads"):
@@ -206,9 +204,8 @@ def run_point(spec: dict) -> dict:
 
 
 def _interleaved(wl: DivWorkload, spec: dict, inp: dict, device: torch.device) -> dict:
-    """k3 and exact steps alternately, after the measurement: the load of a shared machine moves between two
-    processes run one after the other and, within one, from step to step, so the exact / k3 ratio judged is the
-    median of the adjacent pairs' ratios."""
+    """k3 and exact steps alternately: the ratio judged is the median of the adjacent pairs' (a shared machine's load
+    moves from process to process and from step to step)."""
     ops = {p: _op(wl, p, spec.get("options", {})) for p in KL_PROVIDERS}
     states = {p: ops[p].prepare(inp) for p in KL_PROVIDERS}
     times: dict[str, list[float]] = {p: [] for p in KL_PROVIDERS}
@@ -218,37 +215,10 @@ def _interleaved(wl: DivWorkload, spec: dict, inp: dict, device: torch.device) -
 
     for _ in range(max(5, spec["reps"])):
         for p in KL_PROVIDERS:
-            times[p].append(wall_ms(step, device.type == "cuda", p))
+            times[p].append(measure.wall_ms(step, device.type == "cuda", p))
     return {"k3_ms": statistics.median(times["k3"]), "exact_ms": statistics.median(times["exact"]),
             "ratio": statistics.median(e / k for e, k in zip(times["exact"], times["k3"])), "reps": len(times["k3"]),
             "k3_all_ms": times["k3"], "exact_all_ms": times["exact"]}
-
-
-def run(wls: list[DivWorkload], providers: list[str], device: str, *, reps: int, warmup: int, n_sets: int,
-        timeout_s: int, threads: int = 0, options: dict | None = None, rep_ms: int = 2000, console=None) -> list[dict]:
-    """Every (workload, provider) in a fresh process (``bench.session_run.run_fresh``), a line each as it finishes;
-    the rows with their ratios against ``REFERENCES``."""
-    rows = [{"workload": wl.name, "provider": p, **asdict(wl), "flops": wl.flops()}
-            for wl in wls for p in providers_for(wl, providers)]
-    for r in rows:  # a provider that cannot run here needs no process to say so
-        why = provider_unavailable(r["provider"], device)
-        r.update({"status": "skipped", "reason": why} if why else {})
-    todo = [r for r in rows if "status" not in r]
-    specs = [{"kind": "divergence", "workload": {f.name: r[f.name] for f in fields(DivWorkload)}, "device": device,
-              "provider": r["provider"], "reps": reps, "warmup": warmup, "n_sets": n_sets, "seed": 1234,
-              "threads": threads, "options": options or {}, "rep_ms": rep_ms,
-              "accuracy_rows": 64 if device == "cpu" else 256}
-             for r in todo]
-
-    def done(spec: dict, res: dict) -> None:
-        row = todo[specs.index(spec)]
-        row.update(res)
-        if console is not None:
-            console.print(_one_line(row))
-
-    run_fresh(specs, device, timeout_s, on_result=done)
-    add_ratios(rows, REFERENCES)
-    return rows
 
 
 def _one_line(r: dict) -> str:
@@ -261,8 +231,8 @@ def _one_line(r: dict) -> str:
 
 
 def targets(rows: list[dict], device: str, console=None) -> dict:
-    """Issue 21's targets for fastrl against TRL (time; extra memory on a CPU), issue 26's (CPU) for fastrl-kept64
-    against fastrl and for exact against k3 (judged on the interleaved steps): {workload[/provider]: verdict}."""
+    """Issue 21's targets (fastrl against TRL), issue 26's (fastrl-kept64 against fastrl, exact against k3 on the
+    interleaved steps): {workload[/provider]: verdict}."""
     t_trl, m_trl = CPU_TARGETS if device == "cpu" else GPU_TARGETS
     bounds = {"fastrl": ("trl", t_trl, m_trl), "fastrl-kept64": ("fastrl", KEPT_TARGET, None),
               "exact": ("k3", EXACT_KL_TARGET, None)}
@@ -284,43 +254,53 @@ def targets(rows: list[dict], device: str, console=None) -> dict:
     return out
 
 
-def print_table(con, rows: list[dict], title: str) -> None:
-    """The rows in the summary every benchmark prints (``bench.report.print_table``)."""
-    report.print_table(con, [{"group": "divergence", **r} for r in rows], title)
-
-
 def cli(args, device: str, con) -> int:
-    """The `divergence` command (bench/__main__.py)."""
+    """``python -m bench divergence``: every (workload, provider) in a fresh process, a line each as it finishes;
+    the summary with ratios against ``REFERENCES``, the targets; writes ``divergence.json``."""
     betas = BETAS if not getattr(args, "beta", None) else tuple(float(b) for b in args.beta.split(","))
     wls = workloads(device, quick=args.quick, smoke=args.smoke, betas=betas)
     tokens = getattr(args, "tokens", None)
     if tokens:
         wls = [replace(w, N=tokens, note=f"{w.note}; N set by --tokens") for w in wls]
     provs = [p.strip() for p in (args.providers or ",".join(PROVIDERS)).split(",") if p.strip()]
-    bad = [p for p in provs if p not in PROVIDERS]
-    if bad:
+    if set(provs) - set(PROVIDERS):
+        bad = [p for p in provs if p not in PROVIDERS]
         con.print(f"[red]unknown divergence provider(s) {bad}; choose from {', '.join(PROVIDERS)}[/red]")
         return 2
-    if any(p in KL_PROVIDERS for p in provs):
-        wls = wls + kl_workloads(device, quick=args.quick, smoke=args.smoke)
-    cuda = device == "cuda"
+    wls += kl_workloads(device, quick=args.quick, smoke=args.smoke) if set(provs) & set(KL_PROVIDERS) else []
+    cuda, env = device == "cuda", report.environment(device)
     reps = args.reps or (1 if args.smoke else 3 if cuda else 2)
     warmup = args.warmup if args.warmup is not None else (0 if args.smoke else 1)
-    env = report.environment(device)
     con.print(f"[bold]fastrl bench divergence[/bold] on {env['device']}: torch {env['torch']}, trl {env['trl']}, "
               f"liger {env['liger_kernel']}; {len(wls)} workloads x {len(provs)} providers, each in a fresh process")
     t0 = time.perf_counter()
-    rows = run(wls, provs, device, reps=reps, warmup=warmup, n_sets=1 if args.smoke else 2,
-               timeout_s=args.timeout or (1200 if cuda else 900), threads=args.threads,
-               options={"fastrl_backend": args.fastrl_backend} if args.fastrl_backend else {},
-               rep_ms=50 if args.smoke else 2000, console=con)
+    rows = [{"workload": wl.name, "provider": p, **asdict(wl), "flops": wl.flops()}
+            for wl in wls for p in providers_for(wl, provs)]
+    for r in rows:  # a provider that cannot run here needs no process to say so
+        why = provider_unavailable(r["provider"], device)
+        r.update({"status": "skipped", "reason": why} if why else {})
+    todo = [r for r in rows if "status" not in r]
+    specs = [{"kind": "divergence", "workload": {f.name: r[f.name] for f in fields(DivWorkload)}, "device": device,
+              "provider": r["provider"], "reps": reps, "warmup": warmup, "n_sets": 1 if args.smoke else 2,
+              "seed": 1234, "threads": args.threads, "rep_ms": 50 if args.smoke else 2000,
+              "options": {"fastrl_backend": args.fastrl_backend} if args.fastrl_backend else {},
+              "accuracy_rows": 64 if device == "cpu" else 256} for r in todo]
+
+    def done(spec: dict, res: dict) -> None:
+        row = todo[specs.index(spec)]
+        row.update(res)
+        con.print(_one_line(row))
+
+    run_fresh(specs, device, args.timeout or (1200 if cuda else 900), on_result=done)
+    add_ratios(rows, REFERENCES)
     con.print()
-    print_table(con, rows, f"divergence ({report.mode(args)}) on {env['device']} | torch {env['torch']} | ms: median "
-                           f"of {reps} runs")
+    report.print_table(con, [{"group": "divergence", **r} for r in rows],
+                       f"divergence ({report.mode(args)}) on {env['device']} | torch {env['torch']} | ms: median of "
+                       f"{reps} runs")
     tg = targets(rows, device, con) if not args.smoke else {}
     elapsed = time.perf_counter() - t0
-    out = report.out_dir(args, env["device_slug"], "divergence")
-    report.save_results(con, out / (report.prefix("divergence", args) + (f"-n{tokens}.json" if tokens else ".json")),
+    name = report.prefix("divergence", args) + (f"-n{tokens}.json" if tokens else ".json")
+    report.save_results(con, report.out_dir(args, env["device_slug"], "divergence") / name,
                         {"command": "divergence", "argv": getattr(args, "argv", []), "env": env, "elapsed_s": elapsed,
                          "reps": reps, "warmup": warmup, "targets": tg, "rows": rows}, elapsed)
     return 1 if args.smoke and any(r.get("status") == "error" for r in rows) else 0

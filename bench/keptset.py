@@ -5,7 +5,6 @@ inputs, one point per fresh process (issues 26 and 34); what each row measures: 
 
 from __future__ import annotations
 
-import gc
 import statistics
 import time
 
@@ -28,9 +27,8 @@ RULE_TARGET = 0.25  # issue 34: support=SamplerRule(top_k=64), fwd + bwd, at <= 
 
 
 def make_sets(N: int, V: int, K: int, kind: str, device: torch.device, seed: int = 0, rows: int = 256):
-    """(KeptSet, targets [N]): K distinct ids per token (``zipf``: from a Zipf(1.1) law over a shuffled vocabulary;
-    ``uniform``: uniformly at random), the target one of them. Gumbel top-K over blocks of ``rows`` tokens on the
-    device: one pass per block, not one multinomial call per token (slower than the measurement at W1's N)."""
+    """(KeptSet, targets [N]): K distinct ids per token (``zipf`` or ``uniform``), the target one of them; Gumbel
+    top-K over blocks of ``rows`` tokens on the device (one multinomial call per token is slower than the point)."""
     import fastrl
 
     device = torch.device(device)
@@ -49,25 +47,13 @@ def make_sets(N: int, V: int, K: int, kind: str, device: torch.device, seed: int
     return fastrl.KeptSet.from_padded(ids, V), ids[torch.arange(N, device=device), pick]
 
 
-def wall_ms(fn, cuda: bool = False, *args) -> float:
-    """One call ``fn(*args)``: its wall time (ms), the device synchronised before and after on CUDA."""
-    if cuda:
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn(*args)
-    if cuda:
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e3
-
-
 def verdict(con, text: str, ok: bool) -> None:
     con.print(f"{text} " + ("[green]PASS[/green]" if ok else "[red]FAIL[/red]"))
 
 
 def run_point(spec: dict) -> dict:
-    """The point's step (``ms``: the median of ``ms_all``), its extra peak memory (CUDA: allocated over the inputs,
-    steps timed with events after an L2 flush; CPU: peak RSS over the RSS before), the plan it ran and the work of
-    the union GEMMs against the full vocabulary's."""
+    """The point's step (``ms``: the median of ``ms_all``), its extra peak memory (``measure.time_steps``), the plan
+    it ran and the union GEMMs' work against the full vocabulary's (docs/benchmarks.md)."""
     from fastrl.ops.budget import tile_budget
     from fastrl.ops.kept import chunk_plan
 
@@ -80,24 +66,10 @@ def run_point(spec: dict) -> dict:
     res = {}
     step = _step(spec, hidden, weight, targets, ks, res)
     if dev.type == "cuda":
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
         res["device_name"] = torch.cuda.get_device_name(dev)
     elif spec.get("threads"):
         torch.set_num_threads(spec["threads"])
-    for _ in range(spec["warmup"]):
-        step()
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        times = measure.event_times(step, spec["reps"])
-        res["peak_extra_mb"] = (torch.cuda.max_memory_allocated() - base) / measure.MB
-    else:
-        gc.collect()
-        base = measure.rss_mb()
-        measure.reset_peak()
-        times = [wall_ms(step) for _ in range(spec["reps"])]
-        res["peak_extra_mb"] = max(0.0, measure.peak_rss_mb() - base)
+    times, res["peak_extra_mb"] = measure.time_steps(step, spec["reps"], spec["warmup"], dev.type == "cuda")
     b = tile_budget("kept", dev)
     plan = chunk_plan(ks, V, b.elems, b.cap)
     unions = [torch.unique(ks[c0:c1].ids).numel() for c0, c1 in plan]
@@ -163,9 +135,7 @@ def points(device: str, smoke: bool, quick: bool) -> list[dict]:
 
 
 def session_points(smoke: bool) -> list[tuple[str, dict]]:
-    """The GPU session's keptset section (bench/session.py), K=64: (provider, the point's mode, sets and plan). A
-    smoke run checks the plumbing on the first three; a full one adds both plans without host reads (``nosync``,
-    what CUDA graphs run) and the host union plan (issue 34)."""
+    """The session's keptset section, K=64: (provider, the point's mode, sets and plan); smoke: the first three."""
     out = [("full", dict(mode="full", sets="zipf"))] + [(f"kept-{s}", dict(mode="kept", sets=s)) for s in KINDS]
     if not smoke:
         out += [(f"rows-nosync-{s}", dict(mode="nosync", sets=s)) for s in KINDS]
@@ -174,8 +144,8 @@ def session_points(smoke: bool) -> list[tuple[str, dict]]:
 
 
 def _with_ratios(row: dict, rows: list[dict]) -> dict:
-    """``row`` with its time and memory against the full-vocabulary row of its shape and kind (log-probs, or the
-    loss) and, without host reads, its time against the eager row of the same plan kind, both measured before it."""
+    """``row`` with its time and memory against its shape's full-vocabulary row (log-probs or loss) and, without host
+    reads, its time against the eager row of the same plan kind, both measured before it."""
     def find(**kw):
         return next((x for x in rows if "ms" in x and all(x.get(k) == v for k, v in kw.items())), None)
 
@@ -220,11 +190,9 @@ def targets(rows: list[dict], con) -> None:
 
 
 def cli(args, device: str, con) -> int:
-    """``python -m bench keptset`` (also run at the end of ``python -m bench gpu``): a line per point as it finishes,
-    then the targets; writes ``keptset.json``."""
-    env = report.environment(device)
-    out_dir, prefix = report.out_dir(args, env["device_slug"], args.command), report.prefix("keptset", args)
-    cuda = device == "cuda"
+    """``python -m bench keptset``: a line per point as it finishes, then the targets; writes ``keptset.json``."""
+    env, cuda = report.environment(device), device == "cuda"
+    out = report.out_dir(args, env["device_slug"], args.command) / f"{report.prefix('keptset', args)}.json"
     reps = args.reps or (1 if args.smoke else (10 if cuda else 3))
     full_reps = reps if cuda else max(1, min(reps, 2))  # the full-vocabulary rows: fewer repetitions on a CPU
     warmup = args.warmup if args.warmup is not None else (0 if args.smoke else (2 if cuda else 1))
@@ -245,6 +213,6 @@ def cli(args, device: str, con) -> int:
     run_fresh(specs, device, args.timeout or 1200, on_result=done)
     targets(rows, con)
     elapsed = time.perf_counter() - t0
-    report.save_results(con, out_dir / f"{prefix}.json", {"command": "keptset", "argv": getattr(args, "argv", []),
-                                                          "env": env, "elapsed_s": elapsed, "rows": rows}, elapsed)
+    report.save_results(con, out, {"command": "keptset", "argv": getattr(args, "argv", []), "env": env,
+                                   "elapsed_s": elapsed, "rows": rows}, elapsed)
     return 1 if args.smoke and any(r["status"] != "ok" for r in rows) else 0

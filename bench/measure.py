@@ -1,15 +1,7 @@
-"""Timing, peak memory and accuracy of one op, on CPU or CUDA (docs/design.md, "Measuring"; bench/README.md).
+"""Timing, peak memory and accuracy of one op on CPU or CUDA, and the step timer keptset and divergence share.
 
-CPU: wall time of each phase (``time.perf_counter``); memory is the peak RSS minus the RSS just before the call
-(after ``gc`` and ``malloc_trim``), the peak reset before every repetition (``/proc/self/clear_refs``) and read as
-``VmHWM``. getrusage's ``ru_maxrss`` is recorded next to it (``ru_maxrss_extra_mb``) but never drops below the
-peak of the image the process was forked from, so it is not the figure. The first (warm-up) step is measured on its
-own (``first_step_ms``, ``first_step_extra_mb``: what a fresh process pays on its first call, lazy imports
-included). Each op runs in a fresh process (``bench.session_run.run_fresh``).
-
-CUDA: ``triton.testing.do_bench`` (warm-up, L2 flushed before every call) over several input sets in rotation; the
-backward alone is timed with CUDA events around ``autograd.grad`` after an untimed forward. Memory is
-``torch.cuda.max_memory_allocated()`` minus what the inputs and the outputs hold.
+What each figure means (CPU: wall time, extra peak RSS with the peak reset per step; CUDA: ``do_bench``, events around
+the backward, ``max_memory_allocated`` minus inputs and outputs): bench/README.md, "How it is measured".
 """
 
 from __future__ import annotations
@@ -27,7 +19,7 @@ import torch
 from bench.providers import Op
 from bench.workloads import ENTROPY_COEF, Workload
 
-__all__ = ["measure_cpu", "measure_cuda", "accuracy", "summarize", "event_times"]
+__all__ = ["measure_cpu", "measure_cuda", "accuracy", "summarize", "event_times", "wall_ms", "time_steps"]
 
 MB = 1024.0 * 1024.0
 
@@ -72,18 +64,46 @@ def trim() -> None:
         pass
 
 
+def wall_ms(fn, cuda: bool = False, *args) -> float:
+    """One call ``fn(*args)``: its wall time (ms), the device synchronised before and after on CUDA."""
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn(*args)
+    if cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def time_steps(step, reps: int, warmup: int, cuda: bool) -> tuple[list[float], float]:
+    """``warmup`` untimed calls of ``step``, then ``reps`` timed ones: (ms of each, extra peak MB). CUDA: events after
+    an L2 flush, the peak allocated over what was allocated before the warm-up; CPU: wall time, the peak RSS over the
+    RSS after the warm-up."""
+    if cuda:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+    for _ in range(warmup):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        times = event_times(step, reps)
+        return times, (torch.cuda.max_memory_allocated() - base) / MB
+    gc.collect()
+    base = rss_mb()
+    reset_peak()
+    times = [wall_ms(step) for _ in range(reps)]
+    return times, max(0.0, peak_rss_mb() - base)
+
+
 def _step(op: Op, st: dict):
     out = op.forward(st)
-    grads = torch.autograd.grad(out["loss"], st["wrt"]) if op.needs_grad else None
-    return out, grads
+    return out, torch.autograd.grad(out["loss"], st["wrt"]) if op.needs_grad else None
 
 
 def _keep(out: dict, grads, rows: int) -> dict:
     """The first ``rows`` tokens of an op's outputs, copied (for the accuracy check after timing)."""
-    kept = {}
-    for k in ("logp", "entropy"):
-        if out.get(k) is not None:
-            kept[k] = out[k].detach().reshape(-1)[:rows].clone()
+    kept = {k: out[k].detach().reshape(-1)[:rows].clone() for k in ("logp", "entropy") if out.get(k) is not None}
     if out.get("loss") is not None:
         kept["loss"] = float(out["loss"].detach())
     if grads is not None:
@@ -135,12 +155,10 @@ def measure_cpu(op: Op, states: list[dict], reps: int, warmup: int, keep_rows: i
         "peak_extra_fwd_mb": max(m["fwd_mb"] for m in steps),
         "peak_extra_mb": max(m["tot_mb"] for m in steps),
         "rss_after_inputs_mb": rss_inputs,
-        # the first (warm-up) step, measured the same way but not part of the statistics above: a first call that
-        # pulls in modules (as torch.library.custom_op's torch._dynamo import did) shows here, not in the medians
-        "first_step_ms": first["tot"],
+        "first_step_ms": first["tot"],  # not in the statistics: a first call's lazy imports show here
         "first_step_extra_mb": first["tot_mb"],
         "rss_baseline_mb": statistics.median(m["base"] for m in steps),
-        "ru_maxrss_extra_mb": max(m["ru"] for m in steps),  # getrusage's view of the same peak (floored by the parent)
+        "ru_maxrss_extra_mb": max(m["ru"] for m in steps),  # floored by the image the process was forked from
         "peak_reset": reset_ok,
         "memory_method": "peak RSS (VmHWM = getrusage's own-image peak) minus RSS before the call, reset per repetition"
         if reset_ok else "peak RSS since process start minus RSS before the call (could not reset the peak)",
@@ -148,15 +166,9 @@ def measure_cpu(op: Op, states: list[dict], reps: int, warmup: int, keep_rows: i
 
 
 def _nbytes(*objs) -> int:
-    n = 0
-    for o in objs:
-        if isinstance(o, torch.Tensor):
-            n += o.numel() * o.element_size()
-        elif isinstance(o, dict):
-            n += _nbytes(*o.values())
-        elif isinstance(o, (list, tuple)):
-            n += _nbytes(*o)
-    return n
+    return sum(o.numel() * o.element_size() if isinstance(o, torch.Tensor) else
+               _nbytes(*o.values()) if isinstance(o, dict) else
+               _nbytes(*o) if isinstance(o, (list, tuple)) else 0 for o in objs)
 
 
 def event_times(fn, reps: int, setup=None) -> list[float]:
@@ -181,18 +193,15 @@ def event_times(fn, reps: int, setup=None) -> list[float]:
 
 def measure_cuda(op: Op, states: list[dict], reps: int, warmup: int, keep_rows: int, rep_ms: int = 2000,
                  total_only: bool = False) -> dict:
-    """``total_only``: time forward + backward only, ``reps`` steps each between CUDA events after an L2 flush (as
-    do_bench times, without its estimate and warm-up calls): about a third of the steps, for a whole tournament in
-    one short GPU window (``bench/session.py``)."""
+    """``total_only``: time forward + backward only, ``reps`` steps between CUDA events after an L2 flush (as do_bench
+    times, without its estimate and warm-up calls): for a whole tournament in one short GPU window."""
     from triton.testing import do_bench
 
     dev = torch.device("cuda")
     with torch.set_grad_enabled(op.needs_grad):
-        for i in range(max(1, warmup)):  # compile, autotune, allocator warm-up
-            out, grads = _step(op, states[i % len(states)])
-            del out, grads
+        for i in range(max(1, warmup)):  # compile, autotune, allocator warm-up (results dropped at once)
+            _step(op, states[i % len(states)])
         torch.cuda.synchronize()
-
         # memory first, on a clean peak: inputs are allocated already, outputs are subtracted
         gc.collect()
         torch.cuda.empty_cache()
@@ -225,27 +234,19 @@ def measure_cuda(op: Op, states: list[dict], reps: int, warmup: int, keep_rows: 
             n = max(5, min(100, int(rep_ms / max(res["total_ms"]["median"], 1e-3))))
             res["bwd_ms"] = summarize(event_times(lambda st, out: torch.autograd.grad(out["loss"], st["wrt"]), n,
                                                   setup=untimed_forward))
-    res.update({
-        "peak_extra_fwd_mb": peak_f / MB,
-        "peak_extra_mb": peak_t / MB,
-        "inputs_mb": base / MB,
-        "memory_method": "torch.cuda.max_memory_allocated() minus inputs and outputs",
-    })
+    res.update(peak_extra_fwd_mb=peak_f / MB, peak_extra_mb=peak_t / MB, inputs_mb=base / MB,
+               memory_method="torch.cuda.max_memory_allocated() minus inputs and outputs")
     return res, kept
 
 
 def accuracy(op: Op, wl: Workload, inp, kept: dict, rows: int) -> dict:
-    """Max abs error of log-prob, entropy and grad_h on the first ``rows`` tokens against float64.
-
-    Each token's log-prob and entropy depend on its own row only, and the logprob workloads' loss is a sum
-    over tokens, so the first rows' grad_h can be checked without the float64 logits of every token.
-    """
+    """Max abs error of log-prob, entropy and grad_h on the first ``rows`` tokens against float64 (each token's
+    outputs, and its grad_h under a loss summed over tokens, depend on its own row only)."""
     if wl.kind not in ("logprob", "forward") or "logp" not in kept:
         return {}
     from fastrl.reference import logprobs_reference
 
-    H = wl.H
-    h64 = inp.hidden.detach().reshape(-1, H)[:rows].to(torch.float64).requires_grad_(wl.kind == "logprob")
+    h64 = inp.hidden.detach().reshape(-1, wl.H)[:rows].to(torch.float64).requires_grad_(wl.kind == "logprob")
     w64 = inp.weight.detach().to(torch.float64)
     t = inp.targets.reshape(-1)[:rows]
     with torch.enable_grad():

@@ -1,12 +1,9 @@
-"""Who computes each workload: fastrl's paths and the tools people would pick instead.
+"""Who computes each workload: fastrl's paths and the tools people would pick instead (bench/README.md, "Providers").
 
-A provider answers ``unavailable(wl, device)`` cheaply in the parent process (``("n/a", why)``: it does not
-compute this kind of thing or refuses this input by design; ``("skipped", why)``: it cannot run here; or None),
-and ``build(wl, device, opts)`` in the measuring process: an ``Op`` whose ``prepare(inputs)`` makes its arguments
-(untimed) and whose ``forward(state)`` returns ``{"loss", "logp", "entropy"}``. The backward is always
-``torch.autograd.grad(loss, state["wrt"])``, run by the measuring code, so every backward is timed the same way.
-A provider that fails at run time becomes a row that says why; a peer that refuses an input (declared in
-``Provider.refuses``, or one of its own errors named in ``Provider.refusal_messages``) is an "n/a" row.
+``Provider.unavailable(wl, device)`` answers in the parent process (``("n/a", why)``: not this kind of work, or an
+input the peer refuses by design; ``("skipped", why)``: it cannot run here; None); ``build`` makes, in the measuring
+process, an ``Op``: ``prepare(inputs)`` (untimed), ``forward(state)`` -> ``{"loss", "logp", "entropy"}``, and the
+measuring code's ``torch.autograd.grad(loss, state["wrt"])``, so every backward is timed the same way.
 """
 
 from __future__ import annotations
@@ -88,13 +85,13 @@ class Op:
     notes: list[str] = field(default_factory=list)
 
 
-def _default_prepare(inp: Inputs) -> dict:
-    return {"inp": inp, "wrt": _wrt(inp.hidden, inp.weight)}
-
-
 def _wrt(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """What the backward differentiates: the inputs that need a gradient (a frozen head's weight does not)."""
     return tuple(t for t in tensors if t.requires_grad)
+
+
+def _default_prepare(inp: Inputs) -> dict:
+    return {"inp": inp, "wrt": _wrt(inp.hidden, inp.weight)}
 
 
 def _logprob_loss(logp: torch.Tensor, entropy: torch.Tensor | None) -> torch.Tensor:
@@ -144,36 +141,26 @@ def _token_op(wl: Workload, logprobs: Callable, notes: list[str], has_entropy: b
     return Op(fwd, _default_prepare, needs_grad=True, has_entropy=has_entropy, path="two-pass", notes=notes)
 
 
-def _build_fastrl(wl: Workload, device: torch.device, opts: dict) -> Op:
+def _build_fastrl(wl: Workload, device: torch.device, opts: dict, fused: bool = False) -> Op:
+    """fastrl's log-probs (then the reference loss math on a loss workload), or ``fused``: ``fastrl.policy_loss``."""
     import fastrl
 
     from fastrl.ops.backend import resolve_backend
 
     backend = opts.get("fastrl_backend")  # None: fastrl's own choice (triton on CUDA, torch on CPU)
-    path = {"logprob": "path A", "forward": "path C", "loss": "path A log-probs + reference loss math"}[wl.kind]
-
-    def logprobs(i, with_entropy):
-        return fastrl.fused_logprobs(i.hidden, i.weight, i.targets, with_entropy=with_entropy, backend=backend)
-    return _token_op(wl, logprobs, [path, f"{resolve_backend(device, backend)} backend"])
-
-
-def _build_fastrl_fused(wl: Workload, device: torch.device, opts: dict) -> Op:
-    import fastrl
-
-    from fastrl.ops.backend import resolve_backend
-
-    backend = opts.get("fastrl_backend")
+    on = f"{resolve_backend(device, backend)} backend"
+    if not fused:
+        def logprobs(i, with_entropy):
+            return fastrl.fused_logprobs(i.hidden, i.weight, i.targets, with_entropy=with_entropy, backend=backend)
+        path = {"logprob": "path A", "forward": "path C", "loss": "path A log-probs + reference loss math"}[wl.kind]
+        return _token_op(wl, logprobs, [path, on])
     cfg = loss_config()
 
     def fwd(st):
         i = st["inp"]
-        loss, _metrics = fastrl.policy_loss(
-            i.hidden, i.weight, i.targets, i.advantages, i.mask, config=cfg,
-            old_logprobs=i.old_logprobs, ref_logprobs=i.ref_logprobs, backend=backend,
-        )
-        return _out(loss)
-    return Op(fwd, _default_prepare, needs_grad=True, path="one-pass",
-              notes=["fused loss", f"{resolve_backend(device, backend)} backend"])
+        return _out(fastrl.policy_loss(i.hidden, i.weight, i.targets, i.advantages, i.mask, config=cfg,
+                                       old_logprobs=i.old_logprobs, ref_logprobs=i.ref_logprobs, backend=backend)[0])
+    return Op(fwd, _default_prepare, needs_grad=True, path="one-pass", notes=["fused loss", on])
 
 
 def _build_torch(wl: Workload, device: torch.device, opts: dict, compile_: bool = False) -> Op:
@@ -229,26 +216,21 @@ def _build_trl(wl: Workload, device: torch.device, opts: dict) -> Op:
             return tuple(x.new_zeros(m.shape).masked_scatter(m, x) for x in (logp, ent))
         logp, ent, *_ = chunked(i.hidden.reshape(-1, i.hidden.shape[-1]), i.weight, i.targets.reshape(-1), outputs)
         return tuple(x.view(m.shape).masked_fill(~m, 0) for x in (logp, ent))
-    notes = ["ChunkedLogProbFunction, chunk 4096 x 32768"]
-    notes += ["TRL loss math (reference)"] if wl.kind == "loss" else []
-    return _token_op(wl, logprobs, notes)
+    return _token_op(wl, logprobs, ["ChunkedLogProbFunction, chunk 4096 x 32768"]
+                     + (["TRL loss math (reference)"] if wl.kind == "loss" else []))
 
 
 def _build_liger_fused(wl: Workload, device: torch.device, opts: dict) -> Op:
     LigerFusedLinearGRPOLoss = _need("liger_kernel.chunked_loss", "LigerFusedLinearGRPOLoss")
     compiled = opts.get("liger_compiled", True)
-    loss_fn = LigerFusedLinearGRPOLoss(
-        beta=BETA, compiled=compiled, use_ref_model=True, epsilon_low=EPSILON, epsilon_high=EPSILON,
-        loss_type=LOSS_TYPE, use_bias_correction_kl=USE_BIAS_CORRECTION_KL,
-    )
+    loss_fn = LigerFusedLinearGRPOLoss(beta=BETA, compiled=compiled, use_ref_model=True, epsilon_low=EPSILON,
+                                       epsilon_high=EPSILON, loss_type=LOSS_TYPE,
+                                       use_bias_correction_kl=USE_BIAS_CORRECTION_KL)
 
     def fwd(st):
         i = st["inp"]
-        loss, _metrics = loss_fn(
-            i.hidden, i.weight, i.targets, i.mask, i.advantages,
-            ref_per_token_logps=i.ref_logprobs, old_per_token_logps=i.old_logprobs,
-        )
-        return _out(loss)
+        return _out(loss_fn(i.hidden, i.weight, i.targets, i.mask, i.advantages, ref_per_token_logps=i.ref_logprobs,
+                            old_per_token_logps=i.old_logprobs)[0])
     notes = ["LigerFusedLinearGRPOLoss, no entropy term", f"compiled={compiled}"]
     return Op(fwd, _default_prepare, needs_grad=True, has_entropy=False, path="one-pass", notes=notes)
 
@@ -265,11 +247,10 @@ def _build_liger_triton(wl: Workload, device: torch.device, opts: dict) -> Op:
     def fwd(st):
         i = st["inp"]
         logits = torch.matmul(st["h_pad"], i.weight.T)  # [B, T+1, V] materialised, input dtype
-        loss, _metrics = triton_grpo_loss(
-            logits, i.old_logprobs, i.ref_logprobs, i.targets, i.advantages, i.mask,
-            temperature=1.0, beta=BETA, eps_low=EPSILON, eps_high=EPSILON, inplace=True,
-            loss_type=LOSS_TYPE, reduce=True, use_bias_correction_kl=USE_BIAS_CORRECTION_KL,
-        )
+        loss, _metrics = triton_grpo_loss(logits, i.old_logprobs, i.ref_logprobs, i.targets, i.advantages, i.mask,
+                                          temperature=1.0, beta=BETA, eps_low=EPSILON, eps_high=EPSILON, inplace=True,
+                                          loss_type=LOSS_TYPE, reduce=True,
+                                          use_bias_correction_kl=USE_BIAS_CORRECTION_KL)
         return _out(loss)
     return Op(fwd, prepare, needs_grad=True, has_entropy=False, path="materialised",
               notes=["triton_grpo_loss on materialised logits, inplace, no entropy term"])
@@ -280,8 +261,8 @@ def _build_cce(wl: Workload, device: torch.device, opts: dict) -> Op:
 
     def logprobs(i, with_entropy):  # reduction="none" gives -logp per token; CCE has no entropy
         return -linear_cross_entropy(i.hidden, i.weight, i.targets, reduction="none"), None
-    notes = ["linear_cross_entropy, log-prob only (no entropy)", "default gradient filtering"]
-    return _token_op(wl, logprobs, notes, has_entropy=False)
+    return _token_op(wl, logprobs, ["linear_cross_entropy, log-prob only (no entropy)", "default gradient filtering"],
+                     has_entropy=False)
 
 
 def _cce_refuses(wl: Workload) -> str | None:
@@ -302,10 +283,8 @@ class Provider:
     cuda_only: str = ""  # non-empty: why it cannot run off CUDA
     not_for: dict = field(default_factory=dict)  # kind -> why it does not apply
     compile_fails_skip: bool = False  # a failure while compiling is a "skipped" row, not an "error"
-    # input the peer refuses by design (a dtype, a shape): workload -> why, or None; decided in the parent
-    refuses: Callable[[Workload], str | None] | None = None
-    # substrings of the peer's own error messages that mean "this input is not supported" rather than a
-    # failure: a measurement that raises one becomes an "n/a" row quoting it (the net under ``refuses``)
+    refuses: Callable[[Workload], str | None] | None = None  # an input it refuses by design -> why (in the parent)
+    # its own errors that mean "this input is not supported": a measurement raising one is an "n/a" row quoting it
     refusal_messages: tuple[str, ...] = ()
 
     def unavailable(self, wl: Workload, device: str) -> tuple[str, str] | None:
@@ -337,15 +316,15 @@ class Provider:
 
 _ALL = ("logprob", "forward", "loss")
 _NO_LOGPROBS = {k: "returns a GRPO loss only, not per-token log-probs or entropy" for k in ("logprob", "forward")}
-_TFUSED = "compiled Triton kernels (the CPU tests run them interpreted)"
 
 PROVIDERS: dict[str, Provider] = {p.name: p for p in [
     Provider("fastrl", "fastrl (path A fwd+bwd / path C fwd; backend auto)", _ALL, _build_fastrl),
-    Provider("fastrl-fused", "fastrl.policy_loss (fused loss)", ("loss",), _build_fastrl_fused,
+    Provider("fastrl-fused", "fastrl.policy_loss (fused loss)", ("loss",),
+             lambda wl, d, o: _build_fastrl(wl, d, o, fused=True),
              not_for={k: "fastrl.policy_loss is the loss workloads' fused path" for k in ("logprob", "forward")}),
     Provider("fastrl-tfused", "fastrl, backend triton-fused (tl.dot kernels, no stored logit)", _ALL,
              lambda wl, d, o: _build_fastrl(wl, d, {**o, "fastrl_backend": "triton-fused"}), needs=("triton",),
-             cuda_only=_TFUSED),
+             cuda_only="compiled Triton kernels (the CPU tests run them interpreted)"),
     Provider("torch", "materialised torch eager (input dtype)", _ALL, _build_torch),
     Provider("torch-compile", "torch.compile of the materialised reference", _ALL,
              lambda wl, d, o: _build_torch(wl, d, o, compile_=True), compile_fails_skip=True),

@@ -1,10 +1,6 @@
-"""``python -m bench roofline``: bytes moved and FLOPs of every implementation per GPU workload, and the time implied.
-
-No GPU and nothing timed: per implementation, what it computes (FLOPs, recomputed logits counted) and what it moves
-through HBM beyond one read of its inputs; implied ms = FLOPs / 700 TFLOP/s + bytes / 4.3 TB/s. Every token is live
-and inputs are bf16; one-pass chunks and two-pass slices are sized by fastrl's own rules (``fastrl.ops.budget``,
-``fastrl.ops.hybrid``). The measured column reads committed session results (``bench/results/*/session.json`` and
-``*/*/session.json``). The model, its conventions and the targets on paper: docs/roofline.md.
+"""``python -m bench roofline``: FLOPs and HBM bytes of every implementation per GPU workload, the time they imply at
+700 TFLOP/s and 4.3 TB/s, and the measured time where a committed ``session.json`` has one. No GPU, nothing timed; the
+model, its conventions and the targets on paper: docs/roofline.md.
 """
 
 from __future__ import annotations
@@ -78,7 +74,7 @@ IMPLEMENTATIONS = {
 
 
 def _chunks(N: int, V: int) -> int:
-    """One-pass chunks: the ``one-pass`` CUDA tile budget in 128-row blocks (``one_pass_rows``, memory unknown)."""
+    """One-pass chunks: the ``one-pass`` CUDA tile budget in 128-row blocks (memory unknown)."""
     return math.ceil(N / max(128, tile_budget("one-pass", "cuda").elems // V // 128 * 128))
 
 
@@ -88,7 +84,7 @@ def _slices(N: int, V: int) -> int:
 
 
 def _sm90_rows(w: Shape, memory: int | None) -> int:
-    """sm90 one-pass chunk rows: ``fastrl.ops.budget.one_pass_rows`` (bf16 scaled exps within 1/16 of ``memory``)."""
+    """sm90 one-pass chunk rows (bf16 scaled exps within 1/16 of ``memory``)."""
     return one_pass_rows(w.V, w.H, w.N, torch.bfloat16, total_memory=memory)
 
 
@@ -97,12 +93,11 @@ def _sm90_chunks(w: Shape, memory: int | None) -> int:
 
 
 def _sm90_slices(N: int, V: int, memory: int | None) -> int:
-    """sm90 path A backward slices: ``fastrl.ops.budget.grad_columns`` (bf16 G within 1/128 of ``memory``)."""
+    """sm90 path A backward slices (bf16 G within 1/128 of ``memory``)."""
     return math.ceil(V / grad_columns(min(N, 1 << 14), V, torch.bfloat16, total_memory=memory))
 
 
 def _kept(w: Shape, impl: str) -> tuple[float, float, str] | None:
-    """fused_logprobs forward + backward over K ids per token (bf16 head, float32 weight-gradient rows)."""
     N, H, K = w.N, w.H, w.K
     if impl == "union":  # disjoint sets: cap // K rows per unit, |U| = cap ids; kept.entry_logits / entry_backward
         cap = tile_budget("kept", "cuda").cap
@@ -123,19 +118,14 @@ def _kept(w: Shape, impl: str) -> tuple[float, float, str] | None:
     return None
 
 
-# The kept-set engine's torch work per kept entry outside the per-row kernels, forward + backward, in bytes read and
-# written: the plan's layout (built by the forward op and again by the backward op), the statistics, G and its
-# [N, K] scatter, the weight-gradient slots' sort and lookup. Counted by tests/test_roofline.py (every aten op's
-# tensors under a TorchDispatchMode, N=256, K=64), which holds this figure to that count.
+# The kept-set engine's torch work per kept entry outside the per-row kernels, forward + backward, bytes read and
+# written: held to a recount of every aten op's tensors by tests/test_roofline.py.
 ENGINE_ENTRY_BYTES = 920
 
 
 def kept_rows_bytes(w: Shape) -> dict[str, float]:
-    """HBM bytes of ``fused_logprobs(support=KeptSet)`` forward + backward on the per-row plan, as it runs on CUDA
-    with a bf16 head and no bias (``fastrl.ops.kept._rows_backward``, ``fastrl.kernels.kept_rows``, atomic scatter:
-    the default, not ``torch.use_deterministic_algorithms``), beyond one read of hidden and W; the bf16
-    gradients' one write each is an output, as elsewhere. Each float32 atomic add is a read + write of its element:
-    the [slots, H] buffer (2.5 GB at W1 shapes) does not stay in L2 and a sampled id recurs far apart in time."""
+    """HBM bytes of ``fused_logprobs(support=KeptSet)`` forward + backward on the per-row plan as it runs on CUDA (bf16
+    head, no bias, atomic scatter), beyond one read of hidden and W, by part (docs/roofline.md, "The kept set")."""
     N, H, V, K = w.N, w.H, w.V, w.K
     E = N * K  # kept entries, every set K wide
     slots = min(V, E)  # _WeightSlots without a host read: min(V, nnz) float32 rows
@@ -296,19 +286,15 @@ def targets(memory: int | None = MEMORY) -> list[dict]:
     out = []
     for name, goal, base in TARGETS:
         w = _workload(name)
-        if base == "trl":
-            base_ms = implied_ms(w, "trl", memory)
-        else:
-            base_ms = _full_head_ms(memory)
+        base_ms = implied_ms(w, "trl", memory) if base == "trl" else _full_head_ms(memory)
         designs = [i for i in IMPLEMENTATIONS if i not in _NOT_DESIGNS and model(w, i, memory) is not None]
         best = min(designs, key=lambda i: implied_ms(w, i, memory))
         fl, by, _ = model(w, best, memory)
         ms = implied_ms(w, best, memory)
         tied = [i for i in designs if i != best and model(w, i, memory)[:2] == (fl, by)]  # the same FLOPs and bytes
         out.append(dict(target=name, goal=goal, baseline=base, baseline_ms=base_ms, design=best, tied=tied,
-                        built=best in _BUILT,
-                        tflop=fl / 1e12, gb=by / 1e9, implied_ms=ms, ratio=ms / base_ms, met=ms / base_ms <= goal,
-                        why=_why(w, best, memory)))
+                        built=best in _BUILT, tflop=fl / 1e12, gb=by / 1e9, implied_ms=ms, ratio=ms / base_ms,
+                        met=ms / base_ms <= goal, why=_why(w, best, memory)))
     return out
 
 
@@ -332,7 +318,8 @@ def measured(root: str) -> dict[tuple[str, str], float]:
             if key is None:
                 impl = alias.get(str(r.get("implementation", ""))) or alias.get(str(r.get("provider", "")))
                 key = (str(r.get("workload")), impl) if impl else None
-                ms = (r.get("total_ms") or {}).get("median") if isinstance(r.get("total_ms"), dict) else r.get("total_ms")
+                t = r.get("total_ms")
+                ms = t.get("median") if isinstance(t, dict) else t
             if key and isinstance(ms, (int, float)):
                 out[key] = min(out.get(key, math.inf), float(ms))
     return out
@@ -371,32 +358,25 @@ def command(args, con=None) -> int:
     """``python -m bench roofline``: the model's table, then the targets (arithmetic only: no GPU, no provider)."""
     memory = int(args.memory_gib * (1 << 30)) or None
     got = measured(args.results)
-    head = ("workload", "implementation", "TFLOP", "GB moved", "ms @700TF", "ms @4.3TB/s", "implied ms", "measured ms",
-            "how")
-    table = [head]
-    for w in WORKLOADS:
-        for impl in IMPLEMENTATIONS:
-            m = model(w, impl, memory)
-            if m is None:
-                continue
-            fl, by, how = m
-            t_f, t_b = fl / TFLOPS * 1e3, by / HBM * 1e3
-            ms = got.get((w.name, impl))
-            table.append((w.name, impl, f"{fl / 1e12:.1f}", f"{by / 1e9:.1f}", f"{t_f:.1f}", f"{t_b:.1f}",
-                          f"{t_f + t_b:.1f}", "not measured" if ms is None else f"{ms:.1f}", how))
+    table = [("workload", "implementation", "TFLOP", "GB moved", "ms @700TF", "ms @4.3TB/s", "implied ms",
+              "measured ms", "how")]
+    for w, impl in ((w, i) for w in WORKLOADS for i in IMPLEMENTATIONS if model(w, i, memory) is not None):
+        fl, by, how = model(w, impl, memory)
+        t_f, t_b, ms = fl / TFLOPS * 1e3, by / HBM * 1e3, got.get((w.name, impl))
+        table.append((w.name, impl, f"{fl / 1e12:.1f}", f"{by / 1e9:.1f}", f"{t_f:.1f}", f"{t_b:.1f}",
+                      f"{t_f + t_b:.1f}", "not measured" if ms is None else f"{ms:.1f}", how))
     print("Roofline model (no GPU, nothing timed): implied ms = FLOPs / 700 TFLOP/s + bytes / 4.3 TB/s; "
           f"sm90 tiles for {_gib(memory)}.")
     for name, (what, _) in IMPLEMENTATIONS.items():
         print(f"  {name:8s} {what}")
     print()
     print_columns(table)
-    head = ("target", "goal", "design", "built", "TFLOP", "GB moved", "implied ms", "baseline ms", "ratio", "on paper",
-            "why")
-    table = [head] + [(r["target"], f"<= {r['goal']:g}x", "=".join([r["design"]] + r["tied"]),
-                       "yes" if r["built"] else "no (paper)",
-                       f"{r['tflop']:.2f}", f"{r['gb']:.1f}", f"{r['implied_ms']:.1f}",
-                       f"{r['baseline_ms']:.1f} ({r['baseline']})", f"{r['ratio']:.3f}x",
-                       "met" if r["met"] else "NOT met", r["why"]) for r in targets(memory)]
+    table = [("target", "goal", "design", "built", "TFLOP", "GB moved", "implied ms", "baseline ms", "ratio",
+              "on paper", "why")]
+    table += [(r["target"], f"<= {r['goal']:g}x", "=".join([r["design"]] + r["tied"]),
+               "yes" if r["built"] else "no (paper)", f"{r['tflop']:.2f}", f"{r['gb']:.1f}", f"{r['implied_ms']:.1f}",
+               f"{r['baseline_ms']:.1f} ({r['baseline']})", f"{r['ratio']:.3f}x", "met" if r["met"] else "NOT met",
+               r["why"]) for r in targets(memory)]
     print("\nTargets (issue 33): the fastest modelled fastrl design per target, its ratio computed from the rows above")
     print_columns(table)
     return 0

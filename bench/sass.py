@@ -1,9 +1,6 @@
-"""``python -m bench sass``: compile every kernel at its default launch configuration for a GPU, without a GPU.
-
-``triton.compile`` with a ``GPUTarget``, and the ``cuobjdump`` Triton ships, give per kernel and variant: registers,
-stack and spill loads/stores (``LDL`` / ``STL``), shared memory (over the 227 KB a block may have on sm_90 it would
-not launch), tensor-core (``HGMMA``; ``HMMA`` before Hopper) and TMA (``UTMALDG`` / ``UTMASTG``) instruction counts.
-Exits 1 when a checked variant spills or a bf16/fp16 matmul kernel has no HGMMA (docs/design.md, "On the GPU").
+"""``python -m bench sass``: compile every kernel at its default launch configuration for a GPU, without a GPU, and
+report per variant registers, spills, shared memory, tensor-core and TMA instruction counts (``cuobjdump``); exits 1
+when a checked variant spills or a bf16/fp16 matmul kernel has no HGMMA (docs/design.md, "On the GPU").
 
     python -m bench sass [--arch 80] [--only stats] [--checked-only]
 """
@@ -27,6 +24,8 @@ __all__ = ["Spec", "specs", "compile_spec"]
 
 _TY = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 MATMUL_KERNELS = ("stats", "grad", "sm90_stats", "sm90_grad", "sm90_div_stats", "sm90_div_jsd", "sm90_div_grad")
+_SIZES = ("H", "stride_hn", "stride_wv", "stride_gn", "stride_yr", "stride_gr", "V", "N", "C", "V_blk", "stride_ys",
+          "stride_yt", "stride_g", "stride_er", "v_per_split")
 SMEM_LIMIT = 232448  # bytes of shared memory one block may have on sm_90 (227 KB)
 
 # spec.kernel -> (module of fastrl.kernels, kernel, its MODE constexpr: a divergence_fold mode or None)
@@ -82,7 +81,6 @@ class Spec:
     softcap: bool = False
     entropy: bool = True
     store_exp: bool = False  # sm90_stats: also writes the scaled-exp tile (the one-pass loss)
-    checked: bool = True  # a spill (or missing HGMMA) here fails the command
 
     @property
     def matmul(self) -> bool:
@@ -97,7 +95,7 @@ class Spec:
 
 
 def specs() -> list[Spec]:
-    """Every kernel's variants (``VARIANTS``); ``checked`` ones are those real models and defaults use."""
+    """Every kernel's variants (``VARIANTS``), each checked on sm_90."""
     out = []
     for kernels, variants in VARIANTS:
         for k in kernels:
@@ -181,14 +179,11 @@ def compile_spec(spec: Spec, arch: int):
 
     fn, consts, cfg, label, warps, stages = _launch(spec, arch)
     sig = {a: "constexpr" if a in consts else _arg_type(a, spec, cfg) for a in fn.arg_names}
-    # tt.divisibility 16 on every pointer and size, as Triton specialises them at a launch with real shapes
-    # (H = 896 / 4096, V = 151936, 16-byte aligned tensors)
-    sizes = ("H", "stride_hn", "stride_wv", "stride_gn", "stride_yr", "stride_gr", "V", "N", "C", "V_blk", "stride_ys",
-             "stride_yt", "stride_g", "stride_er", "v_per_split")
+    # tt.divisibility 16 on every pointer and size, as a launch with real shapes (H = 896 / 4096, V = 151936, 16-byte
+    # aligned tensors) specialises them
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
-             if sig[a].startswith("*") or a in sizes}
-    src = ASTSource(fn, sig, consts, attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+             if sig[a].startswith("*") or a in _SIZES}
+    compiled = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", arch, 32),
                               options=dict(num_warps=warps, num_stages=stages))
     return compiled, label
 
@@ -227,7 +222,7 @@ def ctas_per_sm(registers: int, shared: int, num_warps: int) -> int:
 
 def verdict(spec: Spec, r: dict, arch: int) -> str:
     """'' when fine, else why this row fails the check."""
-    if not spec.checked or arch < 90:
+    if arch < 90:
         return ""
     why = []
     if r["spill_loads"] or r["spill_stores"] or r["stack"]:
@@ -253,7 +248,7 @@ def command(args, con=None) -> int:
             if spec.kernel.startswith("sm90_"):
                 continue
             spec = replace(spec, tma=False)
-        if spec in seen or (args.only and args.only not in spec.kernel) or (args.checked_only and not spec.checked):
+        if spec in seen or (args.only and args.only not in spec.kernel):  # every variant is checked: --checked-only too
             continue
         seen.add(spec)
         compiled, cfg = compile_spec(spec, args.arch)
@@ -261,17 +256,14 @@ def command(args, con=None) -> int:
         bad = verdict(spec, r, args.arch)
         if bad:
             failures.append(f"{spec.kernel} [{spec.label}] {cfg}: {bad}")
-        cells = [f"{r['shared'] / 1024:.0f}" if k == "shared" else str(r[k]) for k in (
-            "registers", "stack", "spill_loads", "spill_stores", "shared", "tensor_core", "tma_loads", "tma_stores",
-            "ctas_per_sm")]
+        cells = [f"{v / 1024:.0f}" if k == "shared" else str(v) for k, v in r.items()]  # inspect's order
         table.append((spec.kernel, spec.label, cfg, *cells,
-                      "FAIL" if bad else ("ok" if spec.checked and args.arch >= 90 else "-")))
+                      "FAIL" if bad else ("ok" if args.arch >= 90 else "-")))
     print(f"Kernels compiled for sm_{args.arch} at their default launch configurations (no GPU needed):")
     print_columns(table)
     if failures:
-        print(f"\nFAIL: {len(failures)} checked kernel(s) at their default configuration:", file=sys.stderr)
-        for f in failures:
-            print("  " + f, file=sys.stderr)
+        print(f"\nFAIL: {len(failures)} checked kernel(s) at their default configuration:", *failures,
+              sep="\n  ", file=sys.stderr)
         return 1
     if args.arch >= 90:
         print(f"\nOK: no spills in the checked kernels, HGMMA in every bf16/fp16 matmul kernel (sm_{args.arch}).")

@@ -1,10 +1,8 @@
 """Workloads (docs/design.md: W1-W3, C1), the token / vocabulary / hidden-size sweeps, and their cost model.
 
-A workload is a shape, a dtype and a kind of work: ``logprob`` (per-token log-prob and entropy, forward + backward,
-loss ``sum(logp) + 0.01 * sum(entropy)``: path A), ``loss`` (a GRPO policy loss: dapo, beta 0.04 with k3 KL, entropy
-bonus; forward + backward) or ``forward`` (log-probs only, no gradient: path C). W4 and W5 (trainer steps on a model)
-live in bench/w4.py and bench/w5.py. CPU runs use the GPU workloads scaled down by fixed factors (W1's float32
-logits alone are 10 GB); every scaled workload says so in its ``note``.
+A workload is a shape, a dtype and a kind of work: ``logprob`` (path A: per-token log-prob and entropy, forward +
+backward of ``sum(logp) + 0.01 * sum(entropy)``), ``loss`` (W1's GRPO policy loss, forward + backward) or ``forward``
+(path C: log-probs, no gradient). CPU runs scale the GPU workloads down by fixed factors, each saying so in its note.
 """
 
 from __future__ import annotations
@@ -54,11 +52,8 @@ class Workload:
         return Workload(**d)
 
 
-# Cost model: the LM-head GEMM is 2NHV FLOPs per pass over the logits (forward 2NHV, backward 4NHV: grad_h and
-# grad_W; one pass (path B) 6NHV; two passes (path A) recompute the logits: 8NHV). Throughput is reported on the
-# useful count, so a path that recomputes pays for it in TFLOP/s; ``flops_executed`` records what it really ran.
-# Bytes: a fused path must read h and W and write their gradients; a materialising one also writes and re-reads
-# the [N, V] logits (and their gradient) at least once each.
+# Cost model (bench/README.md): throughput is reported on the useful FLOPs, so a path that recomputes the logits pays
+# for it in TFLOP/s; ``flops_executed`` records what it really ran.
 
 def flops(wl: Workload, phase: str) -> float:
     """Useful FLOPs of one phase: 'fwd' 2NHV, 'bwd' 4NHV, 'total' 6NHV (forward-only: 2NHV total; a frozen head
@@ -71,22 +66,13 @@ def flops(wl: Workload, phase: str) -> float:
 
 
 def flops_executed(wl: Workload, path: str) -> float:
-    """FLOPs a provider actually runs: 'materialised' / 'one-pass' 6NHV, 'two-pass' 8NHV, 'forward' 2NHV (a
-    frozen head: 2NHV less, no weight-gradient GEMM)."""
-    nhv = float(wl.N) * wl.H * wl.V
-    if wl.kind == "forward":
-        return 2 * nhv
-    total = {"materialised": 6 * nhv, "one-pass": 6 * nhv, "two-pass": 8 * nhv}.get(path, 6 * nhv)
-    return total - 2 * nhv if wl.frozen_head else total
-
-
-def dtype_bytes(dtype: str) -> int:
-    return {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}[dtype]
+    """FLOPs a provider actually runs: the useful ones, plus 2NHV for a two-pass path's recomputed logits."""
+    return flops(wl, "total") + (2.0 * wl.N * wl.H * wl.V if path == "two-pass" and wl.kind != "forward" else 0.0)
 
 
 def bytes_moved(wl: Workload) -> dict[str, float]:
     """Lower bounds on memory traffic: inputs + outputs for a fused path, plus the logits for a materialising one."""
-    s = dtype_bytes(wl.dtype)
+    s = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}[wl.dtype]
     io = (wl.N * wl.H + wl.V * wl.H) * s  # read h and W
     if wl.kind != "forward":
         io *= 2  # and write grad_h, grad_W of the same sizes
@@ -97,18 +83,15 @@ def bytes_moved(wl: Workload) -> dict[str, float]:
 # GPU shapes (docs/design.md). Loss workloads split 16384 tokens into 16 sequences of 1024.
 _W1 = Workload("W1", "loss", 16384, 4096, 151936, "bfloat16", batch=16,
                note="GRPO loss dapo, beta 0.04 k3 KL, entropy 0.01; fwd+bwd")
-_W2 = Workload("W2", "loss", 16384, 896, 151936, "bfloat16", batch=16,
-               note="as W1, Qwen2.5-0.5B head")
+_W2 = Workload("W2", "loss", 16384, 896, 151936, "bfloat16", batch=16, note="as W1, Qwen2.5-0.5B head")
 _W1_LP = replace(_W1, name="W1-lp", kind="logprob", note="W1 shapes, log-prob + entropy fwd+bwd (path A)")
 _W2_LP = replace(_W2, name="W2-lp", kind="logprob", note="W2 shapes, log-prob + entropy fwd+bwd (path A)")
 _W3 = Workload("W3", "forward", 16384, 4096, 151936, "bfloat16", note="forward-only log-probs (path C)")
 _W1_FROZEN = replace(_W1, name="W1-frozen", frozen_head=True,
                      note="W1 with a frozen LM head (LoRA): gradient w.r.t. hidden only")
-# the GPU targets hold across micro-batch sizes: W1 / W2 (GRPO loss, sequences of 1024 tokens) at 2k-16k tokens
 SWEEP_LOSS_TOKENS = (2048, 4096, 8192, 16384)
 C1 = Workload("C1", "logprob", 4096, 512, 32768, "float32",
               note="CPU: log-prob + entropy fwd+bwd, loss sum(logp) + 0.01 sum(entropy)")
-# C1-loss, the fused loss's CPU target (bench/README.md): C1's shapes with W1's GRPO loss (16 sequences of 256 tokens)
 C1_LOSS = Workload("C1-loss", "loss", 4096, 512, 32768, "float32", batch=16,
                    note="CPU: C1 shapes, GRPO loss dapo, beta 0.04 k3 KL, entropy 0.01 (as W1); fwd+bwd")
 
@@ -127,39 +110,28 @@ def _sweeps(n_base: int, h_base: int, v_base: int, dtype: str, tokens, vocab, hi
     return out
 
 
-def loss_sweeps() -> list[Workload]:
-    """W1 (H=4096) and W2 (H=896) as GRPO losses over 1024-token sequences at 2k-16k tokens (the 16k points are
-    W1 and W2 themselves, measured once)."""
-    return [replace(base, name=f"{base.name}-{n}", N=n, batch=n // 1024, group=f"sweep-loss-h{base.H}",
-                    note=f"{base.note}; {n // 1024} sequences of 1024 tokens")
-            for base in (_W1, _W2) for n in SWEEP_LOSS_TOKENS]
-
-
 def gpu_workloads() -> list[Workload]:
-    """Everything at the GPU sizes of docs/design.md: W1-W3, W1 with a frozen head, the loss sweeps and the three
-    log-prob sweeps (bf16); W4 is bench/w4.py's."""
+    """Everything at the GPU sizes of docs/design.md: W1-W3, W1 with a frozen head, W1 and W2 as GRPO losses over
+    1024-token sequences at 2k-16k tokens, and the three log-prob sweeps (bf16)."""
+    loss_sweeps = [replace(base, name=f"{base.name}-{n}", N=n, batch=n // 1024, group=f"sweep-loss-h{base.H}",
+                           note=f"{base.note}; {n // 1024} sequences of 1024 tokens")
+                   for base in (_W1, _W2) for n in SWEEP_LOSS_TOKENS]
     sweeps = _sweeps(16384, 4096, 151936, "bfloat16", SWEEP_TOKENS, SWEEP_VOCAB, SWEEP_HIDDEN,
                      note="log-prob + entropy fwd+bwd")
-    return [_W1, _W1_LP, _W2, _W2_LP, _W3, _W1_FROZEN] + loss_sweeps() + sweeps
+    return [_W1, _W1_LP, _W2, _W2_LP, _W3, _W1_FROZEN] + loss_sweeps + sweeps
 
 
-def _r8(x: float) -> int:
-    return max(8, int(round(x / 8)) * 8)
-
-
-def _scaled(wl: Workload, fn: int, fh: int, fv: int, batch: int | None = None) -> Workload:
-    """``wl`` with N/fn, H/fh, V/fv tokens in float32, and a note saying so."""
-    return replace(wl, N=_r8(wl.N / fn), H=_r8(wl.H / fh), V=_r8(wl.V / fv), dtype="float32",
-                   batch=wl.batch if batch is None else batch,
+def _scaled(wl: Workload, fn: int, fh: int, fv: int, batch: int) -> Workload:
+    """``wl`` with N/fn, H/fh, V/fv (multiples of 8) in float32, and a note saying so."""
+    def r8(x: float) -> int:
+        return max(8, int(round(x / 8)) * 8)
+    return replace(wl, N=r8(wl.N / fn), H=r8(wl.H / fh), V=r8(wl.V / fv), dtype="float32", batch=batch,
                    note=f"{wl.note}; scaled down for CPU from N={wl.N} H={wl.H} V={wl.V} {wl.dtype} "
                         f"(N/{fn} H/{fh} V/{fv}, float32)")
 
 
 def cpu_workloads(quick: bool) -> list[Workload]:
-    """C1, C1-loss and CPU-sized versions of W1-W3 and the sweeps (quick: smaller still, three points per sweep).
-
-    Sweeps share their base point (the runner measures a shape once and reuses it under each name).
-    """
+    """C1, C1-loss and CPU-sized versions of W1-W3 and the sweeps (quick: smaller still, three points per sweep)."""
     fn, fh, fv = (32, 16, 8) if quick else (4, 8, 4)
     core = [_scaled(w, fn, fh, fv, batch=4 if quick else 8) for w in (_W1, _W2, _W3)]
     if quick:
