@@ -18,8 +18,8 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 
-__all__ = ["W4Shape", "Config", "shape_for", "run_point", "point_spec", "spawn_point", "spawn_points", "measure_points",
-           "point_row", "run", "print_points", "print_table", "write_points", "write_files", "TRAINERS"]
+__all__ = ["W4Shape", "Config", "shape_for", "run_point", "point_spec", "spawn_point", "measure_points", "point_row",
+           "run", "print_points", "print_table", "write_files", "TRAINERS"]
 
 TRAINERS = ("trl", "fastrl")
 LABELS = {"trl": "stock trl.GRPOTrainer (TRL 1.16 chunked LM head)", "fastrl": "fastrl.GRPOTrainer"}
@@ -246,7 +246,8 @@ def run_point(spec: dict) -> dict:
         text = str(e).lower()
         if not (isinstance(e, torch.OutOfMemoryError) or "out of memory" in text or "can't allocate memory" in text):
             raise
-        res.update(status="oom", reason=f"out of memory{where}: {measure_first_line(e)}")
+        first = (str(e).strip().splitlines() or [""])[0]
+        res.update(status="oom", reason=f"out of memory{where}: {type(e).__name__}: {first}"[:240])
         if cuda:
             res["peak_total_mb"] = torch.cuda.max_memory_allocated() / measure.MB
         return res
@@ -262,11 +263,6 @@ def run_point(spec: dict) -> dict:
     return res
 
 
-def measure_first_line(e: BaseException) -> str:
-    msg = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {msg[0] if msg else ''}"[:240]
-
-
 # The points, in the parent: W4's sweep here, W5's search in bench/w5.py
 
 def point_spec(s: W4Shape, which: str, L: int, device: str, *, reps: int = 1, warmup: int = 1, threads: int = 0,
@@ -277,20 +273,13 @@ def point_spec(s: W4Shape, which: str, L: int, device: str, *, reps: int = 1, wa
 
 
 def spawn_point(spec: dict, timeout_s: int) -> dict:
-    """One point in a fresh process (``spawn_points``)."""
-    return spawn_points([spec], timeout_s)[0]
-
-
-def spawn_points(specs: list[dict], timeout_s: int, jobs: int = 1) -> list[dict]:
-    """Each point in a fresh process (``bench.session_run.run_fresh``), ``jobs`` at a time; one the kernel killed
-    (SIGKILL) is an ``oom``."""
+    """One point in a fresh process (``bench.session_run.run_fresh``); one the kernel killed (SIGKILL) is an ``oom``."""
     from bench.session_run import run_fresh
 
-    out = run_fresh(specs, specs[0]["device"], timeout_s, jobs=jobs) if specs else []
-    for res in out:
-        if "exit code -9" in res.get("reason", ""):
-            res["status"], res["reason"] = "oom", res["reason"] + " (the kernel's OOM killer, most likely)"
-    return out
+    (res,) = run_fresh([spec], spec["device"], timeout_s)
+    if "exit code -9" in res.get("reason", ""):
+        res["status"], res["reason"] = "oom", res["reason"] + " (the kernel's OOM killer, most likely)"
+    return res
 
 
 def point_row(group: str, s: W4Shape, arch: str, c: Config, L, status: str, reason: str = "") -> dict:
@@ -308,31 +297,27 @@ def step_memory(row: dict, on: str) -> float | None:
 
 
 def measure_points(group: str, s: W4Shape, arch: str, configs, L: int, con, *, device: str, timeout_s: int,
-                   jobs: int = 1, options: dict | None = None, **spec) -> list[dict]:
-    """``configs`` of ``arch`` at completion length ``L``, each in a fresh process (``jobs`` at a time): their rows,
-    printed as they come (``spec``: ``point_spec``'s keywords)."""
+                   options: dict | None = None, **spec) -> list[dict]:
+    """``configs`` of ``arch`` at completion length ``L``, each in a fresh process: their rows, printed as they come
+    (``spec``: ``point_spec``'s keywords)."""
     from rich.markup import escape
 
-    t0 = time.perf_counter()
-    specs = [point_spec(s, c.trainer, L, device, kind=group, options={**(options or {}), **c.options()}, **spec)
-             for c in configs]
-    results = spawn_points(specs, timeout_s, jobs)
     rows = []
-    for c, res in zip(configs, results):
-        row = point_row(group, s, arch, c, L, res.get("status", "error"), res.get("reason", ""))
-        row.update({k: v for k, v in res.items() if k not in ("status", "reason")})
-        row["process_s"], row["loadavg"] = time.perf_counter() - t0, os.getloadavg()[0]
+    for c in configs:
+        spec_c = point_spec(s, c.trainer, L, device, kind=group, options={**(options or {}), **c.options()}, **spec)
+        row = {**point_row(group, s, arch, c, L, "error"), **spawn_point(spec_c, timeout_s),
+               "loadavg": os.getloadavg()[0]}
         ran = (row.get("tiled_mlp"), row.get("activation_offloading"))
         if row["status"] == "ok" and c.trainer == "fastrl" and ran != (c.tiled_mlp, c.activation_offloading):
             row["status"], row["reason"] = "error", (f"the worker ran tiled_mlp={ran[0]}, offloading={ran[1]}, "
                                                      f"not what {c.name} asks for")
+        head = f"{s.name:>12} {c.name:<15} {L:>7} tokens"
         if row["status"] == "ok":
-            con.print(f"{s.name:>12} {c.name:<15} {L:>7} tokens {row['step_ms']['median']:10.0f} ms "
-                      f"{row['peak_extra_mb']:9.1f} MB extra {row['peak_total_mb']:9.1f} MB peak")
+            con.print(f"{head} {row['step_ms']['median']:10.0f} ms {row['peak_extra_mb']:9.1f} MB extra "
+                      f"{row['peak_total_mb']:9.1f} MB peak")
         else:
             style = "red" if row["status"] == "error" else "dim"
-            con.print(f"[{style}]{s.name:>12} {c.name:<15} {L:>7} tokens {row['status']}: "
-                      f"{escape(row['reason'])}[/{style}]")
+            con.print(f"[{style}]{head} {row['status']}: {escape(row['reason'])}[/{style}]")
         rows.append(row)
     return rows
 
@@ -348,7 +333,7 @@ def add_ratios(rows: list[dict]) -> None:
 
 
 def run(s: W4Shape, device: str, con, *, reps: int = 1, warmup: int = 1, timeout_s: int = 900, threads: int = 0,
-        options: dict | None = None, jobs: int = 1) -> tuple[list[dict], dict]:
+        options: dict | None = None) -> tuple[list[dict], dict]:
     """Every (completion length, trainer) of ``s``, each in a fresh process; a trainer that ran out of memory or
     failed is not tried at longer completions. Returns rows, summary."""
     con.print(f"[bold]{s.name}[/bold]: {s.note}; V={s.vocab} H={s.hidden} layers={s.layers}, {s.completions} "
@@ -362,7 +347,7 @@ def run(s: W4Shape, device: str, con, *, reps: int = 1, warmup: int = 1, timeout
                 rows.append(point_row("w4", s, s.name, c, L, "skipped",
                                       f"not tried: failed already at {failed[c.name]} tokens"))
         todo = [c for c in W4_CONFIGS if c.name not in failed]
-        for row in measure_points("w4", s, s.name, todo, L, con, device=device, timeout_s=timeout_s, jobs=jobs,
+        for row in measure_points("w4", s, s.name, todo, L, con, device=device, timeout_s=timeout_s,
                                   options=options, reps=reps, warmup=warmup, threads=threads):
             if row["status"] == "ok":
                 row["fits_budget"] = row["peak_extra_mb"] <= s.budget_mb
@@ -429,54 +414,13 @@ CSV_COLUMNS = ["workload", "provider", "status", "reason", "completion_len", "co
                "device", "torch", "driver"]
 
 
-def write_points(out_dir, prefix: str, rows: list[dict], env: dict, columns: list[str], shapes: dict, budgets,
-                 on: str = "extra", plots: bool = True) -> list:
-    """``<prefix>.csv`` and, with matplotlib, ``<prefix>.png``: step memory (``on``; budgets as lines, x: out of
-    memory) and step time against the completion length, a line per shape (``shapes``: arch -> W4Shape) and config."""
+def write_files(out_dir, prefix: str, rows: list[dict], summary: dict, env: dict) -> list:
+    """``<prefix>.csv``: a row per point (the JSON holds the rest)."""
     from pathlib import Path
 
     from bench import report
 
-    written = [report.write_csv(Path(out_dir) / f"{prefix}.csv", rows, env, columns, nested=("step_ms",))]
-    try:
-        import matplotlib
-    except ImportError:
-        plots = False
-    if not plots:
-        return written
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_m, ax_t) = plt.subplots(1, 2, figsize=(12, 4.8))
-    for arch, c in dict.fromkeys((r["arch"], r["config"]) for r in rows if r["status"] == "ok"):
-        mine = [r for r in rows if (r["arch"], r["config"]) == (arch, c)]
-        x = [r["completion_len"] for r in mine if r["status"] == "ok"]
-        name = f"{arch} {c}" if len(shapes) > 1 else c
-        line, = ax_m.plot(x, [step_memory(r, on) for r in mine if r["status"] == "ok"], marker="o", label=name)
-        ax_t.plot(x, [r["step_ms"]["median"] / 1e3 for r in mine if r["status"] == "ok"], marker="o", label=name)
-        oom = [r["completion_len"] for r in mine if r["status"] == "oom"]
-        ax_m.plot(oom, [max(budgets)] * len(oom), "x", color=line.get_color())
-    for b in budgets:
-        ax_m.axhline(b, ls="--", color="gray", lw=1, label=f"budget {b:.0f} MB")
-    ax_m.set_ylabel("peak allocated during the step (weights + grads + activations), MB" if on == "total"
-                    else "peak extra memory of the step, MB")
-    ax_t.set_ylabel("step time, s")
-    for ax in (ax_m, ax_t):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel(f"completion tokens ({min(s.completions for s in shapes.values())} completions per step)")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle("one GRPO training step per point (x: out of memory); "
-                 + "; ".join(f"{s.name}: H={s.hidden} I={s.intermediate} layers={s.layers} V={s.vocab} {s.dtype}"
-                             for s in shapes.values()) + f"\n{env['device']} | torch {env['torch']}", fontsize=9)
-    report.save_figure(plt, fig, Path(out_dir) / f"{prefix}.png", written)
-    return written
-
-
-def write_files(out_dir, prefix: str, rows: list[dict], summary: dict, env: dict, plots: bool = True) -> list:
-    """``<prefix>.csv`` and ``<prefix>.png`` (memory and step time against the completion length)."""
-    s = W4Shape.from_dict(summary["shape"])
-    return write_points(out_dir, prefix, rows, env, CSV_COLUMNS, {s.name: s}, (s.budget_mb,), plots=plots)
+    return [report.write_csv(Path(out_dir) / f"{prefix}.csv", rows, env, CSV_COLUMNS, nested=("step_ms",))]
 
 
 def session_rows(pts: list[dict], deadline: float, session) -> list[dict]:

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
+from bench import report
 from bench.w4 import (GIB, QWEN25_05B, Config, W4Shape, add_ratios, measure_points, parse_lengths, point_row,
-                      print_points, step_memory, write_points)
+                      print_points, step_memory)
 
 __all__ = ["Config", "W5Plan", "CONFIGS", "plan_for", "longest_fit", "run", "summarize", "targets", "print_tables",
            "write_files", "cli"]
@@ -143,14 +145,10 @@ def longest_fit(fits, n: int, hint: int = -1) -> int:
 
 
 def run(plan: W5Plan, con) -> list[dict]:
-    """Every (architecture, budget, config): a search over the grid, one fresh process per point; returns the rows.
-
-    The longest fitting length is found by ``longest_fit`` (about 2 log2(grid) points per config, the long ones
-    few), starting from a length likely to fit: the same config's answer at the next smaller budget, or the best
-    answer of the configs before it (they go from most to least memory). A point that runs out of memory or fails
-    does not fit. Points are measured once and shared by every budget. Then the headline config is measured at
-    stock TRL's longest length too, for the time ratio.
-    """
+    """Every (architecture, budget, config): ``longest_fit`` over the grid, one fresh process per point, each point
+    measured once for every budget; the hint is the config's answer at the next smaller budget, else the best of
+    the configs before it (most memory first). A point that fails does not fit. The headline config is also
+    measured at stock TRL's longest length, for the time ratio. Returns the rows."""
     from rich.markup import escape
 
     cache: dict[tuple, dict] = {}
@@ -289,15 +287,13 @@ CSV_COLUMNS = ["workload", "arch", "config", "provider", "activation_offloading"
                "driver"]
 
 
-def write_files(out_dir, prefix: str, plan: W5Plan, rows: list[dict], env: dict, plots: bool = True) -> list:
-    """``<prefix>.csv`` and ``<prefix>.png`` (step memory against completion length, a panel per architecture)."""
-    return write_points(out_dir, prefix, rows, env, CSV_COLUMNS, plan.shapes, plan.budgets_mb, plan.budget_on, plots)
+def write_files(out_dir, prefix: str, rows: list[dict], env: dict) -> list:
+    """``<prefix>.csv``: a row per point (the JSON holds the rest)."""
+    return [report.write_csv(Path(out_dir) / f"{prefix}.csv", rows, env, CSV_COLUMNS, nested=("step_ms",))]
 
 
 def cli(args, device: str, con) -> int:
     """``python -m bench w5`` (``bench/__main__.py`` parses the shared options): its own search and files."""
-    from bench import report
-
     env = report.environment(device)
     out_dir = report.out_dir(args, env["device_slug"], args.command)
     prefix, mode = report.prefix("w5", args), report.mode(args)
@@ -325,6 +321,6 @@ def cli(args, device: str, con) -> int:
     con.print()
     print_tables(con, plan, rows, summary, tgt, f"W5 ({mode}): one GRPO training step per point | {env['device']} | "
                  f"torch {env['torch']} | driver {env['driver']} | step ms: {steps} after a warm-up")
-    written = write_files(out_dir, prefix, plan, rows, env, plots=not args.no_plots)
+    written = write_files(out_dir, prefix, rows, env)
     report.save_results(con, out_dir / f"{prefix}.json", payload, elapsed, written)
     return 1 if args.smoke and any(r["status"] == "error" for r in rows) else 0

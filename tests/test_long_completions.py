@@ -469,5 +469,5 @@ def test_w5_summary_and_targets(tmp_path):
     w5.print_tables(con, plan, rows, summary, w5.targets(plan, summary), "test")
     text = con.export_text()
     assert "4.00x" in text and ">=131072" in text and "FAIL" in text and "PASS" in text
-    files = w5.write_files(tmp_path, "w5", plan, rows, {"device": "test", "torch": "x", "driver": "y"}, plots=False)
+    files = w5.write_files(tmp_path, "w5", rows, {"device": "test", "torch": "x", "driver": "y"})
     assert files[0].read_text().count("\n") == len(rows) + 1
