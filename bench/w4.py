@@ -92,25 +92,6 @@ def with_overrides(s: W4Shape, lengths: str | None, budget_mb: float | None) -> 
 
 # One point, in the measuring process
 
-def _build_model(s: W4Shape):
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    cfg = Qwen2Config(vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.intermediate,
-                      num_hidden_layers=s.layers, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
-                      max_position_embeddings=max(32768, s.prompt_len + max(s.lengths)), rope_theta=1e6,
-                      rms_norm_eps=1e-6, tie_word_embeddings=s.tie_embeddings, pad_token_id=0, eos_token_id=1,
-                      bos_token_id=2)
-    cfg._attn_implementation = "sdpa"  # transformers' default: memory linear in the sequence length
-    model = Qwen2ForCausalLM(cfg).to(getattr(torch, s.dtype))
-    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 1
-    return model
-
-
-def _reward(completions, **kwargs):  # never called: the step starts from completions and advantages
-    return [0.0] * len(completions)
-
-
 def _enable_checkpointing(trainer) -> bool:
     """Activation checkpointing as ``Trainer.train`` switches it on (compute_loss alone would run without it); older
     transformers call it gradient checkpointing."""
@@ -142,15 +123,24 @@ def _inputs(s: W4Shape, L: int, device, seed: int) -> dict:
 
 
 def _trainer(spec: dict, s: W4Shape, which: str, L: int, cuda: bool):
-    """The trainer of one point (``which``: stock TRL or fastrl, fastrl with W5's options) on a fresh random model."""
+    """The trainer of one point (``which``: stock TRL or fastrl, fastrl with W5's options) on a fresh random Qwen2."""
     import torch
     import trl
     from datasets import Dataset
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     import fastrl
     from fastrl.testing import tiny_tokenizer
 
     torch.manual_seed(spec.get("seed", 0))
+    cfg = Qwen2Config(vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.intermediate,
+                      num_hidden_layers=s.layers, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
+                      max_position_embeddings=max(32768, s.prompt_len + max(s.lengths)), rope_theta=1e6,
+                      rms_norm_eps=1e-6, tie_word_embeddings=s.tie_embeddings, pad_token_id=0, eos_token_id=1,
+                      bos_token_id=2)
+    cfg._attn_implementation = "sdpa"  # transformers' default: memory linear in the sequence length
+    model = Qwen2ForCausalLM(cfg).to(getattr(torch, s.dtype))
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 1
     cls, cfg_cls = (trl.GRPOTrainer, trl.GRPOConfig) if which == "trl" else (fastrl.GRPOTrainer, fastrl.GRPOConfig)
     out_dir = tempfile.mkdtemp(prefix="fastrl-w4-")  # the trainer's (unused) output folder, gone at exit
     atexit.register(shutil.rmtree, out_dir, True)
@@ -162,7 +152,8 @@ def _trainer(spec: dict, s: W4Shape, which: str, L: int, cuda: bool):
         # fastrl's own options (W5: activation_offloading, tiled_mlp); bench-only keys are not config fields
         kw.update({k: v for k, v in spec.get("options", {}).items()
                    if k in ("fastrl_backend", "activation_offloading", "tiled_mlp") and v not in (None, False, 0)})
-    trainer = cls(model=_build_model(s), reward_funcs=_reward, args=cfg_cls(**kw),
+    # the reward is never called: the step starts from completions and advantages
+    trainer = cls(model=model, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=cfg_cls(**kw),
                   processing_class=tiny_tokenizer(s.vocab, model_max_length=1 << 16),
                   train_dataset=Dataset.from_dict({"prompt": ["w1"] * s.completions}))
     trainer.current_gradient_accumulation_steps = 1
@@ -175,30 +166,29 @@ def _timed_steps(step, model, inputs, reps: int, cuda: bool) -> dict:
 
     from bench import measure
 
-    times, extras, totals, bases, losses = [], [], [], [], []
-    for _ in range(reps):
+    def start() -> float:  # MB held as the step starts (CUDA: allocated; CPU: RSS), the peak counter reset
         model.zero_grad(set_to_none=True)
         gc.collect()
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-        else:
+        if not cuda:
             measure.trim()
-            base = measure.rss_mb() * measure.MB
             measure.reset_peak()
+            return measure.rss_mb()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated() / measure.MB
+
+    times, found, peaks, losses = [], [], [], []
+    for _ in range(reps):
+        found.append(start())
         t0 = time.perf_counter()
         losses.append(step(inputs))
         if cuda:
             torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
-        peak = torch.cuda.max_memory_allocated() if cuda else measure.peak_rss_mb() * measure.MB
-        bases.append(base / measure.MB)
-        extras.append((peak - base) / measure.MB)
-        totals.append(peak / measure.MB)
-    return {"step_ms": measure.summarize(times), "peak_extra_mb": max(extras), "peak_total_mb": max(totals),
-            "baseline_mb": min(bases), "loss_value": losses[0]}
+        peaks.append(torch.cuda.max_memory_allocated() / measure.MB if cuda else measure.peak_rss_mb())
+    return {"step_ms": measure.summarize(times), "peak_extra_mb": max(p - b for p, b in zip(peaks, found)),
+            "peak_total_mb": max(peaks), "baseline_mb": min(found), "loss_value": losses[0]}
 
 
 def run_point(spec: dict) -> dict:
@@ -414,13 +404,13 @@ CSV_COLUMNS = ["workload", "provider", "status", "reason", "completion_len", "co
                "device", "torch", "driver"]
 
 
-def write_files(out_dir, prefix: str, rows: list[dict], summary: dict, env: dict) -> list:
-    """``<prefix>.csv``: a row per point (the JSON holds the rest)."""
+def write_files(out_dir, prefix: str, rows: list[dict], env: dict, columns=CSV_COLUMNS) -> list:
+    """``<prefix>.csv``: a row per point in ``columns`` (W5 has its own), the JSON holds the rest."""
     from pathlib import Path
 
     from bench import report
 
-    return [report.write_csv(Path(out_dir) / f"{prefix}.csv", rows, env, CSV_COLUMNS, nested=("step_ms",))]
+    return [report.write_csv(Path(out_dir) / f"{prefix}.csv", rows, env, columns, nested=("step_ms",))]
 
 
 def session_rows(pts: list[dict], deadline: float, session) -> list[dict]:

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 
 from bench import report
 from bench.w4 import (GIB, QWEN25_05B, Config, W4Shape, add_ratios, measure_points, parse_lengths, point_row,
-                      print_points, step_memory)
+                      print_points, step_memory, write_files)
 
 __all__ = ["Config", "W5Plan", "CONFIGS", "plan_for", "longest_fit", "run", "summarize", "targets", "print_tables",
-           "write_files", "cli"]
+           "cli"]
 
 # Qwen2.5-1.5B (its config.json): tied embeddings, rope theta 1e6
 QWEN25_15B = dict(vocab=151936, hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960, tie_embeddings=True)
@@ -97,24 +96,26 @@ def _pick(option: str, what: str, text: str, known) -> list[str]:
     return want
 
 
-def with_overrides(plan: W5Plan, *, archs: str | None, lengths: str | None, budget_mb: float | None,
-                   reps: int | None, warmup: int | None, timeout_s: int | None, threads: int = 0,
-                   options: dict | None = None, configs: str | None = None) -> W5Plan:
-    if configs:
-        want = _pick("--providers", "configuration", configs, [c.name for c in plan.configs])
+def with_overrides(plan: W5Plan, args) -> W5Plan:
+    """The plan with the command line's ``--providers`` (configurations), ``--workload`` (architectures),
+    ``--lengths``, ``--budget-mb``, ``--reps``, ``--warmup``, ``--timeout``, ``--threads``, ``--fastrl-backend``."""
+    if args.providers:
+        want = _pick("--providers", "configuration", args.providers, [c.name for c in plan.configs])
         plan = replace(plan, configs=tuple(c for c in plan.configs if c.name in want))
-    if archs:
-        want = _pick("--workload", "architecture", archs, ARCHS if plan.device.startswith("cuda") else CPU_ARCHS)
+    if args.workload:
+        known = ARCHS if plan.device.startswith("cuda") else CPU_ARCHS
+        want = _pick("--workload", "architecture", args.workload, known)
         if plan.mode == "smoke":
             raise ValueError("w5 --workload: --smoke runs one tiny model; leave --workload out")
         plan = replace(plan, shapes={a: plan_for(plan.device, "full").shapes[a] for a in want})
-    if lengths:
-        plan = replace(plan, shapes={a: replace(s, lengths=parse_lengths(lengths)) for a, s in plan.shapes.items()})
-    if budget_mb:
-        plan = replace(plan, budgets_mb=(float(budget_mb),))
-    given = {"reps": reps, "warmup": warmup, "timeout_s": timeout_s}
-    return replace(plan, threads=threads, extra_options=dict(options or {}),
-                   **{k: v for k, v in given.items() if v is not None})
+    if args.lengths:
+        lengths = parse_lengths(args.lengths)
+        plan = replace(plan, shapes={a: replace(s, lengths=lengths) for a, s in plan.shapes.items()})
+    if args.budget_mb:
+        plan = replace(plan, budgets_mb=(float(args.budget_mb),))
+    given = {"reps": args.reps, "warmup": args.warmup, "timeout_s": args.timeout}
+    return replace(plan, threads=args.threads, **{k: v for k, v in given.items() if v is not None},
+                   extra_options={"fastrl_backend": args.fastrl_backend} if args.fastrl_backend else {})
 
 
 def longest_fit(fits, n: int, hint: int = -1) -> int:
@@ -287,21 +288,13 @@ CSV_COLUMNS = ["workload", "arch", "config", "provider", "activation_offloading"
                "driver"]
 
 
-def write_files(out_dir, prefix: str, rows: list[dict], env: dict) -> list:
-    """``<prefix>.csv``: a row per point (the JSON holds the rest)."""
-    return [report.write_csv(Path(out_dir) / f"{prefix}.csv", rows, env, CSV_COLUMNS, nested=("step_ms",))]
-
-
 def cli(args, device: str, con) -> int:
     """``python -m bench w5`` (``bench/__main__.py`` parses the shared options): its own search and files."""
     env = report.environment(device)
     out_dir = report.out_dir(args, env["device_slug"], args.command)
     prefix, mode = report.prefix("w5", args), report.mode(args)
-    options = {"fastrl_backend": args.fastrl_backend} if args.fastrl_backend else {}
     try:
-        plan = with_overrides(plan_for(device, mode), archs=args.workload, lengths=args.lengths,
-                              budget_mb=args.budget_mb, reps=args.reps, warmup=args.warmup, timeout_s=args.timeout,
-                              threads=args.threads, options=options, configs=args.providers)
+        plan = with_overrides(plan_for(device, mode), args)
     except ValueError as e:
         con.print(f"[red]{e}[/red]")
         return 2
@@ -321,6 +314,6 @@ def cli(args, device: str, con) -> int:
     con.print()
     print_tables(con, plan, rows, summary, tgt, f"W5 ({mode}): one GRPO training step per point | {env['device']} | "
                  f"torch {env['torch']} | driver {env['driver']} | step ms: {steps} after a warm-up")
-    written = write_files(out_dir, prefix, rows, env)
+    written = write_files(out_dir, prefix, rows, env, CSV_COLUMNS)
     report.save_results(con, out_dir / f"{prefix}.json", payload, elapsed, written)
     return 1 if args.smoke and any(r["status"] == "error" for r in rows) else 0
