@@ -18,7 +18,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 
-__all__ = ["W4Shape", "Config", "shape_for", "run_point", "point_spec", "spawn_point", "measure_points", "point_row",
+__all__ = ["W4Shape", "Config", "shape_for", "run_point", "point_spec", "spawn_point", "measure_point", "point_row",
            "run", "print_points", "print_table", "write_files", "TRAINERS"]
 
 TRAINERS = ("trl", "fastrl")
@@ -57,9 +57,6 @@ class Config:
     trainer: str  # "trl" | "fastrl"
     activation_offloading: bool = False
     tiled_mlp: int = 0
-
-    def options(self) -> dict:
-        return {"activation_offloading": self.activation_offloading, "tiled_mlp": self.tiled_mlp}
 
 
 W4_CONFIGS = tuple(Config(t, t) for t in TRAINERS)
@@ -286,30 +283,27 @@ def step_memory(row: dict, on: str) -> float | None:
     return row.get(f"peak_{on}_mb")
 
 
-def measure_points(group: str, s: W4Shape, arch: str, configs, L: int, con, *, device: str, timeout_s: int,
-                   options: dict | None = None, **spec) -> list[dict]:
-    """``configs`` of ``arch`` at completion length ``L``, each in a fresh process: their rows, printed as they come
-    (``spec``: ``point_spec``'s keywords)."""
+def measure_point(group: str, s: W4Shape, arch: str, c: Config, L: int, con, *, device: str, timeout_s: int,
+                  options: dict | None = None, **spec) -> dict:
+    """Config ``c`` of ``arch`` at completion length ``L`` in a fresh process: its row, printed as it comes (``spec``:
+    ``point_spec``'s keywords)."""
     from rich.markup import escape
 
-    rows = []
-    for c in configs:
-        spec_c = point_spec(s, c.trainer, L, device, kind=group, options={**(options or {}), **c.options()}, **spec)
-        row = {**point_row(group, s, arch, c, L, "error"), **spawn_point(spec_c, timeout_s),
-               "loadavg": os.getloadavg()[0]}
-        ran = (row.get("tiled_mlp"), row.get("activation_offloading"))
-        if row["status"] == "ok" and c.trainer == "fastrl" and ran != (c.tiled_mlp, c.activation_offloading):
-            row["status"], row["reason"] = "error", (f"the worker ran tiled_mlp={ran[0]}, offloading={ran[1]}, "
-                                                     f"not what {c.name} asks for")
-        head = f"{s.name:>12} {c.name:<15} {L:>7} tokens"
-        if row["status"] == "ok":
-            con.print(f"{head} {row['step_ms']['median']:10.0f} ms {row['peak_extra_mb']:9.1f} MB extra "
-                      f"{row['peak_total_mb']:9.1f} MB peak")
-        else:
-            style = "red" if row["status"] == "error" else "dim"
-            con.print(f"[{style}]{head} {row['status']}: {escape(row['reason'])}[/{style}]")
-        rows.append(row)
-    return rows
+    options = {**(options or {}), "activation_offloading": c.activation_offloading, "tiled_mlp": c.tiled_mlp}
+    row = {**point_row(group, s, arch, c, L, "error"), "loadavg": os.getloadavg()[0],
+           **spawn_point(point_spec(s, c.trainer, L, device, kind=group, options=options, **spec), timeout_s)}
+    ran = (row.get("tiled_mlp"), row.get("activation_offloading"))
+    if row["status"] == "ok" and c.trainer == "fastrl" and ran != (c.tiled_mlp, c.activation_offloading):
+        row["status"], row["reason"] = "error", (f"the worker ran tiled_mlp={ran[0]}, offloading={ran[1]}, not what "
+                                                 f"{c.name} asks for")
+    head = f"{s.name:>12} {c.name:<15} {L:>7} tokens"
+    if row["status"] == "ok":
+        con.print(f"{head} {row['step_ms']['median']:10.0f} ms {row['peak_extra_mb']:9.1f} MB extra "
+                  f"{row['peak_total_mb']:9.1f} MB peak")
+    else:
+        style = "red" if row["status"] == "error" else "dim"
+        con.print(f"[{style}]{head} {row['status']}: {escape(row['reason'])}[/{style}]")
+    return row
 
 
 def add_ratios(rows: list[dict]) -> None:
@@ -336,14 +330,13 @@ def run(s: W4Shape, device: str, con, *, reps: int = 1, warmup: int = 1, timeout
             if c.name in failed:
                 rows.append(point_row("w4", s, s.name, c, L, "skipped",
                                       f"not tried: failed already at {failed[c.name]} tokens"))
-        todo = [c for c in W4_CONFIGS if c.name not in failed]
-        for row in measure_points("w4", s, s.name, todo, L, con, device=device, timeout_s=timeout_s,
-                                  options=options, reps=reps, warmup=warmup, threads=threads):
-            if row["status"] == "ok":
-                row["fits_budget"] = row["peak_extra_mb"] <= s.budget_mb
+                continue
+            rows.append(measure_point("w4", s, s.name, c, L, con, device=device, timeout_s=timeout_s,
+                                      options=options, reps=reps, warmup=warmup, threads=threads))
+            if rows[-1]["status"] == "ok":
+                rows[-1]["fits_budget"] = rows[-1]["peak_extra_mb"] <= s.budget_mb
             else:
-                failed[row["config"]] = L
-            rows.append(row)
+                failed[c.name] = L
     for r in rows:
         r.update(label=LABELS[r["provider"]], budget_mb=s.budget_mb)
     add_ratios(rows)

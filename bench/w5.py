@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 
 from bench import report
-from bench.w4 import (GIB, QWEN25_05B, Config, W4Shape, add_ratios, measure_points, parse_lengths, point_row,
+from bench.w4 import (GIB, QWEN25_05B, Config, W4Shape, add_ratios, measure_point, parse_lengths, point_row,
                       print_points, step_memory, write_files)
 
 __all__ = ["Config", "W5Plan", "CONFIGS", "plan_for", "longest_fit", "run", "summarize", "targets", "print_tables",
@@ -158,9 +158,9 @@ def run(plan: W5Plan, con) -> list[dict]:
         s = plan.shapes[arch]
         key = (arch, c.name, s.lengths[i])
         if key not in cache:
-            (r,) = measure_points("w5", s, arch, [c], s.lengths[i], con, device=plan.device,
-                                  timeout_s=plan.timeout_s, options=plan.extra_options, reps=plan.reps,
-                                  warmup=plan.warmup, threads=plan.threads, warmup_len=plan.warmup_len or None)
+            r = measure_point("w5", s, arch, c, s.lengths[i], con, device=plan.device, timeout_s=plan.timeout_s,
+                              options=plan.extra_options, reps=plan.reps, warmup=plan.warmup, threads=plan.threads,
+                              warmup_len=plan.warmup_len or None)
             if r["status"] == "ok":
                 r["fits"] = {f"{b:.0f}": step_memory(r, plan.budget_on) <= b for b in plan.budgets_mb}
             cache[key] = r
@@ -251,32 +251,31 @@ def _x(v, f: str = ".2f") -> str:
 
 
 def print_tables(con, plan: W5Plan, rows: list[dict], summary: dict, tgt: dict, title: str) -> None:
+    """The points, then per architecture and budget the longest fit per config and the headline's ratios, then the
+    targets' verdicts."""
     from rich.table import Table
 
     print_points(con, rows, title, plan.budgets_mb, plan.budget_on, by=("arch", "config"))
     st = Table(title=f"W5: longest completion whose step fits the budget ({plan.budget_on} step memory; "
                      f"'>=': fits the longest grid length, the limit is higher)", header_style="bold")
-    names = [c.name for c in plan.configs]
-    for col in ("arch", "budget", *names, f"{plan.headline} / trl length", f"{plan.headline} / fastrl length",
-                f"{plan.headline} / trl time (at length)"):
+    names, h = [c.name for c in plan.configs], plan.headline
+    for col in ("arch", "budget", *names, f"{h} / trl length", f"{h} / fastrl length", f"{h} / trl time (at length)"):
         st.add_column(col, justify="left" if col == "arch" else "right")
     for arch, per in summary.items():
         for key, e in per.items():
             top = e["fits_largest_length_tried"]
             cells = [{"n/a": "n/a", None: "none"}.get(v, (">=" if top.get(n) else "") + str(v))
                      for n in names for v in [e["longest"].get(n)]]
+            at = f"{_x(e['time_ratio'])} (at {e['time_ratio_at']})" if "time_ratio" in e else ""
             st.add_row(arch, f"{float(key):.0f} MB", *cells, _x(e.get("length_ratio")),
-                       _x(e.get("length_ratio_vs_fastrl")),
-                       f"{_x(e['time_ratio'])} (at {e['time_ratio_at']})" if "time_ratio" in e else "")
+                       _x(e.get("length_ratio_vs_fastrl")), at)
     con.print(st)
     if not tgt.get("evaluated"):
         con.print(f"[yellow]no targets evaluated: {tgt.get('why')}[/yellow]")
     for c in tgt.get("checks", []):
         where = f"target {c['arch']} @ {c['budget_mb'] / GIB:.0f} GiB"
-        if not c["evaluated"]:
-            con.print(f"[red]{where}: not evaluated[/red]")
-            continue
-        con.print(f"{where}: {plan.headline} fits {c['length_ratio']:.2f}x trl's length (>= 3x"
+        con.print(f"[red]{where}: not evaluated[/red]" if not c["evaluated"] else
+                  f"{where}: {h} fits {c['length_ratio']:.2f}x trl's length (>= 3x"
                   f"{', a lower bound' if c['lower_bound'] else ''}) at {_x(c['time_ratio'])} its step time (<= 1.1x): "
                   + ("[green]PASS[/green]" if c["pass"] else "[red]FAIL[/red]"))
 
