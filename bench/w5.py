@@ -1,11 +1,8 @@
 """W5 (bench/README.md): the longest completion whose GRPO step fits a memory budget, per architecture and trainer
 configuration; each point a W4 point (``bench.w4``) with fastrl's memory options.
 
-    python -m bench w5                  # CUDA: Qwen2.5-0.5B and 1.5B, bf16, 8 completions, budgets 24 and 80 GiB
-                                        # CPU:  CPU-scaled architectures, float32, 2 completions, budget 280 MB
-    python -m bench w5 --quick          # CUDA: 0.5B at 24 GiB only; CPU: the 0.5B-scaled architecture only
-    python -m bench w5 --workload 1.5B --budget-mb 81920 --lengths 16384,32768,65536
-    python -m bench w5 --workload 0.5B --budget-mb 24576 --providers trl,fastrl+both --out DIR   # a slice
+    python -m bench w5 [--quick]     # CUDA: Qwen2.5-0.5B and 1.5B, budgets 24 and 80 GiB; CPU: scaled down, 280 MB
+    python -m bench w5 --workload 0.5B --budget-mb 24576 --providers trl,fastrl+both --lengths 4096,8192 --out DIR
 """
 
 from __future__ import annotations
