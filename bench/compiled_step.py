@@ -1,19 +1,12 @@
-"""``python -m bench compile``: one training step with fastrl inside ``torch.compile``, against the same step eager
-and against ``torch.compile`` of the materialised reference (docs/compile.md, bench/README.md).
+"""``python -m bench compile``: one training step (an MLP body, the LM head and W1's GRPO loss, backward, SGD) with
+fastrl inside ``torch.compile``, against the same step eager and the materialised reference, each variant in a fresh
+process; the variants and what is measured: docs/benchmarks.md#python--m-bench-compile.
 
-The step: a model body (one residual MLP block with RMSNorm, H -> 4H -> H) turns ``x [B, T, H]`` into hidden states;
-the LM head and the GRPO loss (dapo, beta 0.04 with k3 KL, entropy bonus 0.01, as W1) turn them into a loss (the
-compiled function); its backward; one in-place SGD update outside the compiled region. Variants: ``fastrl-eager``,
-``fastrl-nosync`` (eager, ``host_sync=False``: the path compiled steps take), ``fastrl-compile``
-(``fullgraph=True``), ``reference-eager``, ``reference-compile`` (``fastrl.reference``'s materialised ``[N, V]``
-logits); CUDA also ``-ro`` of both compiled ones (``mode="reduce-overhead"``: CUDA graphs). Per variant: the median
-step time after warm-up, the first (compiling) step's seconds, the first step's loss (equal across variants up to
-float32 rounding), CUDA peak memory above the inputs.
+    python -m bench compile [--variants fastrl-eager,fastrl-compile] [--shape B,T,H,V] [--reps 5] [--warmup 2]
 """
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
@@ -126,7 +119,6 @@ def run(device: str, variants, reps: int, warmup: int, shape=None, compile_backe
             rows.append(_measure(v, shape, device, reps, warmup, compile_backend))
         except Exception as e:  # report and go on: one variant failing must not hide the others
             rows.append({"variant": v, "error": f"{type(e).__name__}: {str(e)[:400]}"})
-        print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -148,7 +140,7 @@ def add_options(ap) -> None:
 
 
 def command(args, device: str, con=None) -> int:
-    """Measure (each variant in a fresh process: ``bench.session_run.run_fresh``), print the table, write
+    """Measure each variant in a fresh process (``bench.session_run.run_fresh``), print the table, write
     ``compile.json``."""
     from pathlib import Path
 
@@ -168,15 +160,12 @@ def command(args, device: str, con=None) -> int:
           f"{args.warmup} untimed")
     print(f"{'variant':22s} {'ms':>10s} {'vs fastrl-eager':>16s} {'first step s':>13s} {'loss':>12s}")
     for r in rows:
-        if "ms" not in r:
-            print(f"{r['variant']:22s} error: {r['error']}")
-            continue
-        ratio = f"{r['ms'] / eager:.2f}x" if eager else "-"
-        print(f"{r['variant']:22s} {r['ms']:10.1f} {ratio:>16s} {r['first_step_s']:13.1f} {r['first_loss']:12.6f}")
+        ratio = f"{r['ms'] / eager:.2f}x" if eager and "ms" in r else "-"
+        print(f"{r['variant']:22s} {r['ms']:10.1f} {ratio:>16s} {r['first_step_s']:13.1f} {r['first_loss']:12.6f}"
+              if "ms" in r else f"{r['variant']:22s} error: {r['error']}")
     # on a CPU, OMP_WAIT_POLICY=PASSIVE keeps inductor's OpenMP threads from spinning (docs/compile.md): recorded
     omp = {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
     report.write_json(out / "compile.json", {"command": "compile", "env": {**env, **omp}, "args": vars(args),
                                              "rows": rows, "doc": "bench/compiled_step.py"})
     print(f"wrote {out / 'compile.json'}")
     return 0 if all("ms" in r for r in rows) else 1
-

@@ -1,12 +1,8 @@
 """``python -m bench gap``: the gap between vLLM's log-probs and the trainer's as GRPO users meet it (TRL's colocated
 vLLM), for stock TRL, fastrl, and fastrl with vLLM's LM head in float32; sampling replay off and on; float32 and
-bf16 policies. The table and what it means: docs/vllm.md.
+bf16 policies; each configuration in a fresh process. What it measures: docs/benchmarks.md#python--m-bench-gap.
 
-Run it in the vLLM environment (``bash .ci/vllm-env.sh`` prints its python). Each configuration runs in a fresh
-process: a tiny Qwen2 saved to disk (``bench.vllm_cpu``), loaded by TRL and by vLLM; a few GRPO steps at learning
-rate 0 (every step measures the same numerics on fresh samples), top_k=20, top_p=0.9, temperature 1. The table
-gives TRL's metrics ``sampling/sampling_logp_difference/mean|max`` (|vLLM log-prob - trainer log-prob| of the
-sampled tokens) and ``sampling/importance_sampling_ratio/*``: their mean over steps (max for a max, min for a min).
+    PY=$(bash .ci/vllm-env.sh); $PY -m bench gap [--quick] [--steps N] [--dtypes float32]
 """
 
 from __future__ import annotations
@@ -109,21 +105,25 @@ def add_options(ap) -> None:
 
 
 def command(args, device: str, con) -> int:
+    """Each configuration in a fresh process, its table line printed as it finishes; ``gap.json``."""
     from bench import vllm_cpu
 
     if vllm_cpu.vllm_version() is None:
         con.print("[red]`python -m bench gap` needs vLLM: run it with the vLLM environment's python "
                   "(`PY=$(bash .ci/vllm-env.sh); $PY -m bench gap`)[/red]")
         return 2
-    env = report.environment("cpu")
-    env["vllm"] = vllm_cpu.vllm_version()
+    env = {**report.environment("cpu"), "vllm": vllm_cpu.vllm_version()}
     quick = bool(args.quick or args.smoke)
     steps = args.steps or (QUICK_STEPS if quick else STEPS)
     shape = QUICK_MODEL if quick else MODEL
     out_dir = Path(args.out) if args.out else report.new_out_dir(env["device_slug"], "gap")
-    prefix = report.prefix("gap", args)
-    rows = []
-    t0 = time.perf_counter()
+    con.print(f"sampler-trainer gap on {env['device']} (CPU) | vLLM {env['vllm']} (CPU build), TRL {env['trl']}, "
+              f"torch {env['torch']} | tiny Qwen2 V={shape['vocab_size']} H={shape['hidden_size']}, top_k=20 "
+              f"top_p=0.9, {steps} step(s) of 8 completions x 16 tokens, learning rate 0")
+    # 120 columns: dtypes short (bf16, fp32), the IS ratio's min and max to 2 digits (gap.json has them whole)
+    con.print(f"{'policy':<7}{'trainer':<29}{'vLLM / head':<13}{'replay':<9}{'gap mean':>9}{'gap max':>9}"
+              f"{'IS ratio mean [min, max]':>28}{'kept':>6}{'step s':>8}")
+    rows, t0 = [], time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="fastrl-gap-models-") as tmp:
         dirs = {dtype: vllm_cpu.save_tiny_qwen2(Path(tmp) / dtype, dtype=dtype, **shape)
                 for dtype in args.dtypes.split(",")}
@@ -131,39 +131,25 @@ def command(args, device: str, con) -> int:
         for i, c in enumerate(configurations(tuple(dirs))):
             spec = {**c, "kind": "gap", "model_dir": dirs[c["dtype"]], "steps": steps, "out_dir": f"{tmp}/out-{i}"}
             (res,) = run_fresh([spec], "cpu", args.timeout or 1200, run=fresh)
-            row = {**c, **res, "status": res.get("status", "ok")}
-            rows.append(row)
-            gap = row.get(METRICS[0])
-            con.print(f"{c['dtype']:<9} {row['label']:<28} replay {c['replay']:<8} "
-                      + (f"[red]{row.get('reason')}[/red]" if row["status"] != "ok" else
-                         f"gap {gap:.3g} nats, {row['step_s']:.2f} s/step" if gap is not None else
-                         f"no gap metrics, {row['step_s']:.2f} s/step"))
+            rows.append({**c, **res, "status": res.get("status", "ok")})
+            con.print(_line(rows[-1]))
     elapsed = time.perf_counter() - t0
-    print_table(con, rows, env, steps, shape)
-    report.save_results(con, out_dir / f"{prefix}.json", {"command": "gap", "argv": getattr(args, "argv", []),
-                                                          "env": env, "model": shape, "steps": steps,
-                                                          "elapsed_s": elapsed, "rows": rows}, elapsed)
+    report.save_results(con, out_dir / f"{report.prefix('gap', args)}.json",
+                        {"command": "gap", "argv": getattr(args, "argv", []), "env": env, "model": shape,
+                         "steps": steps, "elapsed_s": elapsed, "rows": rows}, elapsed)
     return 1 if any(r["status"] != "ok" for r in rows) else 0
 
 
-def print_table(con, rows: list[dict], env: dict, steps: int, shape: dict) -> None:
-    con.print()
-    con.print(f"sampler-trainer gap on {env['device']} (CPU) | vLLM {env['vllm']} (CPU build), TRL {env['trl']}, "
-              f"torch {env['torch']} | tiny Qwen2 V={shape['vocab_size']} H={shape['hidden_size']}, top_k=20 "
-              f"top_p=0.9, {steps} step(s) of 8 completions x 16 tokens, learning rate 0")
-    # 120 columns: dtypes short (bf16, fp32), the IS ratio's min and max to 2 digits (gap.json has them whole)
-    con.print(f"{'policy':<7}{'trainer':<29}{'vLLM / head':<13}{'replay':<9}{'gap mean':>9}{'gap max':>9}"
-              f"{'IS ratio mean [min, max]':>28}{'kept':>6}{'step s':>8}")
-    for r in rows:
-        if r["status"] != "ok":
-            con.print(f"{_short(r['dtype']):<7}{r['label']:<29}{'':<13}{r['replay']:<9}[red]{r.get('reason')}[/red]")
-            continue
-        gap = (f"{r[METRICS[0]]:>9.3g}{r[METRICS[1]]:>9.3g}" if METRICS[0] in r else f"{'-':>9}{'-':>9}")
-        ratio = f"{r[METRICS[2]]:.3g} [{r[METRICS[3]]:.2g}, {r[METRICS[4]]:.2g}]" if METRICS[2] in r else "-"
-        kept = f"{r[METRICS[5]]:.1f}" if METRICS[5] in r else "-"
-        con.print(f"{_short(r['dtype']):<7}{r['label']:<29}"
-                  f"{_short(r['vllm_dtype']) + ' / ' + _short(r['vllm_head_dtype']):<13}"
-                  f"{r['replay']:<9}{gap}{ratio:>28}{kept:>6}{r['step_s']:>8.2f}")
+def _line(r: dict) -> str:
+    """A configuration's line of the table."""
+    if r["status"] != "ok":
+        return f"{_short(r['dtype']):<7}{r['label']:<29}{'':<13}{r['replay']:<9}[red]{r.get('reason')}[/red]"
+    m = [r.get(k) for k in METRICS]
+    gap = f"{m[0]:>9.3g}{m[1]:>9.3g}" if m[0] is not None else f"{'-':>9}{'-':>9}"
+    ratio = f"{m[2]:.3g} [{m[3]:.2g}, {m[4]:.2g}]" if m[2] is not None else "-"
+    engine = f"{_short(r['vllm_dtype'])} / {_short(r['vllm_head_dtype'])}"
+    return (f"{_short(r['dtype']):<7}{r['label']:<29}{engine:<13}{r['replay']:<9}{gap}{ratio:>28}"
+            f"{'-' if m[5] is None else format(m[5], '.1f'):>6}{r['step_s']:>8.2f}")
 
 
 def _short(dtype: str) -> str:

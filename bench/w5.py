@@ -1,11 +1,8 @@
 """W5 (bench/README.md): the longest completion whose GRPO step fits a memory budget, per architecture and trainer
 configuration; each point a W4 point (``bench.w4``) with fastrl's memory options.
 
-    python -m bench w5                  # CUDA: Qwen2.5-0.5B and 1.5B, bf16, 8 completions, budgets 24 and 80 GiB
-                                        # CPU:  CPU-scaled architectures, float32, 2 completions, budget 280 MB
-    python -m bench w5 --quick          # CUDA: 0.5B at 24 GiB only; CPU: the 0.5B-scaled architecture only
-    python -m bench w5 --workload 1.5B --budget-mb 81920 --lengths 16384,32768,65536
-    python -m bench w5 --workload 0.5B --budget-mb 24576 --providers trl,fastrl+both --out DIR   # a slice
+    python -m bench w5 [--quick]     # CUDA: Qwen2.5-0.5B and 1.5B, budgets 24 and 80 GiB; CPU: scaled down, 280 MB
+    python -m bench w5 --workload 0.5B --budget-mb 24576 --providers trl,fastrl+both --lengths 4096,8192 --out DIR
 """
 
 from __future__ import annotations
@@ -13,11 +10,12 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field, replace
 
-from bench.w4 import (GIB, QWEN25_05B, Config, W4Shape, add_ratios, measure_points, parse_lengths, point_row,
-                      print_points, step_memory, write_points)
+from bench import report
+from bench.w4 import (GIB, QWEN25_05B, Config, W4Shape, add_ratios, measure_point, parse_lengths, point_row,
+                      print_points, step_memory, write_files)
 
 __all__ = ["Config", "W5Plan", "CONFIGS", "plan_for", "longest_fit", "run", "summarize", "targets", "print_tables",
-           "write_files", "cli"]
+           "cli"]
 
 # Qwen2.5-1.5B (its config.json): tied embeddings, rope theta 1e6
 QWEN25_15B = dict(vocab=151936, hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960, tie_embeddings=True)
@@ -95,24 +93,26 @@ def _pick(option: str, what: str, text: str, known) -> list[str]:
     return want
 
 
-def with_overrides(plan: W5Plan, *, archs: str | None, lengths: str | None, budget_mb: float | None,
-                   reps: int | None, warmup: int | None, timeout_s: int | None, threads: int = 0,
-                   options: dict | None = None, configs: str | None = None) -> W5Plan:
-    if configs:
-        want = _pick("--providers", "configuration", configs, [c.name for c in plan.configs])
+def with_overrides(plan: W5Plan, args) -> W5Plan:
+    """The plan with the command line's ``--providers`` (configurations), ``--workload`` (architectures),
+    ``--lengths``, ``--budget-mb``, ``--reps``, ``--warmup``, ``--timeout``, ``--threads``, ``--fastrl-backend``."""
+    if args.providers:
+        want = _pick("--providers", "configuration", args.providers, [c.name for c in plan.configs])
         plan = replace(plan, configs=tuple(c for c in plan.configs if c.name in want))
-    if archs:
-        want = _pick("--workload", "architecture", archs, ARCHS if plan.device.startswith("cuda") else CPU_ARCHS)
+    if args.workload:
+        known = ARCHS if plan.device.startswith("cuda") else CPU_ARCHS
+        want = _pick("--workload", "architecture", args.workload, known)
         if plan.mode == "smoke":
             raise ValueError("w5 --workload: --smoke runs one tiny model; leave --workload out")
         plan = replace(plan, shapes={a: plan_for(plan.device, "full").shapes[a] for a in want})
-    if lengths:
-        plan = replace(plan, shapes={a: replace(s, lengths=parse_lengths(lengths)) for a, s in plan.shapes.items()})
-    if budget_mb:
-        plan = replace(plan, budgets_mb=(float(budget_mb),))
-    given = {"reps": reps, "warmup": warmup, "timeout_s": timeout_s}
-    return replace(plan, threads=threads, extra_options=dict(options or {}),
-                   **{k: v for k, v in given.items() if v is not None})
+    if args.lengths:
+        lengths = parse_lengths(args.lengths)
+        plan = replace(plan, shapes={a: replace(s, lengths=lengths) for a, s in plan.shapes.items()})
+    if args.budget_mb:
+        plan = replace(plan, budgets_mb=(float(args.budget_mb),))
+    given = {"reps": args.reps, "warmup": args.warmup, "timeout_s": args.timeout}
+    return replace(plan, threads=args.threads, **{k: v for k, v in given.items() if v is not None},
+                   extra_options={"fastrl_backend": args.fastrl_backend} if args.fastrl_backend else {})
 
 
 def longest_fit(fits, n: int, hint: int = -1) -> int:
@@ -143,14 +143,10 @@ def longest_fit(fits, n: int, hint: int = -1) -> int:
 
 
 def run(plan: W5Plan, con) -> list[dict]:
-    """Every (architecture, budget, config): a search over the grid, one fresh process per point; returns the rows.
-
-    The longest fitting length is found by ``longest_fit`` (about 2 log2(grid) points per config, the long ones
-    few), starting from a length likely to fit: the same config's answer at the next smaller budget, or the best
-    answer of the configs before it (they go from most to least memory). A point that runs out of memory or fails
-    does not fit. Points are measured once and shared by every budget. Then the headline config is measured at
-    stock TRL's longest length too, for the time ratio.
-    """
+    """Every (architecture, budget, config): ``longest_fit`` over the grid, one fresh process per point, each point
+    measured once for every budget; the hint is the config's answer at the next smaller budget, else the best of
+    the configs before it (most memory first). A point that fails does not fit. The headline config is also
+    measured at stock TRL's longest length, for the time ratio. Returns the rows."""
     from rich.markup import escape
 
     cache: dict[tuple, dict] = {}
@@ -159,9 +155,9 @@ def run(plan: W5Plan, con) -> list[dict]:
         s = plan.shapes[arch]
         key = (arch, c.name, s.lengths[i])
         if key not in cache:
-            (r,) = measure_points("w5", s, arch, [c], s.lengths[i], con, device=plan.device,
-                                  timeout_s=plan.timeout_s, options=plan.extra_options, reps=plan.reps,
-                                  warmup=plan.warmup, threads=plan.threads, warmup_len=plan.warmup_len or None)
+            r = measure_point("w5", s, arch, c, s.lengths[i], con, device=plan.device, timeout_s=plan.timeout_s,
+                              options=plan.extra_options, reps=plan.reps, warmup=plan.warmup, threads=plan.threads,
+                              warmup_len=plan.warmup_len or None)
             if r["status"] == "ok":
                 r["fits"] = {f"{b:.0f}": step_memory(r, plan.budget_on) <= b for b in plan.budgets_mb}
             cache[key] = r
@@ -252,32 +248,31 @@ def _x(v, f: str = ".2f") -> str:
 
 
 def print_tables(con, plan: W5Plan, rows: list[dict], summary: dict, tgt: dict, title: str) -> None:
+    """The points, then per architecture and budget the longest fit per config and the headline's ratios, then the
+    targets' verdicts."""
     from rich.table import Table
 
     print_points(con, rows, title, plan.budgets_mb, plan.budget_on, by=("arch", "config"))
     st = Table(title=f"W5: longest completion whose step fits the budget ({plan.budget_on} step memory; "
                      f"'>=': fits the longest grid length, the limit is higher)", header_style="bold")
-    names = [c.name for c in plan.configs]
-    for col in ("arch", "budget", *names, f"{plan.headline} / trl length", f"{plan.headline} / fastrl length",
-                f"{plan.headline} / trl time (at length)"):
+    names, h = [c.name for c in plan.configs], plan.headline
+    for col in ("arch", "budget", *names, f"{h} / trl length", f"{h} / fastrl length", f"{h} / trl time (at length)"):
         st.add_column(col, justify="left" if col == "arch" else "right")
     for arch, per in summary.items():
         for key, e in per.items():
             top = e["fits_largest_length_tried"]
             cells = [{"n/a": "n/a", None: "none"}.get(v, (">=" if top.get(n) else "") + str(v))
                      for n in names for v in [e["longest"].get(n)]]
+            at = f"{_x(e['time_ratio'])} (at {e['time_ratio_at']})" if "time_ratio" in e else ""
             st.add_row(arch, f"{float(key):.0f} MB", *cells, _x(e.get("length_ratio")),
-                       _x(e.get("length_ratio_vs_fastrl")),
-                       f"{_x(e['time_ratio'])} (at {e['time_ratio_at']})" if "time_ratio" in e else "")
+                       _x(e.get("length_ratio_vs_fastrl")), at)
     con.print(st)
     if not tgt.get("evaluated"):
         con.print(f"[yellow]no targets evaluated: {tgt.get('why')}[/yellow]")
     for c in tgt.get("checks", []):
         where = f"target {c['arch']} @ {c['budget_mb'] / GIB:.0f} GiB"
-        if not c["evaluated"]:
-            con.print(f"[red]{where}: not evaluated[/red]")
-            continue
-        con.print(f"{where}: {plan.headline} fits {c['length_ratio']:.2f}x trl's length (>= 3x"
+        con.print(f"[red]{where}: not evaluated[/red]" if not c["evaluated"] else
+                  f"{where}: {h} fits {c['length_ratio']:.2f}x trl's length (>= 3x"
                   f"{', a lower bound' if c['lower_bound'] else ''}) at {_x(c['time_ratio'])} its step time (<= 1.1x): "
                   + ("[green]PASS[/green]" if c["pass"] else "[red]FAIL[/red]"))
 
@@ -289,23 +284,13 @@ CSV_COLUMNS = ["workload", "arch", "config", "provider", "activation_offloading"
                "driver"]
 
 
-def write_files(out_dir, prefix: str, plan: W5Plan, rows: list[dict], env: dict, plots: bool = True) -> list:
-    """``<prefix>.csv`` and ``<prefix>.png`` (step memory against completion length, a panel per architecture)."""
-    return write_points(out_dir, prefix, rows, env, CSV_COLUMNS, plan.shapes, plan.budgets_mb, plan.budget_on, plots)
-
-
 def cli(args, device: str, con) -> int:
     """``python -m bench w5`` (``bench/__main__.py`` parses the shared options): its own search and files."""
-    from bench import report
-
     env = report.environment(device)
     out_dir = report.out_dir(args, env["device_slug"], args.command)
     prefix, mode = report.prefix("w5", args), report.mode(args)
-    options = {"fastrl_backend": args.fastrl_backend} if args.fastrl_backend else {}
     try:
-        plan = with_overrides(plan_for(device, mode), archs=args.workload, lengths=args.lengths,
-                              budget_mb=args.budget_mb, reps=args.reps, warmup=args.warmup, timeout_s=args.timeout,
-                              threads=args.threads, options=options, configs=args.providers)
+        plan = with_overrides(plan_for(device, mode), args)
     except ValueError as e:
         con.print(f"[red]{e}[/red]")
         return 2
@@ -325,6 +310,6 @@ def cli(args, device: str, con) -> int:
     con.print()
     print_tables(con, plan, rows, summary, tgt, f"W5 ({mode}): one GRPO training step per point | {env['device']} | "
                  f"torch {env['torch']} | driver {env['driver']} | step ms: {steps} after a warm-up")
-    written = write_files(out_dir, prefix, plan, rows, env, plots=not args.no_plots)
+    written = write_files(out_dir, prefix, rows, env, CSV_COLUMNS)
     report.save_results(con, out_dir / f"{prefix}.json", payload, elapsed, written)
     return 1 if args.smoke and any(r["status"] == "error" for r in rows) else 0

@@ -433,7 +433,7 @@ def test_w5_summary_and_targets(tmp_path):
     from rich.console import Console
 
     from bench import w5
-    from bench.w4 import point_row
+    from bench.w4 import point_row, write_files
 
     plan = w5.plan_for("cuda", "full")
     grid = plan.shapes["0.5B"].lengths
@@ -469,5 +469,5 @@ def test_w5_summary_and_targets(tmp_path):
     w5.print_tables(con, plan, rows, summary, w5.targets(plan, summary), "test")
     text = con.export_text()
     assert "4.00x" in text and ">=131072" in text and "FAIL" in text and "PASS" in text
-    files = w5.write_files(tmp_path, "w5", plan, rows, {"device": "test", "torch": "x", "driver": "y"}, plots=False)
+    files = write_files(tmp_path, "w5", rows, {"device": "test", "torch": "x", "driver": "y"}, w5.CSV_COLUMNS)
     assert files[0].read_text().count("\n") == len(rows) + 1
