@@ -314,7 +314,7 @@ def _measure(args, device: str, con) -> int:
             con.print()
         _w4_summary(cfg, env, w4_rows, w4_sum, con)
         w4_prefix = prefix if args.command == "w4" else f"{prefix}-w4"
-        written += w4.write_files(out_dir, w4_prefix, w4_rows, w4_sum, env, plots=not args.no_plots)
+        written += w4.write_files(out_dir, w4_prefix, w4_rows, env)
     report.save_results(con, out_dir / f"{prefix}.json", payload, elapsed, written + plots)
     return 1 if args.smoke and any(r["status"] == "error" for r in rows + w4_rows) else 0
 

@@ -7,7 +7,7 @@
 * ``triton``: either of the two, chosen here (``choose_triton``): hybrid where cuBLAS can write float32
   logits from bf16 operands (CUDA, torch >= 2.8), fused otherwise. On an H100 cuBLAS ran those GEMMs at
   701 TFLOP/s (H=4096) where the fused forward reached 486 (docs/gpu-map.md); the fused kernels stay
-  selectable by name so both can be measured side by side (``python -m bench gpu``).
+  selectable by name so both can be measured side by side (``python -m bench session``).
 * ``triton-sm90``: persistent Triton kernels fed by TMA tensor descriptors (``fastrl.ops.sm90``): no logit stored in
   the forward or the log-prob backward, and a half-size scaled-exp tile in the one-pass loss. Hopper or newer (or
   the interpreter), 16-byte aligned rows; refused with a clear error elsewhere, never chosen by ``auto`` (proven by
