@@ -29,14 +29,10 @@ RESTART = 3  # a measuring process exits with this after a CUDA fault: the paren
 
 
 def _child_env(interpret: bool) -> dict:
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the other commands measure what users run
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env["PYTHONUNBUFFERED"] = "1"
-    if interpret:
-        env["TRITON_INTERPRET"] = "1"  # a smoke session interprets the Triton kernels on CPU tensors
-    else:
-        env.pop("TRITON_INTERPRET", None)  # the other commands measure what users run
-    return env
+    return {**env, "TRITON_INTERPRET": "1"} if interpret else env  # a smoke session interprets them on CPU tensors
 
 
 def append_rows(path: Path, rows: list[dict]) -> None:
@@ -178,8 +174,8 @@ def run_points(name: str, pts: list[dict], deadline: float, run, bounds: dict) -
 
 @dataclass
 class Fresh:
-    """What ``run_points`` needs of a command that is not a session: one point per process, its rows file and the
-    processes' specs in a scratch folder, their output kept out of the console (the command prints its own lines)."""
+    """What ``run_points`` needs of a command that is not a session: one point per process, specs and rows in a scratch
+    folder, their output kept out of the console (the command prints its own lines)."""
     device: str
     con: object = None
     smoke: bool = False
@@ -189,9 +185,7 @@ class Fresh:
     work: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="fastrl-bench-")))
     ids: Iterator[int] = field(default_factory=itertools.count)  # points are numbered across calls on one run
 
-    @property
-    def rows_path(self) -> Path:
-        return self.work / "points.rows.jsonl"
+    rows_path = property(lambda self: self.work / "points.rows.jsonl")
 
     def say(self, text: str) -> None:
         if self.con is not None:
