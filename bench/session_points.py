@@ -317,7 +317,8 @@ def _inject_fault(point_id: str) -> None:
 
 def _pruning_times(rows_path: str) -> dict:
     """A restarted process: the configs rows of the last one still decide pruning."""
-    rows = [json.loads(x) for x in Path(rows_path).read_text().splitlines() if x.strip()]
+    path = Path(rows_path)  # a fresh command's rows file begins with its first point
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
     return {(r.get("implementation"), r.get("config"), r["workload"], r["provider"]): r["total_ms"]["median"]
             for r in rows if r.get("status") == "ok" and "total_ms" in r and r.get("section") == "configs"}
 
