@@ -92,9 +92,8 @@ def candidates_for(kernels, smoke: bool) -> list[str]:
 
 
 def _lmhead_points(section: str, smoke: bool, impls: list[str], tunable: dict, builtin: str) -> list[tuple]:
-    """(workload, provider, implementation, config, probe) of W1-W3: the tournament at the default configurations;
-    configs and autotune with the log-prob workloads first (smoke: only them), each workload's candidates after the
-    built-in choice and each implementation at its built-in configuration (what bench/defaults.py judges them by)."""
+    """(workload, provider, implementation, config, probe) of W1-W3; in configs, each workload's candidates come after
+    the built-in choice and each implementation at its default (what bench/defaults.py judges them by)."""
     out = []
     for wl in WORKLOAD_ORDER if section == "tournament" else CONFIG_ORDER[:2] if smoke else CONFIG_ORDER:
         loss = wl in ("W1", "W2")
@@ -168,9 +167,8 @@ def estimate(section: str, c: Costs, pts: list[dict]) -> float:
 
 
 def point_bounds(section: str, c: Costs, pts: list[dict]) -> dict[str, float]:
-    """The watchdog: seconds each point may run before its process is killed (``watchdog_factor`` x its estimate
-    + ``watchdog_floor``; an implementation's or configuration's first point also compiles its kernels), and under
-    ``"start"`` the seconds a process may take to begin its first point."""
+    """The watchdog: seconds each point may run (``watchdog_factor`` x its estimate, a first point's compiling
+    included, + ``watchdog_floor``); ``"start"``: the seconds a process may take to begin its first point."""
     seen: set = set()
     out = {"start": c.watchdog_factor * (c.process + c.trl_import) + c.watchdog_floor}
     for p in pts:
@@ -214,8 +212,7 @@ def add_options(ap) -> None:
 
 
 def _wanted(spec: str | None) -> tuple[list[str], bool]:
-    """(the sections, in SECTIONS order; whether the checks are quick: one case per implementation, to learn which
-    kernels it runs, where the checks were not named themselves)."""
+    """(the sections, in SECTIONS order; quick checks: one case per implementation, to learn which kernels it runs)."""
     names = [s.strip() for s in (spec or ",".join(SECTIONS)).split(",") if s.strip()]
     bad = [s for s in names if s not in SECTIONS]
     if bad:
@@ -270,9 +267,8 @@ class SessionRun:
         self.say(f"[yellow]dropped {section}: {why}; run it later with --sections {section}[/yellow]")
 
     def next_section(self) -> str | None:
-        """The next section to start, after dropping whole sections from the end while the ones not yet started
-        would not fit in the time left (the earlier sections may have run long); the first of them runs what fits
-        of it while any time is left."""
+        """The next section to start, after dropping from the end the sections that no longer fit in the time left;
+        the first of them runs what fits of it while any time is left."""
         while self.pending and self.pending[-1] not in ALWAYS and (len(self.pending) > 1 or self.left() <= 0) \
                 and sum(self.est[s] for s in self.pending) > self.left():
             s = self.pending.pop()

@@ -34,9 +34,7 @@ PRUNE = 1.3  # a candidate configuration this much slower than the default at it
 
 
 def lmhead_workloads(smoke: bool) -> dict[str, W.Workload]:
-    """W1, W1-lp, W2, W2-lp, W3 (GPU sizes); smoke: 32 tokens in float32, V=512, H=64 for W1's and 32 for W2's (two H
-    values, so the H ranges of the defaults table are exercised too; few tokens, since the interpreter runs one
-    program per row in the hybrid's folds)."""
+    """W1, W1-lp, W2, W2-lp, W3; smoke: 32 tokens in float32, V=512, two H (64, 32: the defaults table's H ranges)."""
     return {wl.name: replace(W.tiny(wl), name=wl.name, N=32, batch=min(wl.batch, 2), H=64 if wl.H == 4096 else 32)
             if smoke else wl for wl in W.gpu_workloads() if wl.name in ("W1", "W1-lp", "W2", "W2-lp", "W3")}
 
@@ -226,9 +224,8 @@ RUN_POINT = {"w4": ("bench.w4", "run_point"), "w5": ("bench.w4", "run_point"), "
 
 
 def run_spec(spec: dict) -> dict:
-    """One point of another command, by ``spec["kind"]``: ``RUN_POINT`` (a trainer step of ``w4`` / ``w5``, a point of
-    ``divergence``, ``keptset``, ``compile``, a configuration of ``gap``), else a provider on a workload or the
-    ``matmul`` floor (``run``, ``c1``, ``gpu``)."""
+    """One point of another command: ``RUN_POINT[spec["kind"]]``, else a provider on a workload or the ``matmul``
+    floor (``run``, ``c1``)."""
     if spec.get("kind") not in RUN_POINT:
         return _provider_point(spec)
     module, fn = RUN_POINT[spec["kind"]]

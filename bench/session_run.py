@@ -1,7 +1,7 @@
-"""The benchmarks' harness: measuring processes (``python -m bench.session_points``), their rows, their watchdog.
+"""The benchmarks' one harness: measuring processes (``bench.session_points``), rows as they finish, a watchdog.
 
-``run_points`` runs one section of ``python -m bench session`` in as few processes as it takes; ``run_fresh`` runs
-the other commands' points one fresh process each, under the same watchdog (docs/gpu-window.md, Faults).
+``run_points``: one section of ``python -m bench session`` in as few processes as it takes; ``run_fresh``: the other
+commands' points, one fresh process each.
 """
 
 from __future__ import annotations
@@ -112,9 +112,8 @@ except (OSError, AttributeError):  # not Linux: the watchdog and the deadline st
 
 
 def _process(name: str, todo: list[dict], deadline: float, run, tail: _Tail, bounds: dict):
-    """One measuring process over ``todo``: (how it ended, why, its exit code, its last stderr line). On Linux it is
-    killed when the session's thread that started it dies (PR_SET_PDEATHSIG): a session killed at a call's limit leaves
-    no measuring process behind, though it runs in a process group of its own (which the watchdog kills whole)."""
+    """One measuring process over ``todo``: (how it ended, why, its exit code, its last stderr line). It runs in a
+    process group of its own (the watchdog kills it whole) and dies with the session (PR_SET_PDEATHSIG, Linux)."""
     spec_path = run.work / f"{name}.spec.json"
     spec_path.write_text(json.dumps({"device": run.device, "smoke": run.smoke, "points": todo, "deadline": deadline,
                                      "rows": str(run.rows_path)}))
@@ -130,10 +129,8 @@ def _process(name: str, todo: list[dict], deadline: float, run, tail: _Tail, bou
 
 
 def run_points(name: str, pts: list[dict], deadline: float, run, bounds: dict) -> list[dict]:
-    """Every point of one section in as few processes as it takes. A point that outlives its watchdog bound gets a
-    ``timeout`` row, one whose process dies an ``error`` row; either way that implementation's (or provider's) points
-    left in this section are skipped with the reason (a circuit breaker: no restart per point of a broken kernel), and
-    a fresh process takes the rest. Past the deadline, the rest is skipped."""
+    """Every point of one section in as few processes as it takes, the faults isolated as docs/gpu-window.md says
+    (Faults): a hang or a crash costs its point, and its implementation's (or provider's) later points are skipped."""
     tail = _Tail(run.rows_path, {p["id"] for p in pts})
     broken: dict[str, str] = {}
     todo = list(pts)
@@ -197,11 +194,9 @@ _HARNESS_KEYS = ("id", "section", "spec", "crashed", "provider")
 
 def run_fresh(specs: list[dict], device: str, timeout_s: float, *, jobs: int = 1, con=None, on_result=None,
               run: Fresh | None = None) -> list[dict]:
-    """Each spec measured in a fresh ``bench.session_points`` process (section ``point``: ``spec["kind"]`` says which
-    benchmark's ``run_point``), ``jobs`` at a time, under the session's watchdog: a process past ``timeout_s`` is
-    killed and its point is an ``error`` row saying so, as is a point whose process died (the exit code in the
-    reason; -9: the kernel's OOM killer, most likely). Returns the results in the order of ``specs``; ``on_result``
-    (spec, result) is called as each finishes."""
+    """Each spec measured in a fresh ``bench.session_points`` process (``run_spec``) under the session's watchdog: a
+    process past ``timeout_s`` or one that died (exit code -9: most likely the OOM killer) gives an ``error`` row.
+    The results in the order of ``specs``; ``on_result(spec, result)`` as each finishes."""
     run = run or Fresh(device, con)
     bounds_for = {"start": float(timeout_s)}
 
