@@ -259,7 +259,7 @@ def _provider_point(spec: dict) -> dict:
     res = {"status": "ok", "reason": "", "notes": "; ".join(op.notes), "path": op.path, **m}
     if kept.get("loss") is not None:
         res["loss_value"] = kept["loss"]
-    if prov is not None and spec.get("accuracy", True):
+    if prov is not None:
         try:
             res.update(measure.accuracy(op, wl, sets[0], kept, rows))
         except Exception as e:  # noqa: BLE001
