@@ -1,31 +1,14 @@
 #!/usr/bin/env bash
-# The GPU window in one or two calls of a lent machine (10 minutes a command; about 15 minutes of device time in all,
-# machine start included; no network there). docs/gpu-window.md says how a window runs; bench/README.md when to call
-# what.
+# The GPU window in one or two calls of a lent machine: docs/gpu-window.md says how a window runs and what a cut or
+# a fault costs, bench/README.md when to call what.
 #
 #   bash bench/device_wheels.sh                  # here, right before: wheels into .whl/ and the commit stamp
-#   bash bench/gpu_session.sh                    # call 1 (timeout 600 s, carry .whl): the window
+#   bash bench/gpu_session.sh                    # call 1 (timeout 600 s, carry .whl): tests, then the session
 #   bash bench/gpu_session.sh rest SECONDS [SECTIONS]  # call 2: SECONDS = device seconds left in the window
+#   bash bench/gpu_session.sh w5|smoke           # bench w5 at 24 GiB | the session's plumbing (runs on a CPU too)
 #
-# Stages:
-#   window (default)  prints its plan, installs (~30 s), runs the GPU kernels' CUDA tests first (tests/test_cuda_sm90.py,
-#                     tests/test_cuda_kernels.py: at most $TESTS_KERNELS_S, default 120 s), then tests/test_cuda.py and
-#                     the rest of the suite (at most $TESTS_REST_S, default 45 s), then python -m bench session in
-#                     what is left of $CALL_LIMIT (default 570 s: the command's 600 less 30 for the files to come back)
-#                     less 15 s to pack
-#   rest SECONDS [SECTIONS]  SECONDS (required): the device seconds left in the window (the device tool's status:
-#                     budget_left_s, less the machine's start when none is warm). The call plans inside
-#                     min(570, SECONDS - 20): install, python -m bench session --sections SECTIONS (default
-#                     configs,autotune,compile: what call 1 leaves; it printed what it dropped) as session-rest, then
-#                     the suite if a minute is left
-#   suite             the CUDA tests first, then the suite, in what is left of the call
-#   w5                python -m bench w5: the 0.5B architecture at 24 GiB, stock TRL vs fastrl with both memory options
-#   smoke             python -m bench session --smoke (runs on a CPU too: the plumbing; tests/test_gpu_window.py cuts it)
-#
-# Nothing is lost to a cut: every file is written straight into $OUT (the device tool returns only $OUT: at most 8
-# files, 16 MiB each): <stage>.log (everything, every test verdict as it finishes), session.json (rewritten after each
-# section), session.rows.jsonl (each row as it finishes), tests-failures.txt, and <stage>.tgz (all of them, refreshed
-# every 20 s in the background and at the end). Unpack here with
+# Every file goes straight into $OUT (<stage>.log, session.json, session.rows.jsonl, tests-failures.txt, <stage>.tgz
+# refreshed every 20 s). Unpack here with
 #   d=bench/results/<gpu-slug>/<date>-<commit>; mkdir -p $d && tar xzf <stage>.tgz -C $d
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -131,7 +114,8 @@ session() {  # session NAME [ARGS...]: python -m bench session in what is left o
         return 0
     fi
     echo "session: python -m bench session --budget $budget $*"
-    timeout --foreground $((budget + 5)) python3 -m bench session --budget "$budget" --out "$OUT" --name "$name" "$@" || rc=1
+    timeout --foreground $((budget + 5)) python3 -m bench session --budget "$budget" --out "$OUT" --name "$name" "$@" ||
+        rc=1
 }
 
 # every `timeout` below runs in the foreground: in this script's process group, so a cut of the call (the group
@@ -149,16 +133,12 @@ case "$STAGE" in
         session session-rest --sections "${3:-configs,autotune,compile}"
         [ "$(left)" -gt 60 ] && tests $(($(left) - PACK_S)) "CUDA first, then the suite" tests/test_cuda_sm90.py \
             tests/test_cuda_kernels.py tests/test_cuda.py tests ;;
-    suite)
-        install
-        tests $(($(left) - PACK_S)) "CUDA first, then the suite" tests/test_cuda_sm90.py tests/test_cuda_kernels.py \
-            tests/test_cuda.py tests ;;
     w5)
         install
-        timeout --foreground $(($(left) - 20)) python3 -m bench w5 --no-plots --out "$OUT" --workload 0.5B --budget-mb 24576 \
-            --providers trl,fastrl,fastrl+both || rc=1 ;;
+        timeout --foreground $(($(left) - 20)) python3 -m bench w5 --no-plots --out "$OUT" --workload 0.5B \
+            --budget-mb 24576 --providers trl,fastrl,fastrl+both || rc=1 ;;
     smoke) session session --smoke ;;
-    *) echo "unknown stage $STAGE (window, rest SECONDS [SECTIONS], suite, w5, smoke)"; exit 2 ;;
+    *) echo "unknown stage $STAGE (window, rest SECONDS [SECTIONS], w5, smoke)"; exit 2 ;;
 esac
 kill $PACKER 2>/dev/null
 pack && echo "results: $OUT/$STAGE.tgz ($(cd "$OUT" && ls | tr '\n' ' '))"

@@ -1,31 +1,18 @@
 """``python -m bench session``: everything a GPU window should measure, in one command sized to the window.
 
-Sections (``SECTIONS``, in order of value: docs/gpu-window.md says what each measures) run one measuring process each
-(``bench/session_run.py``), rows appended as they finish; ``--budget`` is split by the estimates below, whole sections
-dropped from the end to fit (never the checks or the tournament), again before each starts; ``--smoke`` runs the same
-plumbing on a CPU at tiny shapes.
+    python -m bench session [--budget SECONDS] [--sections a,b,...] [--smoke]
 
-Estimates on an H100/H200 (seconds; ``GPU_COSTS``, from the H200 run of main 8f83654 in
-bench/results/nvidia-h200/2026-11-26-8f83654/ unless marked as assumed): a process starts in 7 (its divergence rows:
-20.6 s in the process, 14.0 measuring); TRL's imports add 12 (29.1 - 10.1 - 7). A point runs 9 steps (2 warm-up, 1 for
-memory, 6 timed) plus 0.3 s (inputs, the float64 error): W1 9 x 0.130 + 0.3 = 1.5, W1-lp 1.5, W2 / W2-lp / W3 0.6-0.7
-(steps of 38-40 and 36 ms). A float64 check case 2.5 (8 cases per implementation in ~20 s, mostly Triton compiling).
-With three implementations (hybrid, fused, sm90; fused and sm90 take 6 and 5 candidate configurations): checks 7 + 33
-x 2.5 = 89.5; tournament 7 + 12 + 5 (float64 loss references) + 31 points in 30.95 = 54.95; divergence 7 + 12 + 12
-points x 1.25 + 2 x 9 compiling = 52; keptset 7 + 14 x 2.2 = 37.8 (7 points per shape); w4 2 x 35 = 70 (its processes
-took 38-44 s at 16384 tokens); configs 7 + 5 + 11 x 8 compiling + 56 points in 59.5 = 159.5; autotune 7 + 5 + 2 x 20 +
-8.5 = 60.5; compile 7 + 2 + 2 x 47 = 103 (inductor's compile assumed 40 s per variant: not yet measured on a GPU).
-Total 627 s. In ``bench/gpu_session.sh``'s first call (about 360 s for the session) checks to w4 (304 s + 20 s grace)
-fit; configs, autotune and compile are left to a second call, whose quick checks take 7 + 3 x 2.5 = 14.5.
+Sections (``SECTIONS``, in order of value) run one measuring process each (``bench/session_run.py``), rows appended as
+they finish; ``--budget`` is split by the estimates (``GPU_COSTS``; docs/gpu-window.md gives their sources and
+arithmetic), whole sections dropped from the end to fit, again before each starts. ``--smoke``: the same plumbing on a
+CPU at tiny shapes.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -46,12 +33,12 @@ LOSS_PROVIDERS = ("fastrl-fused", "fastrl")  # policy_loss (the one-pass op); fu
 QUICK_CHECK = {False: "temperature", True: "temperature-rows"}  # smoke -> the one case of a quick check
 DIVERGENCE_IMPLS = ("triton-hybrid", "triton-sm90")  # triton-fused's fused_divergence runs the hybrid's kernels
 BUILTIN = "triton-hybrid"  # fastrl.ops.backend.builtin_choice on a CUDA install with float32-out cuBLAS
-DEFAULT_BUDGET = {"cuda": 480.0, "smoke": 120.0}
+DEFAULT_BUDGET = {"cuda": 480.0, "smoke": 240.0}
 
 
 @dataclass(frozen=True)
 class Costs:
-    """Seconds a section is expected to take (the module docstring says where the GPU numbers come from)."""
+    """Seconds a section is expected to take (docs/gpu-window.md says where the GPU numbers come from)."""
     process: float  # start a measuring process: imports, CUDA context
     trl_import: float
     check_case: float  # one float64 check of one implementation, its share of compiling included
@@ -105,9 +92,8 @@ def candidates_for(kernels, smoke: bool) -> list[str]:
 
 
 def _lmhead_points(section: str, smoke: bool, impls: list[str], tunable: dict, builtin: str) -> list[tuple]:
-    """(workload, provider, implementation, config, probe) of W1-W3: the tournament at the default configurations;
-    configs and autotune with the log-prob workloads first (smoke: only them), each workload's candidates after the
-    built-in choice and each implementation at its built-in configuration (what bench/defaults.py judges them by)."""
+    """(workload, provider, implementation, config, probe) of W1-W3; in configs, each workload's candidates come after
+    the built-in choice and each implementation at its default (what bench/defaults.py judges them by)."""
     out = []
     for wl in WORKLOAD_ORDER if section == "tournament" else CONFIG_ORDER[:2] if smoke else CONFIG_ORDER:
         loss = wl in ("W1", "W2")
@@ -181,9 +167,8 @@ def estimate(section: str, c: Costs, pts: list[dict]) -> float:
 
 
 def point_bounds(section: str, c: Costs, pts: list[dict]) -> dict[str, float]:
-    """The watchdog: seconds each point may run before its process is killed (``watchdog_factor`` x its estimate
-    + ``watchdog_floor``; an implementation's or configuration's first point also compiles its kernels), and under
-    ``"start"`` the seconds a process may take to begin its first point."""
+    """The watchdog: seconds each point may run (``watchdog_factor`` x its estimate, a first point's compiling
+    included, + ``watchdog_floor``); ``"start"``: the seconds a process may take to begin its first point."""
     seen: set = set()
     out = {"start": c.watchdog_factor * (c.process + c.trl_import) + c.watchdog_floor}
     for p in pts:
@@ -198,18 +183,15 @@ def point_bounds(section: str, c: Costs, pts: list[dict]) -> dict[str, float]:
     return out
 
 
-def plan_budget(budget: float, estimates: dict[str, float], wanted: list[str],
-                jobs: int = 1) -> tuple[list[str], list[tuple]]:
+def plan_budget(budget: float, estimates: dict[str, float], wanted: list[str]) -> tuple[list[str], list[tuple]]:
     """(the sections kept, in SECTIONS order; [(section, why)] dropped): whole sections dropped from the end
-    (DROP_ORDER) until the estimates fit ``budget`` (the caller passes its budget less the grace a process gets past
-    its deadline), except the first section after the checks and the tournament, which runs what fits of it; with
-    ``jobs`` > 1 (smoke runs) the sections after the checks share the time ``jobs`` at a time."""
+    (DROP_ORDER) until the estimates fit ``budget`` (the caller's budget less a process's grace), except the first
+    section after the checks and the tournament, which runs what fits of it."""
     kept = [s for s in SECTIONS if s in wanted]
     dropped = []
     first = next((s for s in kept if s not in ALWAYS), None)  # runs in part rather than not at all
     for s in DROP_ORDER:
-        total = sum(estimates[k] for k in kept if k == "checks") + sum(
-            estimates[k] for k in kept if k != "checks") / max(1, jobs)
+        total = sum(estimates[k] for k in kept)
         if total <= budget:
             break
         if s in kept and s != first:
@@ -219,7 +201,7 @@ def plan_budget(budget: float, estimates: dict[str, float], wanted: list[str],
 
 
 def add_options(ap) -> None:
-    ap.add_argument("--budget", type=float, help="seconds for the whole session (default 480 on a GPU, 120 with "
+    ap.add_argument("--budget", type=float, help="seconds for the whole session (default 480 on a GPU, 240 with "
                                                  "--smoke); whole sections are dropped, last first, to fit")
     ap.add_argument("--sections", help=f"comma list of {', '.join(SECTIONS)} (default all; the checks run first "
                                        "whenever tournament, configs or autotune are named)")
@@ -227,13 +209,10 @@ def add_options(ap) -> None:
     ap.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
     ap.add_argument("--out", help="results folder (default: a new folder outside the repository)")
     ap.add_argument("--name", default="session", help="file name stem (default session: <out>/session.json)")
-    ap.add_argument("--jobs", type=int, help="processes at once after the checks (default 1; --smoke 2): above 1 "
-                                             "they share the machine, so times are not comparable")
 
 
 def _wanted(spec: str | None) -> tuple[list[str], bool]:
-    """(the sections, in SECTIONS order; whether the checks are quick: one case per implementation, to learn which
-    kernels it runs, where the checks were not named themselves)."""
+    """(the sections, in SECTIONS order; quick checks: one case per implementation, to learn which kernels it runs)."""
     names = [s.strip() for s in (spec or ",".join(SECTIONS)).split(",") if s.strip()]
     bad = [s for s in names if s not in SECTIONS]
     if bad:
@@ -252,7 +231,6 @@ class SessionRun:
         self.interpret, self.quiet = device == "cpu", False  # a smoke run interprets the kernels; rows echoed
         self.costs = SMOKE_COSTS if self.smoke else GPU_COSTS
         self.budget = args.budget or DEFAULT_BUDGET["smoke" if self.smoke else "cuda"]
-        self.jobs = args.jobs or (2 if self.smoke else 1)
         self.out = Path(args.out) if args.out else new_out_dir(env["device_slug"], "session-smoke" if self.smoke
                                                                else "session")
         self.out.mkdir(parents=True, exist_ok=True)
@@ -270,7 +248,6 @@ class SessionRun:
             self.builtin = builtin_choice(torch.device("cuda"))
         self.wanted, self.quick_checks = _wanted(args.sections)
         self.rows, self.est, self.pending, self.done, self.dropped = [], {}, [], [], []
-        self.lock = threading.Lock()
 
     def say(self, text: str) -> None:
         self.con.print(text)
@@ -290,16 +267,14 @@ class SessionRun:
         self.say(f"[yellow]dropped {section}: {why}; run it later with --sections {section}[/yellow]")
 
     def next_section(self) -> str | None:
-        """The next section to start, after dropping whole sections from the end while the ones not yet started
-        would not fit in the time left (the earlier sections may have run long); the first of them runs what fits
-        of it while any time is left."""
-        with self.lock:
-            while self.pending and self.pending[-1] not in ALWAYS and (len(self.pending) > 1 or self.left() <= 0) \
-                    and sum(self.est[s] for s in self.pending) / self.jobs > self.left():
-                s = self.pending.pop()
-                self.drop(s, f"~{self.est[s]:.0f} s would not fit in the {max(self.left(), 0):.0f} s left (sections "
-                             f"still to start: ~{sum(self.est[k] for k in self.pending + [s]):.0f} s)")
-            return self.pending.pop(0) if self.pending else None
+        """The next section to start, after dropping from the end the sections that no longer fit in the time left;
+        the first of them runs what fits of it while any time is left."""
+        while self.pending and self.pending[-1] not in ALWAYS and (len(self.pending) > 1 or self.left() <= 0) \
+                and sum(self.est[s] for s in self.pending) > self.left():
+            s = self.pending.pop()
+            self.drop(s, f"~{self.est[s]:.0f} s would not fit in the {max(self.left(), 0):.0f} s left (sections "
+                         f"still to start: ~{sum(self.est[k] for k in self.pending + [s]):.0f} s)")
+        return self.pending.pop(0) if self.pending else None
 
     def run_section(self, section: str) -> list[dict]:
         deadline = self.end - self.costs.grace
@@ -312,10 +287,9 @@ class SessionRun:
             rows = [stub(p, "error", f"the section failed in the session itself: {type(e).__name__}: {e}"[:300])
                     for p in pts]
             append_rows(self.rows_path, rows)
-        with self.lock:
-            self.rows += rows
-            self.done.append(section)
-            self.write(partial=True)
+        self.rows += rows
+        self.done.append(section)
+        self.write(partial=True)
         return rows
 
     def write(self, partial: bool, con=None) -> dict:
@@ -326,7 +300,7 @@ class SessionRun:
         add_ratios(rows)
         payload = {"command": "session", "argv": getattr(self.args, "argv", []), "env": self.env,
                    "budget_s": self.budget, "elapsed_s": time.time() - self.t_start, "smoke": self.smoke,
-                   "partial": partial, "jobs": self.jobs,
+                   "partial": partial,
                    "checks": "none" if "checks" not in self.wanted else "quick" if self.quick_checks else "full",
                    "sections_run": list(self.done),
                    "dropped": [{"section": s, "reason": why} for s, why in self.dropped],
@@ -352,7 +326,7 @@ class SessionRun:
                     served.setdefault(r["implementation"], set()).update(r["configs_served"])
             self.tunable = {i: candidates_for(served[i], self.smoke) for i in self.impls if i in served}
         self.est = self.estimates()
-        self.pending, dropped = plan_budget(self.left(), self.est, [s for s in self.wanted if s != "checks"], self.jobs)
+        self.pending, dropped = plan_budget(self.left(), self.est, [s for s in self.wanted if s != "checks"])
         self.say("plan: " + ", ".join(f"{s} ~{self.est[s]:.0f} s" for s in self.pending)
                  + f" in {max(self.left(), 0):.0f} s; launch configurations to force: "
                  + ("; ".join(f"{i}: {len(c)}" for i, c in self.tunable.items()) or "none"))
@@ -379,14 +353,8 @@ def command(args, device: str, con) -> int:
               f"implementations {', '.join(run.impls)}; budget {run.budget:.0f} s; rows as they finish: "
               f"{run.rows_path}")
     run.plan()
-
-    def worker() -> None:
-        while (s := run.next_section()) is not None:
-            run.run_section(s)
-
-    with ThreadPoolExecutor(max_workers=max(1, run.jobs)) as pool:
-        for f in [pool.submit(worker) for _ in range(max(1, run.jobs))]:
-            f.result()
+    while (section := run.next_section()) is not None:
+        run.run_section(section)
     con.print()
     print_summary(con, [dict(r) for r in run.rows],
                   f"session{' (smoke)' if run.smoke else ''} on {env['device']} | torch {env['torch']} | "

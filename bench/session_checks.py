@@ -1,9 +1,8 @@
 """The float64 checks of ``python -m bench session``: each Triton implementation, compiled, against ground truth.
 
-The test-suite's rule (``tests/test_logprobs.py``: ``check_against_float64``): fastrl's error against float64 no worse
-than PyTorch's own at the input dtype plus a tolerance per dtype, 2-byte log-probs within 1e-3 nats; ``CASES`` says
-what is checked. Large cases check the first and last 128 rows only (each row's values depend on that row alone), so
-no [N, V] float64 tensor is built. An implementation that fails cannot become a default (``bench/defaults.py``).
+The test-suite's rule (``check_against_float64``): no worse than PyTorch's own error at the input dtype plus a
+tolerance per dtype, 2-byte log-probs within 1e-3 nats. Large cases check their first and last 128 rows only (no [N, V]
+float64 tensor). An implementation that fails cannot become a default (``bench/defaults.py``).
 """
 
 from __future__ import annotations
@@ -21,8 +20,7 @@ TOLERANCES = {
     torch.bfloat16: dict(out=1e-5, grad=2**-8),
     torch.float16: dict(out=1e-5, grad=2**-10),
 }
-# tests/test_divergence.py's table (checked likewise): a float32 JSD gradient sums more terms than a log-prob's; the
-# Triton backends feed a 2-byte G to the gradient GEMMs: one more rounding, twice the gradient tolerance at 2 bytes
+# tests/test_divergence.py's (checked likewise); 2-byte inputs get twice the gradient tolerance (_check_divergence)
 DIV_TOLERANCES = {
     torch.float32: dict(out=2e-6, grad=2e-6),
     torch.bfloat16: dict(out=1e-5, grad=2**-8),
@@ -77,8 +75,7 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _inputs(c: Case, device: torch.device, seed: int = 0):
-    """Drawn on the device (V=262144 x 4096 numbers take seconds on a host)."""
-    g = torch.Generator(device=device).manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)  # on the device: V=262144 x 4096 takes seconds on a host
     dt = getattr(torch, c.dtype)
 
     def randn(*shape, scale=1.0):
@@ -118,8 +115,7 @@ def _check_logprobs(c: Case, impl: str, device: torch.device) -> tuple[dict, lis
     rows = (torch.arange(c.N, device=device) if not c.rows
             else torch.cat([torch.arange(c.rows), torch.arange(c.N - c.rows, c.N)]).to(device))
 
-    def reference(dtype):
-        """log-probs, entropies and gradients of the checked rows: every parameter (all rows), else hidden's."""
+    def reference(dtype):  # the checked rows' values and gradients: every parameter's (all rows), else hidden's
         h = hidden.detach()[rows].to(dtype or hidden.dtype).requires_grad_()
         others = [p.detach().to(dtype or p.dtype).requires_grad_(not c.rows) for p in params[1:]]
         wt, b = others[0], (others[1] if bias is not None else None)
@@ -174,8 +170,7 @@ def _check_loss(c: Case, impl: str, device: torch.device) -> tuple[dict, list[st
 
 
 def _check_divergence(c: Case, impl: str, device: torch.device) -> tuple[dict, list[str]]:
-    """The JSD at beta 0.5 per token and d(sum of it)/d(student hidden), against float64: no worse than PyTorch's
-    own error at the input dtype plus the dtype's tolerance."""
+    """The JSD at beta 0.5 per token and d(sum of it)/d(student hidden), by ``_versus_torch``."""
     import fastrl
     from fastrl.reference import divergence_reference
 
@@ -194,7 +189,7 @@ def _check_divergence(c: Case, impl: str, device: torch.device) -> tuple[dict, l
         return d.detach(), torch.autograd.grad(d.sum(), [h])[0]
 
     tol = dict(DIV_TOLERANCES[dt])
-    if dt != torch.float32:
+    if dt != torch.float32:  # the Triton backends feed a 2-byte G to the gradient GEMMs: one more rounding
         tol["grad"] *= 2
     return _versus_torch(tol, *zip(("div", "grad_hidden"), (div, gh), reference(torch.float64), reference(None)))
 

@@ -1,13 +1,9 @@
-"""One measuring process of the benchmarks: many points of one section, rows written as they go.
+"""One measuring process of the benchmarks: ``python -m bench.session_points SPEC.json`` (``bench/session_run.py``).
 
-    python -m bench.session_points SPEC.json
-
-SPEC (``bench/session_run.py``): the device, smoke or not, the points in order, the section's deadline (epoch seconds)
-and the rows file. Before each point this appends ``{"begin": id, "t": epoch}`` to the rows file, after it the point's
-row (a parent that finds a ``begin`` without its row knows which point runs or killed the process); a point past the
-deadline is ``skipped``. ``FASTRL_SESSION_FAULT`` (tests only: ``hang:TEXT`` or ``crash:TEXT``, ``;``-separated)
-makes every point whose id contains TEXT hang or kill this process. Section ``point``: one point of another command
-(``run_spec``).
+It measures the spec's points in order, appending ``{"begin": id, "t": epoch}`` to the rows file before each and the
+point's row after it (so the parent knows which point runs or killed the process); a point past the deadline is
+``skipped``. ``FASTRL_SESSION_FAULT`` (tests only: ``hang:TEXT`` / ``crash:TEXT``, ``;``-separated) makes every point
+whose id contains TEXT hang or kill this process. Section ``point``: one point of another command (``run_spec``).
 """
 
 from __future__ import annotations
@@ -38,9 +34,7 @@ PRUNE = 1.3  # a candidate configuration this much slower than the default at it
 
 
 def lmhead_workloads(smoke: bool) -> dict[str, W.Workload]:
-    """W1, W1-lp, W2, W2-lp, W3 (GPU sizes); smoke: 32 tokens in float32, V=512, H=64 for W1's and 32 for W2's (two H
-    values, so the H ranges of the defaults table are exercised too; few tokens, since the interpreter runs one
-    program per row in the hybrid's folds)."""
+    """W1, W1-lp, W2, W2-lp, W3; smoke: 32 tokens in float32, V=512, two H (64, 32: the defaults table's H ranges)."""
     return {wl.name: replace(W.tiny(wl), name=wl.name, N=32, batch=min(wl.batch, 2), H=64 if wl.H == 4096 else 32)
             if smoke else wl for wl in W.gpu_workloads() if wl.name in ("W1", "W1-lp", "W2", "W2-lp", "W3")}
 
@@ -121,6 +115,33 @@ def _error(op: Op, wl: W.Workload, inp, kept: dict, lm: LMHead) -> dict:
     return {k.removesuffix("_max_abs_err"): v for k, v in acc.items() if k.endswith("_max_abs_err")}
 
 
+def _build(provider: str, wl: W.Workload, device: torch.device, options: dict, make_sets) -> tuple | dict:
+    """(the provider's op on ``wl`` (``cublas`` / ``matmul``: the GEMM floor), its input sets, their prepared states),
+    or the row of why not: not available here, or a peer's own refusal of the input (``n/a``, not an error)."""
+    if provider in ("cublas", "matmul"):
+        op = floor_op(wl, device)
+        return op, [None], [op.prepare(None)]
+    prov = providers.get(provider)
+    why = prov.unavailable(wl, device.type)  # e.g. TRL's wheel not carried: a row that says so
+    if why is not None:
+        return {"status": why[0], "reason": why[1]}
+    try:
+        op, sets = prov.build(wl, device, options), make_sets()
+        return op, sets, [op.prepare(s) for s in sets]
+    except providers.ProviderUnavailable as e:
+        return {"status": "skipped", "reason": str(e)}
+    except Exception as e:
+        if prov.is_refusal(e):
+            return _refused(e)
+        raise
+
+
+def _measure(op: Op, states: list, device: torch.device, reps: int, warmup: int, rows: int, **cuda) -> tuple:
+    if device.type == "cuda":
+        return measure.measure_cuda(op, states, reps, warmup, rows, **cuda)
+    return measure.measure_cpu(op, states, reps, warmup, rows)
+
+
 def _lmhead_point(p: dict, lm: LMHead, times: dict) -> dict:
     from fastrl.kernels import tuning
     from fastrl.ops.backend import builtin_choice, resolve_backend
@@ -132,28 +153,17 @@ def _lmhead_point(p: dict, lm: LMHead, times: dict) -> dict:
     if probe and config != "default" and base and mine and mine >= PRUNE * base:
         return {"status": "pruned", "reason": f"{mine / base:.2f}x the default configuration's time at {probe} "
                                               f"(pruned at {PRUNE}x)"}
-    if p["provider"] == "cublas":
-        op, sets = floor_op(wl, lm.device), [None]
-    else:
-        prov = providers.get(p["provider"])
-        why = prov.unavailable(wl, lm.device.type)  # e.g. TRL's wheel not carried: a row that says so
-        if why is not None:
-            return {"status": why[0], "reason": why[1]}
-        try:
-            op = prov.build(wl, lm.device, {"fastrl_backend": impl} if impl else {})
-        except providers.ProviderUnavailable as e:
-            return {"status": "skipped", "reason": str(e)}
-        sets = lm.inputs(wl)
-    states = [op.prepare(s) for s in sets]
+    built = _build(p["provider"], wl, lm.device, {"fastrl_backend": impl} if impl else {}, lambda: lm.inputs(wl))
+    if isinstance(built, dict):
+        return built
+    op, sets, states = built
     tuning.reset_served()
     ctx = (contextlib.nullcontext() if config == "default" else tuning.forced_config(config) if config != "autotune"
            else mock.patch.dict(os.environ, {"FASTRL_AUTOTUNE": "1"}))  # fastrl reads it at each launch
+    cuda = lm.device.type == "cuda"
     with ctx:
-        if lm.device.type == "cuda":
-            m, kept = measure.measure_cuda(op, states, reps=6, warmup=2, keep_rows=lm.rows, rep_ms=300,
-                                           total_only=True)
-        else:
-            m, kept = measure.measure_cpu(op, states, reps=1, warmup=0, keep_rows=lm.rows)
+        m, kept = _measure(op, states, lm.device, 6 if cuda else 1, 2 if cuda else 0, lm.rows, rep_ms=300,
+                           total_only=True)
     # auto: what backend="triton" / "auto" picks for this work here (the row that stands for today's default); builtin:
     # what a measured winner must beat (bench/defaults.py)
     auto = resolve_backend(lm.device, "triton", kind=wl.kind, H=wl.H, dtype=getattr(torch, wl.dtype))
@@ -174,6 +184,7 @@ def _run(p: dict, device: torch.device, lm: LMHead, times: dict) -> dict:
     """One point's row by its section: a float64 check, a W1-W3 point, a point of keptset, divergence or compile (their
     ``run_point`` at the session's repetitions), or a point of another command (``run_spec``)."""
     section, smoke, impl = p["section"], p["smoke"], p.get("implementation")
+    reps = {"reps": 1 if smoke else 6, "warmup": 0 if smoke else 2, "device": device.type, "threads": 0}
     if section == "checks":
         return run_check(p, device)
     if section in ("tournament", "configs", "autotune"):
@@ -181,20 +192,13 @@ def _run(p: dict, device: torch.device, lm: LMHead, times: dict) -> dict:
     if section == "point":
         return run_spec(p["spec"])
     if section == "keptset":
-        from bench import keptset
-
-        res = keptset.run_point({**p["spec"], "device": device.type, "reps": 1 if smoke else 6,
-                                 "warmup": 0 if smoke else 2, "threads": 0})
-        ms = res.pop("ms_all")
-        return {"status": "ok", "total_ms": measure.summarize(ms), "extra_mb": res.pop("peak_extra_mb"), **res}
+        res = run_spec({**p["spec"], **reps, "kind": "keptset"})
+        ms, extra = res.pop("ms_all"), res.pop("peak_extra_mb")
+        return {**res, "total_ms": measure.summarize(ms), "extra_mb": extra}
     if section == "divergence":
-        from bench import divergence
-
-        res = divergence.run_point({
-            "kind": "divergence", "workload": p["spec"], "provider": p["provider"], "device": device.type,
-            "reps": 1 if smoke else 6, "warmup": 0 if smoke else 2, "n_sets": 1 if smoke else 2, "seed": 1234,
-            "threads": 0, "options": {"fastrl_backend": impl} if impl else {}, "rep_ms": 50 if smoke else 300,
-            "total_only": True, "accuracy_rows": 16 if smoke else 256})
+        res = run_spec({"kind": "divergence", "workload": p["spec"], "provider": p["provider"], **reps,
+                        "n_sets": 1 if smoke else 2, "seed": 1234, "options": {"fastrl_backend": impl} if impl else {},
+                        "rep_ms": 50 if smoke else 300, "total_only": True, "accuracy_rows": 16 if smoke else 256})
         if res.get("status") != "ok":
             return res
         err = {k.removesuffix("_max_abs_err"): res[k] for k in ("div_max_abs_err", "grad_h_max_abs_err") if k in res}
@@ -220,9 +224,8 @@ RUN_POINT = {"w4": ("bench.w4", "run_point"), "w5": ("bench.w4", "run_point"), "
 
 
 def run_spec(spec: dict) -> dict:
-    """One point of another command, by ``spec["kind"]``: ``RUN_POINT`` (a trainer step of ``w4`` / ``w5``, a point of
-    ``divergence``, ``keptset``, ``compile``, a configuration of ``gap``), else a provider on a workload or the
-    ``matmul`` floor (``run``, ``c1``, ``gpu``)."""
+    """One point of another command: ``RUN_POINT[spec["kind"]]``, else a provider on a workload or the ``matmul``
+    floor (``run``, ``c1``)."""
     if spec.get("kind") not in RUN_POINT:
         return _provider_point(spec)
     module, fn = RUN_POINT[spec["kind"]]
@@ -240,23 +243,13 @@ def _provider_point(spec: dict) -> dict:
     if device.type == "cpu" and spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
     prov = None if spec["provider"] == "matmul" else providers.get(spec["provider"])
+    built = _build(spec["provider"], wl, device, spec.get("options", {}),
+                   lambda: [providers.make_inputs(wl, device, spec["seed"] + i) for i in range(spec["n_sets"])])
+    if isinstance(built, dict):
+        return built
+    op, sets, states = built
     try:
-        op = floor_op(wl, device) if prov is None else prov.build(wl, device, spec.get("options", {}))
-        sets = [None] if prov is None else [providers.make_inputs(wl, device, spec["seed"] + i)
-                                            for i in range(spec["n_sets"])]
-        states = [op.prepare(s) for s in sets]
-    except providers.ProviderUnavailable as e:
-        return {"status": "skipped", "reason": str(e)}
-    except Exception as e:
-        if prov is not None and prov.is_refusal(e):
-            return _refused(e)
-        raise
-    try:
-        if device.type == "cuda":
-            m, kept = measure.measure_cuda(op, states, spec["reps"], spec["warmup"], rows,
-                                           rep_ms=spec.get("rep_ms", 2000))
-        else:
-            m, kept = measure.measure_cpu(op, states, spec["reps"], spec["warmup"], rows)
+        m, kept = _measure(op, states, device, spec["reps"], spec["warmup"], rows, rep_ms=spec.get("rep_ms", 2000))
     except Exception as e:  # noqa: BLE001 - any failure becomes a row that says why
         if prov is not None and prov.is_refusal(e):
             return _refused(e)
@@ -266,7 +259,7 @@ def _provider_point(spec: dict) -> dict:
     res = {"status": "ok", "reason": "", "notes": "; ".join(op.notes), "path": op.path, **m}
     if kept.get("loss") is not None:
         res["loss_value"] = kept["loss"]
-    if prov is not None and spec.get("accuracy", True):
+    if prov is not None:
         try:
             res.update(measure.accuracy(op, wl, sets[0], kept, rows))
         except Exception as e:  # noqa: BLE001
@@ -321,15 +314,14 @@ def _inject_fault(point_id: str) -> None:
 
 def _pruning_times(rows_path: str) -> dict:
     """A restarted process: the configs rows of the last one still decide pruning."""
-    path = Path(rows_path)
+    path = Path(rows_path)  # a fresh command's rows file begins with its first point
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
     return {(r.get("implementation"), r.get("config"), r["workload"], r["provider"]): r["total_ms"]["median"]
             for r in rows if r.get("status") == "ok" and "total_ms" in r and r.get("section") == "configs"}
 
 
 def main(argv: list[str]) -> int:
-    with open(argv[0]) as f:
-        spec = json.load(f)
+    spec = json.loads(Path(argv[0]).read_text())
     device = torch.device(spec["device"])
     rows_path = spec["rows"]
     lm = LMHead(device, spec["smoke"])

@@ -1,10 +1,8 @@
 """What ``python -m bench session`` prints and decides: ratios within the run, the targets (issue 33), the summary.
 
-Ratios are against a row of the same session (W1-W3: of the same process): TRL's at the same workload, the cuBLAS
-floor's, the full-vocabulary head's (kept sets), fastrl's eager step (compile). A W1-W3 target is judged on the fastest
-fastrl row among the implementations that passed the float64 checks, in any launch configuration (the defaults follow
-the fastest: ``python -m bench defaults``); W1-lp's limit is loose because log-probs for an arbitrary loss recompute
-the logits in the backward on every design that stores nothing (``python -m bench roofline``).
+Ratios are against a row of the same session (W1-W3: of the same process). A W1-W3 target is judged on the fastest
+fastrl row among the implementations that passed the float64 checks, in any launch configuration; docs/benchmarks.md
+says what each ratio means.
 """
 
 from __future__ import annotations

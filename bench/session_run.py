@@ -1,7 +1,7 @@
-"""The benchmarks' harness: measuring processes (``python -m bench.session_points``), their rows, their watchdog.
+"""The benchmarks' one harness: measuring processes (``bench.session_points``), rows as they finish, a watchdog.
 
-``run_points`` runs one section of ``python -m bench session`` in as few processes as it takes; ``run_fresh`` runs
-the other commands' points one fresh process each, under the same watchdog (docs/gpu-window.md, Faults).
+``run_points``: one section of ``python -m bench session`` in as few processes as it takes; ``run_fresh``: the other
+commands' points, one fresh process each.
 """
 
 from __future__ import annotations
@@ -29,14 +29,10 @@ RESTART = 3  # a measuring process exits with this after a CUDA fault: the paren
 
 
 def _child_env(interpret: bool) -> dict:
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the other commands measure what users run
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env["PYTHONUNBUFFERED"] = "1"
-    if interpret:
-        env["TRITON_INTERPRET"] = "1"  # a smoke session interprets the Triton kernels on CPU tensors
-    else:
-        env.pop("TRITON_INTERPRET", None)  # the other commands measure what users run
-    return env
+    return {**env, "TRITON_INTERPRET": "1"} if interpret else env  # a smoke session interprets them on CPU tensors
 
 
 def append_rows(path: Path, rows: list[dict]) -> None:
@@ -116,9 +112,8 @@ except (OSError, AttributeError):  # not Linux: the watchdog and the deadline st
 
 
 def _process(name: str, todo: list[dict], deadline: float, run, tail: _Tail, bounds: dict):
-    """One measuring process over ``todo``: (how it ended, why, its exit code, its last stderr line). On Linux it is
-    killed when the session's thread that started it dies (PR_SET_PDEATHSIG): a session killed at a call's limit leaves
-    no measuring process behind, though it runs in a process group of its own (which the watchdog kills whole)."""
+    """One measuring process over ``todo``: (how it ended, why, its exit code, its last stderr line). It runs in a
+    process group of its own (the watchdog kills it whole) and dies with the session (PR_SET_PDEATHSIG, Linux)."""
     spec_path = run.work / f"{name}.spec.json"
     spec_path.write_text(json.dumps({"device": run.device, "smoke": run.smoke, "points": todo, "deadline": deadline,
                                      "rows": str(run.rows_path)}))
@@ -134,10 +129,8 @@ def _process(name: str, todo: list[dict], deadline: float, run, tail: _Tail, bou
 
 
 def run_points(name: str, pts: list[dict], deadline: float, run, bounds: dict) -> list[dict]:
-    """Every point of one section in as few processes as it takes. A point that outlives its watchdog bound gets a
-    ``timeout`` row, one whose process dies an ``error`` row; either way that implementation's (or provider's) points
-    left in this section are skipped with the reason (a circuit breaker: no restart per point of a broken kernel), and
-    a fresh process takes the rest. Past the deadline, the rest is skipped."""
+    """Every point of one section in as few processes as it takes, the faults isolated as docs/gpu-window.md says
+    (Faults): a hang or a crash costs its point, and its implementation's (or provider's) later points are skipped."""
     tail = _Tail(run.rows_path, {p["id"] for p in pts})
     broken: dict[str, str] = {}
     todo = list(pts)
@@ -178,8 +171,8 @@ def run_points(name: str, pts: list[dict], deadline: float, run, bounds: dict) -
 
 @dataclass
 class Fresh:
-    """What ``run_points`` needs of a command that is not a session: one point per process, its rows file and the
-    processes' specs in a scratch folder, their output kept out of the console (the command prints its own lines)."""
+    """What ``run_points`` needs of a command that is not a session: one point per process, specs and rows in a scratch
+    folder, their output kept out of the console (the command prints its own lines)."""
     device: str
     con: object = None
     smoke: bool = False
@@ -189,9 +182,7 @@ class Fresh:
     work: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="fastrl-bench-")))
     ids: Iterator[int] = field(default_factory=itertools.count)  # points are numbered across calls on one run
 
-    @property
-    def rows_path(self) -> Path:
-        return self.work / "points.rows.jsonl"
+    rows_path = property(lambda self: self.work / "points.rows.jsonl")
 
     def say(self, text: str) -> None:
         if self.con is not None:
@@ -203,11 +194,9 @@ _HARNESS_KEYS = ("id", "section", "spec", "crashed", "provider")
 
 def run_fresh(specs: list[dict], device: str, timeout_s: float, *, jobs: int = 1, con=None, on_result=None,
               run: Fresh | None = None) -> list[dict]:
-    """Each spec measured in a fresh ``bench.session_points`` process (section ``point``: ``spec["kind"]`` says which
-    benchmark's ``run_point``), ``jobs`` at a time, under the session's watchdog: a process past ``timeout_s`` is
-    killed and its point is an ``error`` row saying so, as is a point whose process died (the exit code in the
-    reason; -9: the kernel's OOM killer, most likely). Returns the results in the order of ``specs``; ``on_result``
-    (spec, result) is called as each finishes."""
+    """Each spec measured in a fresh ``bench.session_points`` process (``run_spec``) under the session's watchdog: a
+    process past ``timeout_s`` or one that died (exit code -9: most likely the OOM killer) gives an ``error`` row.
+    The results in the order of ``specs``; ``on_result(spec, result)`` as each finishes."""
     run = run or Fresh(device, con)
     bounds_for = {"start": float(timeout_s)}
 

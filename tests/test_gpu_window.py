@@ -119,7 +119,7 @@ def test_call_two_needs_the_seconds_left_and_plans_inside_them(tmp_path):
 
 def test_call_one_prints_the_plan_sized_to_the_window(tmp_path):
     """The plan's arithmetic: 570 s less install, the two bounded test stages and the packing leave the session
-    360 s (bench/session.py's docstring sizes its sections on that)."""
+    360 s (docs/gpu-window.md sizes the session's sections on that)."""
     proc = subprocess.run(["bash", str(SCRIPT), "window"], cwd=REPO, env=_env(tmp_path, PLAN_ONLY="1"),
                           capture_output=True, text=True, timeout=60, check=False)
     first = proc.stdout.splitlines()[0]
