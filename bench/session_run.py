@@ -16,7 +16,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -192,7 +191,7 @@ class Fresh:
 _HARNESS_KEYS = ("id", "section", "spec", "crashed", "provider")
 
 
-def run_fresh(specs: list[dict], device: str, timeout_s: float, *, jobs: int = 1, con=None, on_result=None,
+def run_fresh(specs: list[dict], device: str, timeout_s: float, *, con=None, on_result=None,
               run: Fresh | None = None) -> list[dict]:
     """Each spec measured in a fresh ``bench.session_points`` process (``run_spec``) under the session's watchdog: a
     process past ``timeout_s`` or one that died (exit code -9: most likely the OOM killer) gives an ``error`` row.
@@ -214,5 +213,4 @@ def run_fresh(specs: list[dict], device: str, timeout_s: float, *, jobs: int = 1
             on_result(spec, res)
         return res
 
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        return list(pool.map(one, specs))
+    return [one(spec) for spec in specs]
