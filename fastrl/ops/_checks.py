@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from fastrl.ops.backend import is_triton
+
 _FLOAT = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _TARGET_DTYPES = (torch.int32, torch.int64)
 
@@ -116,7 +118,7 @@ def first_non_finite(value: torch.Tensor, entropy: torch.Tensor | None, active: 
 
 def check_triton_dtypes(backend: str, *dtypes: torch.dtype) -> None:
     """The Triton backends compute from float32, bfloat16 or float16 inputs: float64 ones need the torch backend."""
-    if backend.startswith("triton") and torch.float64 in dtypes:
+    if is_triton(backend) and torch.float64 in dtypes:
         raise TypeError("the triton backends compute from float32, bfloat16 or float16 inputs; use backend='torch' "
                         "for float64")
 
