@@ -83,13 +83,9 @@ def _slices(N: int, V: int) -> int:
     return math.ceil(V / hybrid.tile_columns(min(N, hybrid.MAX_ROWS), V))
 
 
-def _sm90_rows(w: Shape, memory: int | None) -> int:
-    """sm90 one-pass chunk rows (bf16 scaled exps within 1/16 of ``memory``)."""
-    return one_pass_rows(w.V, w.H, w.N, torch.bfloat16, total_memory=memory)
-
-
 def _sm90_chunks(w: Shape, memory: int | None) -> int:
-    return math.ceil(w.N / _sm90_rows(w, memory))
+    """sm90 one-pass chunks (bf16 scaled exps within 1/16 of ``memory``)."""
+    return math.ceil(w.N / one_pass_rows(w.V, w.H, w.N, torch.bfloat16, total_memory=memory))
 
 
 def _sm90_slices(N: int, V: int, memory: int | None) -> int:
@@ -233,43 +229,6 @@ def _workload(name: str) -> Shape:
     return next(w for w in WORKLOADS if w.name == name)
 
 
-def _sm90_tile_gb(w: Shape, memory: int | None) -> float:
-    """Extra memory of the sm90 one-pass loss: its [chunk, V] bf16 tile, plus the float32 [V, H] accumulator when
-    there are several chunks (the cast to the gradient's dtype reads it once more at the end)."""
-    rows = min(w.N, _sm90_rows(w, memory))
-    return (rows * w.V * S + (0 if _sm90_chunks(w, memory) == 1 else w.V * w.H * 4)) / 1e9
-
-
-def _why(w: Shape, impl: str, memory: int | None) -> str:
-    """Why the target's row stands where it does, in the model's own numbers."""
-    floor = implied_ms(w, "floor", memory)
-    slices = ""
-    if w.kind == "logprob" and impl == "sm90":
-        slices = (f"; {_sm90_slices(w.N, w.V, memory)} G slices at {_gib(memory)} (memory unknown: "
-                  f"{_sm90_slices(w.N, w.V, None)}, {implied_ms(w, 'sm90-nomem', memory):.1f} ms)")
-    if w.name == "W1-lp":
-        four = 8.0 * w.N * w.H * w.V / TFLOPS * 1e3  # forward, recomputed logits, two gradient GEMMs
-        return (f"path A: every design that stores no logit recomputes them, 4 GEMMs = {four:.1f} ms = "
-                f"{four / implied_ms(w, 'trl', memory):.3f}x TRL with no byte moved; 0.95x is the target" + slices)
-    if w.kind == "loss" and impl == "sm90":
-        c, c0 = _sm90_chunks(w, memory), _sm90_chunks(w, None)
-        acc = "no accumulator" if c == 1 else f"{c} x {8 * w.V * w.H / 1e9:.1f} GB of float32 accumulator passes"
-        return (f"{c} chunk(s) at {_gib(memory)}, {acc} (memory unknown: {c0}, "
-                f"{implied_ms(w, 'sm90-nomem', memory):.1f} ms); "
-                f"extra memory {_sm90_tile_gb(w, memory):.1f} GB (unknown: {_sm90_tile_gb(w, None):.1f} GB); "
-                f"GEMMs alone {floor:.1f} ms")
-    if w.kind == "kept":
-        full, u = _full_head_ms(memory), implied_ms(w, "union", memory)
-        parts = kept_rows_bytes(w)
-        return (f"per-row plan (built) {parts['grad_W atomics'] / 1e9:.1f} of its {sum(parts.values()) / 1e9:.1f} GB "
-                f"are grad_W's float32 atomics, {2 * parts['forward gather'] / 1e9:.1f} GB its two gathers; union "
-                f"(built) {u:.1f} ms = {u / full:.2f}x on disjoint sets: its per-unit gathers and float32 [|U|, H] "
-                "weight-gradient rows")
-    if w.kind == "logprob":
-        return f"path A's 4 GEMMs alone {8.0 * w.N * w.H * w.V / TFLOPS * 1e3:.1f} ms" + slices
-    return f"GEMMs alone {floor:.1f} ms" + slices
-
-
 def _full_head_ms(memory: int | None) -> float:
     """The kept target's baseline: the fastest built fastrl design of the same call over the whole vocabulary."""
     w = _workload("W1-lp")
@@ -282,7 +241,7 @@ def _gib(memory: int | None) -> str:
 
 def targets(memory: int | None = MEMORY) -> list[dict]:
     """Per target: the fastest modelled fastrl design, its FLOPs, bytes and implied time, the baseline's implied time,
-    the ratio (computed), whether it meets the target on paper, whether the design is built, and why."""
+    the ratio (computed), whether it meets the target on paper, and whether the design is built."""
     out = []
     for name, goal, base in TARGETS:
         w = _workload(name)
@@ -294,7 +253,7 @@ def targets(memory: int | None = MEMORY) -> list[dict]:
         tied = [i for i in designs if i != best and model(w, i, memory)[:2] == (fl, by)]  # the same FLOPs and bytes
         out.append(dict(target=name, goal=goal, baseline=base, baseline_ms=base_ms, design=best, tied=tied,
                         built=best in _BUILT, tflop=fl / 1e12, gb=by / 1e9, implied_ms=ms, ratio=ms / base_ms,
-                        met=ms / base_ms <= goal, why=_why(w, best, memory)))
+                        met=ms / base_ms <= goal))
     return out
 
 
@@ -372,11 +331,11 @@ def command(args, con=None) -> int:
     print()
     print_columns(table)
     table = [("target", "goal", "design", "built", "TFLOP", "GB moved", "implied ms", "baseline ms", "ratio",
-              "on paper", "why")]
+              "on paper")]
     table += [(r["target"], f"<= {r['goal']:g}x", "=".join([r["design"]] + r["tied"]),
                "yes" if r["built"] else "no (paper)", f"{r['tflop']:.2f}", f"{r['gb']:.1f}", f"{r['implied_ms']:.1f}",
-               f"{r['baseline_ms']:.1f} ({r['baseline']})", f"{r['ratio']:.3f}x", "met" if r["met"] else "NOT met",
-               r["why"]) for r in targets(memory)]
+               f"{r['baseline_ms']:.1f} ({r['baseline']})", f"{r['ratio']:.3f}x", "met" if r["met"] else "NOT met")
+              for r in targets(memory)]
     print("\nTargets (issue 33): the fastest modelled fastrl design per target, its ratio computed from the rows above")
     print_columns(table)
     return 0
