@@ -2,7 +2,7 @@
 report per variant registers, spills, shared memory, tensor-core and TMA instruction counts (``cuobjdump``); exits 1
 when a checked variant spills or a bf16/fp16 matmul kernel has no HGMMA (docs/design.md, "On the GPU").
 
-    python -m bench sass [--arch 80] [--only stats] [--checked-only]
+    python -m bench sass [--arch 80] [--only stats]
 """
 
 from __future__ import annotations
@@ -221,52 +221,44 @@ def ctas_per_sm(registers: int, shared: int, num_warps: int) -> int:
 
 
 def verdict(spec: Spec, r: dict, arch: int) -> str:
-    """'' when fine, else why this row fails the check."""
-    if arch < 90:
-        return ""
-    why = []
-    if r["spill_loads"] or r["spill_stores"] or r["stack"]:
-        why.append(f"spills ({r['stack']} B stack, {r['spill_loads']} LDL / {r['spill_stores']} STL)")
-    if r["shared"] > SMEM_LIMIT:
-        why.append(f"{r['shared']} B of shared memory, over the {SMEM_LIMIT} B a block may have on sm_90 (no launch)")
-    if spec.matmul and spec.tma and not r["tma_loads"]:
-        why.append("no TMA loads (UTMALDG) in a kernel fed by tensor descriptors")
-    if spec.matmul and spec.dtype in ("bfloat16", "float16") and not r["tensor_core"]:
-        why.append("no HGMMA (tensor cores unused)")
-    return "; ".join(why)
+    """'' when fine, else why this row fails the check (sm_90 and later)."""
+    checks = (
+        (r["spill_loads"] or r["spill_stores"] or r["stack"],
+         f"spills ({r['stack']} B stack, {r['spill_loads']} LDL / {r['spill_stores']} STL)"),
+        (r["shared"] > SMEM_LIMIT,
+         f"{r['shared']} B of shared memory, over the {SMEM_LIMIT} B a block may have on sm_90 (no launch)"),
+        (spec.matmul and spec.tma and not r["tma_loads"],
+         "no TMA loads (UTMALDG) in a kernel fed by tensor descriptors"),
+        (spec.matmul and spec.dtype in ("bfloat16", "float16") and not r["tensor_core"],
+         "no HGMMA (tensor cores unused)"),
+    )
+    return "; ".join(why for bad, why in checks if bad and arch >= 90)
 
 
 def command(args, con=None) -> int:
     """``python -m bench sass``: compile for a GPU target (no GPU, no provider needed); 1 on a failed check."""
     from bench.roofline import print_columns
 
-    table = [("kernel", "variant", "config", "regs", "stack", "LDL", "STL", "smem KB",
-              "HGMMA" if args.arch >= 90 else "HMMA", "TMA ld", "TMA st", "CTA/SM", "check")]
-    failures, seen = [], set()
-    for spec in specs():
-        if args.arch < 90:  # the triton-sm90 backend refuses GPUs before Hopper, and every launch loads with pointers
-            if spec.kernel.startswith("sm90_"):
-                continue
-            spec = replace(spec, tma=False)
-        if spec in seen or (args.only and args.only not in spec.kernel):  # every variant is checked: --checked-only too
-            continue
-        seen.add(spec)
+    hopper = args.arch >= 90
+    # before Hopper the triton-sm90 backend refuses the GPU, and every launch loads with pointers
+    todo = [s if hopper else replace(s, tma=False) for s in specs() if hopper or not s.kernel.startswith("sm90_")]
+    table = [("kernel", "variant", "config", "regs", "stack", "LDL", "STL", "smem KB", "HGMMA" if hopper else "HMMA",
+              "TMA ld", "TMA st", "CTA/SM", "check")]
+    failures = []
+    for spec in dict.fromkeys(s for s in todo if not args.only or args.only in s.kernel):
         compiled, cfg = compile_spec(spec, args.arch)
         r = inspect(compiled)
         bad = verdict(spec, r, args.arch)
         if bad:
             failures.append(f"{spec.kernel} [{spec.label}] {cfg}: {bad}")
         cells = [f"{v / 1024:.0f}" if k == "shared" else str(v) for k, v in r.items()]  # inspect's order
-        table.append((spec.kernel, spec.label, cfg, *cells,
-                      "FAIL" if bad else ("ok" if args.arch >= 90 else "-")))
+        table.append((spec.kernel, spec.label, cfg, *cells, "FAIL" if bad else "ok" if hopper else "-"))
     print(f"Kernels compiled for sm_{args.arch} at their default launch configurations (no GPU needed):")
     print_columns(table)
     if failures:
         print(f"\nFAIL: {len(failures)} checked kernel(s) at their default configuration:", *failures,
               sep="\n  ", file=sys.stderr)
         return 1
-    if args.arch >= 90:
-        print(f"\nOK: no spills in the checked kernels, HGMMA in every bf16/fp16 matmul kernel (sm_{args.arch}).")
-    else:
-        print(f"\nsm_{args.arch}: listed only (the launch table is tuned and checked for sm_90).")
+    print(f"\nOK: no spills in the checked kernels, HGMMA in every bf16/fp16 matmul kernel (sm_{args.arch})." if hopper
+          else f"\nsm_{args.arch}: listed only (the launch table is tuned and checked for sm_90).")
     return 0
