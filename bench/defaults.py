@@ -14,7 +14,7 @@ __all__ = ["build", "render", "add_options", "command", "TABLE_PATH", "MARGIN"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TABLE_PATH = REPO_ROOT / "kernels" / "_defaults.py"
-LMHEAD = ("tournament", "configs")  # autotune's rows ran whatever the autotuner picked: no configuration to install
+LMHEAD = ("tournament", "configs")  # the sections whose rows ran a known configuration
 KINDS = (("loss", "fastrl-fused"), ("logprob", "fastrl"), ("forward", "fastrl"))  # kind, the provider that decides it
 MARGIN = 0.03  # a winner's median must be at most (1 - MARGIN) x the built-in's, same process: 6 timed steps are noisy
 BUILTIN = "triton-hybrid"  # rows written before sessions recorded `builtin`: CUDA with float32-out cuBLAS
@@ -50,23 +50,26 @@ def _h_ranges(hs) -> dict[int, tuple]:
     return {h: (cuts[i - 1] if i else None, cuts[i] if i < len(cuts) else None) for i, h in enumerate(hs)}
 
 
+def _config(r: dict) -> str:
+    return r.get("config") or "default"
+
+
 def _label(r: dict) -> str:
-    cfg = r.get("config") or "default"
-    return f"{r['implementation']}" + ("" if cfg == "default" else f" [{cfg}]")
+    return r["implementation"] + ("" if _config(r) == "default" else f" [{_config(r)}]")
 
 
 def _ms(r: dict) -> float:
     return r["total_ms"]["median"]
 
 
-def _beats(win: dict, base: dict | None) -> bool:
-    """Faster by the margin, in the same process (rows without a pid count as the same)."""
-    same = base is not None and (win.get("pid") is None or base.get("pid") is None or win["pid"] == base["pid"])
-    return same and _ms(win) <= (1 - MARGIN) * _ms(base)
-
-
-def _margin_text(win: dict, base: dict) -> str:
-    return f"{_ms(win):.2f} ms against {_label(base)} {_ms(base):.2f} ms ({_ms(win) / _ms(base):.3f}x)"
+def _evidence(win: dict, base: dict, what: str) -> str | None:
+    """``what`` and the margin where ``win`` beat ``base`` by MARGIN in the same process (rows without a pid count
+    as the same), else None."""
+    same = win.get("pid") is None or base.get("pid") is None or win["pid"] == base["pid"]
+    if not same or _ms(win) > (1 - MARGIN) * _ms(base):
+        return None
+    return (f"{what}: {_label(win)} {_ms(win):.2f} ms against {_label(base)} {_ms(base):.2f} ms "
+            f"({_ms(win) / _ms(base):.3f}x)")
 
 
 def _lm_rows(rows: list[dict], passed: dict[str, bool]) -> list[dict]:
@@ -86,28 +89,25 @@ def _config_wins(lm: list[dict]) -> dict[tuple, dict]:
                         and kernel in (r.get("configs_served") or {})]
                 if rows:
                     break
-            base = next((r for r in rows if (r.get("config") or "default") == "default"), None)
-            forced = sorted((r for r in rows if (r.get("config") or "default") != "default"), key=_ms)
-            win = forced[0] if forced else None
+            base = next((r for r in rows if _config(r) == "default"), None)
+            win = min((r for r in rows if _config(r) != "default"), key=_ms, default=None)
             if base is None or win is None:
                 continue  # no built-in row to beat, or no candidate: this session did not decide the kernel
             served = win["configs_served"][kernel]
-            if not _beats(win, base) or served["config"] == base["configs_served"][kernel]["config"]:
-                out[(impl, H, dtype, kernel)] = None  # measured, and the built-in configuration stays
-                continue
-            out[(impl, H, dtype, kernel)] = {
-                "config": served["config"], "use_tma": served["use_tma"],
-                "evidence": f"{kernel} at {win['workload']}: {_label(win)} {_margin_text(win, base)}"}
+            why = _evidence(win, base, f"{kernel} at {win['workload']}")
+            same = served["config"] == base["configs_served"][kernel]["config"]
+            # None: measured, and the built-in configuration stays
+            out[(impl, H, dtype, kernel)] = None if same or why is None else {
+                "config": served["config"], "use_tma": served["use_tma"], "evidence": why}
     return out
 
 
 def _installed(r: dict, wins: dict) -> bool:
     """Whether the row ran each of its kernels at the configuration the table will give it: a candidate's row where
     that candidate won for every kernel it served, a default row where none of its kernels changes."""
-    default_row = (r.get("config") or "default") == "default"
     for kernel, s in (r.get("configs_served") or {}).items():
         won = wins.get((r["implementation"], r["H"], r["dtype"], kernel))
-        if not (s["config"] == won["config"] if won is not None else default_row):
+        if not (s["config"] == won["config"] if won is not None else _config(r) == "default"):
             return False
     return True
 
@@ -120,18 +120,14 @@ def _choice_wins(lm: list[dict], wins: dict) -> dict[tuple, dict]:
         for H, dtype in sorted({(r["H"], r["dtype"]) for r in lm if r["kind"] == kind}):
             mine = sorted((r for r in lm if (r["kind"], r["provider"], r["H"], r["dtype"]) == (kind, provider, H, dtype)
                            and _installed(r, wins)), key=_ms)
-            if not mine:
-                continue
-            win = mine[0]
-            builtin = win.get("builtin", BUILTIN)
+            builtin = mine[0].get("builtin", BUILTIN) if mine else None
             base = next((r for r in mine if r["implementation"] == builtin), None)
             if base is None:
                 continue  # no built-in row to beat: this session did not decide the key
-            if win["implementation"] == builtin or not _beats(win, base):
-                out[(kind, H, dtype)] = None  # measured, and the built-in choice stays
-                continue
-            out[(kind, H, dtype)] = {"implementation": win["implementation"],
-                                     "evidence": f"{win['workload']}: {_label(win)} {_margin_text(win, base)}"}
+            win = mine[0]
+            why = None if win["implementation"] == builtin else _evidence(win, base, win["workload"])
+            # None: measured, and the built-in choice stays
+            out[(kind, H, dtype)] = None if why is None else {"implementation": win["implementation"], "evidence": why}
     return out
 
 
