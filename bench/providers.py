@@ -1,9 +1,8 @@
 """Who computes each workload: fastrl's paths and the tools people would pick instead (bench/README.md, "Providers").
 
-``Provider.unavailable(wl, device)`` answers in the parent process (``("n/a", why)``: not this kind of work, or an
-input the peer refuses by design; ``("skipped", why)``: it cannot run here; None); ``build`` makes, in the measuring
-process, an ``Op``: ``prepare(inputs)`` (untimed), ``forward(state)`` -> ``{"loss", "logp", "entropy"}``, and the
-measuring code's ``torch.autograd.grad(loss, state["wrt"])``, so every backward is timed the same way.
+``PROVIDERS`` is the table; a provider's ``build`` makes, in the measuring process, an ``Op``: ``prepare(inputs)``
+(untimed), ``forward(state)`` -> ``{"loss", "logp", "entropy"}``, and the measuring code's
+``torch.autograd.grad(loss, state["wrt"])``, so every backward is timed the same way.
 """
 
 from __future__ import annotations
@@ -265,43 +264,41 @@ def _build_cce(wl: Workload, device: torch.device, opts: dict) -> Op:
                      has_entropy=False)
 
 
-def _cce_refuses(wl: Workload) -> str | None:
-    """Cut Cross-Entropy's backward asserts bf16/fp16 operands (cut_cross_entropy/cce_backward.py); its forward
-    takes float32 too, so only the workloads that need its backward are refused."""
-    if wl.kind == "logprob" and wl.dtype not in ("bfloat16", "float16"):
-        return f"refuses {wl.dtype} with a backward: Cut Cross-Entropy's backward takes bf16 or fp16 only"
-    return None
-
-
 @dataclass
 class Provider:
+    """A row of PROVIDERS: what it computes (``kinds``), what it needs to run, and what it refuses by design."""
+
     name: str
     label: str
     kinds: tuple[str, ...]  # workload kinds it computes
-    builder: Callable[[Workload, torch.device, dict], Op]
+    build: Callable[[Workload, torch.device, dict], Op]  # in the measuring process
+    not_for: str = ""  # why it does not compute the other kinds
     needs: tuple[str, ...] = ()  # importable modules it needs
     cuda_only: str = ""  # non-empty: why it cannot run off CUDA
-    not_for: dict = field(default_factory=dict)  # kind -> why it does not apply
+    half_backward: str = ""  # non-empty: whose backward takes bf16 / fp16 only (a float32 one is refused)
     compile_fails_skip: bool = False  # a failure while compiling is a "skipped" row, not an "error"
-    refuses: Callable[[Workload], str | None] | None = None  # an input it refuses by design -> why (in the parent)
     # its own errors that mean "this input is not supported": a measurement raising one is an "n/a" row quoting it
     refusal_messages: tuple[str, ...] = ()
 
+    def refuses(self, wl: Workload) -> str | None:
+        """Why it refuses this input by design (decided in the parent, before any process starts), or None."""
+        if self.half_backward and wl.kind != "forward" and wl.dtype not in ("bfloat16", "float16"):
+            return f"refuses {wl.dtype} with a backward: {self.half_backward}'s backward takes bf16 or fp16 only"
+        return None
+
     def unavailable(self, wl: Workload, device: str) -> tuple[str, str] | None:
+        """``("n/a", why)``: not this kind of work, or an input it refuses (a property of the peer, so reported first);
+        ``("skipped", why)``: it cannot run here; None: it runs."""
         if wl.kind not in self.kinds:
-            return ("n/a", self.not_for.get(wl.kind, f"does not compute {wl.kind} workloads"))
-        why = self.refuses(wl) if self.refuses is not None else None
-        if why:
-            return ("n/a", why)
-        for mod in self.needs:
-            if importlib.util.find_spec(mod) is None:
-                return ("skipped", f"not available: `import {mod}` fails (not installed)")
+            return ("n/a", self.not_for or f"does not compute {wl.kind} workloads")
+        if self.refuses(wl):
+            return ("n/a", self.refuses(wl))
+        missing = [m for m in self.needs if importlib.util.find_spec(m) is None]
+        if missing:
+            return ("skipped", f"not available: `import {missing[0]}` fails (not installed)")
         if self.cuda_only and not device.startswith("cuda"):
             return ("skipped", f"not available on {device}: {self.cuda_only}")
         return None
-
-    def build(self, wl: Workload, device: torch.device, opts: dict) -> Op:
-        return self.builder(wl, device, opts)
 
     def is_refusal(self, exc: BaseException) -> bool:
         """Whether ``exc`` (or an exception it was raised from) is one of this peer's declared refusals."""
@@ -315,13 +312,13 @@ class Provider:
 
 
 _ALL = ("logprob", "forward", "loss")
-_NO_LOGPROBS = {k: "returns a GRPO loss only, not per-token log-probs or entropy" for k in ("logprob", "forward")}
+_LOSS_ONLY = "returns a GRPO loss only, not per-token log-probs or entropy"
 
 PROVIDERS: dict[str, Provider] = {p.name: p for p in [
     Provider("fastrl", "fastrl (path A fwd+bwd / path C fwd; backend auto)", _ALL, _build_fastrl),
     Provider("fastrl-fused", "fastrl.policy_loss (fused loss)", ("loss",),
              lambda wl, d, o: _build_fastrl(wl, d, o, fused=True),
-             not_for={k: "fastrl.policy_loss is the loss workloads' fused path" for k in ("logprob", "forward")}),
+             not_for="fastrl.policy_loss is the loss workloads' fused path"),
     Provider("fastrl-tfused", "fastrl, backend triton-fused (tl.dot kernels, no stored logit)", _ALL,
              lambda wl, d, o: _build_fastrl(wl, d, {**o, "fastrl_backend": "triton-fused"}), needs=("triton",),
              cuda_only="compiled Triton kernels (the CPU tests run them interpreted)"),
@@ -330,12 +327,12 @@ PROVIDERS: dict[str, Provider] = {p.name: p for p in [
              lambda wl, d, o: _build_torch(wl, d, o, compile_=True), compile_fails_skip=True),
     Provider("trl", "TRL 1.16 ChunkedLogProbFunction", _ALL, _build_trl, needs=("trl",)),
     Provider("liger-fused", "Liger 0.8.5 LigerFusedLinearGRPOLoss", ("loss",), _build_liger_fused,
-             needs=("liger_kernel",), not_for=_NO_LOGPROBS),
+             not_for=_LOSS_ONLY, needs=("liger_kernel",)),
     Provider("liger-triton", "Liger 0.8.5 triton_grpo_loss on materialised logits", ("loss",), _build_liger_triton,
-             needs=("liger_kernel", "triton"), cuda_only="a Triton kernel that needs CUDA", not_for=_NO_LOGPROBS),
+             not_for=_LOSS_ONLY, needs=("liger_kernel", "triton"), cuda_only="a Triton kernel that needs CUDA"),
     Provider("cce", "Cut Cross-Entropy linear_cross_entropy", ("logprob", "forward"), _build_cce,
-             needs=("cut_cross_entropy",), cuda_only="its Triton kernels need CUDA",
-             not_for={"loss": "computes cross-entropy only: no entropy, no GRPO loss"}, refuses=_cce_refuses,
+             not_for="computes cross-entropy only: no entropy, no GRPO loss", needs=("cut_cross_entropy",),
+             cuda_only="its Triton kernels need CUDA", half_backward="Cut Cross-Entropy",
              refusal_messages=("Backwards requires embeddings to be bf16 or fp16",
                                "Backwards requires classifier to be bf16 or fp16")),
 ]}
