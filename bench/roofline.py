@@ -151,6 +151,7 @@ def model(w: Shape, impl: str, memory: int | None = MEMORY) -> tuple[float, floa
     nv, nhv = float(N) * V, float(N) * H * V
     grad_w_rmw = V * H * 4 * 2  # one read + write of a float32 [V, H] accumulator
     grad_h_rmw = N * H * 4 * 2
+    trl_acc = math.ceil(N / 4096) * grad_w_rmw + math.ceil(V / 32768) * grad_h_rmw  # TRL's fp32 accumulators per tile
     if w.kind == "kept":
         return _kept(w, impl)
     if impl in ("union", "gather"):
@@ -163,8 +164,7 @@ def model(w: Shape, impl: str, memory: int | None = MEMORY) -> tuple[float, floa
         both = 2.0 * N * (H + Ht) * V  # one pass over both heads' logits
         fl = 3 * both + 4 * nhv
         # TRL: stats pass, JSD pass, backward pass; float32 tiles of both heads each time
-        trl = nv * (2 * 8 + 2 * 8 + (8 + 8 + 4 + 4 + 2 + 4)) + math.ceil(N / 4096) * grad_w_rmw \
-            + math.ceil(V / 32768) * grad_h_rmw
+        trl = nv * (2 * 8 + 2 * 8 + (8 + 8 + 4 + 4 + 2 + 4)) + trl_acc
         hyb = nv * (2 * 8 + 2 * 8 + (8 + 8 + 2 + 4)) + _slices(N, V) * grad_h_rmw  # fused runs the hybrid kernels
         why = "3 passes x both float32 tiles, G bf16 in place"
         return {"floor": (both + 4 * nhv, 0.0, "student + teacher forward, student's two gradient GEMMs"),
@@ -177,33 +177,31 @@ def model(w: Shape, impl: str, memory: int | None = MEMORY) -> tuple[float, floa
                 "hybrid": (2 * nhv, nv * 8, "float32 tile written + read"),
                 "fused": (2 * nhv, 0.0, "statistics in registers"),
                 "sm90": (2 * nhv, 0.0, "statistics in registers (persistent, TMA, split vocabulary)")}.get(impl)
-    if impl == "floor":
-        return 6 * nhv, 0.0, "forward + two gradient GEMMs"
-    trl_acc = math.ceil(N / 4096) * grad_w_rmw + math.ceil(V / 32768) * grad_h_rmw
-    if impl == "trl":  # path A: fwd tile w+r; bwd tile w, r, G w, two GEMM reads
-        return 8 * nhv, nv * S * (2 + 5) + trl_acc, "path A, bf16 tiles (logits rounded), fp32 accumulators"
+    # path A (two passes): the forward's tile, then the backward's tile, G and the two gradient GEMMs' reads
     two_pass_acc = _slices(N, V) * grad_h_rmw  # grad_h accumulated in float32 over the vocabulary slices
     g_bytes = nv * S * 3  # G written once, read by each of the two GEMMs
-    if impl == "atomics":
-        tiles = math.ceil(N / 128) * math.ceil(V / 256)
-        return 8 * nhv, tiles * (128 + 256) * H * 4 * 2, "fp32 atomics of [128, H] and [256, H] per 128x256 tile"
-    if w.kind == "loss" and impl == "hybrid":  # one pass (path B): fp32 tile w, fold r, grad r + G w, 2 GEMM reads
-        acc = _chunks(N, V) * grad_w_rmw
-        return 6 * nhv, nv * (4 + 4 + 4 + S + 2 * S) + acc, "one pass, float32 tile, fp32 grad_W per chunk"
-    if w.kind == "loss" and impl == "sm90":  # one pass on bf16 scaled exps: w, r + G w in place, two GEMM reads
+    tiles = math.ceil(N / 128) * math.ceil(V / 256)
+    c = _sm90_slices(N, V, memory)
+    out = {
+        "floor": (6 * nhv, 0.0, "forward + two gradient GEMMs"),
+        # fwd tile w+r; bwd tile w, r, G w, two GEMM reads
+        "trl": (8 * nhv, nv * S * (2 + 5) + trl_acc, "path A, bf16 tiles (logits rounded), fp32 accumulators"),
+        "atomics": (8 * nhv, tiles * (128 + 256) * H * 4 * 2, "fp32 atomics of [128, H] and [256, H] per 128x256 tile"),
+        "hybrid": (8 * nhv, nv * (8 + 8) + g_bytes + two_pass_acc, "path A, float32 tiles in both passes"),
+        "fused": (8 * nhv, g_bytes + two_pass_acc, "path A, no logits stored; G through HBM"),
+        "sm90": (8 * nhv, g_bytes + c * grad_h_rmw, f"path A, no logits stored; G through HBM in {c} slices"),
+    }
+    if w.kind == "loss":  # one pass (path B) where the design has one
         c = _sm90_chunks(w, memory)
-        # one chunk: grad_W is one GEMM written once (an output, like path A's slices); else the accumulator per chunk
-        acc = 0 if c == 1 else c * grad_w_rmw
-        return 6 * nhv, nv * S * (1 + 2 + 2) + acc, f"one pass, bf16 scaled exps, {c} chunk(s)" + (
-            ": grad_W written once" if c == 1 else ", fp32 grad_W per chunk")
-    if impl == "hybrid":  # path A: fwd fp32 tile w + r; bwd fp32 tile w + r, G w, two GEMM reads
-        return 8 * nhv, nv * (8 + 8) + g_bytes + two_pass_acc, "path A, float32 tiles in both passes"
-    if impl == "fused":
-        return 8 * nhv, g_bytes + two_pass_acc, "path A, no logits stored; G through HBM"
-    if impl == "sm90":
-        c = _sm90_slices(N, V, memory)
-        return 8 * nhv, g_bytes + c * grad_h_rmw, f"path A, no logits stored; G through HBM in {c} slices"
-    return None
+        # fp32 tile w, fold r, grad r + G w, two GEMM reads
+        out["hybrid"] = (6 * nhv, nv * (4 + 4 + 4 + S + 2 * S) + _chunks(N, V) * grad_w_rmw,
+                         "one pass, float32 tile, fp32 grad_W per chunk")
+        # bf16 scaled exps w, r + G w in place, two GEMM reads; one chunk: grad_W is one GEMM written once (an output,
+        # like path A's slices), else a float32 accumulator per chunk
+        out["sm90"] = (6 * nhv, nv * S * (1 + 2 + 2) + (0 if c == 1 else c * grad_w_rmw),
+                       f"one pass, bf16 scaled exps, {c} chunk(s)"
+                       + (": grad_W written once" if c == 1 else ", fp32 grad_W per chunk"))
+    return out.get(impl)
 
 
 # (workload, the ratio a design must reach, the baseline it is a ratio of): issue 33's targets
