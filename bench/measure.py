@@ -1,7 +1,6 @@
-"""Timing, peak memory and accuracy of one op on CPU or CUDA, and the step timer keptset and divergence share.
+"""Timing, peak memory and accuracy of one op on CPU or CUDA, and the step timers keptset, divergence and w4 share.
 
-What each figure means (CPU: wall time, extra peak RSS with the peak reset per step; CUDA: ``do_bench``, events around
-the backward, ``max_memory_allocated`` minus inputs and outputs): bench/README.md, "How it is measured".
+What each figure means: bench/README.md, "How it is measured".
 """
 
 from __future__ import annotations
@@ -114,15 +113,12 @@ def _keep(out: dict, grads, rows: int) -> dict:
 def _cpu_step(op: Op, st: dict):
     """One step measured on a trimmed heap and a reset peak: (figures, outputs, gradients)."""
     trim()
-    base = rss_mb()
-    reset = reset_peak()
+    base, reset = rss_mb(), reset_peak()
     t0 = time.perf_counter()
     out = op.forward(st)
-    t1 = time.perf_counter()
-    peak_f = peak_rss_mb()
+    t1, peak_f = time.perf_counter(), peak_rss_mb()
     grads = torch.autograd.grad(out["loss"], st["wrt"]) if op.needs_grad else None
-    t2 = time.perf_counter()
-    peak_t = peak_rss_mb()
+    t2, peak_t = time.perf_counter(), peak_rss_mb()
     ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
     m = dict(fwd=(t1 - t0) * 1e3, bwd=(t2 - t1) * 1e3, tot=(t2 - t0) * 1e3, fwd_mb=peak_f - base, tot_mb=peak_t - base,
              base=base, ru=ru - base, reset=reset)
@@ -131,20 +127,17 @@ def _cpu_step(op: Op, st: dict):
 
 def measure_cpu(op: Op, states: list[dict], reps: int, warmup: int, keep_rows: int) -> dict:
     rss_inputs = rss_mb()
-    first = {"tot": None, "tot_mb": None}
-    steps, kept = [], {}
+    first, steps, kept = {"tot": None, "tot_mb": None}, [], {}
     with torch.set_grad_enabled(op.needs_grad):
         for i in range(warmup):
             if i == 0:  # the fresh process's first step: what lazy imports and first-call set-up cost a user
-                first, out, grads = _cpu_step(op, states[0])
+                first = _cpu_step(op, states[0])[0]
             else:
-                out, grads = _step(op, states[i % len(states)])
-            del out, grads
+                _step(op, states[i % len(states)])
         for r in range(reps):
             m, out, grads = _cpu_step(op, states[r % len(states)])
             steps.append(m)
-            if r == 0:
-                kept = _keep(out, grads, keep_rows)
+            kept = kept if r else _keep(out, grads, keep_rows)
             del out, grads
     reset_ok = all(m["reset"] for m in steps)
     return {
@@ -217,15 +210,17 @@ def measure_cuda(op: Op, states: list[dict], reps: int, warmup: int, keep_rows: 
         del out, grads
 
         cycle = itertools.cycle(states)
-        res = {"fwd_ms": {}, "bwd_ms": {}}
+
+        def bench(fn) -> dict:
+            return summarize(do_bench(fn, warmup=200, rep=rep_ms, return_mode="all"))
+
         if total_only:
-            res["total_ms"] = summarize(event_times(lambda: _step(op, next(cycle)), reps))
+            res = {"fwd_ms": {}, "bwd_ms": {}, "total_ms": summarize(event_times(lambda: _step(op, next(cycle)), reps))}
+        elif not op.needs_grad:
+            fwd = bench(lambda: op.forward(next(cycle)))
+            res = {"fwd_ms": fwd, "bwd_ms": {}, "total_ms": fwd}  # the total is the forward: there is no backward
         else:
-            fwd = do_bench(lambda: op.forward(next(cycle)), warmup=200, rep=rep_ms, return_mode="all")
-            res["fwd_ms"] = res["total_ms"] = summarize(fwd)  # the total too, when there is no backward
-        if op.needs_grad and not total_only:
-            res["total_ms"] = summarize(do_bench(lambda: _step(op, next(cycle)), warmup=200, rep=rep_ms,
-                                                 return_mode="all"))
+            res = {"fwd_ms": bench(lambda: op.forward(next(cycle))), "total_ms": bench(lambda: _step(op, next(cycle)))}
 
             def untimed_forward():
                 st = next(cycle)

@@ -291,8 +291,8 @@ class Provider:
         ``("skipped", why)``: it cannot run here; None: it runs."""
         if wl.kind not in self.kinds:
             return ("n/a", self.not_for or f"does not compute {wl.kind} workloads")
-        if self.refuses(wl):
-            return ("n/a", self.refuses(wl))
+        if why := self.refuses(wl):
+            return ("n/a", why)
         missing = [m for m in self.needs if importlib.util.find_spec(m) is None]
         if missing:
             return ("skipped", f"not available: `import {missing[0]}` fails (not installed)")

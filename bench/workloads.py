@@ -59,9 +59,7 @@ def flops(wl: Workload, phase: str) -> float:
     """Useful FLOPs of one phase: 'fwd' 2NHV, 'bwd' 4NHV, 'total' 6NHV (forward-only: 2NHV total; a frozen head
     has no weight-gradient GEMM: 'bwd' 2NHV, 'total' 4NHV)."""
     nhv = float(wl.N) * wl.H * wl.V
-    if wl.kind == "forward":
-        return {"fwd": 2 * nhv, "bwd": 0.0, "total": 2 * nhv}[phase]
-    bwd = 2 * nhv if wl.frozen_head else 4 * nhv
+    bwd = 0.0 if wl.kind == "forward" else 2 * nhv if wl.frozen_head else 4 * nhv
     return {"fwd": 2 * nhv, "bwd": bwd, "total": 2 * nhv + bwd}[phase]
 
 
