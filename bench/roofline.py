@@ -264,12 +264,11 @@ def measured(root: str) -> dict[tuple[str, str], float]:
     for path in sorted(paths):
         try:
             with open(path) as f:
-                data = json.load(f)
-        except (OSError, ValueError):
-            continue
-        rows = data.get("rows", data) if isinstance(data, dict) else data
-        for r in rows if isinstance(rows, list) else []:
-            if not isinstance(r, dict) or r.get("status", "ok") != "ok":
+                rows = json.load(f)["rows"]  # what `bench session` writes
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not a session file, or one cut short
+        for r in rows:
+            if r.get("status", "ok") != "ok":
                 continue
             key, ms = _kept_row(r) if r.get("workload") == KEPT_SESSION_WORKLOAD else (None, None)
             if key is None:
