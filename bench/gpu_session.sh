@@ -46,7 +46,7 @@ plan() {  # the plan of this call, before anything runs
                 "tests/test_cuda_kernels.py) <= ${TESTS_KERNELS_S} s; tests/test_cuda.py and the rest of the suite" \
                 "<= ${TESTS_REST_S} s; python -m bench session ~${session} s (what is left); pack ${PACK_S} s" ;;
         rest) echo "plan ($CALL_LIMIT s of the $2 s left): install ~${INSTALL_S} s; python -m bench session" \
-                "--sections ${3:-configs,autotune,compile} ~${session} s; the suite in what is left over a minute;" \
+                "--sections ${3:-configs,compile} ~${session} s; the suite in what is left over a minute;" \
                 "pack ${PACK_S} s" ;;
         *) echo "plan ($CALL_LIMIT s): $STAGE" ;;
     esac
@@ -130,7 +130,7 @@ case "$STAGE" in
         session session ;;
     rest)
         install
-        session session-rest --sections "${3:-configs,autotune,compile}"
+        session session-rest --sections "${3:-configs,compile}"
         [ "$(left)" -gt 60 ] && tests $(($(left) - PACK_S)) "CUDA first, then the suite" tests/test_cuda_sm90.py \
             tests/test_cuda_kernels.py tests/test_cuda.py tests ;;
     w5)

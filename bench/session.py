@@ -22,7 +22,7 @@ from bench.session_run import append_rows, run_points, stub
 __all__ = ["ALWAYS", "DROP_ORDER", "GPU_COSTS", "SECTIONS", "SMOKE_COSTS", "Costs", "SessionRun", "add_options",
            "candidates_for", "command", "estimate", "plan_budget", "point_bounds", "points"]
 
-SECTIONS = ("checks", "tournament", "divergence", "keptset", "w4", "configs", "autotune", "compile")
+SECTIONS = ("checks", "tournament", "divergence", "keptset", "w4", "configs", "compile")
 ALWAYS = ("checks", "tournament")  # never dropped: a short budget cuts their points instead (the deadline)
 DROP_ORDER = tuple(reversed([s for s in SECTIONS if s not in ALWAYS]))  # whole sections drop from the end
 WORKLOAD_ORDER = ("W1", "W1-lp", "W2", "W2-lp", "W3")
@@ -43,7 +43,6 @@ class Costs:
     trl_import: float
     check_case: float  # one float64 check of one implementation, its share of compiling included
     jit_config: float  # compiling one implementation's kernels at one more configuration
-    autotune_impl: float  # FASTRL_AUTOTUNE's own timing of the candidates, per implementation
     point: dict = field(default_factory=dict)  # workload -> one point (steps + overhead)
     references: float = 0.0  # float64 loss references of a W1-W3 process
     keptset_point: float = 0.0
@@ -57,13 +56,13 @@ class Costs:
     watchdog_factor: float = 4.0
 
 
-GPU_COSTS = Costs(process=7, trl_import=12, check_case=2.5, jit_config=8, autotune_impl=20,
+GPU_COSTS = Costs(process=7, trl_import=12, check_case=2.5, jit_config=8,
                   point={"W1": 1.5, "W1-lp": 1.5, "W2": 0.65, "W2-lp": 0.65, "W3": 0.6}, references=2 + 3,
                   keptset_point=2.2, divergence_point=1.25, divergence_jit=9, compile_eager=2, compile_variant=47,
                   w4_point=35)
 # a 2-core CPU, Triton interpreted, at load average 7-10; the watchdog's floor is wide: a loaded machine stretches an
 # interpreted point many times over
-SMOKE_COSTS = Costs(process=3, trl_import=5, check_case=1.5, jit_config=0.5, autotune_impl=0,
+SMOKE_COSTS = Costs(process=3, trl_import=5, check_case=1.5, jit_config=0.5,
                     point={w: 0.5 for w in WORKLOAD_ORDER}, references=0.3, keptset_point=1.7, divergence_point=1.5,
                     compile_eager=4, compile_variant=6, w4_point=12, watchdog_floor=150)
 
@@ -102,9 +101,6 @@ def _lmhead_points(section: str, smoke: bool, impls: list[str], tunable: dict, b
             out += [(wl, p, i, "default", None) for i in impls for p in (LOSS_PROVIDERS if loss else ("fastrl",))]
             continue
         provs = ("fastrl-fused",) if loss else ("fastrl",)
-        if section == "autotune":
-            out += [(wl, p, i, "autotune", None) for i in tunable for p in provs]
-            continue
         defaults = ([builtin] if builtin in impls and builtin not in tunable else []) + list(tunable)
         out += [(wl, p, i, "default", None) for i in defaults for p in provs]
         probe = None if wl.endswith("-lp") else "W1-lp"
@@ -122,7 +118,7 @@ def points(section: str, *, smoke: bool, device: str, impls: list[str], tunable:
         cases = [c.name for c in (SMOKE_CASES if smoke else CASES) if not quick_checks or c.name == QUICK_CHECK[smoke]]
         out = [{"workload": c, "provider": "fastrl", "implementation": i, **({"quick": True} if quick_checks else {})}
                for i in impls for c in cases]
-    elif section in ("tournament", "configs", "autotune"):
+    elif section in ("tournament", "configs"):
         keys = ("workload", "provider", "implementation", "config", "probe")
         out = [{k: v for k, v in zip(keys, t) if v is not None}
                for t in _lmhead_points(section, smoke, impls, tunable, builtin)]
@@ -159,7 +155,6 @@ def estimate(section: str, c: Costs, pts: list[dict]) -> float:
     return {"checks": c.process + n * c.check_case,
             "tournament": c.process + c.trl_import + c.references + steps,
             "configs": c.process + c.references + forced * c.jit_config + steps,
-            "autotune": c.process + c.references + impls * c.autotune_impl + steps,
             "keptset": c.process + n * c.keptset_point,
             "divergence": c.process + c.trl_import + n * c.divergence_point + impls * c.divergence_jit,
             "compile": c.process + c.compile_eager + (n - 1) * c.compile_variant,
@@ -175,10 +170,10 @@ def point_bounds(section: str, c: Costs, pts: list[dict]) -> dict[str, float]:
         key = (p.get("implementation"), p.get("config"))
         first = key not in seen
         seen.add(key)
-        jit = (c.autotune_impl if p.get("config") == "autotune" else c.jit_config) if first else 0.0
+        jit = c.jit_config if first else 0.0
         est = {"checks": c.check_case + jit, "keptset": c.keptset_point, "compile": c.compile_eager + c.compile_variant,
                "w4": c.w4_point, "divergence": c.divergence_point + (c.divergence_jit if first else 0.0)}.get(
-            section, c.point.get(p["workload"], 0.0) + c.references + jit)  # tournament, configs, autotune
+            section, c.point.get(p["workload"], 0.0) + c.references + jit)  # tournament, configs
         out[p["id"]] = c.watchdog_factor * est + c.watchdog_floor
     return out
 
@@ -204,7 +199,7 @@ def add_options(ap) -> None:
     ap.add_argument("--budget", type=float, help="seconds for the whole session (default 480 on a GPU, 240 with "
                                                  "--smoke); whole sections are dropped, last first, to fit")
     ap.add_argument("--sections", help=f"comma list of {', '.join(SECTIONS)} (default all; the checks run first "
-                                       "whenever tournament, configs or autotune are named)")
+                                       "whenever tournament or configs are named)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on a CPU (kernels interpreted): the plumbing")
     ap.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
     ap.add_argument("--out", help="results folder (default: a new folder outside the repository)")
@@ -217,7 +212,7 @@ def _wanted(spec: str | None) -> tuple[list[str], bool]:
     bad = [s for s in names if s not in SECTIONS]
     if bad:
         raise SystemExit(f"--sections: unknown {', '.join(bad)}; choose from {', '.join(SECTIONS)}")
-    quick = "checks" not in names and bool({"tournament", "configs", "autotune"} & set(names))
+    quick = "checks" not in names and bool({"tournament", "configs"} & set(names))
     return [s for s in SECTIONS if s in names or (quick and s == "checks")], quick
 
 

@@ -18,7 +18,6 @@ import time
 import traceback
 from dataclasses import replace
 from pathlib import Path
-from unittest import mock
 
 import torch
 
@@ -158,8 +157,7 @@ def _lmhead_point(p: dict, lm: LMHead, times: dict) -> dict:
         return built
     op, sets, states = built
     tuning.reset_served()
-    ctx = (contextlib.nullcontext() if config == "default" else tuning.forced_config(config) if config != "autotune"
-           else mock.patch.dict(os.environ, {"FASTRL_AUTOTUNE": "1"}))  # fastrl reads it at each launch
+    ctx = contextlib.nullcontext() if config == "default" else tuning.forced_config(config)
     cuda = lm.device.type == "cuda"
     with ctx:
         m, kept = _measure(op, states, lm.device, 6 if cuda else 1, 2 if cuda else 0, lm.rows, rep_ms=300,
@@ -187,7 +185,7 @@ def _run(p: dict, device: torch.device, lm: LMHead, times: dict) -> dict:
     reps = {"reps": 1 if smoke else 6, "warmup": 0 if smoke else 2, "device": device.type, "threads": 0}
     if section == "checks":
         return run_check(p, device)
-    if section in ("tournament", "configs", "autotune"):
+    if section in ("tournament", "configs"):
         return _lmhead_point(p, lm, times)
     if section == "point":
         return run_spec(p["spec"])
@@ -329,7 +327,7 @@ def main(argv: list[str]) -> int:
     for p in spec["points"]:
         base = {k: p[k] for k in ("id", "section", "workload", "provider", "implementation", "config") if k in p}
         wl = lm.wls.get(p.get("workload", ""))
-        if wl is not None and p["section"] in ("tournament", "configs", "autotune"):
+        if wl is not None and p["section"] in ("tournament", "configs"):
             base.update(kind=wl.kind, N=wl.N, H=wl.H, V=wl.V, dtype=wl.dtype)
         left = spec["deadline"] - time.time()
         append_rows(rows_path, [{"begin": p["id"], "t": time.time()}])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 __all__ = ["add_ratios", "checks_passed", "targets", "print_summary", "TIME_TARGETS", "MEM_TARGETS"]
 
-LMHEAD = ("tournament", "configs", "autotune")
+LMHEAD = ("tournament", "configs")
 TIME_TARGETS = (("W1", 0.75), ("W1-lp", 0.95), ("W2", 0.85), ("W2-lp", 0.9), ("W3", 0.95))
 # (workload, provider, path, max extra memory vs TRL): main 8f83654 on the H200, 513 / 2887 MB and 2387 / 2887 MB
 MEM_TARGETS = (("W1", "fastrl", "two pass", 0.18), ("W1", "fastrl-fused", "one pass", 0.83))
