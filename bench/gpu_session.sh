@@ -1,12 +1,9 @@
 #!/usr/bin/env bash
-# The GPU window in one or two calls of a lent machine: docs/gpu-window.md says how a window runs and what a cut or
-# a fault costs, bench/README.md when to call what.
-#
+# The GPU window in one or two calls of a lent machine (docs/gpu-window.md: the plan, cuts and faults):
 #   bash bench/device_wheels.sh                  # here, right before: wheels into .whl/ and the commit stamp
 #   bash bench/gpu_session.sh                    # call 1 (timeout 600 s, carry .whl): tests, then the session
 #   bash bench/gpu_session.sh rest SECONDS [SECTIONS]  # call 2: SECONDS = device seconds left in the window
 #   bash bench/gpu_session.sh w5|smoke           # bench w5 at 24 GiB | the session's plumbing (runs on a CPU too)
-#
 # Every file goes straight into $OUT (<stage>.log, session.json, session.rows.jsonl, tests-failures.txt, <stage>.tgz
 # refreshed every 20 s). Unpack here with
 #   d=bench/results/<gpu-slug>/<date>-<commit>; mkdir -p $d && tar xzf <stage>.tgz -C $d
