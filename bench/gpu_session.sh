@@ -34,21 +34,16 @@ esac
 left() { echo $((CALL_LIMIT - (SECONDS - T0))); }
 exec > >(tee -a "$LOG") 2>&1  # everything to the log and to the caller
 
-
-plan() {  # the plan of this call, before anything runs
-    local session=$((CALL_LIMIT - INSTALL_S - PACK_S))
-    case "$STAGE" in
-        window) session=$((session - TESTS_KERNELS_S - TESTS_REST_S))
-            echo "plan ($CALL_LIMIT s): install ~${INSTALL_S} s; GPU kernel tests (tests/test_cuda_sm90.py," \
-                "tests/test_cuda_kernels.py) <= ${TESTS_KERNELS_S} s; tests/test_cuda.py and the rest of the suite" \
-                "<= ${TESTS_REST_S} s; python -m bench session ~${session} s (what is left); pack ${PACK_S} s" ;;
-        rest) echo "plan ($CALL_LIMIT s of the $2 s left): install ~${INSTALL_S} s; python -m bench session" \
-                "--sections ${3:-configs,compile} ~${session} s; the suite in what is left over a minute;" \
-                "pack ${PACK_S} s" ;;
-        *) echo "plan ($CALL_LIMIT s): $STAGE" ;;
-    esac
-}
-plan "$@"
+SESSION_S=$((CALL_LIMIT - INSTALL_S - PACK_S))  # the plan of this call, before anything runs
+case "$STAGE" in
+    window) echo "plan ($CALL_LIMIT s): install ~${INSTALL_S} s; GPU kernel tests (tests/test_cuda_sm90.py," \
+            "tests/test_cuda_kernels.py) <= ${TESTS_KERNELS_S} s; tests/test_cuda.py and the rest of the suite" \
+            "<= ${TESTS_REST_S} s; python -m bench session ~$((SESSION_S - TESTS_KERNELS_S - TESTS_REST_S)) s (what" \
+            "is left); pack ${PACK_S} s" ;;
+    rest) echo "plan ($CALL_LIMIT s of the $2 s left): install ~${INSTALL_S} s; python -m bench session --sections" \
+            "${3:-configs,compile} ~${SESSION_S} s; the suite in what is left over a minute; pack ${PACK_S} s" ;;
+    *) echo "plan ($CALL_LIMIT s): $STAGE" ;;
+esac
 [ -n "${PLAN_ONLY:-}" ] && exit 0  # tests/test_gpu_window.py checks the plan's arithmetic
 
 pack() {  # every file of this call into <stage>.tgz, replaced whole (a cut leaves the last complete archive)

@@ -83,21 +83,22 @@ def candidates_for(kernels, smoke: bool) -> list[str]:
     return out[:2] if smoke else out
 
 
-def _lmhead_points(section: str, smoke: bool, impls: list[str], tunable: dict, builtin: str) -> list[tuple]:
-    """(workload, provider, implementation, config, probe) of W1-W3; in configs, each workload's candidates come after
-    the built-in choice and each implementation at its default (what bench/defaults.py judges them by)."""
+def _lmhead_points(section: str, smoke: bool, impls: list[str], tunable: dict, builtin: str) -> list[dict]:
+    """W1-W3's points; in configs, each workload's candidates come after the built-in choice and each implementation
+    at its default (what bench/defaults.py judges them by), a candidate's probe the workload that may prune it."""
     out = []
     for wl in WORKLOAD_ORDER if section == "tournament" else CONFIG_ORDER[:2] if smoke else CONFIG_ORDER:
         provs = (LOSS_PROVIDERS if section == "tournament" else LOSS_PROVIDERS[:1]) if wl in ("W1", "W2") \
             else ("fastrl",)
         if section == "tournament":
-            out += [(wl, p, None, None, None) for p in ("cublas", "trl")]
-            out += [(wl, p, i, "default", None) for i in impls for p in provs]
+            out += [dict(workload=wl, provider=p) for p in ("cublas", "trl")]
+            out += [dict(workload=wl, provider=p, implementation=i, config="default") for i in impls for p in provs]
             continue
         defaults = ([builtin] if builtin in impls and builtin not in tunable else []) + list(tunable)
-        out += [(wl, p, i, "default", None) for i in defaults for p in provs]
-        probe = None if wl.endswith("-lp") else "W1-lp"
-        out += [(wl, p, i, c, probe) for i, cands in tunable.items() for c in cands for p in provs]
+        out += [dict(workload=wl, provider=p, implementation=i, config="default") for i in defaults for p in provs]
+        probe = {} if wl.endswith("-lp") else {"probe": "W1-lp"}
+        out += [dict(workload=wl, provider=p, implementation=i, config=c, **probe)
+                for i, cands in tunable.items() for c in cands for p in provs]
     return out
 
 
@@ -112,9 +113,7 @@ def points(section: str, *, smoke: bool, device: str, impls: list[str], tunable:
         out = [{"workload": c, "provider": "fastrl", "implementation": i, **({"quick": True} if quick_checks else {})}
                for i in impls for c in cases]
     elif section in ("tournament", "configs"):
-        keys = ("workload", "provider", "implementation", "config", "probe")
-        out = [{k: v for k, v in zip(keys, t) if v is not None}
-               for t in _lmhead_points(section, smoke, impls, tunable, builtin)]
+        out = _lmhead_points(section, smoke, impls, tunable, builtin)
     elif section == "keptset":
         from bench import keptset
 
