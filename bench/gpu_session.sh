@@ -1,12 +1,9 @@
 #!/usr/bin/env bash
-# The GPU window in one or two calls of a lent machine: docs/gpu-window.md says how a window runs and what a cut or
-# a fault costs, bench/README.md when to call what.
-#
+# The GPU window in one or two calls of a lent machine (docs/gpu-window.md: the plan, cuts and faults):
 #   bash bench/device_wheels.sh                  # here, right before: wheels into .whl/ and the commit stamp
 #   bash bench/gpu_session.sh                    # call 1 (timeout 600 s, carry .whl): tests, then the session
 #   bash bench/gpu_session.sh rest SECONDS [SECTIONS]  # call 2: SECONDS = device seconds left in the window
 #   bash bench/gpu_session.sh w5|smoke           # bench w5 at 24 GiB | the session's plumbing (runs on a CPU too)
-#
 # Every file goes straight into $OUT (<stage>.log, session.json, session.rows.jsonl, tests-failures.txt, <stage>.tgz
 # refreshed every 20 s). Unpack here with
 #   d=bench/results/<gpu-slug>/<date>-<commit>; mkdir -p $d && tar xzf <stage>.tgz -C $d
@@ -37,21 +34,16 @@ esac
 left() { echo $((CALL_LIMIT - (SECONDS - T0))); }
 exec > >(tee -a "$LOG") 2>&1  # everything to the log and to the caller
 
-
-plan() {  # the plan of this call, before anything runs
-    local session=$((CALL_LIMIT - INSTALL_S - PACK_S))
-    case "$STAGE" in
-        window) session=$((session - TESTS_KERNELS_S - TESTS_REST_S))
-            echo "plan ($CALL_LIMIT s): install ~${INSTALL_S} s; GPU kernel tests (tests/test_cuda_sm90.py," \
-                "tests/test_cuda_kernels.py) <= ${TESTS_KERNELS_S} s; tests/test_cuda.py and the rest of the suite" \
-                "<= ${TESTS_REST_S} s; python -m bench session ~${session} s (what is left); pack ${PACK_S} s" ;;
-        rest) echo "plan ($CALL_LIMIT s of the $2 s left): install ~${INSTALL_S} s; python -m bench session" \
-                "--sections ${3:-configs,autotune,compile} ~${session} s; the suite in what is left over a minute;" \
-                "pack ${PACK_S} s" ;;
-        *) echo "plan ($CALL_LIMIT s): $STAGE" ;;
-    esac
-}
-plan "$@"
+SESSION_S=$((CALL_LIMIT - INSTALL_S - PACK_S))  # the plan of this call, before anything runs
+case "$STAGE" in
+    window) echo "plan ($CALL_LIMIT s): install ~${INSTALL_S} s; GPU kernel tests (tests/test_cuda_sm90.py," \
+            "tests/test_cuda_kernels.py) <= ${TESTS_KERNELS_S} s; tests/test_cuda.py and the rest of the suite" \
+            "<= ${TESTS_REST_S} s; python -m bench session ~$((SESSION_S - TESTS_KERNELS_S - TESTS_REST_S)) s (what" \
+            "is left); pack ${PACK_S} s" ;;
+    rest) echo "plan ($CALL_LIMIT s of the $2 s left): install ~${INSTALL_S} s; python -m bench session --sections" \
+            "${3:-configs,compile} ~${SESSION_S} s; the suite in what is left over a minute; pack ${PACK_S} s" ;;
+    *) echo "plan ($CALL_LIMIT s): $STAGE" ;;
+esac
 [ -n "${PLAN_ONLY:-}" ] && exit 0  # tests/test_gpu_window.py checks the plan's arithmetic
 
 pack() {  # every file of this call into <stage>.tgz, replaced whole (a cut leaves the last complete archive)
@@ -130,7 +122,7 @@ case "$STAGE" in
         session session ;;
     rest)
         install
-        session session-rest --sections "${3:-configs,autotune,compile}"
+        session session-rest --sections "${3:-configs,compile}"
         [ "$(left)" -gt 60 ] && tests $(($(left) - PACK_S)) "CUDA first, then the suite" tests/test_cuda_sm90.py \
             tests/test_cuda_kernels.py tests/test_cuda.py tests ;;
     w5)

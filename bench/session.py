@@ -1,28 +1,23 @@
-"""``python -m bench session``: everything a GPU window should measure, in one command sized to the window.
-
-    python -m bench session [--budget SECONDS] [--sections a,b,...] [--smoke]
-
-Sections (``SECTIONS``, in order of value) run one measuring process each (``bench/session_run.py``), rows appended as
-they finish; ``--budget`` is split by the estimates (``GPU_COSTS``; docs/gpu-window.md gives their sources and
-arithmetic), whole sections dropped from the end to fit, again before each starts. ``--smoke``: the same plumbing on a
-CPU at tiny shapes.
-"""
+"""``python -m bench session [--budget SECONDS] [--sections a,b,...] [--smoke]``: everything a GPU window should
+measure, in sections of decreasing value, each in measuring processes of its own (``bench/session_run.py``), whole
+sections dropped from the end to fit the budget (docs/gpu-window.md: the plan, its estimates, cuts and faults).
+``--smoke``: the same plumbing on a CPU at tiny shapes."""
 
 from __future__ import annotations
 
 import os
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.report import new_out_dir
 from bench.session_run import append_rows, run_points, stub
 
 __all__ = ["ALWAYS", "DROP_ORDER", "GPU_COSTS", "SECTIONS", "SMOKE_COSTS", "Costs", "SessionRun", "add_options",
-           "candidates_for", "command", "estimate", "plan_budget", "point_bounds", "points"]
+           "candidates_for", "command", "estimate", "fit", "point_bounds", "points"]
 
-SECTIONS = ("checks", "tournament", "divergence", "keptset", "w4", "configs", "autotune", "compile")
+SECTIONS = ("checks", "tournament", "divergence", "keptset", "w4", "configs", "compile")
 ALWAYS = ("checks", "tournament")  # never dropped: a short budget cuts their points instead (the deadline)
 DROP_ORDER = tuple(reversed([s for s in SECTIONS if s not in ALWAYS]))  # whole sections drop from the end
 WORKLOAD_ORDER = ("W1", "W1-lp", "W2", "W2-lp", "W3")
@@ -38,34 +33,31 @@ DEFAULT_BUDGET = {"cuda": 480.0, "smoke": 240.0}
 
 @dataclass(frozen=True)
 class Costs:
-    """Seconds a section is expected to take (docs/gpu-window.md says where the GPU numbers come from)."""
-    process: float  # start a measuring process: imports, CUDA context
-    trl_import: float
-    check_case: float  # one float64 check of one implementation, its share of compiling included
-    jit_config: float  # compiling one implementation's kernels at one more configuration
-    autotune_impl: float  # FASTRL_AUTOTUNE's own timing of the candidates, per implementation
-    point: dict = field(default_factory=dict)  # workload -> one point (steps + overhead)
-    references: float = 0.0  # float64 loss references of a W1-W3 process
-    keptset_point: float = 0.0
-    divergence_point: float = 0.0
-    divergence_jit: float = 0.0  # compiling one implementation's divergence kernels
-    compile_eager: float = 0.0
-    compile_variant: float = 0.0
-    w4_point: float = 0.0
-    grace: float = 20.0  # a process killed this long after its deadline
-    watchdog_floor: float = 30.0  # a point is killed past watchdog_factor x its estimate + this
-    watchdog_factor: float = 4.0
+    """Seconds (docs/gpu-window.md gives the GPU numbers' sources): ``setup`` a section's process before its first
+    point; ``point`` one point, looked up by its workload, then its provider, then its section; ``compile`` a
+    section's compiling per implementation (configs: per forced configuration); ``jit`` the watchdog's allowance for
+    an implementation's first point where its section counts no compiling."""
+    setup: dict
+    point: dict
+    compile: dict
+    jit: float
+    grace: float = 20.0  # a process is killed this long after its deadline
+    watchdog: tuple = (4.0, 30.0)  # a point is killed past factor x its estimate + floor
 
 
-GPU_COSTS = Costs(process=7, trl_import=12, check_case=2.5, jit_config=8, autotune_impl=20,
-                  point={"W1": 1.5, "W1-lp": 1.5, "W2": 0.65, "W2-lp": 0.65, "W3": 0.6}, references=2 + 3,
-                  keptset_point=2.2, divergence_point=1.25, divergence_jit=9, compile_eager=2, compile_variant=47,
-                  w4_point=35)
+# a process starts in 7, TRL's imports add 12, the float64 loss references 5
+GPU_COSTS = Costs(setup={"checks": 7, "tournament": 7 + 12 + 5, "divergence": 7 + 12, "keptset": 7, "w4": 0,
+                         "configs": 7 + 5, "compile": 7},
+                  point={"checks": 2.5, "divergence": 1.25, "keptset": 2.2, "w4": 35, "compile": 47, "fastrl-eager": 2,
+                         "W1": 1.5, "W1-lp": 1.5, "W2": 0.65, "W2-lp": 0.65, "W3": 0.6},
+                  compile={"divergence": 9, "configs": 8}, jit=8)
 # a 2-core CPU, Triton interpreted, at load average 7-10; the watchdog's floor is wide: a loaded machine stretches an
 # interpreted point many times over
-SMOKE_COSTS = Costs(process=3, trl_import=5, check_case=1.5, jit_config=0.5, autotune_impl=0,
-                    point={w: 0.5 for w in WORKLOAD_ORDER}, references=0.3, keptset_point=1.7, divergence_point=1.5,
-                    compile_eager=4, compile_variant=6, w4_point=12, watchdog_floor=150)
+SMOKE_COSTS = Costs(setup={"checks": 3, "tournament": 3 + 5 + 0.3, "divergence": 3 + 5, "keptset": 3, "w4": 0,
+                           "configs": 3 + 0.3, "compile": 3},
+                    point={"checks": 1.5, "divergence": 1.5, "keptset": 1.7, "w4": 12, "compile": 6, "fastrl-eager": 4,
+                           **{w: 0.5 for w in WORKLOAD_ORDER}},
+                    compile={"configs": 0.5}, jit=0.5, watchdog=(4.0, 150.0))
 
 
 def run_w4(pts: list[dict], deadline: float, run) -> list[dict]:
@@ -91,24 +83,22 @@ def candidates_for(kernels, smoke: bool) -> list[str]:
     return out[:2] if smoke else out
 
 
-def _lmhead_points(section: str, smoke: bool, impls: list[str], tunable: dict, builtin: str) -> list[tuple]:
-    """(workload, provider, implementation, config, probe) of W1-W3; in configs, each workload's candidates come after
-    the built-in choice and each implementation at its default (what bench/defaults.py judges them by)."""
+def _lmhead_points(section: str, smoke: bool, impls: list[str], tunable: dict, builtin: str) -> list[dict]:
+    """W1-W3's points; in configs, each workload's candidates come after the built-in choice and each implementation
+    at its default (what bench/defaults.py judges them by), a candidate's probe the workload that may prune it."""
     out = []
     for wl in WORKLOAD_ORDER if section == "tournament" else CONFIG_ORDER[:2] if smoke else CONFIG_ORDER:
-        loss = wl in ("W1", "W2")
+        provs = (LOSS_PROVIDERS if section == "tournament" else LOSS_PROVIDERS[:1]) if wl in ("W1", "W2") \
+            else ("fastrl",)
         if section == "tournament":
-            out += [(wl, p, None, None, None) for p in ("cublas", "trl")]
-            out += [(wl, p, i, "default", None) for i in impls for p in (LOSS_PROVIDERS if loss else ("fastrl",))]
-            continue
-        provs = ("fastrl-fused",) if loss else ("fastrl",)
-        if section == "autotune":
-            out += [(wl, p, i, "autotune", None) for i in tunable for p in provs]
+            out += [dict(workload=wl, provider=p) for p in ("cublas", "trl")]
+            out += [dict(workload=wl, provider=p, implementation=i, config="default") for i in impls for p in provs]
             continue
         defaults = ([builtin] if builtin in impls and builtin not in tunable else []) + list(tunable)
-        out += [(wl, p, i, "default", None) for i in defaults for p in provs]
-        probe = None if wl.endswith("-lp") else "W1-lp"
-        out += [(wl, p, i, c, probe) for i, cands in tunable.items() for c in cands for p in provs]
+        out += [dict(workload=wl, provider=p, implementation=i, config="default") for i in defaults for p in provs]
+        probe = {} if wl.endswith("-lp") else {"probe": "W1-lp"}
+        out += [dict(workload=wl, provider=p, implementation=i, config=c, **probe)
+                for i, cands in tunable.items() for c in cands for p in provs]
     return out
 
 
@@ -122,10 +112,8 @@ def points(section: str, *, smoke: bool, device: str, impls: list[str], tunable:
         cases = [c.name for c in (SMOKE_CASES if smoke else CASES) if not quick_checks or c.name == QUICK_CHECK[smoke]]
         out = [{"workload": c, "provider": "fastrl", "implementation": i, **({"quick": True} if quick_checks else {})}
                for i in impls for c in cases]
-    elif section in ("tournament", "configs", "autotune"):
-        keys = ("workload", "provider", "implementation", "config", "probe")
-        out = [{k: v for k, v in zip(keys, t) if v is not None}
-               for t in _lmhead_points(section, smoke, impls, tunable, builtin)]
+    elif section in ("tournament", "configs"):
+        out = _lmhead_points(section, smoke, impls, tunable, builtin)
     elif section == "keptset":
         from bench import keptset
 
@@ -151,52 +139,46 @@ def points(section: str, *, smoke: bool, device: str, impls: list[str], tunable:
              f"{p.get('implementation', '')}/{p.get('config', '')}"} for i, p in enumerate(out)]
 
 
+def _cost(c: Costs, section: str, p: dict) -> float:
+    return next((c.point[k] for k in (p["workload"], p["provider"], section) if k in c.point), 0.0)
+
+
 def estimate(section: str, c: Costs, pts: list[dict]) -> float:
-    """Seconds this section should take (``Costs``), from its points; each section starts its own process."""
-    n, impls = len(pts), len({p.get("implementation") for p in pts} - {None})
-    forced = len({(p["implementation"], p["config"]) for p in pts if p.get("config", "default") != "default"})
-    steps = sum(c.point.get(p["workload"], 0.0) for p in pts)
-    return {"checks": c.process + n * c.check_case,
-            "tournament": c.process + c.trl_import + c.references + steps,
-            "configs": c.process + c.references + forced * c.jit_config + steps,
-            "autotune": c.process + c.references + impls * c.autotune_impl + steps,
-            "keptset": c.process + n * c.keptset_point,
-            "divergence": c.process + c.trl_import + n * c.divergence_point + impls * c.divergence_jit,
-            "compile": c.process + c.compile_eager + (n - 1) * c.compile_variant,
-            "w4": n * c.w4_point}[section]
+    """Seconds this section should take: its process's setup, its points, and its compiling per implementation
+    (configs: per forced configuration)."""
+    compiled = {(p["implementation"], p.get("config")) for p in pts
+                if p.get("implementation") and p.get("config") != "default"}
+    return c.setup[section] + sum(_cost(c, section, p) for p in pts) + c.compile.get(section, 0.0) * len(compiled)
 
 
 def point_bounds(section: str, c: Costs, pts: list[dict]) -> dict[str, float]:
-    """The watchdog: seconds each point may run (``watchdog_factor`` x its estimate, a first point's compiling
-    included, + ``watchdog_floor``); ``"start"``: the seconds a process may take to begin its first point."""
+    """The watchdog: seconds each point may run (factor x its estimate, an implementation's first point at each
+    configuration counting its compiling, + floor); ``"start"``: the seconds a process may take to begin its first
+    point."""
+    factor, floor = c.watchdog
     seen: set = set()
-    out = {"start": c.watchdog_factor * (c.process + c.trl_import) + c.watchdog_floor}
+    out = {"start": factor * c.setup[section] + floor}
     for p in pts:
         key = (p.get("implementation"), p.get("config"))
-        first = key not in seen
+        jit = c.compile.get(section, c.jit) if key[0] and key not in seen else 0.0
         seen.add(key)
-        jit = (c.autotune_impl if p.get("config") == "autotune" else c.jit_config) if first else 0.0
-        est = {"checks": c.check_case + jit, "keptset": c.keptset_point, "compile": c.compile_eager + c.compile_variant,
-               "w4": c.w4_point, "divergence": c.divergence_point + (c.divergence_jit if first else 0.0)}.get(
-            section, c.point.get(p["workload"], 0.0) + c.references + jit)  # tournament, configs, autotune
-        out[p["id"]] = c.watchdog_factor * est + c.watchdog_floor
+        out[p["id"]] = factor * (_cost(c, section, p) + jit) + floor
     return out
 
 
-def plan_budget(budget: float, estimates: dict[str, float], wanted: list[str]) -> tuple[list[str], list[tuple]]:
-    """(the sections kept, in SECTIONS order; [(section, why)] dropped): whole sections dropped from the end
-    (DROP_ORDER) until the estimates fit ``budget`` (the caller's budget less a process's grace), except the first
-    section after the checks and the tournament, which runs what fits of it."""
-    kept = [s for s in SECTIONS if s in wanted]
-    dropped = []
-    first = next((s for s in kept if s not in ALWAYS), None)  # runs in part rather than not at all
-    for s in DROP_ORDER:
-        total = sum(estimates[k] for k in kept)
-        if total <= budget:
+def fit(sections: list[str], est: dict[str, float], left: float) -> tuple[list[str], list[tuple]]:
+    """(the sections kept, [(section, why)] dropped): whole sections dropped from the end (DROP_ORDER) until the
+    estimates fit in ``left`` seconds; never the checks and the tournament, and never the first other section while
+    any time is left (it runs what fits of it)."""
+    kept, dropped = list(sections), []
+    first = next((s for s in kept if s not in ALWAYS), None) if left > 0 else None
+    while (total := sum(est[s] for s in kept)) > left:
+        s = next((s for s in reversed(kept) if s not in ALWAYS and s != first), None)
+        if s is None:
             break
-        if s in kept and s != first:
-            kept.remove(s)
-            dropped.append((s, f"~{estimates[s]:.0f} s would not fit: {total:.0f} s estimated, budget {budget:.0f} s"))
+        kept.remove(s)
+        dropped.append((s, f"~{est[s]:.0f} s would not fit in the {max(left, 0):.0f} s left ({total:.0f} s "
+                           "estimated)"))
     return kept, dropped
 
 
@@ -204,7 +186,7 @@ def add_options(ap) -> None:
     ap.add_argument("--budget", type=float, help="seconds for the whole session (default 480 on a GPU, 240 with "
                                                  "--smoke); whole sections are dropped, last first, to fit")
     ap.add_argument("--sections", help=f"comma list of {', '.join(SECTIONS)} (default all; the checks run first "
-                                       "whenever tournament, configs or autotune are named)")
+                                       "whenever tournament or configs are named)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on a CPU (kernels interpreted): the plumbing")
     ap.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
     ap.add_argument("--out", help="results folder (default: a new folder outside the repository)")
@@ -217,7 +199,7 @@ def _wanted(spec: str | None) -> tuple[list[str], bool]:
     bad = [s for s in names if s not in SECTIONS]
     if bad:
         raise SystemExit(f"--sections: unknown {', '.join(bad)}; choose from {', '.join(SECTIONS)}")
-    quick = "checks" not in names and bool({"tournament", "configs", "autotune"} & set(names))
+    quick = "checks" not in names and bool({"tournament", "configs"} & set(names))
     return [s for s in SECTIONS if s in names or (quick and s == "checks")], quick
 
 
@@ -226,13 +208,11 @@ class SessionRun:
     (a run cut at any moment leaves every finished row in the rows file and every finished section in the JSON)."""
 
     def __init__(self, args, device: str, con, env: dict):
-        self.args, self.device, self.con, self.env = args, device, con, env
-        self.smoke = bool(args.smoke)
+        self.args, self.device, self.con, self.env, self.smoke = args, device, con, env, bool(args.smoke)
         self.interpret, self.quiet = device == "cpu", False  # a smoke run interprets the kernels; rows echoed
         self.costs = SMOKE_COSTS if self.smoke else GPU_COSTS
         self.budget = args.budget or DEFAULT_BUDGET["smoke" if self.smoke else "cuda"]
-        self.out = Path(args.out) if args.out else new_out_dir(env["device_slug"], "session-smoke" if self.smoke
-                                                               else "session")
+        self.out = Path(args.out or new_out_dir(env["device_slug"], "session-smoke" if self.smoke else "session"))
         self.out.mkdir(parents=True, exist_ok=True)
         self.rows_path = self.out / f"{args.name}.rows.jsonl"  # next to the JSON: what a cut call still returns
         self.rows_path.write_text("")
@@ -252,28 +232,25 @@ class SessionRun:
     def say(self, text: str) -> None:
         self.con.print(text)
 
+    def estimates(self) -> dict[str, float]:
+        return {s: estimate(s, self.costs, self.points(s)) for s in SECTIONS}
+
     def points(self, section: str) -> list[dict]:
         return points(section, smoke=self.smoke, device=self.device, impls=self.impls, tunable=self.tunable,
                       builtin=self.builtin, quick_checks=self.quick_checks)
 
-    def estimates(self) -> dict[str, float]:
-        return {s: estimate(s, self.costs, self.points(s)) for s in SECTIONS}
-
     def left(self) -> float:
         return self.end - time.time() - self.costs.grace
 
-    def drop(self, section: str, why: str) -> None:
-        self.dropped.append((section, why))
-        self.say(f"[yellow]dropped {section}: {why}; run it later with --sections {section}[/yellow]")
+    def drop_late(self) -> None:
+        """Drop from the end the sections still to start that no longer fit in the time left (``fit``), saying why."""
+        self.pending, dropped = fit(self.pending, self.est, self.left())
+        for s, why in dropped:
+            self.dropped.append((s, why))
+            self.say(f"[yellow]dropped {s}: {why}; run it later with --sections {s}[/yellow]")
 
     def next_section(self) -> str | None:
-        """The next section to start, after dropping from the end the sections that no longer fit in the time left;
-        the first of them runs what fits of it while any time is left."""
-        while self.pending and self.pending[-1] not in ALWAYS and (len(self.pending) > 1 or self.left() <= 0) \
-                and sum(self.est[s] for s in self.pending) > self.left():
-            s = self.pending.pop()
-            self.drop(s, f"~{self.est[s]:.0f} s would not fit in the {max(self.left(), 0):.0f} s left (sections "
-                         f"still to start: ~{sum(self.est[k] for k in self.pending + [s]):.0f} s)")
+        self.drop_late()
         return self.pending.pop(0) if self.pending else None
 
     def run_section(self, section: str) -> list[dict]:
@@ -307,15 +284,14 @@ class SessionRun:
                    "estimates_s": dict(self.est), "implementations": self.impls, "builtin": self.builtin,
                    "tunable": self.tunable, "targets": targets(rows, con, smoke=self.smoke), "rows": rows}
         path = self.out / f"{self.args.name}.json"
-        tmp = path.with_name(path.name + ".part")
-        report.write_json(tmp, payload)
-        os.replace(tmp, path)  # a cut never leaves half a JSON
+        report.write_json(path.with_name(path.name + ".part"), payload)
+        os.replace(path.with_name(path.name + ".part"), path)  # a cut never leaves half a JSON
         return payload
 
     def plan(self) -> None:
         """The checks first and alone (which implementations take launch configurations decides the rest), then the
-        plan of the rest in the time left: whole sections dropped from the end until the estimates fit."""
-        self.est = self.estimates()  # before the checks say which implementations take configurations
+        plan of the rest in the time left."""
+        self.est = self.estimates()
         append_rows(self.rows_path, [{"plan": {"budget_s": self.budget, "wanted": self.wanted, "estimates_s": self.est,
                                                "implementations": self.impls}}])
         if "checks" in self.wanted:
@@ -325,13 +301,12 @@ class SessionRun:
                 if r["section"] == "checks" and r.get("configs_served") and r.get("kind") in ("logprob", "loss"):
                     served.setdefault(r["implementation"], set()).update(r["configs_served"])
             self.tunable = {i: candidates_for(served[i], self.smoke) for i in self.impls if i in served}
-        self.est = self.estimates()
-        self.pending, dropped = plan_budget(self.left(), self.est, [s for s in self.wanted if s != "checks"])
+            self.est = self.estimates()
+        self.pending = [s for s in self.wanted if s != "checks"]
+        self.drop_late()
         self.say("plan: " + ", ".join(f"{s} ~{self.est[s]:.0f} s" for s in self.pending)
                  + f" in {max(self.left(), 0):.0f} s; launch configurations to force: "
                  + ("; ".join(f"{i}: {len(c)}" for i, c in self.tunable.items()) or "none"))
-        for s, why in dropped:
-            self.drop(s, why)
 
 
 def command(args, device: str, con) -> int:
@@ -347,17 +322,16 @@ def command(args, device: str, con) -> int:
         return 2
     env = {**report.environment(device), **provenance(), "family": device_family(torch.device(device))}
     run = SessionRun(args, device, con, env)
-    con.print(f"[bold]fastrl bench session[/bold]{' (smoke)' if run.smoke else ''} on {env['device']} "
-              f"({env['family']}): torch {env['torch']}, triton {env['triton']}, driver {env['driver']}, fastrl "
-              f"{env['fastrl_commit'][:10]} ({'clean' if env['tree_clean'] else 'NOT a clean tree'}); "
-              f"implementations {', '.join(run.impls)}; budget {run.budget:.0f} s; rows as they finish: "
-              f"{run.rows_path}")
+    smoke = " (smoke)" if run.smoke else ""
+    con.print(f"[bold]fastrl bench session[/bold]{smoke} on {env['device']} ({env['family']}): torch {env['torch']}, "
+              f"triton {env['triton']}, driver {env['driver']}, fastrl {env['fastrl_commit'][:10]} "
+              f"({'clean' if env['tree_clean'] else 'NOT a clean tree'}); implementations {', '.join(run.impls)}; "
+              f"budget {run.budget:.0f} s; rows as they finish: {run.rows_path}")
     run.plan()
     while (section := run.next_section()) is not None:
         run.run_section(section)
     con.print()
-    print_summary(con, [dict(r) for r in run.rows],
-                  f"session{' (smoke)' if run.smoke else ''} on {env['device']} | torch {env['torch']} | "
+    print_summary(con, [dict(r) for r in run.rows], f"session{smoke} on {env['device']} | torch {env['torch']} | "
                   f"triton {env['triton']} | fastrl {env['fastrl_commit'][:10]} | ms: median of "
                   f"{'1' if run.smoke else '6'} timed steps")
     payload = run.write(partial=False, con=con)

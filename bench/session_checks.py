@@ -1,9 +1,7 @@
-"""The float64 checks of ``python -m bench session``: each Triton implementation, compiled, against ground truth.
-
-The test-suite's rule (``check_against_float64``): no worse than PyTorch's own error at the input dtype plus a
-tolerance per dtype, 2-byte log-probs within 1e-3 nats. Large cases check their first and last 128 rows only (no [N, V]
-float64 tensor). An implementation that fails cannot become a default (``bench/defaults.py``).
-"""
+"""The float64 checks of ``python -m bench session``: each Triton implementation, compiled, against ground truth, by
+the test-suite's rule (``check_against_float64``; bench/README.md says what it is); large cases check their first and
+last 128 rows only (no [N, V] float64 tensor). An implementation that fails cannot become a default
+(``bench/defaults.py``)."""
 
 from __future__ import annotations
 
@@ -137,11 +135,9 @@ def _check_loss(c: Case, impl: str, device: torch.device) -> tuple[dict, list[st
     from bench.providers import loss_config
     from fastrl.reference import logprobs_reference, policy_loss_from_logprobs
 
-    B = 4
-    T = c.N // B
+    B, T = 4, c.N // 4
     hidden, weight, _, targets, _, _ = _inputs(c, device)
-    hidden = hidden.detach().view(B, T, c.H).requires_grad_()
-    targets = targets.view(B, T)
+    hidden, targets = hidden.detach().view(B, T, c.H).requires_grad_(), targets.view(B, T)
     g = torch.Generator().manual_seed(1)
     lengths = torch.randint(T // 3, T + 1, (B,), generator=g)
     mask = (torch.arange(T)[None, :] < lengths[:, None]).to(device)
@@ -215,9 +211,9 @@ def run_check(p: dict, device: torch.device) -> dict:
                 return {"status": "n/a", "reason": f"triton-sm90 refuses {what}={width} in {c.dtype} (TMA needs "
                                                    "16-byte rows)"}
     tuning.reset_served()
-    kind = "loss" if c.loss else "divergence" if c.divergence else "logprob"
-    err, fails = {"loss": _check_loss, "divergence": _check_divergence, "logprob": _check_logprobs}[kind](
-        c, p["implementation"], device)
+    kind, check = ("loss", _check_loss) if c.loss else ("divergence", _check_divergence) if c.divergence \
+        else ("logprob", _check_logprobs)
+    err, fails = check(c, p["implementation"], device)
     return {"status": "ok", "pass": not fails, "reason": "; ".join(fails), "error": err,
             "configs_served": served_configs(), "kind": kind, "N": c.N, "H": c.H, "V": c.V, "dtype": c.dtype,
             "bias": c.bias, "transform": c.tf, "rows_checked": 2 * c.rows if c.rows else c.N}

@@ -1,9 +1,8 @@
 """One measuring process of the benchmarks: ``python -m bench.session_points SPEC.json`` (``bench/session_run.py``).
 
-It measures the spec's points in order, appending ``{"begin": id, "t": epoch}`` to the rows file before each and the
-point's row after it (so the parent knows which point runs or killed the process); a point past the deadline is
-``skipped``. ``FASTRL_SESSION_FAULT`` (tests only: ``hang:TEXT`` / ``crash:TEXT``, ``;``-separated) makes every point
-whose id contains TEXT hang or kill this process. Section ``point``: one point of another command (``run_spec``).
+It measures the spec's points in order, appending ``{"begin": id, "t": epoch}`` to the rows file before each point and
+its row after it; a point past the deadline is ``skipped``. ``FASTRL_SESSION_FAULT`` (tests only: ``hang:TEXT`` /
+``crash:TEXT``, ``;``-separated) makes every point whose id contains TEXT hang or kill this process.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ import time
 import traceback
 from dataclasses import replace
 from pathlib import Path
-from unittest import mock
 
 import torch
 
@@ -99,25 +97,24 @@ class LMHead:
             self._loss_ref[wl.name] = (float(loss), g.detach())
         return self._loss_ref[wl.name]
 
-
-def _error(op: Op, wl: W.Workload, inp, kept: dict, lm: LMHead) -> dict:
-    """Max abs error against float64: log-prob, entropy and grad_h of the first rows; for a loss, the loss value and
-    grad_h of the first rows (the loss couples every token, so its reference covers all of them)."""
-    if wl.kind == "loss":
+    def error(self, op: Op, wl: W.Workload, inp, kept: dict) -> dict:
+        """Max abs error against float64: log-prob, entropy and grad_h of the first rows; for a loss, the loss value
+        and grad_h of the first rows (the loss couples every token, so its reference covers all of them)."""
+        if wl.kind != "loss":
+            acc = measure.accuracy(op, wl, inp, kept, self.rows)
+            return {k.removesuffix("_max_abs_err"): v for k, v in acc.items() if k.endswith("_max_abs_err")}
         if "loss" not in kept:
             return {}
-        loss64, g64 = lm.loss_reference(wl, inp)
+        loss64, g64 = self.loss_reference(wl, inp)
         err = {"loss": abs(kept["loss"] - loss64)}
         if "grad_h" in kept:
             err["grad_h"] = (kept["grad_h"].double() - g64[: kept["grad_h"].shape[0]]).abs().max().item()
         return err
-    acc = measure.accuracy(op, wl, inp, kept, lm.rows)
-    return {k.removesuffix("_max_abs_err"): v for k, v in acc.items() if k.endswith("_max_abs_err")}
 
 
 def _build(provider: str, wl: W.Workload, device: torch.device, options: dict, make_sets) -> tuple | dict:
-    """(the provider's op on ``wl`` (``cublas`` / ``matmul``: the GEMM floor), its input sets, their prepared states),
-    or the row of why not: not available here, or a peer's own refusal of the input (``n/a``, not an error)."""
+    """(the provider's op on ``wl`` (``cublas``, and run's ``matmul`` until it goes: the GEMM floor), its input sets,
+    their prepared states), or the row of why not: not available here, or a peer's own refusal (``n/a``)."""
     if provider in ("cublas", "matmul"):
         op = floor_op(wl, device)
         return op, [None], [op.prepare(None)]
@@ -158,21 +155,18 @@ def _lmhead_point(p: dict, lm: LMHead, times: dict) -> dict:
         return built
     op, sets, states = built
     tuning.reset_served()
-    ctx = (contextlib.nullcontext() if config == "default" else tuning.forced_config(config) if config != "autotune"
-           else mock.patch.dict(os.environ, {"FASTRL_AUTOTUNE": "1"}))  # fastrl reads it at each launch
     cuda = lm.device.type == "cuda"
-    with ctx:
+    with contextlib.nullcontext() if config == "default" else tuning.forced_config(config):
         m, kept = _measure(op, states, lm.device, 6 if cuda else 1, 2 if cuda else 0, lm.rows, rep_ms=300,
                            total_only=True)
+    times[(impl, config, p["workload"], p["provider"])] = m["total_ms"]["median"]
     # auto: what backend="triton" / "auto" picks for this work here (the row that stands for today's default); builtin:
     # what a measured winner must beat (bench/defaults.py)
-    auto = resolve_backend(lm.device, "triton", kind=wl.kind, H=wl.H, dtype=getattr(torch, wl.dtype))
-    row = {"status": "ok", "auto": auto, "builtin": builtin_choice(lm.device), "path": op.path,
-           "notes": "; ".join(op.notes), "total_ms": m["total_ms"], "extra_mb": m["peak_extra_mb"],
-           "configs_served": served_configs(), "flops": W.flops(wl, "total"),
-           "error": {} if sets[0] is None else _error(op, wl, sets[0], kept, lm)}
-    times[(impl, config, p["workload"], p["provider"])] = m["total_ms"]["median"]
-    return row
+    return {"status": "ok", "auto": resolve_backend(lm.device, "triton", kind=wl.kind, H=wl.H,
+                                                    dtype=getattr(torch, wl.dtype)),
+            "builtin": builtin_choice(lm.device), "path": op.path, "notes": "; ".join(op.notes),
+            "total_ms": m["total_ms"], "extra_mb": m["peak_extra_mb"], "configs_served": served_configs(),
+            "flops": W.flops(wl, "total"), "error": {} if sets[0] is None else lm.error(op, wl, sets[0], kept)}
 
 
 def _first_line(e: BaseException) -> str:
@@ -187,7 +181,7 @@ def _run(p: dict, device: torch.device, lm: LMHead, times: dict) -> dict:
     reps = {"reps": 1 if smoke else 6, "warmup": 0 if smoke else 2, "device": device.type, "threads": 0}
     if section == "checks":
         return run_check(p, device)
-    if section in ("tournament", "configs", "autotune"):
+    if section in ("tournament", "configs"):
         return _lmhead_point(p, lm, times)
     if section == "point":
         return run_spec(p["spec"])
@@ -199,11 +193,9 @@ def _run(p: dict, device: torch.device, lm: LMHead, times: dict) -> dict:
         res = run_spec({"kind": "divergence", "workload": p["spec"], "provider": p["provider"], **reps,
                         "n_sets": 1 if smoke else 2, "seed": 1234, "options": {"fastrl_backend": impl} if impl else {},
                         "rep_ms": 50 if smoke else 300, "total_only": True, "accuracy_rows": 16 if smoke else 256})
-        if res.get("status") != "ok":
-            return res
         err = {k.removesuffix("_max_abs_err"): res[k] for k in ("div_max_abs_err", "grad_h_max_abs_err") if k in res}
-        return {"status": "ok", "total_ms": res["total_ms"], "extra_mb": res["peak_extra_mb"], "error": err,
-                "loss_value": res.get("loss_value")}
+        return res if res.get("status") != "ok" else {"status": "ok", "total_ms": res["total_ms"], "error": err,
+                                                      "extra_mb": res["peak_extra_mb"], "loss_value": res["loss_value"]}
     from bench import compiled_step  # compile
 
     shape = compiled_step.SHAPES[device.type] if not smoke else (2, 32, 32, 512, torch.float32)
@@ -224,8 +216,7 @@ RUN_POINT = {"w4": ("bench.w4", "run_point"), "w5": ("bench.w4", "run_point"), "
 
 
 def run_spec(spec: dict) -> dict:
-    """One point of another command: ``RUN_POINT[spec["kind"]]``, else a provider on a workload or the ``matmul``
-    floor (``run``, ``c1``)."""
+    """One point of another command: ``RUN_POINT[spec["kind"]]``, else a provider on a workload (``run``, ``c1``)."""
     if spec.get("kind") not in RUN_POINT:
         return _provider_point(spec)
     module, fn = RUN_POINT[spec["kind"]]
@@ -234,12 +225,10 @@ def run_spec(spec: dict) -> dict:
 
 
 def _provider_point(spec: dict) -> dict:
-    """A provider on a workload (``bench.providers``), or the GEMM floor (``provider: matmul``): timing, memory, the
-    error against float64; a peer's declared refusal of the input is ``n/a``, not an error."""
-    wl = W.Workload.from_dict(spec["workload"])
-    device = torch.device(spec["device"])
+    """A provider on a workload (``bench.providers``), or the GEMM floor (``matmul``): timing, memory, the error
+    against float64; a peer's declared refusal of the input is ``n/a``, not an error."""
+    wl, device, t_start = W.Workload.from_dict(spec["workload"]), torch.device(spec["device"]), time.perf_counter()
     rows = min(spec.get("accuracy_rows", 256), wl.N)
-    t_start = time.perf_counter()
     if device.type == "cpu" and spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
     prov = None if spec["provider"] == "matmul" else providers.get(spec["provider"])
@@ -259,14 +248,11 @@ def _provider_point(spec: dict) -> dict:
     res = {"status": "ok", "reason": "", "notes": "; ".join(op.notes), "path": op.path, **m}
     if kept.get("loss") is not None:
         res["loss_value"] = kept["loss"]
-    if prov is not None:
-        try:
-            res.update(measure.accuracy(op, wl, sets[0], kept, rows))
-        except Exception as e:  # noqa: BLE001
-            res["accuracy_error"] = _first_line(e)
-    res["flops_useful"] = W.flops(wl, "total")
-    res["worker_s"] = time.perf_counter() - t_start
-    return res
+    try:
+        res.update(measure.accuracy(op, wl, sets[0], kept, rows) if prov is not None else {})
+    except Exception as e:  # noqa: BLE001
+        res["accuracy_error"] = _first_line(e)
+    return {**res, "flops_useful": W.flops(wl, "total"), "worker_s": time.perf_counter() - t_start}
 
 
 def _refused(e: BaseException) -> dict:
@@ -282,9 +268,8 @@ def _is_compile_error(e: BaseException) -> bool:
 def _echo(row: dict) -> None:
     what = " ".join(str(row[k]) for k in ("section", "workload", "provider", "implementation", "config")
                     if row.get(k) not in (None, "", "default"))
-    if row["status"] == "ok" and "total_ms" in row:
-        t = row["total_ms"]
-        extra = row.get("extra_mb")
+    t, extra = row.get("total_ms"), row.get("extra_mb")
+    if row["status"] == "ok" and t:
         print(f"  {what}: {t['median']:.2f} ms [{t['min']:.2f}-{t['max']:.2f}]"
               + (f", {extra:.0f} MB extra" if extra is not None else ""), flush=True)
     else:
@@ -303,13 +288,11 @@ def _cuda_usable() -> bool:
 
 def _inject_fault(point_id: str) -> None:
     """Tests only: hang in, or die at, the points ``FASTRL_SESSION_FAULT`` names (see the module docstring)."""
-    for item in filter(None, os.environ.get("FASTRL_SESSION_FAULT", "").split(";")):
-        kind, _, text = item.partition(":")
-        if text and text in point_id:
-            if kind == "hang":
-                time.sleep(3600)
-            elif kind == "crash":
-                os.kill(os.getpid(), signal.SIGKILL)
+    for kind, _, text in (item.partition(":") for item in os.environ.get("FASTRL_SESSION_FAULT", "").split(";")):
+        if text and text in point_id and kind == "hang":
+            time.sleep(3600)
+        elif text and text in point_id and kind == "crash":
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _pruning_times(rows_path: str) -> dict:
@@ -322,31 +305,31 @@ def _pruning_times(rows_path: str) -> dict:
 
 def main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[0]).read_text())
-    device = torch.device(spec["device"])
-    rows_path = spec["rows"]
+    device, rows_path = torch.device(spec["device"]), spec["rows"]
     lm = LMHead(device, spec["smoke"])
     times = _pruning_times(rows_path)
     for p in spec["points"]:
-        base = {k: p[k] for k in ("id", "section", "workload", "provider", "implementation", "config") if k in p}
+        row = {k: p[k] for k in ("id", "section", "workload", "provider", "implementation", "config") if k in p}
         wl = lm.wls.get(p.get("workload", ""))
-        if wl is not None and p["section"] in ("tournament", "configs", "autotune"):
-            base.update(kind=wl.kind, N=wl.N, H=wl.H, V=wl.V, dtype=wl.dtype)
+        if wl is not None and p["section"] in ("tournament", "configs"):
+            row.update(kind=wl.kind, N=wl.N, H=wl.H, V=wl.V, dtype=wl.dtype)
         left = spec["deadline"] - time.time()
         append_rows(rows_path, [{"begin": p["id"], "t": time.time()}])
         t0 = time.perf_counter()
         if left <= 0:
-            row = {**base, "status": "skipped", "reason": "the section's time ran out (--budget)"}
+            row.update(status="skipped", reason="the section's time ran out (--budget)")
         else:
             _inject_fault(p["id"])
             try:
-                row = {**base, **_run(p, device, lm, times)}
+                row.update(_run(p, device, lm, times))
             except Exception as e:  # noqa: BLE001 - a row that says why; the next point still runs
-                row = {**base, "status": "error", "reason": _first_line(e), "traceback": traceback.format_exc(limit=6)}
+                row.update(status="error", reason=_first_line(e), traceback=traceback.format_exc(limit=6))
         # a sticky CUDA error fails every later launch: this process stops, the parent starts a fresh one
         crashed = left > 0 and device.type == "cuda" and not _cuda_usable()
         if crashed:
-            row["reason"] = row.get("reason", "") + " (the CUDA context is broken: this process stops here)"
-        row.update(point_s=time.perf_counter() - t0, pid=os.getpid(), **({"crashed": True} if crashed else {}))
+            row.update(reason=row.get("reason", "") + " (the CUDA context is broken: this process stops here)",
+                       crashed=True)
+        row.update(point_s=time.perf_counter() - t0, pid=os.getpid())
         append_rows(rows_path, [row])
         _echo(row)
         if crashed:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 __all__ = ["add_ratios", "checks_passed", "targets", "print_summary", "TIME_TARGETS", "MEM_TARGETS"]
 
-LMHEAD = ("tournament", "configs", "autotune")
+LMHEAD = ("tournament", "configs")
 TIME_TARGETS = (("W1", 0.75), ("W1-lp", 0.95), ("W2", 0.85), ("W2-lp", 0.9), ("W3", 0.95))
 # (workload, provider, path, max extra memory vs TRL): main 8f83654 on the H200, 513 / 2887 MB and 2387 / 2887 MB
 MEM_TARGETS = (("W1", "fastrl", "two pass", 0.18), ("W1", "fastrl-fused", "one pass", 0.83))
@@ -20,6 +20,9 @@ ROW_TARGETS = (
     ("w4", "fastrl", "{workload} step time vs TRL", "trl", 0.95, "GRPOTrainer step"),
     ("keptset", "kept-zipf", "{workload} K=64 time vs the full head", "full", 0.15, "kept set (Zipf ids)"),
 )
+# (sections, the reference provider in the first of them, the ratios' suffix): time_vs_<suffix>, mem_vs_<suffix>
+RATIOS = ((LMHEAD, "trl", "trl"), (("divergence",), "trl", "trl"), (("keptset",), "full", "full"),
+          (("compile",), "fastrl-eager", "eager"), (("w4",), "trl", "trl"))
 
 
 def _ok(r: dict) -> bool:
@@ -33,13 +36,9 @@ def _ms(r: dict) -> float:
 def add_ratios(rows: list[dict]) -> None:
     """``time_vs_<ref>`` / ``mem_vs_<ref>`` of each ok row against its reference row (the same workload, provider
     ``ref``), ``floor_fraction`` against the cuBLAS floor and ``tflops``."""
-    for sections, ref_provider, ref_section, name in ((LMHEAD, "trl", "tournament", "trl"),
-                                                       (("divergence",), "trl", None, "trl"),
-                                                       (("keptset",), "full", None, "full"),
-                                                       (("compile",), "fastrl-eager", None, "eager"),
-                                                       (("w4",), "trl", None, "trl")):
-        ref = {r["workload"]: r for r in rows if r.get("provider") == ref_provider and _ok(r)
-               and r["section"] == (ref_section or r["section"]) and r["section"] in sections}
+    for sections, ref_provider, name in RATIOS:
+        ref = {r["workload"]: r for r in rows if r.get("provider") == ref_provider and r["section"] == sections[0]
+               and _ok(r)}
         for r in rows:
             b = ref.get(r.get("workload"))
             if r["section"] in sections and _ok(r) and b is not None and r is not b:
@@ -47,10 +46,10 @@ def add_ratios(rows: list[dict]) -> None:
                 if r.get("extra_mb") is not None and b.get("extra_mb"):
                     r[f"mem_vs_{name}"] = r["extra_mb"] / b["extra_mb"]
     floor = {r["workload"]: r for r in rows if r.get("provider") == "cublas" and _ok(r)}
-    for r in rows:
-        if r["section"] in LMHEAD and _ok(r) and r["workload"] in floor and r.get("provider") != "cublas":
+    for r in filter(_ok, rows):
+        if r["section"] in LMHEAD and r["workload"] in floor and r.get("provider") != "cublas":
             r["floor_fraction"] = _ms(floor[r["workload"]]) / _ms(r)
-        if r.get("flops") and _ok(r):
+        if r.get("flops"):
             r["tflops"] = r["flops"] / (_ms(r) * 1e-3) / 1e12
 
 
@@ -78,11 +77,12 @@ def _fastest(rows: list[dict], workload: str, passed: dict, providers=None) -> d
     return min(cands, key=_ms) if cands else None
 
 
-def _auto_today(rows: list[dict], wl: str) -> dict | None:
-    """The tournament row of what ``backend='auto'`` picks today at ``wl`` (the one-pass loss first)."""
+def _auto_today(rows: list[dict], wl: str) -> str:
+    """What ``backend='auto'`` picks today at ``wl``, its tournament row's ratio (the one-pass loss first)."""
     mine = [r for r in rows if r["section"] == "tournament" and r["workload"] == wl and _ok(r)
             and r.get("implementation") == r.get("auto") and "time_vs_trl" in r]
-    return next((r for r in mine if r["provider"] == "fastrl-fused"), mine[0] if mine else None)
+    r = next((r for r in mine if r["provider"] == "fastrl-fused"), mine[0] if mine else None)
+    return f"; backend='auto' today: {_label(r)} {r['time_vs_trl']:.2f}x" if r else ""
 
 
 def targets(rows: list[dict], con=None, smoke: bool = False) -> dict:
@@ -90,32 +90,28 @@ def targets(rows: list[dict], con=None, smoke: bool = False) -> dict:
     passed = checks_passed(rows)
     out = {}
 
-    def report(name: str, value, limit: float, what: str, extra: str = "") -> None:
+    def judge(name: str, best: dict | None, ratio: str, limit: float, what: str = "", extra: str = "") -> None:
+        value = best and best.get(ratio)
+        what = what or (_label(best) if best else "no row")
         out[name] = {"value": value, "target": limit, "pass": value is not None and value <= limit, "row": what}
-        if con is None:
-            return
-        if value is None:
+        if con is not None and value is None:
             con.print(f"[yellow]{name}: not evaluated ({what}); target <= {limit:.2f}x[/yellow]")
-        else:
+        elif con is not None:
             verdict = "[green]PASS[/green]" if out[name]["pass"] else "[red]FAIL[/red]"
             con.print(f"{name}: {what} {value:.2f}x (target <= {limit:.2f}x): {verdict}{extra}")
 
     for wl, limit in TIME_TARGETS:
-        best, auto = _fastest(rows, wl, passed), _auto_today(rows, wl)
-        extra = f"; backend='auto' today: {_label(auto)} {auto['time_vs_trl']:.2f}x" if auto else ""
-        report(f"{wl} time vs TRL", best and best["time_vs_trl"], limit,
-               _label(best) if best else "no fastrl or TRL row", extra)
+        best = _fastest(rows, wl, passed)
+        judge(f"{wl} time vs TRL", best, "time_vs_trl", limit, "" if best else "no fastrl or TRL row",
+              _auto_today(rows, wl))
     for wl, prov, path, limit in MEM_TARGETS:
-        best = _fastest(rows, wl, passed, providers=(prov,))
-        report(f"{wl} {path} extra memory vs TRL", best and best.get("mem_vs_trl"), limit,
-               _label(best) if best else "no row")
+        judge(f"{wl} {path} extra memory vs TRL", _fastest(rows, wl, passed, (prov,)), "mem_vs_trl", limit)
     for r in rows:
         for section, prov, name, ref, limit, what in ROW_TARGETS:
             if r["section"] == section and r["provider"] == prov:
                 impl = f" ({r['implementation']})" if r.get("implementation") else ""
-                value = r.get(f"time_vs_{ref}")
-                report(name.format(workload=r["workload"], impl=impl), value, limit,
-                       what.format(impl=impl) if value is not None else f"no {prov} or {ref} row")
+                judge(name.format(workload=r["workload"], impl=impl), r, f"time_vs_{ref}", limit,
+                      what.format(impl=impl) if f"time_vs_{ref}" in r else f"no {prov} or {ref} row")
     if con is not None:
         for impl, ok in passed.items():
             con.print(f"float64 checks, {impl}: " + ("[green]PASS[/green]" if ok else

@@ -1,4 +1,4 @@
-"""The benchmarks' one harness: measuring processes (``bench.session_points``), rows as they finish, a watchdog.
+"""The benchmarks' one harness: measuring processes (``bench.session_points``) under a watchdog, rows as they finish.
 
 ``run_points``: one section of ``python -m bench session`` in as few processes as it takes; ``run_fresh``: the other
 commands' points, one fresh process each.
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import itertools
 import json
 import os
 import signal
@@ -16,29 +15,36 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Iterator
 
 __all__ = ["RESTART", "Fresh", "append_rows", "run_fresh", "run_points", "stub"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESTART = 3  # a measuring process exits with this after a CUDA fault: the parent starts a fresh one
-
-
-def _child_env(interpret: bool) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the other commands measure what users run
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    env["PYTHONUNBUFFERED"] = "1"
-    return {**env, "TRITON_INTERPRET": "1"} if interpret else env  # a smoke session interprets them on CPU tensors
+try:  # looked up here, not in the forked child (no import between fork and exec)
+    _PRCTL = ctypes.CDLL("libc.so.6").prctl
+except (OSError, AttributeError):  # not Linux: the watchdog and the deadline still bound the processes
+    _PRCTL = None
 
 
 def append_rows(path: Path, rows: list[dict]) -> None:
-    """Each row one line, one write (O_APPEND): sections running side by side never interleave inside a line."""
+    """Each row one line, one write (O_APPEND): processes writing side by side never interleave inside a line."""
     for r in rows:
         with open(path, "a") as f:
             f.write(json.dumps(r, default=str) + "\n")
+
+
+def stub(p: dict, status: str, reason: str) -> dict:
+    row = {k: p[k] for k in ("id", "section", "workload", "provider", "implementation", "config") if k in p}
+    return {**row, "status": status, "reason": reason}
+
+
+def _key(p: dict) -> str:
+    """Whose fault a crash or hang is: the implementation's, else the provider's (TRL, Liger, cuBLAS)."""
+    return p.get("implementation") or p["provider"]
 
 
 class _Tail:
@@ -59,8 +65,7 @@ class _Tail:
             data = self.partial + f.read()
             self.offset = f.tell()
         *lines, self.partial = data.split("\n")
-        for line in lines:
-            r = json.loads(line) if line.strip() else {}
+        for r in (json.loads(line) for line in lines if line.strip()):
             if r.get("begin") in self.ids:
                 self.begun[r["begin"]], self.current, self.last = r["t"], r["begin"], time.time()
             elif r.get("id") in self.ids:
@@ -68,27 +73,13 @@ class _Tail:
                 self.current = None if self.current == r["id"] else self.current
 
 
-def _key(p: dict) -> str:
-    """Whose fault a crash or hang is: the implementation's, else the provider's (TRL, Liger, cuBLAS)."""
-    return p.get("implementation") or p["provider"]
-
-
-def stub(p: dict, status: str, reason: str) -> dict:
-    row = {k: p[k] for k in ("id", "section", "workload", "provider", "implementation", "config") if k in p}
-    return {**row, "status": status, "reason": reason}
-
-
 def _watch(proc, tail: _Tail, bounds: dict, deadline: float, grace: float) -> tuple[str, str]:
     """Poll the process and its rows until it exits (``("exit", "")``) or is killed: ``("watchdog", why)`` when its
     current point (or its start) outlives its bound, ``("deadline", why)`` past the section's deadline + grace."""
     t0 = time.time()
-    while True:
-        rc = proc.poll()
+    while proc.poll() is None:
         tail.read()
-        if rc is not None:
-            return "exit", ""
-        now = time.time()
-        cur = tail.current
+        now, cur = time.time(), tail.current
         bound, since = (bounds[cur], tail.begun[cur]) if cur else (bounds["start"], max(t0, tail.last))
         verdict = None
         if now > deadline + grace:
@@ -102,25 +93,22 @@ def _watch(proc, tail: _Tail, bounds: dict, deadline: float, grace: float) -> tu
             tail.read()
             return verdict
         time.sleep(0.2)
-
-
-try:  # looked up here, not in the forked child (no import between fork and exec)
-    _PRCTL = ctypes.CDLL("libc.so.6").prctl
-except (OSError, AttributeError):  # not Linux: the watchdog and the deadline still bound the processes
-    _PRCTL = None
+    tail.read()
+    return "exit", ""
 
 
 def _process(name: str, todo: list[dict], deadline: float, run, tail: _Tail, bounds: dict):
     """One measuring process over ``todo``: (how it ended, why, its exit code, its last stderr line). It runs in a
     process group of its own (the watchdog kills it whole) and dies with the session (PR_SET_PDEATHSIG, Linux)."""
-    spec_path = run.work / f"{name}.spec.json"
+    spec_path, err_path = run.work / f"{name}.spec.json", run.work / f"{name}.stderr"
     spec_path.write_text(json.dumps({"device": run.device, "smoke": run.smoke, "points": todo, "deadline": deadline,
                                      "rows": str(run.rows_path)}))
-    err_path = run.work / f"{name}.stderr"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the other commands measure what users run
+    env.update(PYTHONPATH=os.pathsep.join([str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])),
+               PYTHONUNBUFFERED="1", **({"TRITON_INTERPRET": "1"} if run.interpret else {}))  # a smoke run interprets
     with open(err_path, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "bench.session_points", str(spec_path)], cwd=REPO_ROOT,
-                                env=_child_env(run.interpret), stderr=err, stdout=err if run.quiet else None,
-                                start_new_session=True,
+        proc = subprocess.Popen([sys.executable, "-m", "bench.session_points", str(spec_path)], cwd=REPO_ROOT, env=env,
+                                stderr=err, stdout=err if run.quiet else None, start_new_session=True,
                                 preexec_fn=None if _PRCTL is None else functools.partial(_PRCTL, 1, signal.SIGKILL))
         how, why = _watch(proc, tail, bounds, deadline, run.costs.grace)
     lines = [ln for ln in err_path.read_text(errors="replace").splitlines() if ln.strip()]
@@ -130,40 +118,34 @@ def _process(name: str, todo: list[dict], deadline: float, run, tail: _Tail, bou
 def run_points(name: str, pts: list[dict], deadline: float, run, bounds: dict) -> list[dict]:
     """Every point of one section in as few processes as it takes, the faults isolated as docs/gpu-window.md says
     (Faults): a hang or a crash costs its point, and its implementation's (or provider's) later points are skipped."""
-    tail = _Tail(run.rows_path, {p["id"] for p in pts})
-    broken: dict[str, str] = {}
-    todo = list(pts)
+    tail, broken, todo = _Tail(run.rows_path, {p["id"] for p in pts}), {}, list(pts)
     while todo:
-        skip = [p for p in todo if _key(p) in broken]
-        append_rows(run.rows_path, [stub(p, "skipped", f"{_key(p)} broke earlier in this section: "
-                                              f"{broken[_key(p)]}") for p in skip])
+        append_rows(run.rows_path, [stub(p, "skipped", f"{_key(p)} broke earlier in this section: {broken[_key(p)]}")
+                                    for p in todo if _key(p) in broken])
         todo = [p for p in todo if _key(p) not in broken]
         if not todo:
             break
         how, why, rc, last_err = _process(name, todo, deadline, run, tail, bounds)
-        tail.read()
         left = [p for p in todo if p["id"] not in tail.rows]
         if not left:
             break
-        stuck = left[0] if left[0]["id"] in tail.begun else None
         if how == "exit" and rc == RESTART:  # it wrote its broken point's row and stopped
             crashed = next((p for p in reversed(todo) if tail.rows.get(p["id"], {}).get("crashed")), None)
             if crashed is not None:
                 broken[_key(crashed)] = f"a CUDA fault at {crashed['id']}"
             todo = left
             continue
-        if how == "exit":
-            why = f"the {name} process died (exit code {rc}): {last_err}"
-        if stuck is not None and how != "deadline":
-            status = "timeout" if how == "watchdog" else "error"
-            append_rows(run.rows_path, [stub(stuck, status, why)])
-            broken[_key(stuck)] = f"{status} at {stuck['id']}: {why}"
-            run.say(f"[red]  {stuck['id']}: {status}: {why}[/red]")
-            todo = left[1:]
-            continue
-        reason = why if how != "deadline" else "the section's time ran out (its process was stopped)"
-        append_rows(run.rows_path, [stub(p, "skipped", reason) for p in left])  # died before its first point
-        break
+        why = f"the {name} process died (exit code {rc}): {last_err}" if how == "exit" else why
+        stuck = left[0] if left[0]["id"] in tail.begun else None
+        if stuck is None or how == "deadline":  # died before its first point, or the section's time ran out
+            reason = why if how != "deadline" else "the section's time ran out (its process was stopped)"
+            append_rows(run.rows_path, [stub(p, "skipped", reason) for p in left])
+            break
+        status = "timeout" if how == "watchdog" else "error"
+        append_rows(run.rows_path, [stub(stuck, status, why)])
+        broken[_key(stuck)] = f"{status} at {stuck['id']}: {why}"
+        run.say(f"[red]  {stuck['id']}: {status}: {why}[/red]")
+        todo = left[1:]
     tail.read()
     return [tail.rows[p["id"]] for p in pts if p["id"] in tail.rows]
 
@@ -179,7 +161,6 @@ class Fresh:
     quiet: bool = True
     costs: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(grace=0.0))  # no deadline
     work: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="fastrl-bench-")))
-    ids: Iterator[int] = field(default_factory=itertools.count)  # points are numbered across calls on one run
 
     rows_path = property(lambda self: self.work / "points.rows.jsonl")
 
@@ -188,29 +169,22 @@ class Fresh:
             self.con.print(text)
 
 
-_HARNESS_KEYS = ("id", "section", "spec", "crashed", "provider")
-
-
 def run_fresh(specs: list[dict], device: str, timeout_s: float, *, con=None, on_result=None,
               run: Fresh | None = None) -> list[dict]:
     """Each spec measured in a fresh ``bench.session_points`` process (``run_spec``) under the session's watchdog: a
     process past ``timeout_s`` or one that died (exit code -9: most likely the OOM killer) gives an ``error`` row.
     The results in the order of ``specs``; ``on_result(spec, result)`` as each finishes."""
-    run = run or Fresh(device, con)
-    bounds_for = {"start": float(timeout_s)}
-
-    def one(spec: dict) -> dict:
-        i = next(run.ids)
-        who = str(spec.get("provider") or spec.get("trainer") or spec.get("mode", ""))
-        p = {"id": f"point/{i}/{who}", "section": "point", "provider": who, "smoke": run.smoke, "spec": spec}
+    run, out = run or Fresh(device, con), []
+    for spec in specs:
+        who, n = str(spec.get("provider") or spec.get("trainer") or spec.get("mode", "")), uuid.uuid4().hex[:12]
+        p = {"id": f"point/{n}/{who}", "section": "point", "provider": who, "smoke": run.smoke, "spec": spec}
         t0 = time.perf_counter()
-        rows = run_points(f"point-{i}", [p], float("inf"), run, {**bounds_for, p["id"]: float(timeout_s)})
-        res = {k: v for k, v in (rows[0] if rows else stub(p, "error", "no row")).items() if k not in _HARNESS_KEYS}
+        rows = run_points(f"point-{n}", [p], float("inf"), run, {"start": timeout_s, p["id"]: timeout_s})
+        res = {k: v for k, v in (rows[0] if rows else stub(p, "error", "no row")).items()
+               if k not in ("id", "section", "spec", "crashed", "provider")}
         if res.get("status") == "timeout":
-            res["status"] = "error"  # the old per-point runner's word for a killed point
-        res["process_s"] = time.perf_counter() - t0
+            res["status"] = "error"  # the per-point commands' word for a killed point
+        out.append({**res, "process_s": time.perf_counter() - t0})
         if on_result is not None:
-            on_result(spec, res)
-        return res
-
-    return [one(spec) for spec in specs]
+            on_result(spec, out[-1])
+    return out

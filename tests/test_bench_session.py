@@ -1,7 +1,6 @@
 """``python -m bench session``: its plan and budget, its float64 checks, crash recovery, and the whole command at tiny
 shapes on this CPU (``--smoke``: the Triton kernels interpreted). Nothing here times anything against a target."""
 
-import dataclasses
 import json
 import os
 import re
@@ -37,36 +36,35 @@ def test_gpu_estimates_are_the_documented_arithmetic():
     est = _estimates()
     assert {s: round(v, 1) for s, v in est.items()} == {
         "checks": 89.5, "tournament": 54.9, "divergence": 52.0, "keptset": 37.8, "w4": 70, "configs": 159.5,
-        "autotune": 60.5, "compile": 103}
+        "compile": 103}
     assert [len(_tunable()[i]) for i in ("triton-fused", "triton-sm90")] == [6, 5]
     doc = " ".join((REPO / "docs" / "gpu-window.md").read_text().split())
     for phrase in ("checks 7 + 33 x 2.5 = 89.5", "31 points in 30.95 = 54.95", "2 x 9 compiling = 52", "14 x 2.2 = 37.8",
-                   "11 x 8 compiling + 56 points in 59.5 = 159.5", "2 x 20 + 8.5 = 60.5", "2 x 47 = 103",
-                   "Total 627 s", "checks to w4 (304 s + 20 s grace)", "7 + 3 x 2.5 = 14.5"):
+                   "11 x 8 compiling + 56 points in 59.5 = 159.5", "2 x 47 = 103",
+                   "Total 567 s", "checks to w4 (304 s + 20 s grace)", "7 + 3 x 2.5 = 14.5"):
         assert phrase in doc, phrase
-    assert round(sum(est.values())) == 627
+    assert round(sum(est.values())) == 567
     assert round(sum(est[s] for s in ("checks", "tournament", "divergence", "keptset", "w4"))) == 304
     quick = S.points("checks", smoke=False, device="cuda", impls=IMPLS, tunable={}, quick_checks=True)
     assert S.estimate("checks", S.GPU_COSTS, quick) == 14.5 and len(quick) == 3
     # the first call's session (about 360 s) keeps checks to w4 and leaves the rest to the second call
-    kept, dropped = S.plan_budget(360 - S.GPU_COSTS.grace, est, list(S.SECTIONS))
+    kept, dropped = S.fit(list(S.SECTIONS), est, 360 - S.GPU_COSTS.grace)
     assert kept == ["checks", "tournament", "divergence", "keptset", "w4"]
-    assert [s for s, _ in dropped] == ["compile", "autotune", "configs"] and "would not fit" in dropped[0][1]
+    assert [s for s, _ in dropped] == ["compile", "configs"] and "would not fit" in dropped[0][1]
 
 
 def test_a_smaller_budget_drops_whole_sections_from_the_end():
     est = _estimates()
-    assert S.DROP_ORDER == ("compile", "autotune", "configs", "w4", "keptset", "divergence")
-    for budget, gone in ((500, ["compile", "autotune"]), (320, ["compile", "autotune", "configs"]),
-                         (250, ["compile", "autotune", "configs", "w4"]),
-                         (10, ["compile", "autotune", "configs", "w4", "keptset"])):
-        kept, dropped = S.plan_budget(budget, est, list(S.SECTIONS))
+    assert S.DROP_ORDER == ("compile", "configs", "w4", "keptset", "divergence")
+    for budget, gone in ((500, ["compile"]), (320, ["compile", "configs"]), (250, ["compile", "configs", "w4"]),
+                         (10, ["compile", "configs", "w4", "keptset"])):
+        kept, dropped = S.fit(list(S.SECTIONS), est, budget)
         assert [s for s, _ in dropped] == gone and kept == [s for s in S.SECTIONS if s not in gone]
     # the first section after the checks and the tournament runs what fits of it, never dropped whole at the start:
     # a second call of 150 s for the configurations measures the log-prob workloads' candidates first
-    kept, dropped = S.plan_budget(150, est, ["checks", "configs", "compile"])
+    kept, dropped = S.fit(["checks", "configs", "compile"], est, 150)
     assert kept == ["checks", "configs"] and [s for s, _ in dropped] == ["compile"]
-    assert S._wanted("autotune,w4") == (["checks", "w4", "autotune"], True)  # quick checks: which kernels run
+    assert S._wanted("configs,w4") == (["checks", "w4", "configs"], True)  # quick checks: which kernels run
     assert S._wanted("checks,configs") == (["checks", "configs"], False)
     assert S._wanted("compile") == (["compile"], False)
     assert S._wanted(None) == (list(S.SECTIONS), False)
@@ -122,10 +120,15 @@ def test_the_watchdog_bounds_follow_the_estimates():
     b = S.point_bounds("tournament", c, pts)
     w1 = [p for p in pts if p["workload"] == "W1" and p.get("implementation") == "triton-sm90"]
     w3 = [p for p in pts if p["workload"] == "W3" and p.get("implementation") == "triton-sm90"]
+    factor, floor = c.watchdog
     # the implementation's first point compiles its kernels; a later one only runs
-    assert b[w1[0]["id"]] == c.watchdog_factor * (1.5 + c.references + c.jit_config) + c.watchdog_floor
-    assert b[w3[0]["id"]] == c.watchdog_factor * (0.6 + c.references) + c.watchdog_floor < 60
-    assert b["start"] == c.watchdog_factor * (c.process + c.trl_import) + c.watchdog_floor
+    assert b[w1[0]["id"]] == factor * (1.5 + c.jit) + floor
+    assert b[w3[0]["id"]] == factor * 0.6 + floor < 60
+    assert b["start"] == factor * c.setup["tournament"] + floor
+    cfg = S.points("configs", smoke=False, device="cuda", impls=IMPLS, tunable=_tunable())
+    b = S.point_bounds("configs", c, cfg)
+    forced = [p for p in cfg if p["implementation"] == "triton-sm90" and p["config"] != "default"]
+    assert b[forced[0]["id"]] == factor * (1.5 + c.compile["configs"]) + floor  # W1-lp at a new configuration
 
 
 def test_a_section_that_runs_long_drops_later_sections_from_the_end_not_its_own_points(tmp_path, monkeypatch):
@@ -211,8 +214,7 @@ def test_a_hang_and_a_crash_cost_one_point_each_and_break_only_their_implementat
            for i in ("triton-hybrid", "triton-hybrid", "triton-sm90", "triton-sm90", "torch")]
     for n, p in enumerate(pts):
         p["id"] = f"checks/{n}/awkward-bias/fastrl/{p['implementation']}/"
-    costs = dataclasses.replace(S.SMOKE_COSTS, check_case=1.0, jit_config=0.0, watchdog_factor=1.0,
-                                watchdog_floor=8.0, process=10.0, trl_import=0.0)
+    costs = S.Costs(setup={"checks": 10.0}, point={"checks": 1.0}, compile={}, jit=0.0, watchdog=(1.0, 8.0))
     t0 = time.time()
     rows, run = _run(tmp_path, pts, "checks", costs)
     took = time.time() - t0
@@ -262,7 +264,7 @@ def test_session_smoke(tmp_path):
     assert {(r["implementation"], r["workload"]) for r in checks if r["status"] == "n/a"} <= {("triton-sm90",
                                                                                               "awkward-bias")}
     lm = [r for r in rows
-          if r["section"] in ("tournament", "configs", "autotune") and r["provider"].startswith("fastrl")]
+          if r["section"] in ("tournament", "configs") and r["provider"].startswith("fastrl")]
     assert all(r["status"] in ("ok", "pruned") for r in lm)
     assert {r["implementation"] for r in lm if r["section"] == "tournament"} == set(S.cuda_implementations())
     forced = [r for r in lm if r["section"] == "configs" and r["status"] == "ok" and r["config"] != "default"]
