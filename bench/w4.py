@@ -18,7 +18,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 
-__all__ = ["W4Shape", "Config", "Plan", "shape_for", "plan_for", "with_overrides", "run_point", "point_spec",
+__all__ = ["W4Shape", "Config", "Plan", "plan_for", "with_overrides", "run_point", "point_spec",
            "spawn_point", "point_row", "add_ratios", "sweep", "print_points", "command", "cli",
            "session_rows", "TRAINERS"]
 
@@ -78,25 +78,22 @@ class Plan:
     extra_options: dict = field(default_factory=dict)
 
 
-def shape_for(device: str, mode: str) -> W4Shape:
-    """W4 for this device and mode ("smoke", "quick", "full")."""
-    if mode == "smoke":
-        return W4Shape("W4-smoke", 512, 32, 1, 4, 2, 64, False, "float32", 2, 8, (32,), 64.0,
-                       note="smoke test: tiny model, numbers mean nothing")
-    if device.startswith("cuda"):
-        return W4Shape("W4", **QWEN25_05B, dtype="bfloat16", completions=8, prompt_len=128,
-                       lengths=(4096, 8192) if mode == "quick" else (4096, 8192, 16384), budget_mb=60 * GIB,
-                       note="Qwen2.5-0.5B architecture, random init, bf16, 8 completions per step")
-    return W4Shape("W4-cpu", 151936, 256, 1, 4, 2, 512, False, "float32", 2, 32,
-                   (256, 512, 1024) if mode == "quick" else (256, 512, 1024, 2048), budget_mb=2048.0,
-                   note="CPU-scaled W4: Qwen2 architecture with Qwen2.5's vocabulary (151936) but H=256, 1 layer, "
-                        "float32, 2 completions per step (GPU W4: H=896, 24 layers, bf16, 8 completions of 4k-16k)")
-
-
 def plan_for(device: str, mode: str) -> Plan:
-    """W4's plan: its shape, its budget on the extra step memory, one timed step per point on CPU (a step at 2048
-    tokens takes seconds), three on CUDA."""
-    s, cuda = shape_for(device, mode), device.startswith("cuda")
+    """W4 for this device and mode ("smoke", "quick", "full"): one shape, its budget on the extra step memory, one
+    timed step per point on CPU (a step at 2048 tokens takes seconds), three on CUDA."""
+    cuda = device.startswith("cuda")
+    if mode == "smoke":
+        s = W4Shape("W4-smoke", 512, 32, 1, 4, 2, 64, False, "float32", 2, 8, (32,), 64.0,
+                    note="smoke test: tiny model, numbers mean nothing")
+    elif cuda:
+        s = W4Shape("W4", **QWEN25_05B, dtype="bfloat16", completions=8, prompt_len=128,
+                    lengths=(4096, 8192) if mode == "quick" else (4096, 8192, 16384), budget_mb=60 * GIB,
+                    note="Qwen2.5-0.5B architecture, random init, bf16, 8 completions per step")
+    else:
+        s = W4Shape("W4-cpu", 151936, 256, 1, 4, 2, 512, False, "float32", 2, 32,
+                    (256, 512, 1024) if mode == "quick" else (256, 512, 1024, 2048), budget_mb=2048.0,
+                    note="CPU-scaled W4: Qwen2 architecture with Qwen2.5's vocabulary (151936) but H=256, 1 layer, "
+                         "float32, 2 completions per step (GPU W4: H=896, 24 layers, bf16, 8 completions of 4k-16k)")
     return Plan(device, mode, {s.name: s}, (s.budget_mb,), "extra", reps=3 if cuda else 1,
                 timeout_s=1200 if cuda else 900)
 

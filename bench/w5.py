@@ -193,23 +193,16 @@ def _x(v, f: str = ".2f") -> str:
 def print_tables(con, plan: Plan, rows: list[dict], summary: dict, tgt: dict, title: str) -> None:
     """The points, then per architecture and budget the longest fit per config and the headline's ratios, then the
     targets' verdicts."""
-    from rich.table import Table
-
     print_points(con, rows, title, plan, by=("arch", "config"))
-    st = Table(title=f"W5: longest completion whose step fits the budget ({plan.budget_on} step memory; "
-                     f"'>=': fits the longest grid length, the limit is higher)", header_style="bold")
-    names, h = [c.name for c in plan.configs], plan.headline
-    for col in ("arch", "budget", *names, f"{h} / trl length", f"{h} / fastrl length", f"{h} / trl time (at length)"):
-        st.add_column(col, justify="left" if col == "arch" else "right")
-    for arch, per in summary.items():
+    h = plan.headline
+    for arch, per in summary.items():  # '>=': fits the longest length of the grid, the limit is higher
         for key, e in per.items():
-            top = e["fits_largest_length_tried"]
-            cells = [{"n/a": "n/a", None: "none"}.get(v, (">=" if top.get(n) else "") + str(v))
-                     for n in names for v in [e["longest"].get(n)]]
-            at = f"{_x(e['time_ratio'])} (at {e['time_ratio_at']})" if "time_ratio" in e else ""
-            st.add_row(arch, f"{float(key):.0f} MB", *cells, _x(e.get("length_ratio")),
-                       _x(e.get("length_ratio_vs_fastrl")), at)
-    con.print(st)
+            longest = ", ".join(f"{n} " + {"n/a": "n/a", None: "none"}.get(v, (">=" if top else "") + str(v))
+                                for n, v in e["longest"].items() for top in [e["fits_largest_length_tried"].get(n)])
+            at = f"; time {_x(e['time_ratio'])} trl's (at {e['time_ratio_at']})" if "time_ratio" in e else ""
+            con.print(f"W5 {arch}, longest completion within {float(key):.0f} MB ({plan.budget_on} step memory): "
+                      f"{longest}; {h}: {_x(e.get('length_ratio'))} trl's length, "
+                      f"{_x(e.get('length_ratio_vs_fastrl'))} fastrl's{at}")
     if not tgt.get("evaluated"):
         con.print(f"[yellow]no targets evaluated: {tgt.get('why')}[/yellow]")
     for c in tgt.get("checks", []):
