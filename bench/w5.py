@@ -199,10 +199,12 @@ def print_tables(con, plan: Plan, rows: list[dict], summary: dict, tgt: dict, ti
         for key, e in per.items():
             longest = ", ".join(f"{n} " + {"n/a": "n/a", None: "none"}.get(v, (">=" if top else "") + str(v))
                                 for n, v in e["longest"].items() for top in [e["fits_largest_length_tried"].get(n)])
-            at = f"; time {_x(e['time_ratio'])} trl's (at {e['time_ratio_at']})" if "time_ratio" in e else ""
+            named = (("length_ratio", "trl's length"), ("length_ratio_vs_fastrl", "fastrl's length"),
+                     ("time_ratio", "trl's step time"))
+            ratios = [f"{_x(e[k])} {what}" for k, what in named if k in e]
+            at = f" (at {e['time_ratio_at']} tokens)" if "time_ratio" in e else ""
             con.print(f"W5 {arch}, longest completion within {float(key):.0f} MB ({plan.budget_on} step memory): "
-                      f"{longest}; {h}: {_x(e.get('length_ratio'))} trl's length, "
-                      f"{_x(e.get('length_ratio_vs_fastrl'))} fastrl's{at}")
+                      f"{longest}" + (f"; {h}: {', '.join(ratios)}{at}" if ratios else ""))
     if not tgt.get("evaluated"):
         con.print(f"[yellow]no targets evaluated: {tgt.get('why')}[/yellow]")
     for c in tgt.get("checks", []):
