@@ -1,5 +1,5 @@
 """W4 (bench/README.md): one GRPO training step, stock ``trl.GRPOTrainer`` vs ``fastrl.GRPOTrainer``, per completion
-length, each point in a fresh process; and the points, rows, table and files W5 (``bench/w5.py``) walks with.
+length, each point in a fresh process; W5 (``bench/w5.py``) is the same point with more configurations and a search.
 
     python -m bench w4                 # CUDA: Qwen2.5-0.5B shapes, 8 completions of 4k/8k/16k tokens, bf16
                                        # CPU:  scaled down (V=151936, H=256, 1 layer), 2 completions of 256-2048
@@ -16,10 +16,11 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
-__all__ = ["W4Shape", "Config", "shape_for", "run_point", "point_spec", "spawn_point", "measure_point", "point_row",
-           "run", "print_points", "print_table", "write_files", "TRAINERS"]
+__all__ = ["W4Shape", "Config", "Plan", "plan_for", "with_overrides", "run_point", "point_spec",
+           "spawn_point", "point_row", "add_ratios", "sweep", "print_points", "command", "cli",
+           "session_rows", "TRAINERS"]
 
 TRAINERS = ("trl", "fastrl")
 LABELS = {"trl": "stock trl.GRPOTrainer (TRL 1.16 chunked LM head)", "fastrl": "fastrl.GRPOTrainer"}
@@ -30,7 +31,7 @@ QWEN25_05B = dict(vocab=151936, hidden=896, layers=24, heads=14, kv_heads=2, int
 
 @dataclass(frozen=True)
 class W4Shape:
-    name: str  # "W4", "W4-cpu", "W4-smoke"
+    name: str  # "W4", "W4-cpu", "W4-smoke", "W5-0.5B", ...
     vocab: int
     hidden: int
     layers: int
@@ -42,7 +43,7 @@ class W4Shape:
     completions: int  # completions per step (B)
     prompt_len: int
     lengths: tuple  # completion lengths T, shortest first
-    budget_mb: float  # step-memory budget for "longest completion that fits"
+    budget_mb: float = 0.0  # W4's step-memory budget for "longest completion that fits" (W5's are its plan's)
     note: str = ""
 
     @staticmethod
@@ -59,32 +60,72 @@ class Config:
     tiled_mlp: int = 0
 
 
-W4_CONFIGS = tuple(Config(t, t) for t in TRAINERS)
+@dataclass
+class Plan:
+    """What ``w4`` and ``w5`` measure: shapes (by architecture), configurations, budgets, and how each point runs."""
+    device: str
+    mode: str
+    shapes: dict  # arch name -> W4Shape (its lengths: W4's sweep, the grid W5 searches)
+    budgets_mb: tuple
+    budget_on: str  # "total" (CUDA W5: weights, grads and activations, what a card must hold) | "extra"
+    configs: tuple = tuple(Config(t, t) for t in TRAINERS)
+    headline: str = "fastrl+both"  # the fastrl config W5's summary compares with stock TRL
+    reps: int = 1
+    warmup: int = 1
+    warmup_len: int = 0  # 0: run_point's default
+    timeout_s: int = 900
+    threads: int = 0
+    extra_options: dict = field(default_factory=dict)
 
 
-def shape_for(device: str, mode: str) -> W4Shape:
-    """W4 for this device and mode ("smoke", "quick", "full")."""
+def plan_for(device: str, mode: str) -> Plan:
+    """W4 for this device and mode ("smoke", "quick", "full"): one shape, its budget on the extra step memory, one
+    timed step per point on CPU (a step at 2048 tokens takes seconds), three on CUDA."""
+    cuda = device.startswith("cuda")
     if mode == "smoke":
-        return W4Shape("W4-smoke", 512, 32, 1, 4, 2, 64, False, "float32", 2, 8, (32,), 64.0,
-                       note="smoke test: tiny model, numbers mean nothing")
-    if device.startswith("cuda"):
-        return W4Shape("W4", **QWEN25_05B, dtype="bfloat16", completions=8, prompt_len=128,
-                       lengths=(4096, 8192) if mode == "quick" else (4096, 8192, 16384), budget_mb=60 * GIB,
-                       note="Qwen2.5-0.5B architecture, random init, bf16, 8 completions per step")
-    return W4Shape("W4-cpu", 151936, 256, 1, 4, 2, 512, False, "float32", 2, 32,
-                   (256, 512, 1024) if mode == "quick" else (256, 512, 1024, 2048), budget_mb=2048.0,
-                   note="CPU-scaled W4: Qwen2 architecture with Qwen2.5's vocabulary (151936) but H=256, 1 layer, "
-                        "float32, 2 completions per step (GPU W4: H=896, 24 layers, bf16, 8 completions of 4k-16k)")
+        s = W4Shape("W4-smoke", 512, 32, 1, 4, 2, 64, False, "float32", 2, 8, (32,), 64.0,
+                    note="smoke test: tiny model, numbers mean nothing")
+    elif cuda:
+        s = W4Shape("W4", **QWEN25_05B, dtype="bfloat16", completions=8, prompt_len=128,
+                    lengths=(4096, 8192) if mode == "quick" else (4096, 8192, 16384), budget_mb=60 * GIB,
+                    note="Qwen2.5-0.5B architecture, random init, bf16, 8 completions per step")
+    else:
+        s = W4Shape("W4-cpu", 151936, 256, 1, 4, 2, 512, False, "float32", 2, 32,
+                    (256, 512, 1024) if mode == "quick" else (256, 512, 1024, 2048), budget_mb=2048.0,
+                    note="CPU-scaled W4: Qwen2 architecture with Qwen2.5's vocabulary (151936) but H=256, 1 layer, "
+                         "float32, 2 completions per step (GPU W4: H=896, 24 layers, bf16, 8 completions of 4k-16k)")
+    return Plan(device, mode, {s.name: s}, (s.budget_mb,), "extra", reps=3 if cuda else 1,
+                timeout_s=1200 if cuda else 900)
 
 
-def parse_lengths(text: str) -> tuple:
-    return tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+def _pick(option: str, what: str, text: str, known) -> list[str]:
+    want = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [x for x in want if x not in known]
+    if unknown:
+        raise ValueError(f"w5 {option}: unknown {what} {unknown}; expected a comma list of {list(known)}")
+    return want
 
 
-def with_overrides(s: W4Shape, lengths: str | None, budget_mb: float | None) -> W4Shape:
-    if lengths:
-        s = replace(s, lengths=parse_lengths(lengths))
-    return replace(s, budget_mb=float(budget_mb)) if budget_mb else s
+def with_overrides(plan: Plan, args, archs: dict | None = None) -> Plan:
+    """The plan with the command line's ``--lengths``, ``--budget-mb``, ``--reps``, ``--warmup``, ``--timeout``,
+    ``--threads``, ``--fastrl-backend``; W5's also ``--providers`` (configurations) and ``--workload`` (``archs``:
+    architecture -> its shape)."""
+    if getattr(args, "providers", None):
+        want = _pick("--providers", "configuration", args.providers, [c.name for c in plan.configs])
+        plan = replace(plan, configs=tuple(c for c in plan.configs if c.name in want))
+    if getattr(args, "workload", None):
+        want = _pick("--workload", "architecture", args.workload, archs)
+        if plan.mode == "smoke":
+            raise ValueError("w5 --workload: --smoke runs one tiny model; leave --workload out")
+        plan = replace(plan, shapes={a: archs[a] for a in want})
+    if args.lengths:
+        lengths = tuple(sorted({int(x) for x in args.lengths.split(",") if x.strip()}))
+        plan = replace(plan, shapes={a: replace(s, lengths=lengths) for a, s in plan.shapes.items()})
+    if args.budget_mb:
+        plan = replace(plan, budgets_mb=(float(args.budget_mb),))
+    given = {"reps": args.reps, "warmup": args.warmup, "timeout_s": args.timeout}
+    return replace(plan, threads=args.threads or 0, **{k: v for k, v in given.items() if v is not None},
+                   extra_options={"fastrl_backend": args.fastrl_backend} if args.fastrl_backend else {})
 
 
 # One point, in the measuring process
@@ -278,26 +319,24 @@ def point_row(group: str, s: W4Shape, arch: str, c: Config, L, status: str, reas
             "intermediate": s.intermediate, "layers": s.layers, "dtype": s.dtype, "workload_note": s.note}
 
 
-def step_memory(row: dict, on: str) -> float | None:
-    """The step memory a budget applies to: ``on`` "extra" (over what the step found) or "total"."""
-    return row.get(f"peak_{on}_mb")
-
-
-def measure_point(group: str, s: W4Shape, arch: str, c: Config, L: int, con, *, device: str, timeout_s: int,
-                  options: dict | None = None, **spec) -> dict:
-    """Config ``c`` of ``arch`` at completion length ``L`` in a fresh process: its row, printed as it comes (``spec``:
-    ``point_spec``'s keywords)."""
+def measure_point(plan: Plan, group: str, arch: str, c: Config, L: int, con) -> dict:
+    """Config ``c`` of ``arch`` at completion length ``L`` in a fresh process: its row, printed as it comes; an ok
+    row says which of the plan's budgets its step memory fits (``fits``)."""
     from rich.markup import escape
 
-    options = {**(options or {}), "activation_offloading": c.activation_offloading, "tiled_mlp": c.tiled_mlp}
+    s = plan.shapes[arch]
+    options = {**plan.extra_options, "activation_offloading": c.activation_offloading, "tiled_mlp": c.tiled_mlp}
+    spec = point_spec(s, c.trainer, L, plan.device, kind=group, options=options, reps=plan.reps,
+                      warmup=plan.warmup, threads=plan.threads, warmup_len=plan.warmup_len or None)
     row = {**point_row(group, s, arch, c, L, "error"), "loadavg": os.getloadavg()[0],
-           **spawn_point(point_spec(s, c.trainer, L, device, kind=group, options=options, **spec), timeout_s)}
+           **spawn_point(spec, plan.timeout_s)}
     ran = (row.get("tiled_mlp"), row.get("activation_offloading"))
     if row["status"] == "ok" and c.trainer == "fastrl" and ran != (c.tiled_mlp, c.activation_offloading):
         row["status"], row["reason"] = "error", (f"the worker ran tiled_mlp={ran[0]}, offloading={ran[1]}, not what "
                                                  f"{c.name} asks for")
     head = f"{s.name:>12} {c.name:<15} {L:>7} tokens"
     if row["status"] == "ok":
+        row["fits"] = {f"{b:.0f}": row[f"peak_{plan.budget_on}_mb"] <= b for b in plan.budgets_mb}
         con.print(f"{head} {row['step_ms']['median']:10.0f} ms {row['peak_extra_mb']:9.1f} MB extra "
                   f"{row['peak_total_mb']:9.1f} MB peak")
     else:
@@ -316,48 +355,41 @@ def add_ratios(rows: list[dict]) -> None:
             r["mem_vs_trl"] = r["peak_extra_mb"] / t["peak_extra_mb"] if t["peak_extra_mb"] > 0 else None
 
 
-def run(s: W4Shape, device: str, con, *, reps: int = 1, warmup: int = 1, timeout_s: int = 900, threads: int = 0,
-        options: dict | None = None) -> tuple[list[dict], dict]:
-    """Every (completion length, trainer) of ``s``, each in a fresh process; a trainer that ran out of memory or
-    failed is not tried at longer completions. Returns rows, summary."""
-    con.print(f"[bold]{s.name}[/bold]: {s.note}; V={s.vocab} H={s.hidden} layers={s.layers}, {s.completions} "
-              f"completions x {', '.join(map(str, s.lengths))} tokens (+{s.prompt_len} prompt), budget "
-              f"{s.budget_mb:.0f} MB of step memory; each point in a fresh process")
+def sweep(plan: Plan, con) -> list[dict]:
+    """W4: every (completion length, trainer) of the plan's one shape, shortest first; a trainer that ran out of
+    memory or failed is not tried at longer completions."""
+    ((arch, s),), (budget,) = plan.shapes.items(), plan.budgets_mb
     rows: list[dict] = []
     failed: dict[str, int] = {}  # trainer -> the length at which it ran out of memory / failed
     for L in s.lengths:
-        for c in W4_CONFIGS:
+        for c in plan.configs:
             if c.name in failed:
-                rows.append(point_row("w4", s, s.name, c, L, "skipped",
-                                      f"not tried: failed already at {failed[c.name]} tokens"))
+                why = f"not tried: failed already at {failed[c.name]} tokens"
+                rows.append(point_row("w4", s, arch, c, L, "skipped", why))
                 continue
-            rows.append(measure_point("w4", s, s.name, c, L, con, device=device, timeout_s=timeout_s,
-                                      options=options, reps=reps, warmup=warmup, threads=threads))
+            rows.append(measure_point(plan, "w4", arch, c, L, con))
             if rows[-1]["status"] == "ok":
-                rows[-1]["fits_budget"] = rows[-1]["peak_extra_mb"] <= s.budget_mb
+                rows[-1]["fits_budget"] = rows[-1].pop("fits")[f"{budget:.0f}"]
             else:
                 failed[c.name] = L
     for r in rows:
-        r.update(label=LABELS[r["provider"]], budget_mb=s.budget_mb)
+        r.update(label=LABELS[r["provider"]], budget_mb=budget)
     add_ratios(rows)
-    longest = {w: max((r["completion_len"] for r in rows if r["provider"] == w and r.get("fits_budget")), default=None)
-               for w in TRAINERS}
-    return rows, {"shape": asdict(s), "budget_mb": s.budget_mb, "longest_fitting": longest, "reps": reps,
-                  "loadavg_max": max((r["loadavg"] for r in rows if "loadavg" in r), default=None), "warmup": warmup}
+    return rows
 
 
 def _fmt(x, f: str) -> str:
     return "" if x is None else format(x, f)
 
 
-def print_points(con, rows: list[dict], title: str, budgets, on: str = "extra", by=("completion_len",)) -> None:
-    """One line per point; a section per value of ``by``; a "fits" column per budget (on ``step_memory(row, on)``)."""
+def print_points(con, rows: list[dict], title: str, plan: Plan, by=("completion_len",)) -> None:
+    """One line per point; a section per value of ``by``; a "fits" column per budget of the plan."""
     from rich.markup import escape
     from rich.table import Table
 
     t = Table(title=title, header_style="bold")
     for col in ("shape", "config", "completion", "step ms [min-max]", "extra MB", "peak MB", "x trl time / mem",
-                *[f"fits {b:.0f} MB" for b in budgets], "notes"):
+                *[f"fits {b:.0f} MB" for b in plan.budgets_mb], "notes"):
         t.add_column(col, justify="left" if col in ("shape", "config", "notes") else "right", overflow="fold")
     last = None
     for r in rows:
@@ -368,26 +400,32 @@ def print_points(con, rows: list[dict], title: str, budgets, on: str = "extra", 
         if r["status"] != "ok":
             style = "red" if r["status"] == "error" else "yellow"
             t.add_row(*head, "", "", _fmt(r.get("peak_total_mb"), ".0f"), "",
-                      *["no" if r["status"] == "oom" else "" for _ in budgets],
+                      *["no" if r["status"] == "oom" else "" for _ in plan.budgets_mb],
                       f"[{style}]{r['status']}: {escape(r['reason'])}[/{style}]")
             continue
         sm = r["step_ms"]
         spread = f" [{sm['min']:.0f}-{sm['max']:.0f}]" if sm.get("n", 1) > 1 else ""
         t.add_row(*head, f"{sm['median']:.0f}{spread}", f"{r['peak_extra_mb']:.1f}", f"{r['peak_total_mb']:.1f}",
                   f"{r['time_vs_trl']:.2f} / {_fmt(r['mem_vs_trl'], '.3f')}" if "time_vs_trl" in r else "",
-                  *["yes" if step_memory(r, on) <= b else "no" for b in budgets],
+                  *["yes" if r[f"peak_{plan.budget_on}_mb"] <= b else "no" for b in plan.budgets_mb],
                   escape(f"path {r.get('path', '?')}; loss {r.get('loss_value', float('nan')):+.5f}"))
     con.print(t)
 
 
-def print_table(con, rows: list[dict], summary: dict, title: str) -> None:
-    s = W4Shape.from_dict(summary["shape"])
-    print_points(con, rows, title, (s.budget_mb,))
+def _report(plan: Plan, rows: list[dict], con, title: str, elapsed: float) -> dict:
+    """W4's table, its longest fitting completion per trainer, and its JSON (``"w4"``: the summary and rows)."""
+    (s,), budget = plan.shapes.values(), plan.budgets_mb[0]
+    print_points(con, rows, title, plan)
+    longest = {}
     for which in TRAINERS:
-        v = summary["longest_fitting"].get(which)
-        con.print(f"W4 longest completion within {s.budget_mb:.0f} MB of step memory ({s.completions} completions), "
+        v = longest[which] = max((r["completion_len"] for r in rows if r["provider"] == which and r.get("fits_budget")),
+                                 default=None)
+        con.print(f"W4 longest completion within {budget:.0f} MB of step memory ({s.completions} completions), "
                   f"{which}: {v if v is not None else 'none of ' + ', '.join(map(str, s.lengths))}"
                   + (" (the longest tried)" if v == max(s.lengths) else ""))
+    return {"w4": {"shape": asdict(replace(s, budget_mb=budget)), "budget_mb": budget, "longest_fitting": longest,
+                   "reps": plan.reps, "loadavg_max": max((r["loadavg"] for r in rows if "loadavg" in r), default=None),
+                   "warmup": plan.warmup, "elapsed_s": elapsed, "rows": rows}}
 
 
 CSV_COLUMNS = ["workload", "provider", "status", "reason", "completion_len", "completions", "tokens", "prompt_len",
@@ -397,28 +435,64 @@ CSV_COLUMNS = ["workload", "provider", "status", "reason", "completion_len", "co
                "device", "torch", "driver"]
 
 
-def write_files(out_dir, prefix: str, rows: list[dict], env: dict, columns=CSV_COLUMNS) -> list:
-    """``<prefix>.csv``: a row per point in ``columns`` (W5 has its own), the JSON holds the rest."""
-    from pathlib import Path
-
+def command(name: str, args, device: str, con, plan: Plan, measure, report_rows, columns=CSV_COLUMNS,
+            archs: dict | None = None) -> int:
+    """``python -m bench w4`` / ``w5``: the plan with the command line's overrides, ``measure(plan, con)`` -> rows,
+    ``report_rows(plan, rows, con, title, elapsed)`` -> the JSON's own fields (it prints the tables), then
+    ``<prefix>.json`` and ``<prefix>.csv``."""
     from bench import report
 
-    return [report.write_csv(Path(out_dir) / f"{prefix}.csv", rows, env, columns, nested=("step_ms",))]
+    env, mode = report.environment(device), report.mode(args)
+    out_dir, prefix = report.out_dir(args, env["device_slug"], name), report.prefix(name, args)
+    try:
+        plan = with_overrides(plan, args, archs)
+    except ValueError as e:
+        con.print(f"[red]{e}[/red]")
+        return 2
+    con.print(f"[bold]fastrl bench {name}[/bold] ({mode}) on {env['device']}: torch {env['torch']}, triton "
+              f"{env['triton']}, driver {env['driver']}; architectures {', '.join(plan.shapes)}, configs "
+              f"{', '.join(c.name for c in plan.configs)}; each point in a fresh process")
+    t0 = time.perf_counter()
+    for s in plan.shapes.values():
+        con.print(f"[bold]{s.name}[/bold]: {s.note}; V={s.vocab} H={s.hidden} I={s.intermediate} layers={s.layers}, "
+                  f"{s.completions} completions x {', '.join(map(str, s.lengths))} tokens (+{s.prompt_len} prompt); "
+                  "budgets " + ", ".join(f"{b:.0f} MB" for b in plan.budgets_mb) + f" ({plan.budget_on} step memory)")
+    rows = measure(plan, con)
+    elapsed = time.perf_counter() - t0
+    steps = f"median of {plan.reps} timed steps" if plan.reps > 1 else "one timed step"
+    con.print()
+    fields = report_rows(plan, rows, con, f"{name.upper()} ({mode}): one GRPO training step (compute_loss + backward) "
+                         f"per point | {env['device']} | torch {env['torch']} | driver {env['driver']} | step ms: "
+                         f"{steps} after a warm-up", elapsed)
+    payload = {"command": name, "mode": mode, "argv": list(getattr(args, "argv", []) or []), "env": env,
+               "elapsed_s": elapsed, **fields}
+    # the CSV: a row per point in ``columns`` (W4's or W5's), the JSON holds the rest
+    written = [report.write_csv(out_dir / f"{prefix}.csv", rows, env, columns, nested=("step_ms",))]
+    report.save_results(con, out_dir / f"{prefix}.json", payload, elapsed, written)
+    return 1 if args.smoke and any(r["status"] == "error" for r in rows) else 0
+
+
+def cli(args, device: str, con) -> int:
+    """``python -m bench w4`` (``bench/__main__.py`` parses the shared options and ``--lengths``, ``--budget-mb``)."""
+    from bench import report
+
+    return command("w4", args, device, con, plan_for(device, report.mode(args)), sweep, _report)
 
 
 def session_rows(pts: list[dict], deadline: float, session) -> list[dict]:
-    """W4 at 4096 tokens (smoke: its tiny model) through bench/w4.py: a process per trainer, as that command runs
-    (each under w4's own timeout, half the time left): the session's W4 section (``bench.session.run_w4``)."""
+    """W4 at 4096 tokens (smoke: its tiny model) as the w4 command runs it, each point under half the time left:
+    the session's W4 section (``bench.session.run_w4``)."""
     from bench.session_run import append_rows, stub
 
     left = deadline + session.costs.grace - time.time()
     if left <= 10:
         out = [stub(p, "skipped", "the section's time ran out (--budget)") for p in pts]
     else:
-        shape = shape_for(session.device, "smoke" if session.smoke else "full")
-        rows, _ = run(shape if session.smoke else with_overrides(shape, "4096", None), session.device, session.con,
-                      reps=1 if session.smoke else 3, warmup=1, timeout_s=int(left / 2))
-        by = {r["provider"]: r for r in rows}
+        plan = replace(plan_for(session.device, "smoke" if session.smoke else "full"), timeout_s=int(left / 2),
+                       reps=1 if session.smoke else 3)
+        if not session.smoke:
+            plan.shapes = {a: replace(s, lengths=(4096,)) for a, s in plan.shapes.items()}
+        by = {r["provider"]: r for r in sweep(plan, session.con)}
         out = [{**{k: p[k] for k in ("id", "section", "provider")}, "workload": f"W4-{r['completion_len']}",
                 "status": r["status"], "reason": r.get("reason", ""), "total_ms": r.get("step_ms"),
                 "extra_mb": r.get("peak_extra_mb"), "loss_value": r.get("loss_value"), "tokens": r.get("tokens"),

@@ -1,5 +1,5 @@
 """W5 (bench/README.md): the longest completion whose GRPO step fits a memory budget, per architecture and trainer
-configuration; each point a W4 point (``bench.w4``) with fastrl's memory options.
+configuration; each point a W4 point (``bench.w4``) with fastrl's memory options, the lengths searched.
 
     python -m bench w5 [--quick]     # CUDA: Qwen2.5-0.5B and 1.5B, budgets 24 and 80 GiB; CPU: scaled down, 280 MB
     python -m bench w5 --workload 0.5B --budget-mb 24576 --providers trl,fastrl+both --lengths 4096,8192 --out DIR
@@ -7,15 +7,12 @@ configuration; each point a W4 point (``bench.w4``) with fastrl's memory options
 
 from __future__ import annotations
 
-import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 
-from bench import report
-from bench.w4 import (GIB, QWEN25_05B, Config, W4Shape, add_ratios, measure_point, parse_lengths, point_row,
-                      print_points, step_memory, write_files)
+from bench.w4 import (GIB, QWEN25_05B, Config, Plan, W4Shape, add_ratios, command, measure_point, point_row,
+                      print_points)
 
-__all__ = ["Config", "W5Plan", "CONFIGS", "plan_for", "longest_fit", "run", "summarize", "targets", "print_tables",
-           "cli"]
+__all__ = ["CONFIGS", "plan_for", "longest_fit", "run", "summarize", "targets", "print_tables", "cli"]
 
 # Qwen2.5-1.5B (its config.json): tied embeddings, rope theta 1e6
 QWEN25_15B = dict(vocab=151936, hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960, tie_embeddings=True)
@@ -38,81 +35,36 @@ CONFIGS = (
 )
 
 
-@dataclass
-class W5Plan:
-    device: str
-    mode: str
-    shapes: dict  # arch name -> W4Shape (its lengths: the grid walked up)
-    budgets_mb: tuple
-    budget_on: str  # "total" (CUDA: weights, grads and activations, what a card must hold) | "extra" (CPU)
-    configs: tuple = CONFIGS
-    headline: str = "fastrl+both"  # the fastrl config the summary compares with stock TRL
-    reps: int = 1
-    warmup: int = 1
-    warmup_len: int = 0  # 0: bench.w4's default
-    timeout_s: int = 900
-    threads: int = 0
-    extra_options: dict = field(default_factory=dict)
-
-
-def plan_for(device: str, mode: str) -> W5Plan:
-    """W5 for this device and mode ("smoke", "quick", "full")."""
-    if mode == "smoke":
-        arch = dict(vocab=512, hidden=32, layers=1, heads=2, kv_heads=1, intermediate=128, tie_embeddings=False)
-        s = W4Shape("W5-smoke", **arch, dtype="float32", completions=2, prompt_len=8, lengths=(32, 64), budget_mb=0.0,
-                    note="smoke test: tiny model, numbers mean nothing")
-        cfgs = tuple(replace(c, tiled_mlp=2) if c.tiled_mlp else c for c in CONFIGS)
-        cpu = device == "cpu"
-        return W5Plan(device, mode, {"smoke": s}, (64.0,), "extra" if cpu else "total", cfgs,
-                      headline="fastrl+tiled" if cpu else "fastrl+both", timeout_s=300)
-    archs = ("0.5B",) if mode == "quick" else ("0.5B", "1.5B")
+def _shapes(device: str, archs) -> dict:
+    """Each architecture's shape and the grid of completion lengths searched."""
     if device.startswith("cuda"):
         grid = (4096, 8192, 12288, 16384, 24576, 32768, 49152, 65536, 98304, 131072)
-        shapes = {a: W4Shape(f"W5-{a}", **ARCHS[a], dtype="bfloat16", completions=8, prompt_len=128, lengths=grid,
-                             budget_mb=0.0, note=f"Qwen2.5-{a} architecture, random init, bf16, 8 completions per step")
-                  for a in archs}
+        return {a: W4Shape(f"W5-{a}", **ARCHS[a], dtype="bfloat16", completions=8, prompt_len=128, lengths=grid,
+                           note=f"Qwen2.5-{a} architecture, random init, bf16, 8 completions per step") for a in archs}
+    return {a: W4Shape(f"W5-{a}-cpu", **CPU_ARCHS[a], dtype="float32", completions=2, prompt_len=32,
+                       lengths=(256, 512, 1024, 1536, 2048, 3072, 4096, 6144),
+                       note=f"CPU-scaled Qwen2.5-{a} architecture (H={CPU_ARCHS[a]['hidden']}, "
+                            f"I={CPU_ARCHS[a]['intermediate']}, {CPU_ARCHS[a]['layers']} layers, V=16384), float32, "
+                            "2 completions per step") for a in archs}
+
+
+def plan_for(device: str, mode: str) -> Plan:
+    """W5 for this device and mode ("smoke", "quick", "full")."""
+    cuda = device.startswith("cuda")
+    if mode == "smoke":
+        s = W4Shape("W5-smoke", 512, 32, 1, 2, 1, 128, False, "float32", completions=2, prompt_len=8, lengths=(32, 64),
+                    note="smoke test: tiny model, numbers mean nothing")
+        cfgs = tuple(replace(c, tiled_mlp=2) if c.tiled_mlp else c for c in CONFIGS)
+        return Plan(device, mode, {"smoke": s}, (64.0,), "total" if cuda else "extra", cfgs,
+                    headline="fastrl+both" if cuda else "fastrl+tiled", timeout_s=300)
+    shapes = _shapes(device, ("0.5B",) if mode == "quick" else ("0.5B", "1.5B"))
+    if cuda:
         # warm-up at 2048 tokens compiles and autotunes the Triton kernels (keyed on H and V) without doubling a
         # long step's time; two timed steps
-        return W5Plan(device, mode, shapes, (24 * GIB,) if mode == "quick" else (24 * GIB, 80 * GIB), "total",
-                      reps=2, warmup=1, warmup_len=2048, timeout_s=1200)
-    shapes = {a: W4Shape(f"W5-{a}-cpu", **CPU_ARCHS[a], dtype="float32", completions=2, prompt_len=32,
-                         lengths=(256, 512, 1024, 1536, 2048, 3072, 4096, 6144), budget_mb=0.0,
-                         note=f"CPU-scaled Qwen2.5-{a} architecture (H={CPU_ARCHS[a]['hidden']}, "
-                              f"I={CPU_ARCHS[a]['intermediate']}, {CPU_ARCHS[a]['layers']} layers, V=16384), "
-                              "float32, 2 completions per step")
-              for a in archs}
+        return Plan(device, mode, shapes, (24 * GIB,) if mode == "quick" else (24 * GIB, 80 * GIB), "total",
+                    CONFIGS, reps=2, warmup=1, warmup_len=2048, timeout_s=1200)
     # 280 MB of extra RSS: between the grid points where the two architectures' plain and tiled steps cross it
-    return W5Plan(device, mode, shapes, (280.0,), "extra", headline="fastrl+tiled", timeout_s=900)
-
-
-def _pick(option: str, what: str, text: str, known) -> list[str]:
-    want = [x.strip() for x in text.split(",") if x.strip()]
-    unknown = [x for x in want if x not in known]
-    if unknown:
-        raise ValueError(f"w5 {option}: unknown {what} {unknown}; expected a comma list of {list(known)}")
-    return want
-
-
-def with_overrides(plan: W5Plan, args) -> W5Plan:
-    """The plan with the command line's ``--providers`` (configurations), ``--workload`` (architectures),
-    ``--lengths``, ``--budget-mb``, ``--reps``, ``--warmup``, ``--timeout``, ``--threads``, ``--fastrl-backend``."""
-    if args.providers:
-        want = _pick("--providers", "configuration", args.providers, [c.name for c in plan.configs])
-        plan = replace(plan, configs=tuple(c for c in plan.configs if c.name in want))
-    if args.workload:
-        known = ARCHS if plan.device.startswith("cuda") else CPU_ARCHS
-        want = _pick("--workload", "architecture", args.workload, known)
-        if plan.mode == "smoke":
-            raise ValueError("w5 --workload: --smoke runs one tiny model; leave --workload out")
-        plan = replace(plan, shapes={a: plan_for(plan.device, "full").shapes[a] for a in want})
-    if args.lengths:
-        lengths = parse_lengths(args.lengths)
-        plan = replace(plan, shapes={a: replace(s, lengths=lengths) for a, s in plan.shapes.items()})
-    if args.budget_mb:
-        plan = replace(plan, budgets_mb=(float(args.budget_mb),))
-    given = {"reps": args.reps, "warmup": args.warmup, "timeout_s": args.timeout}
-    return replace(plan, threads=args.threads, **{k: v for k, v in given.items() if v is not None},
-                   extra_options={"fastrl_backend": args.fastrl_backend} if args.fastrl_backend else {})
+    return Plan(device, mode, shapes, (280.0,), "extra", CONFIGS, headline="fastrl+tiled", timeout_s=900)
 
 
 def longest_fit(fits, n: int, hint: int = -1) -> int:
@@ -142,7 +94,7 @@ def longest_fit(fits, n: int, hint: int = -1) -> int:
     return lo
 
 
-def run(plan: W5Plan, con) -> list[dict]:
+def run(plan: Plan, con) -> list[dict]:
     """Every (architecture, budget, config): ``longest_fit`` over the grid, one fresh process per point, each point
     measured once for every budget; the hint is the config's answer at the next smaller budget, else the best of
     the configs before it (most memory first). A point that fails does not fit. The headline config is also
@@ -152,15 +104,9 @@ def run(plan: W5Plan, con) -> list[dict]:
     cache: dict[tuple, dict] = {}
 
     def point(arch: str, c: Config, i: int) -> dict:
-        s = plan.shapes[arch]
-        key = (arch, c.name, s.lengths[i])
+        key = (arch, c.name, plan.shapes[arch].lengths[i])
         if key not in cache:
-            r = measure_point("w5", s, arch, c, s.lengths[i], con, device=plan.device, timeout_s=plan.timeout_s,
-                              options=plan.extra_options, reps=plan.reps, warmup=plan.warmup, threads=plan.threads,
-                              warmup_len=plan.warmup_len or None)
-            if r["status"] == "ok":
-                r["fits"] = {f"{b:.0f}": step_memory(r, plan.budget_on) <= b for b in plan.budgets_mb}
-            cache[key] = r
+            cache[key] = measure_point(plan, "w5", arch, c, key[2], con)
         return cache[key]
 
     def fits(arch: str, c: Config, i: int, b: float) -> bool:
@@ -169,9 +115,6 @@ def run(plan: W5Plan, con) -> list[dict]:
 
     rows_na: list[dict] = []
     for arch, s in plan.shapes.items():
-        con.print(f"[bold]{s.name}[/bold]: {s.note}; V={s.vocab} H={s.hidden} I={s.intermediate} layers={s.layers}, "
-                  f"{s.completions} completions x {', '.join(map(str, s.lengths))} tokens (+{s.prompt_len} prompt); "
-                  "budgets " + ", ".join(f"{b:.0f} MB" for b in plan.budgets_mb) + f" ({plan.budget_on} step memory)")
         runnable = [c for c in plan.configs if plan.device.startswith("cuda") or not c.activation_offloading]
         for c in plan.configs:
             if c not in runnable:
@@ -195,7 +138,7 @@ def run(plan: W5Plan, con) -> list[dict]:
     return rows
 
 
-def summarize(plan: W5Plan, rows: list[dict]) -> dict:
+def summarize(plan: Plan, rows: list[dict]) -> dict:
     """Per architecture and budget: the longest fitting completion per config, and the headline config vs TRL."""
     out = {}
     for arch, s in plan.shapes.items():
@@ -207,7 +150,7 @@ def summarize(plan: W5Plan, rows: list[dict]) -> dict:
                 if pts and pts[0]["status"] == "n/a":
                     longest[c.name] = "n/a"
                     continue
-                fit = [r["completion_len"] for r in pts if r["status"] == "ok" and step_memory(r, plan.budget_on) <= b]
+                fit = [r["completion_len"] for r in pts if r["status"] == "ok" and r[f"peak_{plan.budget_on}_mb"] <= b]
                 longest[c.name] = max(fit) if fit else None
                 at_top[c.name] = bool(fit) and max(fit) == max(s.lengths)
             e = out[arch][f"{b:.0f}"] = {"budget_mb": b, "longest": longest, "fits_largest_length_tried": at_top}
@@ -225,7 +168,7 @@ def summarize(plan: W5Plan, rows: list[dict]) -> dict:
     return out
 
 
-def targets(plan: W5Plan, summary: dict) -> dict:
+def targets(plan: Plan, summary: dict) -> dict:
     """The issue's GPU targets: headline fits >= 3x TRL's length at <= 1.1x its step time (24 GiB: both
     architectures; 80 GiB: 1.5B). Only evaluated on CUDA at the default budgets."""
     if not plan.device.startswith("cuda"):
@@ -247,26 +190,21 @@ def _x(v, f: str = ".2f") -> str:
     return "" if v is None else f"{v:{f}}x"
 
 
-def print_tables(con, plan: W5Plan, rows: list[dict], summary: dict, tgt: dict, title: str) -> None:
+def print_tables(con, plan: Plan, rows: list[dict], summary: dict, tgt: dict, title: str) -> None:
     """The points, then per architecture and budget the longest fit per config and the headline's ratios, then the
     targets' verdicts."""
-    from rich.table import Table
-
-    print_points(con, rows, title, plan.budgets_mb, plan.budget_on, by=("arch", "config"))
-    st = Table(title=f"W5: longest completion whose step fits the budget ({plan.budget_on} step memory; "
-                     f"'>=': fits the longest grid length, the limit is higher)", header_style="bold")
-    names, h = [c.name for c in plan.configs], plan.headline
-    for col in ("arch", "budget", *names, f"{h} / trl length", f"{h} / fastrl length", f"{h} / trl time (at length)"):
-        st.add_column(col, justify="left" if col == "arch" else "right")
-    for arch, per in summary.items():
+    print_points(con, rows, title, plan, by=("arch", "config"))
+    h = plan.headline
+    for arch, per in summary.items():  # '>=': fits the longest length of the grid, the limit is higher
         for key, e in per.items():
-            top = e["fits_largest_length_tried"]
-            cells = [{"n/a": "n/a", None: "none"}.get(v, (">=" if top.get(n) else "") + str(v))
-                     for n in names for v in [e["longest"].get(n)]]
-            at = f"{_x(e['time_ratio'])} (at {e['time_ratio_at']})" if "time_ratio" in e else ""
-            st.add_row(arch, f"{float(key):.0f} MB", *cells, _x(e.get("length_ratio")),
-                       _x(e.get("length_ratio_vs_fastrl")), at)
-    con.print(st)
+            longest = ", ".join(f"{n} " + {"n/a": "n/a", None: "none"}.get(v, (">=" if top else "") + str(v))
+                                for n, v in e["longest"].items() for top in [e["fits_largest_length_tried"].get(n)])
+            named = (("length_ratio", "trl's length"), ("length_ratio_vs_fastrl", "fastrl's length"),
+                     ("time_ratio", "trl's step time"))
+            ratios = [f"{_x(e[k])} {what}" for k, what in named if k in e]
+            at = f" (at {e['time_ratio_at']} tokens)" if "time_ratio" in e else ""
+            con.print(f"W5 {arch}, longest completion within {float(key):.0f} MB ({plan.budget_on} step memory): "
+                      f"{longest}" + (f"; {h}: {', '.join(ratios)}{at}" if ratios else ""))
     if not tgt.get("evaluated"):
         con.print(f"[yellow]no targets evaluated: {tgt.get('why')}[/yellow]")
     for c in tgt.get("checks", []):
@@ -277,6 +215,14 @@ def print_tables(con, plan: W5Plan, rows: list[dict], summary: dict, tgt: dict, 
                   + ("[green]PASS[/green]" if c["pass"] else "[red]FAIL[/red]"))
 
 
+def _report(plan: Plan, rows: list[dict], con, title: str, elapsed: float) -> dict:
+    """W5's tables and its JSON's fields: the plan, the summary, the targets, every row."""
+    summary = summarize(plan, rows)
+    tgt = targets(plan, summary)
+    print_tables(con, plan, rows, summary, tgt, title)
+    return {"plan": asdict(plan), "summary": summary, "targets": tgt, "rows": rows}
+
+
 CSV_COLUMNS = ["workload", "arch", "config", "provider", "activation_offloading", "tiled_mlp", "status", "reason",
                "completion_len", "completions", "tokens", "prompt_len", "V", "H", "intermediate", "layers", "dtype",
                "step_ms_median", "step_ms_min", "step_ms_max", "step_ms_n", "peak_extra_mb", "peak_total_mb",
@@ -285,31 +231,8 @@ CSV_COLUMNS = ["workload", "arch", "config", "provider", "activation_offloading"
 
 
 def cli(args, device: str, con) -> int:
-    """``python -m bench w5`` (``bench/__main__.py`` parses the shared options): its own search and files."""
-    env = report.environment(device)
-    out_dir = report.out_dir(args, env["device_slug"], args.command)
-    prefix, mode = report.prefix("w5", args), report.mode(args)
-    try:
-        plan = with_overrides(plan_for(device, mode), args)
-    except ValueError as e:
-        con.print(f"[red]{e}[/red]")
-        return 2
-    con.print(f"[bold]fastrl bench w5[/bold] ({mode}) on {env['device']}: torch {env['torch']}, triton "
-              f"{env['triton']}, driver {env['driver']}; architectures {', '.join(plan.shapes)}, configs "
-              f"{', '.join(c.name for c in plan.configs)}; each point in a fresh process")
-    if device == "cpu" and mode != "smoke":
-        con.print("[yellow]CPU-scaled W5 (see each shape's note); the GPU W5 is `python -m bench w5` on CUDA[/yellow]")
-    t0 = time.perf_counter()
-    rows = run(plan, con)
-    summary = summarize(plan, rows)
-    tgt = targets(plan, summary)
-    elapsed = time.perf_counter() - t0
-    payload = {"command": "w5", "mode": mode, "argv": list(getattr(args, "argv", []) or []), "env": env,
-               "plan": asdict(plan), "elapsed_s": elapsed, "summary": summary, "targets": tgt, "rows": rows}
-    steps = f"median of {plan.reps} timed steps" if plan.reps > 1 else "one timed step"
-    con.print()
-    print_tables(con, plan, rows, summary, tgt, f"W5 ({mode}): one GRPO training step per point | {env['device']} | "
-                 f"torch {env['torch']} | driver {env['driver']} | step ms: {steps} after a warm-up")
-    written = write_files(out_dir, prefix, rows, env, CSV_COLUMNS)
-    report.save_results(con, out_dir / f"{prefix}.json", payload, elapsed, written)
-    return 1 if args.smoke and any(r["status"] == "error" for r in rows) else 0
+    """``python -m bench w5`` (``bench/__main__.py`` parses the shared options and W5's)."""
+    from bench import report
+
+    return command("w5", args, device, con, plan_for(device, report.mode(args)), run, _report, CSV_COLUMNS,
+                   _shapes(device, ARCHS))

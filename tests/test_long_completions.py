@@ -432,8 +432,8 @@ def test_w5_search_finds_the_longest_fit_measuring_each_point_once():
 def test_w5_summary_and_targets(tmp_path):
     from rich.console import Console
 
-    from bench import w5
-    from bench.w4 import point_row, write_files
+    from bench import report, w5
+    from bench.w4 import point_row
 
     plan = w5.plan_for("cuda", "full")
     grid = plan.shapes["0.5B"].lengths
@@ -469,5 +469,37 @@ def test_w5_summary_and_targets(tmp_path):
     w5.print_tables(con, plan, rows, summary, w5.targets(plan, summary), "test")
     text = con.export_text()
     assert "4.00x" in text and ">=131072" in text and "FAIL" in text and "PASS" in text
-    files = write_files(tmp_path, "w5", rows, {"device": "test", "torch": "x", "driver": "y"}, w5.CSV_COLUMNS)
-    assert files[0].read_text().count("\n") == len(rows) + 1
+    path = report.write_csv(tmp_path / "w5.csv", rows, {"device": "test"}, w5.CSV_COLUMNS, nested=("step_ms",))
+    assert path.read_text().count("\n") == len(rows) + 1
+
+
+def test_w4_command_smoke(tmp_path):
+    """`python -m bench w4 --smoke` (``bench.w4.cli``): one GRPOTrainer step per trainer, each in a fresh process, its
+    table, the longest fitting completion per trainer, ``w4-smoke.json`` (summary and rows under "w4") and the CSV."""
+    import argparse
+    import csv
+    import json
+
+    from rich.console import Console
+
+    from bench import w4
+
+    args = argparse.Namespace(quick=False, smoke=True, out=str(tmp_path), reps=None, warmup=None, timeout=None,
+                              threads=0, fastrl_backend=None, lengths=None, budget_mb=None, argv=["w4", "--smoke"])
+    con = Console(record=True, width=120)
+    assert w4.cli(args, "cpu", con) == 0
+    out = con.export_text()
+    assert "W4-smoke" in out and "W4 longest completion within 64 MB" in out
+    data = json.loads((tmp_path / "w4-smoke.json").read_text())
+    assert data["command"] == "w4" and data["env"]["driver"] == "n/a (CPU)"
+    rows = {r["provider"]: r for r in data["w4"]["rows"]}
+    assert set(rows) == {"trl", "fastrl"}, data["w4"]["rows"]
+    for r in rows.values():
+        assert r["status"] == "ok", r["reason"]
+        assert r["step_ms"]["median"] > 0 and r["peak_extra_mb"] is not None and r["fits_budget"] is not None
+    assert rows["fastrl"]["loss_value"] == pytest.approx(rows["trl"]["loss_value"], rel=1e-4, abs=1e-5)
+    assert rows["fastrl"]["time_vs_trl"] > 0 and data["w4"]["longest_fitting"] == {"trl": 32, "fastrl": 32}
+    assert data["w4"]["shape"]["lengths"] == [32] and data["w4"]["budget_mb"] == 64.0
+    with open(tmp_path / "w4-smoke.csv", newline="") as f:
+        lines = list(csv.DictReader(f))
+    assert [r["provider"] for r in lines] == ["trl", "fastrl"] and float(lines[1]["step_ms_median"]) > 0
