@@ -71,7 +71,6 @@ DIVERGENCE = (
 SASS = (  # here: bench/sass.py refuses to import under TRITON_INTERPRET
     ("--arch", {"type": int, "default": 90, "help": "compute capability x 10 (default 90: H100 / H200)"}),
     ("--only", {"help": "only kernels whose name contains this"}),
-    ("--checked-only", {"action": "store_true", "help": "only the variants the check covers"}),
 )
 TARGETS = (("paths", {"nargs": "+", "help": "session*.json files or folders holding them"}),)
 # what a command that does not take a measuring option reads for it
