@@ -258,7 +258,7 @@ def cli(args, device: str, con) -> int:
     con.print(f"[bold]fastrl bench divergence[/bold] on {env['device']}: torch {env['torch']}, trl {env['trl']}, "
               f"liger {env['liger_kernel']}; {len(wls)} workloads x {len(provs)} providers, each in a fresh process")
     t0 = time.perf_counter()
-    rows = [{"workload": wl.name, "provider": p, "group": "divergence", **asdict(wl), "flops": wl.flops()}
+    rows = [{"workload": wl.name, "provider": p, **asdict(wl), "flops": wl.flops()}
             for wl in wls for p in providers_for(wl, provs)]
     for r in rows:  # a provider that cannot run here needs no process to say so
         why = provider_unavailable(r["provider"], device)
