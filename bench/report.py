@@ -135,9 +135,8 @@ CSV_COLUMNS = [
     "total_ms_median", "total_ms_min", "total_ms_max", "total_ms_q25", "total_ms_q75", "total_ms_n",
     "peak_extra_fwd_mb", "peak_extra_mb", "first_step_ms", "first_step_extra_mb", "time_vs_torch", "mem_vs_torch",
     "time_vs_trl", "mem_vs_trl", "tflops", "tflops_fwd", "tflops_bwd", "flops_useful", "flops_executed",
-    "bytes_inputs_outputs", "bytes_logits",
-    "logp_max_abs_err", "entropy_max_abs_err", "grad_h_max_abs_err", "loss_value", "path", "notes",
-    "device", "torch", "triton", "driver",
+    "bytes_inputs_outputs", "bytes_logits", "logp_max_abs_err", "entropy_max_abs_err", "grad_h_max_abs_err",
+    "loss_value", "path", "notes", "device", "torch", "triton", "driver",
 ]
 
 
