@@ -17,10 +17,8 @@ from dataclasses import asdict, dataclass, fields, replace
 import torch
 
 from bench import measure, report
-from bench.keptset import verdict
 from bench.lmhead import add_ratios
 from bench.providers import Op
-from bench.session_run import run_fresh
 
 BETAS = (0.0, 0.5, 1.0)
 KL_PROVIDERS = ("k3", "exact")  # the policy loss's KL term (workload KL-exact)
@@ -221,36 +219,23 @@ def _interleaved(wl: DivWorkload, spec: dict, inp: dict, device: torch.device) -
             "k3_all_ms": times["k3"], "exact_all_ms": times["exact"]}
 
 
-def _one_line(r: dict) -> str:
-    if r.get("status") != "ok":
-        return f"[dim]{r['workload']:>10} {r['provider']:<13} {r.get('status')}: {r.get('reason', '')}[/dim]"
-    t, err = r["total_ms"], "".join(f"  |d {k}| {r[f'{k}_max_abs_err']:.1e}" for k in ("grad_h", "div")
-                                    if f"{k}_max_abs_err" in r)
-    return (f"{r['workload']:>10} {r['provider']:<13} {t['median']:10.1f} ms [{t['min']:.1f}-{t['max']:.1f}]  "
-            f"{r['peak_extra_mb']:9.1f} MB{err}")
-
-
 def targets(rows: list[dict], device: str, console=None) -> dict:
     """Issue 21's targets (fastrl against TRL), issue 26's (fastrl-kept64 against fastrl, exact against k3 on the
-    interleaved steps): {workload[/provider]: verdict}."""
+    interleaved steps): {workload[/provider]: verdict}; printed when ``console`` is given."""
     t_trl, m_trl = CPU_TARGETS if device == "cpu" else GPU_TARGETS
     bounds = {"fastrl": ("trl", t_trl, m_trl), "fastrl-kept64": ("fastrl", KEPT_TARGET, None),
               "exact": ("k3", EXACT_KL_TARGET, None)}
     out = {}
     for r in (r for r in rows if r["provider"] in bounds):
         ref, t_max, m_max = bounds[r["provider"]]
-        t = r["interleaved"]["ratio"] if "interleaved" in r else r.get(f"time_vs_{ref}")
-        res = out[r["workload"] + ("" if ref == "trl" else f"/{r['provider']}")] = {
-            f"time_vs_{ref}": t, "time_target": t_max, "time_pass": t is not None and t <= t_max}
-        m = r.get(f"mem_vs_{ref}")
+        checks = [(f"{r['workload']}: {r['provider']} time vs {ref}'s", r["interleaved"]["ratio"] if "interleaved" in r
+                   else r.get(f"time_vs_{ref}"), t_max)]
         if m_max is not None:
-            res.update({f"mem_vs_{ref}": m, "mem_target": m_max, "mem_pass": m is not None and m <= m_max})
-        if console is not None and t is None:
-            console.print(f"[yellow]{r['workload']}: {r['provider']} vs {ref} not evaluated (a row failed)[/yellow]")
-        elif console is not None:
-            mem = f", extra memory {m:.3f}x (target <= {m_max}x)" if m_max is not None and m is not None else ""
-            verdict(console, f"{r['workload']}: {r['provider']} time {t:.3f}x {ref}'s (target <= {t_max}x){mem}:",
-                    res["time_pass"] and res.get("mem_pass", True))
+            checks.append((f"{r['workload']}: {r['provider']} extra memory vs {ref}'s", r.get(f"mem_vs_{ref}"), m_max))
+        verdicts = report.judge(console, checks)
+        res = out[r["workload"] + ("" if ref == "trl" else f"/{r['provider']}")] = {}
+        for (_, value, limit), ok, what in zip(checks, verdicts, ("time", "mem")):
+            res.update({f"{what}_vs_{ref}": value, f"{what}_target": limit, f"{what}_pass": ok})
     return out
 
 
@@ -259,13 +244,12 @@ def cli(args, device: str, con) -> int:
     the summary with ratios against ``REFERENCES``, the targets; writes ``divergence.json``."""
     betas = BETAS if not getattr(args, "beta", None) else tuple(float(b) for b in args.beta.split(","))
     wls = workloads(device, quick=args.quick, smoke=args.smoke, betas=betas)
-    tokens = getattr(args, "tokens", None)
-    if tokens:
-        wls = [replace(w, N=tokens, note=f"{w.note}; N set by --tokens") for w in wls]
+    if args.tokens:
+        wls = [replace(w, N=args.tokens, note=f"{w.note}; N set by --tokens") for w in wls]
     provs = [p.strip() for p in (args.providers or ",".join(PROVIDERS)).split(",") if p.strip()]
     if set(provs) - set(PROVIDERS):
-        bad = [p for p in provs if p not in PROVIDERS]
-        con.print(f"[red]unknown divergence provider(s) {bad}; choose from {', '.join(PROVIDERS)}[/red]")
+        con.print(f"[red]unknown divergence provider(s) {sorted(set(provs) - set(PROVIDERS))}; choose from "
+                  f"{', '.join(PROVIDERS)}[/red]")
         return 2
     wls += kl_workloads(device, quick=args.quick, smoke=args.smoke) if set(provs) & set(KL_PROVIDERS) else []
     cuda, env = device == "cuda", report.environment(device)
@@ -285,21 +269,14 @@ def cli(args, device: str, con) -> int:
               "seed": 1234, "threads": args.threads, "rep_ms": 50 if args.smoke else 2000,
               "options": {"fastrl_backend": args.fastrl_backend} if args.fastrl_backend else {},
               "accuracy_rows": 64 if device == "cpu" else 256} for r in todo]
-
-    def done(spec: dict, res: dict) -> None:
-        row = todo[specs.index(spec)]
-        row.update(res)
-        con.print(_one_line(row))
-
-    run_fresh(specs, device, args.timeout or (1200 if cuda else 900), on_result=done)
+    report.run_points(specs, todo, device, args.timeout or (1200 if cuda else 900), con)
     add_ratios(rows, REFERENCES)
     con.print()
-    report.print_table(con, [{"group": "divergence", **r} for r in rows],
-                       f"divergence ({report.mode(args)}) on {env['device']} | torch {env['torch']} | ms: median of "
-                       f"{reps} runs")
+    report.print_table(con, rows, f"divergence ({report.mode(args)}) on {env['device']} | torch {env['torch']} | ms: "
+                       f"median of {reps} runs")
     tg = targets(rows, device, con) if not args.smoke else {}
     elapsed = time.perf_counter() - t0
-    name = report.prefix("divergence", args) + (f"-n{tokens}.json" if tokens else ".json")
+    name = report.prefix("divergence", args) + (f"-n{args.tokens}.json" if args.tokens else ".json")
     report.save_results(con, report.out_dir(args, env["device_slug"], "divergence") / name,
                         {"command": "divergence", "argv": getattr(args, "argv", []), "env": env, "elapsed_s": elapsed,
                          "reps": reps, "warmup": warmup, "targets": tg, "rows": rows}, elapsed)

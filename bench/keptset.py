@@ -11,7 +11,6 @@ import time
 import torch
 
 from bench import measure, report
-from bench.session_run import run_fresh
 
 KS = (20, 64, 512)
 KINDS = ("zipf", "uniform")
@@ -45,10 +44,6 @@ def make_sets(N: int, V: int, K: int, kind: str, device: torch.device, seed: int
         ids[r0:r1] = (logp - u.log_().neg_().log_()).topk(K, dim=1).indices
     pick = torch.randint(0, K, (N,), generator=g, device=device)
     return fastrl.KeptSet.from_padded(ids, V), ids[torch.arange(N, device=device), pick]
-
-
-def verdict(con, text: str, ok: bool) -> None:
-    con.print(f"{text} " + ("[green]PASS[/green]" if ok else "[red]FAIL[/red]"))
 
 
 def run_point(spec: dict) -> dict:
@@ -143,9 +138,9 @@ def session_points(smoke: bool) -> list[tuple[str, dict]]:
     return out
 
 
-def _with_ratios(row: dict, rows: list[dict]) -> dict:
-    """``row`` with its time and memory against its shape's full-vocabulary row (log-probs or loss) and, without host
-    reads, its time against the eager row of the same plan kind, both measured before it."""
+def _with_ratios(row: dict, rows: list[dict]) -> None:
+    """Its time and memory against its shape's full-vocabulary row (log-probs or loss) and, without host reads, its
+    time against the eager row of the same plan kind."""
     def find(**kw):
         return next((x for x in rows if "ms" in x and all(x.get(k) == v for k, v in kw.items())), None)
 
@@ -156,41 +151,37 @@ def _with_ratios(row: dict, rows: list[dict]) -> dict:
     host = find(shape=row["shape"], mode="kept", K=row["K"], sets=row["sets"], plan_kind=row.get("plan_kind"))
     if row["mode"] == "nosync" and host and "ms" in row:
         row["time_vs_host_plan"] = row["ms"] / host["ms"]
-    return row
 
 
-def _line(r: dict) -> str:
-    if "ms" not in r:
-        return f"{r['shape']:<11}{_path(r):<13}{r['K']:>5} {r['sets']:<8}[red]{r.get('reason')}[/red]"
-    mv, eager = r.get("mem_vs_full"), r.get("time_vs_host_plan")
-    return (f"{r['shape']:<11}{_path(r):<13}{r['K'] if r['mode'] not in ('full', 'loss') else '-':>5} "
-            f"{r['sets'] if r['mode'] in KEPT_MODES + ('loss-kept',) else '-':<8}{r['ms']:>10.1f}"
-            f"{r.get('time_vs_full', float('nan')):>8.3f}{r['peak_extra_mb']:>10.0f}"
-            f"{mv if mv is not None else float('nan'):>8.3f}{f'{eager:.2f}' if eager else '':>8}"
-            + (f"{r['plan']:>12}{r['logits_per_token']:>11.0f}" if "plan" in r else ""))
-
-
-def _path(p: dict) -> str:
-    return p["mode"] + ("/union" if p.get("plan_kind") == "union" else "")
-
-
-def targets(rows: list[dict], con) -> None:
+def targets(rows: list[dict], con) -> list[bool]:
     """Issue 34's targets at K=64: both plans (eager and without host reads) <= KEPT_TARGET x the full path's time;
     support=SamplerRule(top_k=64) <= RULE_TARGET x its time at <= 1.1x its memory (CPU targets, printed anywhere)."""
-    for r in rows:
-        if r["K"] != 64 or "time_vs_full" not in r:
-            continue
+    checks = []
+    for r in (r for r in rows if r["K"] == 64 and "time_vs_full" in r):
+        what = f"{r['shape']} K=64 {r['provider']}"
         if r["mode"] in KEPT_MODES:
-            verdict(con, f"target K=64 fwd+bwd <= {KEPT_TARGET}x full ({r['shape']}, {r['mode']}: {r['plan']}, "
-                         f"{r['sets']} sets): {r['time_vs_full']:.3f}x", r["time_vs_full"] <= KEPT_TARGET)
-        if r["mode"] == "rule" and r.get("mem_vs_full") is not None:
-            verdict(con, f"target top_k=64 rule fwd+bwd <= {RULE_TARGET}x full time, <= 1.1x its memory "
-                         f"({r['shape']}): {r['time_vs_full']:.3f}x, {r['mem_vs_full']:.2f}x",
-                    r["time_vs_full"] <= RULE_TARGET and r["mem_vs_full"] <= 1.1)
+            checks.append((f"{what} ({r['plan']}, {r['sets']} sets) time vs full", r["time_vs_full"], KEPT_TARGET))
+        if r["mode"] == "rule":
+            checks += [(f"{what} (top_k=64) time vs full", r["time_vs_full"], RULE_TARGET),
+                       (f"{what} (top_k=64) extra memory vs full", r.get("mem_vs_full"), 1.1)]
+    return report.judge(con, checks)
+
+
+COLUMNS = (("shape", "left", report.cell("workload", "")), ("path", "left", report.cell("provider", "")),
+           ("K", "right", lambda r: "-" if r["mode"] in ("full", "loss") else str(r["K"])),
+           ("sets", "left", lambda r: r["sets"] if r["mode"] in KEPT_MODES + ("loss-kept",) else "-"),
+           ("ms", "right", report.cell("ms", ".1f")), ("x full", "right", report.cell("time_vs_full", ".3f")),
+           ("extra MB", "right", report.cell("peak_extra_mb", ".0f")),
+           ("m/full", "right", report.cell("mem_vs_full", ".3f")),
+           ("x eager", "right", report.cell("time_vs_host_plan", ".2f")), ("plan", "left", report.cell("plan", "")),
+           ("logits/tok", "right", report.cell("logits_per_token", ".0f")))
+LEGEND = ("fwd+bwd of fused_logprobs, loss sum(logp) + 0.01 sum(H) (loss rows: policy_loss); x full, m/full: time and "
+          "extra memory against the full path; x eager: against the eager row of the same plan kind")
 
 
 def cli(args, device: str, con) -> int:
-    """``python -m bench keptset``: a line per point as it finishes, then the targets; writes ``keptset.json``."""
+    """``python -m bench keptset``: a line per point as it finishes, the summary, the targets; writes
+    ``keptset.json``."""
     env, cuda = report.environment(device), device == "cuda"
     out = report.out_dir(args, env["device_slug"], args.command) / f"{report.prefix('keptset', args)}.json"
     reps = args.reps or (1 if args.smoke else (10 if cuda else 3))
@@ -200,19 +191,17 @@ def cli(args, device: str, con) -> int:
     pts = points(device, args.smoke, args.quick)
     specs = [{**p, "kind": "keptset", "reps": full_reps if p["mode"] in ("full", "loss") else reps, "warmup": warmup,
               "threads": args.threads, "backend": args.fastrl_backend} for p in pts]
-    con.print(f"keptset on {env['device']} | torch {env['torch']} | fwd+bwd of fused_logprobs, loss sum(logp) + 0.01 "
-              f"sum(H) | ms: median of {reps} (full path: of {full_reps}) | x: against the full path (and eager)")
-    con.print(f"{'shape':<11}{'path':<13}{'K':>5} {'sets':<8}{'ms':>10}{'x full':>8}{'extra MB':>10}{'x full':>8}"
-              f"{'x eager':>8}{'plan':>12}{'logits/tok':>11}")
-    rows: list[dict] = []
-
-    def done(spec: dict, res: dict) -> None:
-        rows.append({**pts[specs.index(spec)], **res, "status": res.get("status", "ok")})
-        con.print(_line(_with_ratios(rows[-1], rows)))
-
-    run_fresh(specs, device, args.timeout or 1200, on_result=done)
+    rows = [{"workload": p["shape"], "provider": p["mode"] + ("/union" if p.get("plan_kind") else ""), **p}
+            for p in pts]
+    report.run_points(specs, rows, device, args.timeout or 1200, con,
+                      who=lambda r: f"{r['shape']:<11}{r['provider']:<13}{r['K']:>5} {r['sets']:<8}")
+    for r in rows:
+        _with_ratios(r, rows)
+    con.print()
+    report.print_table(con, rows, f"keptset on {env['device']} | torch {env['torch']} | ms: median of {reps} (full "
+                       f"path: of {full_reps})", COLUMNS, LEGEND)
     targets(rows, con)
     elapsed = time.perf_counter() - t0
     report.save_results(con, out, {"command": "keptset", "argv": getattr(args, "argv", []), "env": env,
                                    "elapsed_s": elapsed, "rows": rows}, elapsed)
-    return 1 if args.smoke and any(r["status"] != "ok" for r in rows) else 0
+    return 1 if args.smoke and any(r.get("status") != "ok" for r in rows) else 0

@@ -1,4 +1,5 @@
-"""Where results go: environment record, JSON, CSV, the one plot and the summary table printed last."""
+"""What every measuring command shares: its points run in fresh processes with a line each, the environment record,
+the summary table printed last, the targets judged from a table, JSON + CSV (and the one plot)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-__all__ = ["environment", "device_name", "device_slug", "new_out_dir", "out_dir", "mode", "prefix", "write_json",
-           "save_results", "write_csv", "plot", "print_table", "console", "SUMMARY_WIDTH"]
+__all__ = ["environment", "device_slug", "new_out_dir", "out_dir", "mode", "prefix", "write_json",
+           "save_results", "write_csv", "plot", "print_table", "console", "cell", "run_points", "judge",
+           "SUMMARY_WIDTH"]
 
 # the console summary fits this many columns; every figure it leaves out is in the JSON / CSV files
 SUMMARY_WIDTH = 120
@@ -66,10 +68,6 @@ def _cpu_name() -> str:
         return platform.processor() or platform.machine() or "cpu"
 
 
-def device_name(device: str) -> str:
-    return torch.cuda.get_device_name(0) if device.startswith("cuda") else f"{_cpu_name()} ({os.cpu_count()} cores)"
-
-
 def device_slug(device: str) -> str:
     """'nvidia-h100-80gb-hbm3', or 'cpu-amd-epyc-2c': the default results folder name."""
     def slug(s: str) -> str:
@@ -104,11 +102,11 @@ def environment(device: str) -> dict:
 
     from bench.provenance import provenance
 
-    prov = provenance()
+    prov, cuda = provenance(), device.startswith("cuda")
     git = str(prov["fastrl_commit"])[:7] + (" (tree modified)" if prov["tree_clean"] is False else "")
     return {
-        "device": device_name(device), "device_slug": device_slug(device),
-        "device_type": "cuda" if device.startswith("cuda") else "cpu",
+        "device": torch.cuda.get_device_name(0) if cuda else f"{_cpu_name()} ({os.cpu_count()} cores)",
+        "device_slug": device_slug(device), "device_type": "cuda" if cuda else "cpu",
         "torch": torch.__version__, "triton": _version("triton"), "driver": _driver(device),
         "cuda_runtime": torch.version.cuda or "n/a (CPU build)", "python": platform.python_version(),
         "platform": platform.platform(), "cpu_threads": torch.get_num_threads(),
@@ -136,10 +134,9 @@ CSV_COLUMNS = [
     "fwd_ms_median", "fwd_ms_min", "fwd_ms_max", "bwd_ms_median", "bwd_ms_min", "bwd_ms_max",
     "total_ms_median", "total_ms_min", "total_ms_max", "total_ms_q25", "total_ms_q75", "total_ms_n",
     "peak_extra_fwd_mb", "peak_extra_mb", "first_step_ms", "first_step_extra_mb", "time_vs_torch", "mem_vs_torch",
-    "time_vs_trl", "mem_vs_trl", "tflops", "tflops_fwd", "tflops_bwd",
-    "floor_tflops", "floor_fraction", "flops_useful", "flops_executed", "bytes_inputs_outputs", "bytes_logits",
-    "logp_max_abs_err", "entropy_max_abs_err", "grad_h_max_abs_err", "loss_value", "path", "notes",
-    "device", "torch", "triton", "driver",
+    "time_vs_trl", "mem_vs_trl", "tflops", "tflops_fwd", "tflops_bwd", "flops_useful", "flops_executed",
+    "bytes_inputs_outputs", "bytes_logits", "logp_max_abs_err", "entropy_max_abs_err", "grad_h_max_abs_err",
+    "loss_value", "path", "notes", "device", "torch", "triton", "driver",
 ]
 
 
@@ -157,23 +154,9 @@ def write_csv(path: Path, rows: list[dict], env: dict, columns: list[str] = CSV_
     return path
 
 
-def save_figure(plt, fig, path: Path, written: list) -> None:
-    """Lay out, write (110 dpi) and close one figure; its path joins ``written``."""
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
-
-
-def _value(r: dict, key: str | Callable[[dict], object]):
-    return key(r) if callable(key) else r[key]
-
-
-def plot(rows: list[dict], path: Path, title: str, x: tuple, panels: tuple, series: str | Callable = "provider",
-         lines: tuple = ()) -> list[Path]:
-    """The one plot every command draws: a panel per (y label, key or function of a row) in ``panels`` against ``x``
-    (x label, key or function), log-log, a line per ``series`` value among the ok rows; ``lines`` ((label, y), ...)
-    across the first panel (budgets). Writes ``path`` and returns ``[path]``, or ``[]`` without matplotlib."""
+def plot(rows: list[dict], path: Path, title: str, x: tuple[str, str], panels: tuple) -> list[Path]:
+    """A panel per (y label, function of a row) in ``panels`` against ``x`` (label, row key), log-log, a line per
+    provider among the ok rows. Writes ``path`` and returns ``[path]``, or ``[]`` without matplotlib."""
     try:
         import matplotlib
     except ImportError:  # the GPU machine may not have it; the JSON and CSV hold every number anyway
@@ -185,28 +168,26 @@ def plot(rows: list[dict], path: Path, title: str, x: tuple, panels: tuple, seri
     ok = [r for r in rows if r["status"] == "ok"]
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
     for ax, (ylabel, y) in zip(axes[0], panels):
-        for name in dict.fromkeys(_value(r, series) for r in ok):
-            pts = sorted((r for r in ok if _value(r, series) == name), key=lambda r: _value(r, x[1]))
-            ax.plot([_value(r, x[1]) for r in pts], [_value(r, y) for r in pts], marker="o", label=name)
-        for label, at in lines if ax is axes[0][0] else ():
-            ax.axhline(at, ls="--", color="gray", lw=1, label=label)
+        for name in dict.fromkeys(r["provider"] for r in ok):
+            pts = sorted((r for r in ok if r["provider"] == name), key=lambda r: r[x[1]])
+            ax.plot([r[x[1]] for r in pts], [y(r) for r in pts], marker="o", label=name)
         ax.set_xscale("log", base=2)
         ax.set(yscale="log", xlabel=x[0], ylabel=ylabel)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
-    written: list[Path] = []
-    save_figure(plt, fig, path, written)
-    return written
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
 
 
-def _cell(key: str, fmt: str | Callable[[float], str], scale: float = 1.0) -> Callable[[dict], str]:
-    """A cell showing ``row[key]`` (times ``scale``) in ``fmt`` (or the format it picks from the value), '' when
-    the row has none."""
-    def cell(r: dict) -> str:
+def cell(key: str, fmt: str | Callable[[float], str]) -> Callable[[dict], str]:
+    """A table cell: ``row[key]`` in ``fmt`` (or the format it picks from the value), '' when the row has none."""
+    def show(r: dict) -> str:
         x = r.get(key)
-        return "" if x is None else format(scale * x, fmt(x) if callable(fmt) else fmt)
-    return cell
+        return "" if x is None else format(x, fmt(x) if callable(fmt) else fmt)
+    return show
 
 
 def _ms(r: dict) -> str:
@@ -217,16 +198,15 @@ def _ms(r: dict) -> str:
 # the summary's columns; the files hold the rest (forward and backward apart, the spread, the entropy and gradient
 # errors, every memory figure)
 SUMMARY_COLUMNS = (
-    ("workload", "left", lambda r: r["workload"]), ("provider", "left", lambda r: r["provider"]),
-    ("ms", "right", _ms), ("MB", "right", _cell("peak_extra_mb", ".1f")),
-    ("t/torch", "right", _cell("time_vs_torch", ".2f")), ("m/torch", "right", _cell("mem_vs_torch", ".3f")),
-    ("t/trl", "right", _cell("time_vs_trl", ".2f")), ("m/trl", "right", _cell("mem_vs_trl", ".3f")),
-    ("TFLOP/s", "right", _cell("tflops", lambda x: ".3f" if x < 10 else ".0f")),
-    ("floor%", "right", _cell("floor_fraction", ".0f", 100)), ("|dlogp|", "right", _cell("logp_max_abs_err", ".1e")),
+    ("workload", "left", cell("workload", "")), ("provider", "left", cell("provider", "")),
+    ("ms", "right", _ms), ("MB", "right", cell("peak_extra_mb", ".1f")),
+    ("t/torch", "right", cell("time_vs_torch", ".2f")), ("m/torch", "right", cell("mem_vs_torch", ".3f")),
+    ("t/trl", "right", cell("time_vs_trl", ".2f")), ("m/trl", "right", cell("mem_vs_trl", ".3f")),
+    ("TFLOP/s", "right", cell("tflops", lambda x: ".3f" if x < 10 else ".0f")),
+    ("|dlogp|", "right", cell("logp_max_abs_err", ".1e")),
 )
 SUMMARY_LEGEND = ("ms: forward + backward, median (fwd: forward only); MB: extra peak memory; t/, m/: time and memory "
-                  "against torch and TRL in this run; floor%: of the plain GEMM's FLOP rate; |dlogp|: max abs log-prob "
-                  "error against float64")
+                  "against torch and TRL in this run; |dlogp|: max abs log-prob error against float64")
 
 
 def _where(wls: dict) -> str:
@@ -234,29 +214,31 @@ def _where(wls: dict) -> str:
     return escape("[" + (", ".join(wls) if len(wls) <= 4 else f"{len(wls)} workloads ({wls[0]} ... {wls[-1]})") + "]")
 
 
-def print_table(con: Console, rows: list[dict], title: str) -> None:
-    """The summary within ``SUMMARY_WIDTH`` columns: one line per measured row, a section per workload; then each
-    workload's shape, each provider's notes, and the rows that did not run (one line per reason)."""
+def print_table(con: Console, rows: list[dict], title: str, columns: tuple = SUMMARY_COLUMNS,
+                legend: str = SUMMARY_LEGEND) -> None:
+    """The summary within ``SUMMARY_WIDTH`` columns: one line per measured row ((header, justify, cell) per column),
+    a section per workload; then the legend, each workload's shape, each provider's notes, and the rows that did not
+    run (one line per reason). A committed run's ``floor`` rows (a retired matmul floor) are left out."""
     t = Table(title=title, box=box.SIMPLE_HEAD, header_style="bold", pad_edge=False)
-    for header, just, _ in SUMMARY_COLUMNS:
+    for header, just, _ in columns:
         t.add_column(header, justify=just, no_wrap=True)
     shapes, last = {}, None
     notes: dict[tuple, dict] = {}  # (provider, note) -> its workloads, in order (a dict as an ordered set)
     not_run: dict[tuple, dict] = {}  # (provider, status, reason) -> its workloads
-    for r in (r for r in rows if r["group"] != "floor"):
+    for r in (r for r in rows if r.get("group") != "floor"):
         shapes.setdefault(r["workload"], f"N={r['N']} H={r['H']} V={r['V']} {r['dtype']}")
-        if r["status"] != "ok":
-            not_run.setdefault((r["provider"], r["status"], r["reason"]), {})[r["workload"]] = None
+        if r.get("status", "ok") != "ok":
+            not_run.setdefault((r["provider"], r["status"], r.get("reason", "")), {})[r["workload"]] = None
             continue
         if last not in (None, r["workload"]):
             t.add_section()
         last = r["workload"]
-        t.add_row(*(cell(r) for _, _, cell in SUMMARY_COLUMNS))
+        t.add_row(*(show(r) for _, _, show in columns))
         note = r.get("notes", "") + (f"; same measurement as {r['same_as']}" if r.get("same_as") else "")
         if note:
             notes.setdefault((r["provider"], note), {})[r["workload"]] = None
     con.print(t)
-    con.print(SUMMARY_LEGEND, style="dim")
+    con.print(legend, style="dim")
     if shapes:
         con.print("shapes: " + escape("; ".join(f"{wl} {shape}" for wl, shape in shapes.items())), style="dim")
     for (prov, note), wls in notes.items():
@@ -264,3 +246,56 @@ def print_table(con: Console, rows: list[dict], title: str) -> None:
     for (prov, status, reason), wls in not_run.items():
         style = "red" if status == "error" else "dim"
         con.print(f"[{style}]{status:>7} {escape(prov)}: {escape(reason)} {_where(wls)}[/{style}]")
+
+
+def _progress(r: dict, who: str) -> str:
+    if r.get("status", "ok") != "ok":
+        return f"[dim]{who} {r.get('status')}: {escape(str(r.get('reason', '')))}[/dim]"
+    t = r.get("total_ms") or {"median": r["ms"]}
+    spread = f" [{t['min']:.1f}-{t['max']:.1f}]" if "min" in t else ""
+    err = "".join(f"  |d{k}| {r[f'{k}_max_abs_err']:.1e}" for k in ("logp", "div", "grad_h") if f"{k}_max_abs_err" in r)
+    return f"{who} {t['median']:10.1f} ms{spread}  {r['peak_extra_mb']:9.1f} MB{err}"
+
+
+def run_points(specs: list[dict], rows: list[dict], device: str, timeout_s: float, con: Console,
+               who: Callable[[dict], str] = lambda r: f"{r['workload']:>14} {r['provider']:<14}",
+               log: Path | None = None) -> tuple[float, float]:
+    """Each of ``specs`` measured in a fresh process (``bench.session_run.run_fresh``, its watchdog at ``timeout_s``),
+    its result merged into the row of the same index, a line printed (``who(row)`` names the point) and the row
+    appended to ``log`` as each finishes (a run stopped part-way keeps what it measured); a warning when the load
+    average went well above the cores. Returns the load average's (min, max) over the run."""
+    from bench.session_run import run_fresh
+
+    index, loads = {id(s): i for i, s in enumerate(specs)}, [os.getloadavg()[0]]
+
+    def done(spec: dict, res: dict) -> None:
+        i = index[id(spec)]
+        rows[i].update(res)
+        loads.append(os.getloadavg()[0])
+        con.print(f"{i + 1:>4}/{len(specs)} " + _progress(rows[i], who(rows[i])))
+        if log is not None:
+            with open(log, "a") as f:
+                f.write(json.dumps(rows[i], default=str) + "\n")
+
+    run_fresh(specs, device, timeout_s, on_result=done)
+    # a measuring process itself keeps about `cores` threads busy; well above that, something else ran too
+    if max(loads) > 1.5 * (os.cpu_count() or 1):
+        con.print(f"[yellow]load average reached {max(loads):.1f} on {os.cpu_count()} cores during this run: "
+                  f"other processes competed for the CPU, so times are noisier than usual[/yellow]")
+    return min(loads), max(loads)
+
+
+def judge(con: Console | None, checks: list[tuple[str, float | None, float]]) -> list[bool]:
+    """Each target (what, value, limit) as a line "what = value (target <= limit): PASS / FAIL" (value None: not
+    evaluated, a fail); whether each passed."""
+    passed = []
+    for what, value, limit in checks:
+        passed.append(value is not None and value <= limit)
+        if con is None:
+            continue
+        if value is None:
+            con.print(f"[yellow]{what}: not evaluated (a row it needs did not run); target <= {limit:g}[/yellow]")
+        else:
+            con.print(f"{what} = {value:.3f} (target <= {limit:g}): "
+                      + ("[green]PASS[/green]" if passed[-1] else "[red]FAIL[/red]"))
+    return passed

@@ -74,7 +74,7 @@ def test_bench_cli_commands(tmp_path):
     assert helps["c1"].startswith("usage: python -m bench c1") and "C1-loss" in helps["c1"]
     assert "--providers" in helps["c1"] and "--lengths" not in helps["c1"]  # its own options, not the CLI's
     assert "--lengths" in helps["w4"] and "--budget-mb" in helps["w4"] and "--providers" not in helps["w4"]
-    assert "--lengths" in helps["run"] and "--workload" in helps["run"]
+    assert "--lengths" not in helps["run"] and "--workload" in helps["run"]  # W4 is `w4`'s alone
     assert "--device" not in helps["targets"] and "--smoke" not in helps["targets"]
     for name in res["commands"]:  # the command list, with a line of help each
         assert f"\n    {name} " in res["top"] or f"\n    {name}\n" in res["top"], name  # long names: help below
