@@ -113,9 +113,9 @@ class LMHead:
 
 
 def _build(provider: str, wl: W.Workload, device: torch.device, options: dict, make_sets) -> tuple | dict:
-    """(the provider's op on ``wl`` (``cublas``, and run's ``matmul`` until it goes: the GEMM floor), its input sets,
-    their prepared states), or the row of why not: not available here, or a peer's own refusal (``n/a``)."""
-    if provider in ("cublas", "matmul"):
+    """(the provider's op on ``wl`` (``cublas``: the GEMM floor), its input sets, their prepared states), or the row of
+    why not: not available here, or a peer's own refusal (``n/a``)."""
+    if provider == "cublas":
         op = floor_op(wl, device)
         return op, [None], [op.prepare(None)]
     prov = providers.get(provider)
@@ -225,13 +225,13 @@ def run_spec(spec: dict) -> dict:
 
 
 def _provider_point(spec: dict) -> dict:
-    """A provider on a workload (``bench.providers``), or the GEMM floor (``matmul``): timing, memory, the error
-    against float64; a peer's declared refusal of the input is ``n/a``, not an error."""
+    """A provider on a workload (``bench.providers``): timing, memory, the error against float64; a peer's declared
+    refusal of the input is ``n/a``, not an error."""
     wl, device, t_start = W.Workload.from_dict(spec["workload"]), torch.device(spec["device"]), time.perf_counter()
     rows = min(spec.get("accuracy_rows", 256), wl.N)
     if device.type == "cpu" and spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
-    prov = None if spec["provider"] == "matmul" else providers.get(spec["provider"])
+    prov = providers.get(spec["provider"])
     built = _build(spec["provider"], wl, device, spec.get("options", {}),
                    lambda: [providers.make_inputs(wl, device, spec["seed"] + i) for i in range(spec["n_sets"])])
     if isinstance(built, dict):
@@ -240,16 +240,16 @@ def _provider_point(spec: dict) -> dict:
     try:
         m, kept = _measure(op, states, device, spec["reps"], spec["warmup"], rows, rep_ms=spec.get("rep_ms", 2000))
     except Exception as e:  # noqa: BLE001 - any failure becomes a row that says why
-        if prov is not None and prov.is_refusal(e):
+        if prov.is_refusal(e):
             return _refused(e)
-        status = "skipped" if prov is not None and prov.compile_fails_skip and _is_compile_error(e) else "error"
+        status = "skipped" if prov.compile_fails_skip and _is_compile_error(e) else "error"
         what = f"torch.compile failed on {device.type}" if status == "skipped" else "failed"
         return {"status": status, "reason": f"{what}: {_first_line(e)}", "traceback": traceback.format_exc(limit=4)}
     res = {"status": "ok", "reason": "", "notes": "; ".join(op.notes), "path": op.path, **m}
     if kept.get("loss") is not None:
         res["loss_value"] = kept["loss"]
     try:
-        res.update(measure.accuracy(op, wl, sets[0], kept, rows) if prov is not None else {})
+        res.update(measure.accuracy(op, wl, sets[0], kept, rows))
     except Exception as e:  # noqa: BLE001
         res["accuracy_error"] = _first_line(e)
     return {**res, "flops_useful": W.flops(wl, "total"), "worker_s": time.perf_counter() - t_start}
