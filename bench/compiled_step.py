@@ -13,7 +13,7 @@ import time
 
 import torch
 
-__all__ = ["VARIANTS", "run", "run_point", "add_options", "command"]
+__all__ = ["VARIANTS", "run", "run_point", "add_options", "parse_args", "command"]
 
 VARIANTS = ("fastrl-eager", "fastrl-nosync", "fastrl-compile", "reference-eager", "reference-compile")
 CUDA_VARIANTS = VARIANTS + ("fastrl-compile-ro", "reference-compile-ro")
@@ -139,6 +139,24 @@ def add_options(ap) -> None:
     ap.add_argument("--out", help="results folder (default: a new folder outside the repository)")
 
 
+def parse_args(args, device: str) -> tuple[list[str], list[int] | None]:
+    """``--variants`` (each one this device runs) and ``--shape`` (B,T,H,V: four positive integers); a clear
+    ``SystemExit`` otherwise, before any process starts (an unknown name used to run as the reference)."""
+    known = CUDA_VARIANTS if device == "cuda" else VARIANTS
+    variants = [v.strip() for v in args.variants.split(",")] if args.variants else list(known)
+    unknown = [v for v in variants if v not in known]
+    if unknown:
+        raise SystemExit(f"--variants: expected a comma list of {', '.join(known)} on {device}; got "
+                         f"{', '.join(map(repr, unknown))}")
+    if not args.shape:
+        return variants, None
+    parts = args.shape.split(",")
+    if len(parts) != 4 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise SystemExit(f"--shape: expected B,T,H,V (four positive integers, e.g. 4,512,512,32768); got "
+                         f"{args.shape!r}")
+    return variants, [int(p) for p in parts]
+
+
 def command(args, device: str, con=None) -> int:
     """Measure each variant in a fresh process (``bench.session_run.run_fresh``), print the table, write
     ``compile.json``."""
@@ -147,8 +165,7 @@ def command(args, device: str, con=None) -> int:
     from bench import report
     from bench.session_run import run_fresh
 
-    variants = args.variants.split(",") if args.variants else (CUDA_VARIANTS if device == "cuda" else VARIANTS)
-    shape = [int(s) for s in args.shape.split(",")] if args.shape else None  # B, T, H, V
+    variants, shape = parse_args(args, device)
     env = report.environment(device)
     specs = [{"kind": "compile", "variant": v, "device": device, "reps": args.reps, "warmup": args.warmup,
               "shape": shape} for v in variants]

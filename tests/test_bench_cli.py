@@ -44,6 +44,17 @@ res["top"] = help_of(["--help"])
 cases = ([], ["--quick"], ["c1", "--smoke"], ["w4", "--lengths", "64"])
 res["parsed"] = {" ".join(a): vars(cli._parse(a)) for a in cases}
 res["errors"] = {" ".join(a): error_of(a) for a in (["--quick", "c1"], ["w4", "--providers", "torch"])}
+from bench import compiled_step
+def exit_of(argv):
+    try:
+        compiled_step.parse_args(cli._parse(argv), "cpu")
+    except SystemExit as e:
+        return str(e)
+    return ""
+res["compile"] = {" ".join(a): exit_of(a) for a in (["compile", "--variants", "fastrl-eager,bogus"],
+                  ["compile", "--variants", "fastrl-compile-ro"], ["compile", "--shape", "4,512,512"],
+                  ["compile", "--shape", "4,512,0,32768"],
+                  ["compile", "--variants", "fastrl-eager", "--shape", "2,8,16,64"])}
 tempfile.tempdir = TMP
 ns = cli._parse
 res["out"] = {
@@ -91,6 +102,15 @@ def test_bench_cli_commands(tmp_path):
     assert code == 2 and "the command comes first: python -m bench c1" in err
     code, err = res["errors"]["w4 --providers torch"]
     assert code == 2 and "unrecognized arguments for `w4`: --providers torch" in err
+
+    errs = res["compile"]  # bad --variants / --shape: a clear error before any process starts
+    assert "--variants: expected a comma list of fastrl-eager," in errs["compile --variants fastrl-eager,bogus"]
+    assert errs["compile --variants fastrl-eager,bogus"].endswith("got 'bogus'")
+    assert "on cpu; got 'fastrl-compile-ro'" in errs["compile --variants fastrl-compile-ro"]  # CUDA graphs: CUDA only
+    assert errs["compile --shape 4,512,512"] == "--shape: expected B,T,H,V (four positive integers, e.g. " \
+        "4,512,512,32768); got '4,512,512'"
+    assert "got '4,512,0,32768'" in errs["compile --shape 4,512,0,32768"]
+    assert errs["compile --variants fastrl-eager --shape 2,8,16,64"] == ""
 
     out = res["out"]  # a new folder outside the repository unless --out names one
     assert Path(out["smoke"]).parent == tmp_path / "fastrl-bench" and Path(out["smoke"]).name.startswith("run-smoke-cpu-x-")
