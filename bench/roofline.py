@@ -104,7 +104,8 @@ def _kept(w: Shape, impl: str) -> tuple[float, float, str] | None:
         # index_add into the float32 buffer over the kept ids, which is read and written
         bwd = 3 * u_tile * 4 + u_tile * S + 3 * u_w * S + u_w * 4 * 4
         how = f"{units} units of {rows} rows x {cap} ids, gathers + fp32 dW rows"
-        return 6.0 * N * cap * H, units * (fwd + bwd), how
+        # once: that buffer (_WeightSlots, every id kept at least once on these sets) zeroed, then cast and scattered
+        return 6.0 * N * cap * H, units * (fwd + bwd) + sum(_slot_bytes(min(w.V, N * K), H).values()), how
     if impl == "gather":  # the per-row plan as it runs on CUDA: kept_rows_bytes
         parts = kept_rows_bytes(w)
         slots = min(w.V, N * K)
@@ -135,12 +136,19 @@ def kept_rows_bytes(w: Shape) -> dict[str, float]:
         "backward gather": E * H * S,  # backward_kernel: grad_h from the same rows
         "ids, G, slot rows per H slice": h_slices * E * (8 + 4 + 8),
         "grad_h float32": N * H * 4 * 2,  # written by the kernel, read by the cast to bf16
-        "grad_W buffer zeroed": slots * H * 4,
         "grad_W atomics": E * H * 4 * 2,  # float32 read-modify-write per kept (entry, column)
+        **_slot_bytes(slots, H),
+        "engine per entry": E * ENGINE_ENTRY_BYTES,
+    }
+
+
+def _slot_bytes(slots: int, H: int) -> dict[str, float]:
+    """The kept-set engine's float32 weight-gradient buffer of ``slots`` rows (``_WeightSlots``), both plans."""
+    return {
+        "grad_W buffer zeroed": slots * H * 4,
         # _WeightSlots.scatter: buffer read, bf16 copy written and read, index_add_ reads + writes the gradient's rows
         # (its zeroing is the output's one write)
         "grad_W scatter to bf16": slots * H * (4 + S + S + 2 * S),
-        "engine per entry": E * ENGINE_ENTRY_BYTES,
     }
 
 

@@ -96,6 +96,15 @@ def test_target_rows_are_computed_from_the_model():
     # engine misses 0.15x on disjoint sets
     k = _w("kept")
     assert R.implied_ms(k, "union") / full > 0.15
+    # the union engine's bytes, recounted: per unit of cap // K rows x cap ids, W[U] gathered (read + write) and read
+    # by the GEMM, the float32 tile written, transformed and read; backward the tile zeroed, scattered and read, G to
+    # bf16, W[U] again, a float32 [cap, H] block written and added into the buffer (read + write); once: the buffer's
+    # [V, H] float32 zeroing and its cast + scatter into the bf16 gradient (as the per-row plan's)
+    cap = budget.tile_budget("kept", "cuda").cap
+    units, u_w, u_tile = -(-k.N // (cap // k.K)), cap * k.H, (cap // k.K) * cap
+    per_unit = (3 * u_w * 2 + 4 * u_tile * 4) + (3 * u_tile * 4 + u_tile * 2 + 3 * u_w * 2 + 4 * u_w * 4)
+    buffer = k.V * k.H * 4 + k.V * k.H * (4 + 2 + 2 + 4)
+    assert R.model(k, "union")[1] == units * per_unit + buffer
     assert by["kept"]["design"] == "gather" and by["kept"]["built"]
     assert by["kept"]["met"] == (R.implied_ms(k, "gather") / full <= 0.15)
     assert all(r["met"] for r in rows)
