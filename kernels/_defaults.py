@@ -6,10 +6,60 @@ or dtype without an entry keeps the built-in choice. Each entry names the sessio
 """
 
 # the committed session files read; each entry comes from the newest run that decided its key
-RUNS = ()
+RUNS = (
+    {'run': 'bench/results/nvidia-h200/2026-11-28-e173782/session-rest.json',
+     'device': 'NVIDIA H200',
+     'family': 'sm90',
+     'commit': 'e17378218d6fb1a7ac2ce21e430469430b38f37d',
+     'tree_clean': True,
+     'created': '2026-11-28T06:03:50+00:00',
+     'used': True,
+     'why': ''},
+    {'run': 'bench/results/nvidia-h200/2026-11-28-e173782/session.json',
+     'device': 'NVIDIA H200',
+     'family': 'sm90',
+     'commit': 'e17378218d6fb1a7ac2ce21e430469430b38f37d',
+     'tree_clean': True,
+     'created': '2026-11-28T06:00:26+00:00',
+     'used': True,
+     'why': ''},
+)
 
 # implementation per (family, kind, dtype, H range): h_min <= H < h_max, None = unbounded
-CHOICES = ()
+CHOICES = (
+    {'family': 'sm90',
+     'kind': 'forward',
+     'dtype': 'bfloat16',
+     'h_min': 1916,
+     'h_max': None,
+     'implementation': 'triton-sm90',
+     'run': 'bench/results/nvidia-h200/2026-11-28-e173782/session-rest.json',
+     'evidence': 'W3: triton-sm90 31.42 ms against triton-hybrid 34.60 ms (0.908x)'},
+    {'family': 'sm90',
+     'kind': 'logprob',
+     'dtype': 'bfloat16',
+     'h_min': None,
+     'h_max': 1916,
+     'implementation': 'triton-sm90',
+     'run': 'bench/results/nvidia-h200/2026-11-28-e173782/session-rest.json',
+     'evidence': 'W2-lp: triton-sm90 31.55 ms against triton-hybrid 38.65 ms (0.817x)'},
+    {'family': 'sm90',
+     'kind': 'loss',
+     'dtype': 'bfloat16',
+     'h_min': 1916,
+     'h_max': None,
+     'implementation': 'triton-sm90',
+     'run': 'bench/results/nvidia-h200/2026-11-28-e173782/session-rest.json',
+     'evidence': 'W1: triton-sm90 72.69 ms against triton-hybrid 81.98 ms (0.887x)'},
+    {'family': 'sm90',
+     'kind': 'loss',
+     'dtype': 'bfloat16',
+     'h_min': None,
+     'h_max': 1916,
+     'implementation': 'triton-sm90',
+     'run': 'bench/results/nvidia-h200/2026-11-28-e173782/session.json',
+     'evidence': 'W2: triton-sm90 24.75 ms against triton-hybrid 29.36 ms (0.843x)'},
+)
 
 # launch configuration per (family, implementation, dtype, H range, TMA): kernel -> "BNxBVxBH wW sS"
 CONFIGS = ()

@@ -10,8 +10,9 @@
   selectable by name so both can be measured side by side (``python -m bench session``).
 * ``triton-sm90``: persistent Triton kernels fed by TMA tensor descriptors (``fastrl.ops.sm90``): no logit stored in
   the forward or the log-prob backward, and a half-size scaled-exp tile in the one-pass loss. Hopper or newer (or
-  the interpreter), 16-byte aligned rows; refused with a clear error elsewhere, never chosen by ``auto`` (proven by
-  the interpreter tests and ``python -m bench sass``, not yet measured on a GPU). ``fused_divergence`` has its own
+  the interpreter), 16-byte aligned rows; refused with a clear error elsewhere. ``auto`` picks it only where a
+  committed GPU session measured it faster than the built-in choice (below: on an H200, bf16 losses, log-probs at
+  H < 1916 and forward-only log-probs at H >= 1916), and never for work it would refuse. ``fused_divergence`` has its own
   persistent kernels under it (both heads' tiles in registers, ``fastrl.ops.divergence_sm90``).
 * ``torch``: a chunked pure-PyTorch path that also never materialises ``[N, V]``; the default on CPU.
 
