@@ -16,6 +16,7 @@ mkdir -p "$OUT"
 LOG="$OUT/$STAGE.log"
 TMP="$(mktemp -d)"
 export PYTHONUNBUFFERED=1
+export FASTRL_INSTAFAIL=1  # tests/conftest.py: a failure's traceback printed as it happens (a cut call keeps it)
 INSTALL_S=30
 PACK_S=15
 TESTS_KERNELS_S="${TESTS_KERNELS_S:-120}"
@@ -98,6 +99,15 @@ tests() {  # tests() LIMIT WHAT FILES...: pytest -v (no xdist), each verdict in 
         "$(wc -l <"$OUT/tests-failures.txt") failed (tests-failures.txt)"
 }
 
+GPU_TESTS=(tests/test_cuda_sm90.py tests/test_cuda_kernels.py tests/test_cuda.py)
+cuda_then_rest() {  # cuda_then_rest LIMIT FILES...: those GPU test files, then the suite without GPU_TESTS, in LIMIT s
+    # (two pytest runs: given a file and its folder, pytest collects in the folder's order, not the file first)
+    local end=$((SECONDS + $1))
+    shift
+    tests "$((end - SECONDS))" "$*" "$@"
+    tests "$((end - SECONDS))" "the rest of the suite" tests "${GPU_TESTS[@]/#/--ignore=}"
+}
+
 session() {  # session NAME [ARGS...]: python -m bench session in what is left of the call less the packing
     local name=$1 budget=$(($(left) - PACK_S - 10))
     shift
@@ -117,14 +127,13 @@ case "$STAGE" in
     window)
         install
         tests "$TESTS_KERNELS_S" "GPU kernels" tests/test_cuda_sm90.py tests/test_cuda_kernels.py
-        tests "$TESTS_REST_S" "the rest" tests/test_cuda.py tests --deselect tests/test_cuda_sm90.py \
-            --deselect tests/test_cuda_kernels.py
+        cuda_then_rest "$TESTS_REST_S" tests/test_cuda.py
         session session ;;
     rest)
         install
         session session-rest --sections "${3:-configs,compile}"
-        [ "$(left)" -gt 60 ] && tests $(($(left) - PACK_S)) "CUDA first, then the suite" tests/test_cuda_sm90.py \
-            tests/test_cuda_kernels.py tests/test_cuda.py tests ;;
+        [ "$(left)" -gt 60 ] && cuda_then_rest $(($(left) - PACK_S)) tests/test_cuda_sm90.py \
+            tests/test_cuda_kernels.py tests/test_cuda.py ;;
     w5)
         install
         timeout --foreground $(($(left) - 20)) python3 -m bench w5 --no-plots --out "$OUT" --workload 0.5B \

@@ -13,6 +13,7 @@ interprets everything, and then test_cuda.py, which exists to test compiled kern
 """
 
 import os
+import sys
 
 import torch
 
@@ -37,6 +38,14 @@ NEEDS_INTERPRETER = (
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "interpreter: runs the Triton kernels on CPU tensors (TRITON_INTERPRET=1)")
+
+
+def pytest_runtest_logreport(report):
+    """``FASTRL_INSTAFAIL=1`` (bench/gpu_session.sh): a failure's traceback written the moment it happens, so a run
+    cut at its time limit, before pytest's summary, still shows why each test failed."""
+    if report.failed and os.environ.get("FASTRL_INSTAFAIL") == "1":
+        sys.__stderr__.write(f"\n{report.nodeid} ({report.when}) FAILED:\n{report.longreprtext}\n")
+        sys.__stderr__.flush()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -367,6 +367,7 @@ def test_auto_never_picks_an_implementation_that_refuses_the_work(sm90, monkeypa
     assert not backend.runs_here("triton-gone", CUDA, 4096, bf16)
 
 
+@pytest.mark.interpreter
 def test_a_misaligned_view_runs_under_auto_with_a_crowned_sm90(sm90, monkeypatch):
     """The same through ``fused_logprobs`` on the interpreter: the dispatch's answer is what the op runs, and it runs
     (sm90 itself would raise ValueError on this view)."""

@@ -132,3 +132,18 @@ def test_call_one_prints_the_plan_sized_to_the_window(tmp_path):
 def _bash():
     if shutil.which("bash") is None:
         pytest.skip("needs bash")
+
+
+def test_instafail_writes_a_failure_as_it_happens(tmp_path):
+    """bench/gpu_session.sh sets FASTRL_INSTAFAIL=1: a call cut at its limit loses pytest's summary, so each failure's
+    traceback is written to stderr when the test fails (tests/conftest.py); unset, nothing extra is written."""
+    (tmp_path / "test_fails.py").write_text("def test_fails():\n    assert 1 == 2, 'the reason'\n")
+    out = {}
+    for flag in ("1", ""):
+        env = {**os.environ, "FASTRL_INSTAFAIL": flag, "PYTHONPATH": str(REPO / "tests")}
+        out[flag] = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider",
+                                    str(tmp_path / "test_fails.py")], cwd=tmp_path, env=env, capture_output=True,
+                                   text=True, timeout=120)
+    assert out["1"].returncode == 1 and "test_fails.py::test_fails (call) FAILED:" in out["1"].stderr
+    assert "AssertionError: the reason" in out["1"].stderr
+    assert out[""].returncode == 1 and "FAILED:" not in out[""].stderr
