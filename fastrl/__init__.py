@@ -18,6 +18,8 @@ _LAZY = {
     "SamplerRule": "fastrl.ops.support",
     "replay_rule": "fastrl.ops.rules",
     "fused_divergence": "fastrl.ops.divergence",
+    "set_memory_budget": "fastrl.ops.budget",
+    "get_memory_budget": "fastrl.ops.budget",
     "PolicyLossConfig": "fastrl.losses.config",
     "policy_loss": "fastrl.losses.policy",
     "FusedPolicyLoss": "fastrl.losses.policy",

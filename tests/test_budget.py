@@ -196,16 +196,24 @@ def test_sm90_grad_slices_per_device_memory(memory_gib, cols, slices):
 
 
 def test_one_pass_chunk_budget_reads_device_memory(monkeypatch):
-    """On CUDA the sm90 one-pass loss with a trained head takes budget.one_pass_rows of the device's memory; other
-    backends, a frozen head and an explicit chunk_tokens keep their rows."""
+    """On CUDA the one-pass loss with a trained head takes its speed rows from the device's memory
+    (budget.one_pass_rows), cut to the memory budget (tests/test_memory_ceiling.py: by default TRL's memory on the same
+    work); 1/16 of the device gives the speed rows back. A frozen head, an explicit chunk_tokens and a CPU keep their
+    rows."""
     cuda = torch.device("cuda")
     monkeypatch.setattr(budget, "device_memory", lambda device: 80 * GiB)
     w1 = dict(dtype=torch.bfloat16, tokens=16384, H=4096)
-    assert one_pass.chunk_budget(W_V, cuda, True, None, "triton-sm90", **w1) == 16384
-    assert one_pass.chunk_budget(W_V, cuda, True, None, "triton-hybrid", **w1) == 1664
+    capped = one_pass.chunk_budget(W_V, cuda, True, None, "triton-sm90", **w1)
+    assert 128 <= capped < 16384 and capped % 128 == 0
+    previous = budget.set_memory_budget(1 / 16)
+    try:
+        assert one_pass.chunk_budget(W_V, cuda, True, None, "triton-sm90", **w1) == 16384
+        assert one_pass.chunk_budget(W_V, cuda, True, None, "triton-hybrid", **w1) == 4096  # the accumulator's size
+    finally:
+        budget.set_memory_budget(previous)
     assert one_pass.chunk_budget(W_V, cuda, False, None, "triton-sm90", **w1) == (1 << 26) // W_V // 128 * 128
     assert one_pass.chunk_budget(W_V, cuda, True, 512, "triton-sm90", **w1) == 512
     assert one_pass.chunk_budget(W_V, torch.device("cpu"), True, None, "triton-sm90", **w1) == (8 << 20) // W_V
-    monkeypatch.setattr(budget, "device_memory", lambda device: None)  # unknown: the safe default
+    monkeypatch.setattr(budget, "device_memory", lambda device: None)  # unknown: the one-pass row, within the ceiling
     assert one_pass.chunk_budget(W_V, cuda, True, None, "triton-sm90", **w1) == 1664
     assert budget.device_memory(torch.device("cpu")) is None

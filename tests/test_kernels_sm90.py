@@ -261,12 +261,12 @@ def test_divergence_masked_batched_several_blocks_per_split(beta):
 @pytest.mark.parametrize("chunk_tokens", [None, 4], ids=["one-chunk", "4-token-chunks"])
 def test_one_pass_chunks_and_the_weight_gradient(chunk_tokens, monkeypatch):
     """The one-pass loss in one chunk (what budget.one_pass_rows gives W1 on an 80 GB device): grad_W is one GEMM
-    written once, so the float32 [V, H] accumulator's read-modify-write (addmm_f32) never runs; in several chunks it
-    runs once per chunk. Both against float64 (bf16, dapo with k3 KL and entropy, a fully masked row)."""
+    written once, so the weight-gradient sum (bf16: the compensated pair, compensated_addmm_) never runs; in several
+    chunks it runs once per chunk. Both against float64 (bf16, dapo with k3 KL and entropy, a fully masked row)."""
     adds, stats = [], []
-    real_add, real_stats = one_pass_mod.addmm_f32, sm90.chunk_stats
-    monkeypatch.setattr(one_pass_mod, "addmm_f32",
-                        lambda acc, a, b: adds.append(tuple(acc.shape)) or real_add(acc, a, b))
+    real_add, real_stats = one_pass_mod.compensated_addmm_, sm90.chunk_stats
+    monkeypatch.setattr(one_pass_mod, "compensated_addmm_",
+                        lambda hi, lo, a, b, t: adds.append(tuple(hi.shape)) or real_add(hi, lo, a, b, t))
     monkeypatch.setattr(sm90, "chunk_stats", lambda *a, **k: stats.append(a[1].shape[0]) or real_stats(*a, **k))
     config = PolicyLossConfig(loss_type="dapo", beta=0.04, entropy_coef=0.01)
     batch = make_batch(dtype=torch.bfloat16, seed=11)
@@ -295,7 +295,7 @@ def test_backward_slices_sized_by_device_memory(monkeypatch):
     monkeypatch.setattr(PG, "persistent_grad_block", lambda *a, **k: slices.append(a[4]) or real(*a, **k))
     N, V = 47, 700
     for total, want in ((128 * N * 256 * 2, [0, 256, 512]), (1 << 40, [0])):
-        monkeypatch.setattr(sm90, "grad_columns", lambda rows, V, dtype, device, t=total: budget.grad_columns(
+        monkeypatch.setattr(sm90, "grad_columns", lambda rows, V, dtype, device, t=total, **kw: budget.grad_columns(
             rows, V, dtype, total_memory=t))
         slices.clear()
         check_against_float64(SM90, torch.bfloat16, N, 40, V, bias=True)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from fastrl.losses.arithmetic import policy_loss_from_logprobs
 from fastrl.losses.config import PolicyLossConfig
@@ -143,6 +144,10 @@ class PolicyOptions(PackedOptions):
     ``compact``: the ``chunks`` argument holds ranges of live (in-mask) rows found on the host (eager). False:
     no host synchronisation: fixed chunks over all rows (``chunk_rows`` rows each, whole sequences when the loss
     couples a sequence's tokens), rows outside the mask computed with zeroed hidden states and no gradient.
+
+    ``consume_grads``: the backward may scale the gradient outputs (2-4) in place and hand them on, when it runs
+    eagerly through a graph not kept for another backward (``fastrl.policy_loss`` sets it: nothing else holds them);
+    no second ``[V, H]`` gradient is then alive at the peak. False: they are outputs like any other, never changed.
     """
 
     logit_scale: float = 1.0
@@ -155,6 +160,7 @@ class PolicyOptions(PackedOptions):
     chunk_rows: int = 1
     tile_elems: int = 0  # the kept-set engine's bounds with a support (fastrl.ops.kept.capacity)
     cap: int = 0
+    consume_grads: bool = False
 
     n_metrics: int = 0  # len(metric_names(config)): the length of the op's metrics output
 
@@ -262,6 +268,7 @@ def _policy_setup(ctx, inputs, output):
     # the gradients were formed in the forward: backward only scales them (PyTorch's rules for saved tensors
     # hold: a second backward through a retained graph hands them out again, a freed graph raises)
     ctx.save_for_backward(gh, gw, gb, grad_kl)
+    ctx.consume = PolicyOptions.unpack_symbolic(*inputs[_N_INPUTS - 4 : _N_INPUTS - 1])[0].consume_grads
     ctx.mark_non_differentiable(metrics, gh, gw, gb, logp, ent, grad_kl, kl)
     ctx.set_materialize_grads(False)
 
@@ -273,8 +280,18 @@ def _policy_backward(ctx, grad_loss, *_unused):
     if grad_loss is None:
         return (None,) * _N_INPUTS
 
+    # In eager, when the graph is not kept for another backward, the saved gradients die with this call: scale them
+    # in place and hand them on (no second [V, H] / [N, H] gradient alive at the peak: 2 V H bytes at bf16). A kept
+    # graph (retain_graph=True) or a traced backward gets scaled copies, so a second backward sees the saved ones.
+    in_place = (ctx.consume and not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
+                and not torch._C._autograd._get_current_graph_task_keep_graph())
+
     def scale(g, needed):
-        return g * grad_loss.to(g.dtype) if needed and g.numel() else None
+        if not needed or not g.numel():
+            return None
+        if in_place and type(g) is torch.Tensor:  # not a traced (fake, functional) tensor
+            return g.mul_(grad_loss.to(g.dtype))
+        return g * grad_loss.to(g.dtype)
 
     grads = [scale(gh, need[0]), scale(gw, need[1]), scale(gb, need[2])] + [None] * (_N_INPUTS - 3)
     grads[_KL_INPUT] = scale(grad_kl, ctx.needs_input_grad[_KL_INPUT])  # into the exact KL's own graph

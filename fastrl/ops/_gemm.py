@@ -13,8 +13,9 @@ import functools
 import torch
 
 from fastrl.ops.backend import cuda_f32_out
+from fastrl.ops.budget import COMPENSATED_SLICE_BYTES
 
-__all__ = ["cuda_f32_out", "mm_f32", "addmm_f32"]
+__all__ = ["cuda_f32_out", "mm_f32", "addmm_f32", "compensated_addmm_", "COMPENSATED_SLICE_BYTES"]
 
 
 @functools.cache
@@ -50,3 +51,27 @@ def addmm_f32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tens
             return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
         return acc.add_(torch.mm(a, b, out_dtype=torch.float32))  # torch 2.8 / 2.9: a temporary, then the sum
     return acc.addmm_(_f32(a), _f32(b))
+
+
+def compensated_addmm_(hi: torch.Tensor, lo: torch.Tensor, a: torch.Tensor, b: torch.Tensor, triton: bool) -> None:
+    """``hi + lo += a @ b`` for a bf16 sum kept as two bf16 halves (``fastrl.kernels.compensated``: half the bytes
+    of a float32 accumulator beside the gradient, which ``hi`` is at the end): ``[V, H]`` halves, ``a`` [V, K],
+    ``b`` [K, H]. The product goes through a float32 slice of at most ``COMPENSATED_SLICE_BYTES`` (cache-sized), one
+    GEMM and one combine per slice; ``triton``: the combine as one Triton kernel, else torch (the CPU's path)."""
+    V, H = hi.shape
+    rows = max(1, min(V, COMPENSATED_SLICE_BYTES // (4 * max(H, 1))))
+    buf = torch.empty((rows, H), dtype=torch.float32, device=hi.device)
+    if triton:
+        from fastrl.kernels.compensated import compensated_add_
+    else:
+        tmp = torch.empty_like(buf)  # the running sum of a slice in float32
+    for v0 in range(0, V, rows):
+        v1 = min(v0 + rows, V)
+        p = mm_f32(a[v0:v1], b, out=buf[: v1 - v0])
+        h, l = hi[v0:v1], lo[v0:v1]
+        if triton:
+            compensated_add_(h, l, p)
+            continue
+        s = tmp[: v1 - v0].copy_(h).add_(l).add_(p)  # hi + lo exact in float32; one rounding for + p
+        h.copy_(s)
+        l.copy_(s.sub_(h))

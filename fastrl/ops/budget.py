@@ -91,16 +91,33 @@ path                      device  tile    live  why
 ========================  ======  ======  ====  ==========================================================
 
 Tests shrink a path's tiles by replacing its row: ``monkeypatch.setitem(budget.BUDGETS, "logprob", TileBudget(...))``.
+
+**The memory ceiling.** The rows above are each path's *speed* choice. On a GPU each is capped by one number, the
+memory budget of the work (``memory_budget``): by default the ``ceiling``, what the implementation fastrl replaces
+holds on the same work (TRL 1.16's chunked log-prob, ``GRPOTrainer``'s default LM head: one ``[4096, 32768]`` tile
+in the input dtype, plus its float32 ``[V, H]`` weight-gradient and ``[N, H]`` hidden-gradient accumulators when
+those gradients are needed; on an H200 it held 2887, 831.5 and 256.5 MiB at W1-lp, W2-lp and W3, the formula
+2886, 831 and 256). So a default never holds more memory than what it replaces. A user who has memory to spare
+raises the budget, one knob for every path: ``fastrl.set_memory_budget(0.0625)`` (a fraction of the device's total
+memory), ``fastrl.set_memory_budget(8 << 30)`` (bytes), or ``FASTRL_MEMORY_BUDGET`` (``0.0625``, ``8GiB``,
+``512MiB``) before fastrl is imported; then each path takes its speed choice up to that budget (``1/16`` restores the
+``sm90-one-pass`` row's share). A budget below what a path needs for its smallest tile gives that smallest tile (one
+128-row block of the one-pass tile, one 256-column slice of path A's ``G``), or, for the one-pass loss, path A
+instead (``one_pass.chunk_budget`` returns 0). On a CPU the rows above are cache-sized (32 MB at most) and only an
+explicit budget in bytes caps them.
 """
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass
 
 import torch
 
 __all__ = ["TileBudget", "BUDGETS", "MEMORY_SHARES", "tile_budget", "tile_columns", "device_memory", "one_pass_rows",
-           "grad_columns"]
+           "grad_columns", "ceiling", "memory_budget", "set_memory_budget", "get_memory_budget", "parse_budget",
+           "one_pass_bytes", "O_N_BYTES"]
 
 _FLOAT32 = 4  # bytes
 
@@ -183,18 +200,19 @@ device_memory._dynamo_marked_constant = True
 
 
 def one_pass_rows(V: int, H: int, tokens: int, dtype: torch.dtype, device: torch.device | str | None = None,
-                  total_memory: int | None = None) -> int:
+                  total_memory: int | None = None, row_bytes: int | None = None) -> int:
     """Tokens per chunk of the one-pass loss on ``triton-sm90`` with a trained head, for ``tokens`` tokens (the
-    ``sm90-one-pass`` row): all of them when their ``[tokens, V]`` scaled exps in ``dtype`` fit 1/16 of
-    ``total_memory`` (default: the device's); else whole 128-row blocks of a tile as large as the float32 ``[V, H]``
-    accumulator, no fewer rows than the ``one-pass`` row's and no more than the share holds. Memory unknown: the
-    ``one-pass`` row's rows (a 1 GiB float32 tile: 1664 rows at V=151936)."""
+    ``sm90-one-pass`` row, the speed choice before the memory budget caps it): all of them when their ``[tokens, V]``
+    scaled exps in ``dtype`` fit 1/16 of ``total_memory`` (default: the device's); else whole 128-row blocks of a tile
+    as large as the float32 ``[V, H]`` accumulator, no fewer rows than the ``one-pass`` row's and no more than the
+    share holds. Memory unknown (not CUDA): the ``one-pass`` row's rows (a 1 GiB float32 tile: 1664 rows at
+    V=151936). ``row_bytes``: another backend's bytes per tile row (the hybrid's float32 logits, ``4 V``)."""
     default = max(128, tile_budget("one-pass", "cuda").elems // V // 128 * 128)
     if total_memory is None:
         total_memory = device_memory(device)
     if total_memory is None:
         return default
-    row_bytes = -(-V // 8) * 8 * torch.empty((), dtype=dtype).element_size()  # ExpTile's 16-byte aligned rows
+    row_bytes = row_bytes or _exp_row_bytes(V, dtype)
     share_rows = total_memory // MEMORY_SHARES["sm90-one-pass"] // row_bytes
     if tokens <= share_rows:
         return max(tokens, 1)  # one chunk: no accumulator
@@ -202,18 +220,160 @@ def one_pass_rows(V: int, H: int, tokens: int, dtype: torch.dtype, device: torch
     return max(128, min(share_rows, max(default, acc_rows)) // 128 * 128)
 
 
+def _exp_row_bytes(V: int, dtype: torch.dtype) -> int:
+    """Bytes of one row of the sm90 scaled-exp tile: ``V`` values in ``dtype``, rows padded to 16 bytes (ExpTile)."""
+    item = dtype.itemsize
+    return -(-V * item // 16) * 16
+
+
 def grad_columns(rows: int, V: int, dtype: torch.dtype, device: torch.device | str | None = None,
-                 total_memory: int | None = None, multiple: int = 256) -> int:
+                 total_memory: int | None = None, multiple: int = 256, budget: int | None = None, H: int = 0,
+                 need_hidden: bool = True) -> int:
     """Vocabulary columns per slice of path A's backward on ``triton-sm90`` (the ``sm90-grad`` row): the largest
     multiple of ``multiple`` whose ``[rows, cols]`` G in ``dtype`` fits 1/128 of ``total_memory`` (default: the
-    device's), at most V; memory unknown, the ``hybrid`` row's columns."""
+    device's), at most V; memory unknown, the ``hybrid`` row's columns. ``budget`` (bytes, ``memory_budget``) caps
+    the slice besides the float32 ``[rows, H]`` hidden-gradient accumulator it sits next to (``need_hidden``); at
+    least ``multiple`` columns."""
     if total_memory is None:
         total_memory = device_memory(device)
     if total_memory is None:
         elems = tile_budget("hybrid").elems
     else:
-        elems = total_memory // MEMORY_SHARES["sm90-grad"] // torch.empty((), dtype=dtype).element_size()
+        elems = total_memory // MEMORY_SHARES["sm90-grad"] // dtype.itemsize
+    if budget is not None:
+        room = budget - (_FLOAT32 * rows * H if need_hidden else 0) - O_N_BYTES * rows
+        elems = min(elems, max(room, 0) // dtype.itemsize)
     return tile_columns(rows, V, multiple=multiple, tile_elems=elems)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the memory ceiling and the user's budget
+# ---------------------------------------------------------------------------------------------------------
+
+REPLACED_TILE = (4096, 32768)  # TRL 1.16's chunked log-prob: tokens x vocabulary ids per tile, in the input dtype
+O_N_BYTES = 64 * _FLOAT32  # per token: the O(N) vectors a path keeps (statistics, masks, per-row scalars)
+COMPENSATED_SLICE_BYTES = 32 << 20  # the float32 [rows, H] product slice of the compensated weight-gradient sum
+
+
+def ceiling(N: int, V: int, H: int, dtype: torch.dtype, need_weight: bool = False, need_hidden: bool = False) -> int:
+    """Bytes that the implementation fastrl replaces holds on this work (TRL 1.16's ``ChunkedLogProbFunction``,
+    ``GRPOTrainer``'s default LM head): its ``[min(N, 4096), min(V, 32768)]`` tile in ``dtype``, plus its float32
+    ``[V, H]`` weight-gradient accumulator when the weight trains and its float32 ``[N, H]`` hidden-gradient buffer
+    when the hidden states do. A default path never holds more (``memory_budget``)."""
+    tile = min(N, REPLACED_TILE[0]) * min(V, REPLACED_TILE[1]) * dtype.itemsize
+    return tile + (_FLOAT32 * V * H if need_weight else 0) + (_FLOAT32 * N * H if need_hidden else 0)
+
+
+_ENV = "FASTRL_MEMORY_BUDGET"
+_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+
+
+def parse_budget(value, name: str = "memory budget") -> int | float | None:
+    """A memory budget as ``set_memory_budget`` takes it: None (or "auto"): the ceiling; a float in (0, 1]: that
+    fraction of the device's total memory; an int: bytes (at least 1 MiB); a string of either ("0.0625", "8GiB",
+    "512MiB", "3000000000")."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "auto", "none")):
+        return None
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in _UNITS:
+            raise ValueError(f"{name} must be a fraction of device memory in (0, 1] (e.g. 0.0625), bytes (e.g. "
+                             f"8589934592) or bytes with a unit (e.g. 8GiB, 512MiB), or 'auto'; got {value!r}")
+        number = float(m.group(1))
+        value = number if (unit == "" and ("." in m.group(1) or "e" in m.group(1).lower())) else int(
+            number * _UNITS[unit])
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be None, a float fraction in (0, 1], an int of bytes or a string, "
+                        f"got {type(value).__name__}")
+    if isinstance(value, float):
+        if not 0.0 < value <= 1.0:
+            raise ValueError(f"{name} as a fraction of device memory must be in (0, 1], got {value!r} (bytes are an "
+                             f"int, e.g. {int(value)} or '{value:g}B')")
+        return value
+    if value < (1 << 20):
+        raise ValueError(f"{name} in bytes must be at least 1 MiB (1048576), got {value!r} (a fraction of device "
+                         f"memory is a float, e.g. 0.0625)")
+    return int(value)
+
+
+_USER: int | float | None = parse_budget(os.environ.get(_ENV), name=_ENV)
+
+
+def set_memory_budget(value) -> int | float | None:
+    """Set the memory budget every fastrl path sizes its tiles by (``fastrl.set_memory_budget``) and return the
+    previous one. None (the default): each path holds at most what the implementation it replaces holds on the same
+    work (``ceiling``); a float in (0, 1]: that fraction of the device's total memory; an int: bytes. Raising it buys
+    speed with memory (longer one-pass chunks, wider slices); lowering it below a path's smallest tile gives that
+    tile (the one-pass loss switches to path A). On a CPU only a budget in bytes applies (its tiles are cache-sized)."""
+    global _USER
+    previous, _USER = _USER, parse_budget(value)
+    return previous
+
+
+def get_memory_budget() -> int | float | None:
+    """The memory budget set by ``set_memory_budget`` or ``FASTRL_MEMORY_BUDGET`` (None: the ceiling)."""
+    return _USER
+
+
+def memory_budget(N: int, V: int, H: int, dtype: torch.dtype, device: torch.device | str | None = None,
+                  need_weight: bool = False, need_hidden: bool = False, total_memory: int | None = None) -> int | None:
+    """Bytes a path may hold on this work: the user's budget (bytes, or its fraction of the device's memory) if set,
+    else the ``ceiling``. None on a device whose tiles the budget does not size (a CPU without a budget in bytes, a
+    fraction where the device's memory is unknown)."""
+    user = _USER
+    cuda = device is not None and torch.device(device).type == "cuda"
+    if isinstance(user, int):
+        return user
+    if isinstance(user, float):
+        total = total_memory if total_memory is not None else device_memory(device)
+        return int(user * total) if total is not None else (ceiling(N, V, H, dtype, need_weight, need_hidden)
+                                                             if cuda or total_memory is not None else None)
+    return ceiling(N, V, H, dtype, need_weight, need_hidden) if cuda or total_memory is not None else None
+
+
+def one_pass_bytes(rows: int, tokens: int, V: int, H: int, dtype: torch.dtype, backend: str, trained_head: bool,
+                   with_ref: bool = False) -> int:
+    """Planned extra bytes of the one-pass engine (``fastrl.ops.one_pass``) on ``tokens`` tokens in chunks of
+    ``rows``: the chunk tile (float32 logits, or ``triton-sm90``'s scaled exps in ``dtype``; the reference's too with
+    the exact KL inside); the weight-gradient accumulator when there is more than one chunk (bf16: the compensated
+    sum's low half and two product slices; fp16: float32; float32 / float64 weights accumulate in the gradient
+    itself); a chunk's float32 hidden-gradient rows; the torch backend's block temporaries (two blocks of the
+    ``logprob`` row, and float32 copies of a 2-byte weight's block); O(N) vectors. The gradients are outputs."""
+    acc_item = 8 if dtype == torch.float64 else _FLOAT32
+    row = _exp_row_bytes(V, dtype) if backend == "triton-sm90" else V * acc_item
+    tile = rows * row * (2 if with_ref else 1)
+    acc = 0  # float32 / float64 weights accumulate in the gradient itself
+    if trained_head and rows < tokens and dtype == torch.bfloat16:  # the compensated sum's low half and slices
+        acc = V * H * dtype.itemsize + 2 * min(COMPENSATED_SLICE_BYTES, _FLOAT32 * V * H)
+    elif trained_head and rows < tokens and dtype == torch.float16:  # a float32 accumulator
+        acc = _FLOAT32 * V * H
+    temps = 0
+    if backend == "torch" and rows:
+        block = min(rows * V, tile_columns(rows, V) * rows)  # the vocabulary blocks the chunk is walked in
+        temps = 2 * block * acc_item + (block // rows * H * acc_item if dtype.itemsize < acc_item else 0)
+    return tile + acc + temps + acc_item * rows * H + O_N_BYTES * tokens
+
+
+def fit_one_pass_rows(speed_rows: int, budget: int | None, tokens: int, V: int, H: int, dtype: torch.dtype,
+                      backend: str, trained_head: bool, with_ref: bool = False, multiple: int = 128) -> int:
+    """Rows per one-pass chunk within ``budget`` bytes (``one_pass_bytes``): every token in one chunk when the speed
+    rule allows it and it fits (no accumulator), else the most rows of the speed rule's that fit beside the
+    accumulator, in whole ``multiple``-row blocks; 0 when not even one block fits (then the loss takes path A)."""
+    if budget is None:
+        return speed_rows
+    tokens = max(tokens, 1)
+
+    def fits(r: int) -> bool:
+        return one_pass_bytes(r, tokens, V, H, dtype, backend, trained_head, with_ref) <= budget
+
+    if speed_rows >= tokens and fits(tokens):
+        return tokens
+    lo, hi = 0, min(speed_rows, tokens - 1) // multiple  # blocks: fits(lo * multiple) holds or lo == 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid * multiple) else (lo, mid - 1)
+    return lo * multiple
 
 
 def kept_capacity(device: torch.device | str | None, tile_elems: int = 0, cap: int = 0) -> tuple[int, int]:

@@ -23,7 +23,7 @@ import torch
 from fastrl.kernels import logits_fold as F
 from fastrl.ops import torch_backend as _TB
 from fastrl.ops._gemm import addmm_f32, mm_f32
-from fastrl.ops.budget import tile_budget
+from fastrl.ops.budget import O_N_BYTES, memory_budget, tile_budget
 from fastrl.ops.config import LogitTransform
 
 __all__ = ["linear_stats", "linear_backward", "sliced_backward", "tile_columns"]
@@ -39,10 +39,21 @@ MAX_ROWS = 1 << 14
 _ALIGN = 256
 
 
-def tile_columns(rows: int, vocab: int, requested: int | None = None) -> int:
+def tile_columns(rows: int, vocab: int, requested: int | None = None, room: int | None = None) -> int:
     """Vocabulary columns of a ``rows``-row tile on the Triton backends: the requested number, else as many as
-    the ``hybrid`` budget allows, in whole 256-column blocks (one rule with the torch backend's, another budget)."""
-    return _TB.tile_columns(rows, vocab, requested, multiple=_ALIGN, tile_elems=tile_budget("hybrid").elems)
+    the ``hybrid`` budget allows, in whole 256-column blocks (one rule with the torch backend's, another budget),
+    within ``room`` bytes of float32 tile when given (the memory budget less what the path holds besides)."""
+    elems = tile_budget("hybrid").elems
+    if room is not None:
+        elems = min(elems, max(room, 0) // 4)
+    return _TB.tile_columns(rows, vocab, requested, multiple=_ALIGN, tile_elems=elems)
+
+
+def _room(N: int, H: int, V: int, hidden: torch.Tensor, need: tuple[bool, bool, bool] = (False, False, False)):
+    """Bytes of float32 tile the memory budget leaves (``budget.memory_budget``) beside the O(N) vectors and, with
+    gradients, the float32 ``[N, H]`` hidden-gradient accumulator; None where the budget does not size tiles."""
+    cap = memory_budget(N, V, H, hidden.dtype, hidden.device, need[1], need[0])
+    return None if cap is None else cap - O_N_BYTES * N - (4 * N * H if need[0] else 0)
 
 
 def _transform_kw(tf: LogitTransform) -> dict:
@@ -61,7 +72,7 @@ def linear_stats(
     N = hidden.shape[0]
     V = weight.shape[0]
     rows = min(N, ROWS)
-    cols = tile_columns(rows, V, vocab_chunk)
+    cols = tile_columns(rows, V, vocab_chunk, _room(N, hidden.shape[1], V, hidden))
     buf = torch.empty(rows * cols, dtype=torch.float32, device=hidden.device)
     stats = torch.empty((4, N), dtype=torch.float32, device=hidden.device)
     for n0 in range(0, N, rows):
@@ -92,7 +103,7 @@ def linear_backward(
     N = hidden.shape[0]
     V = weight.shape[0]
     rows = min(max(N, 1), MAX_ROWS)
-    cols = tile_columns(rows, V, vocab_chunk)
+    cols = tile_columns(rows, V, vocab_chunk, _room(N, hidden.shape[1], V, hidden, need))
     buf = torch.empty(rows * cols, dtype=torch.float32, device=hidden.device)
 
     def part(x, n0, n1):

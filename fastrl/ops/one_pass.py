@@ -22,9 +22,9 @@ import torch
 
 from fastrl.ops import torch_backend as TB
 from fastrl.ops._checks import compact_rows
-from fastrl.ops._gemm import addmm_f32, mm_f32
+from fastrl.ops._gemm import addmm_f32, compensated_addmm_, mm_f32
 from fastrl.ops.backend import is_triton
-from fastrl.ops.budget import one_pass_rows, tile_budget
+from fastrl.ops.budget import fit_one_pass_rows, memory_budget, one_pass_rows, tile_budget
 from fastrl.ops.config import LogitTransform
 
 __all__ = ["IGNORE", "ChunkLoss", "Chunk", "chunk_budget", "live_chunks", "plan_chunks", "fixed_chunks", "run",
@@ -34,19 +34,28 @@ IGNORE = -100  # the target id of a row outside the mask (the ops' ignore_index)
 
 
 def chunk_budget(V: int, device: torch.device, trained_head: bool, requested: int | None, backend: str = "torch",
-                 dtype: torch.dtype = torch.float32, tokens: int | None = None, H: int = 0) -> int:
-    """Rows per one-pass chunk (of ``tokens`` rows with hidden size ``H``): the requested number, else what fits the
-    device's [chunk, V] tile budget."""
-    if not requested and trained_head and backend == "triton-sm90" and device.type == "cuda" and tokens is not None:
-        # the scaled-exp tile in the input dtype, sized by the device's memory (budget's sm90-one-pass row): at W1 on
-        # an 80 GB device one chunk, so grad_W is one GEMM and the float32 [V, H] accumulator is never read back
-        return one_pass_rows(V, H, tokens, dtype, device)
-    # the [chunk, V] logits tile: long chunks with a trained head on a GPU (the float32 [V, H] accumulator is read and
-    # written once per chunk; 1664 rows at V=151936, 8 accumulator passes over W1's ~12k live tokens, extra memory
-    # about 1.25x TRL's at W1), a 256 MiB tile with a frozen one, 32 MB on a CPU (fastrl.ops.budget)
-    rows = tile_budget("one-pass" if trained_head else "one-pass-frozen", device).elems // V
-    # on a GPU, whole 128-row blocks keep the GEMMs on full tiles; a CPU keeps its small tile (memory first)
-    return requested or (max(128, rows // 128 * 128) if device.type == "cuda" else max(1, rows))
+                 dtype: torch.dtype = torch.float32, tokens: int | None = None, H: int = 0, N: int | None = None,
+                 need_hidden: bool = True, with_ref: bool = False) -> int:
+    """Rows per one-pass chunk (of ``tokens`` rows with hidden size ``H``, of ``N`` rows in all): the requested
+    number, else the speed choice of the device's tile rows (``fastrl.ops.budget``) cut to the memory budget
+    (``budget.fit_one_pass_rows``: by default what TRL's chunked log-prob holds on the same work); 0 when not one
+    block of rows fits beside the weight-gradient accumulator (then the loss takes path A)."""
+    if requested:
+        return requested
+    sm90, cuda = backend == "triton-sm90", device.type == "cuda"
+    if trained_head and cuda and tokens is not None:
+        # the chunk tile sized by the device's memory (budget's sm90-one-pass row; the hybrid's float32 logits the
+        # same way): long chunks read and write the weight-gradient accumulator fewer times, one chunk never
+        rows = one_pass_rows(V, H, tokens, dtype, device, row_bytes=None if sm90 else 4 * V)
+    else:
+        # a 256 MiB tile with a frozen head on a GPU, 32 MB on a CPU (fastrl.ops.budget); on a GPU, whole 128-row
+        # blocks keep the GEMMs on full tiles; a CPU keeps its small tile (memory first)
+        rows = tile_budget("one-pass" if trained_head else "one-pass-frozen", device).elems // V
+        rows = max(128, rows // 128 * 128) if cuda else max(1, rows)
+    if tokens is None:
+        return rows
+    cap = memory_budget(max(N or tokens, tokens), V, H, dtype, device, trained_head, need_hidden)
+    return fit_one_pass_rows(rows, cap, tokens, V, H, dtype, backend, trained_head, with_ref, 128 if cuda else 1)
 
 
 def live_chunks(
@@ -59,11 +68,15 @@ def live_chunks(
     backend: str = "torch",
     dtype: torch.dtype = torch.float32,
     H: int = 0,
+    mem: tuple[bool, bool] = (True, False),  # (hidden-state gradient needed, exact KL's reference tile inside)
 ) -> list[tuple[int, int]] | None:
     """One-pass chunks as ranges of *live* rows (row-major order): whole sequences when the loss couples the
-    tokens of a sequence; None when a sequence does not fit in one chunk (then two passes it is)."""
+    tokens of a sequence; None when a sequence does not fit in one chunk, or no chunk fits the memory budget (then
+    two passes it is)."""
     n_live = int(live.sum())  # one host sync: chunk boundaries are host-side ranges
-    budget = chunk_budget(V, device, trained_head, requested, backend, dtype, n_live, H)
+    budget = chunk_budget(V, device, trained_head, requested, backend, dtype, n_live, H, live.numel(), *mem)
+    if budget == 0:
+        return None
     if granularity == "token":
         return [(c0, min(c0 + budget, n_live)) for c0 in range(0, n_live, budget)]
     per_seq = live.sum(1).tolist()
@@ -81,14 +94,18 @@ def live_chunks(
 
 
 def plan_chunks(live: torch.Tensor, granularity: str, V: int, trained_head: bool, requested: int | None,
-                backend: str, dtype: torch.dtype, H: int, sync: bool) -> tuple[list[tuple[int, int]] | None, int]:
+                backend: str, dtype: torch.dtype, H: int, sync: bool,
+                mem: tuple[bool, bool] = (True, False)) -> tuple[list[tuple[int, int]] | None, int]:
     """(the op's chunks, rows per chunk) for ``live`` [B, T] (the tokens in the mask): ranges of live rows (``sync``:
     host reads allowed), [] for fixed chunks over all rows (no-sync, from shapes alone), None when a sequence does
-    not fit in one chunk (then two passes it is)."""
+    not fit in one chunk or no chunk fits the memory budget (then two passes it is). ``mem``: (hidden-state
+    gradient needed, the exact KL's reference tile inside the chunks), for the memory budget."""
     (B, T), device = live.shape, live.device
-    rows = chunk_budget(V, device, trained_head, requested, backend, dtype, B * T, H)
+    rows = chunk_budget(V, device, trained_head, requested, backend, dtype, B * T, H, B * T, *mem)
+    if rows == 0:
+        return None, 0
     if sync:
-        return live_chunks(live, granularity, V, device, trained_head, requested, backend, dtype, H), rows
+        return live_chunks(live, granularity, V, device, trained_head, requested, backend, dtype, H, mem), rows
     return ([] if granularity == "token" or T <= rows else None), rows
 
 
@@ -164,7 +181,8 @@ def run(
     idx = compact_rows(live) if compact else None
     rows = _Rows(hidden, loss.logp_init, ref is not None)
     tiles = _Tiles(hidden, weight, bias, tf, backend, max((c1 - c0 for c0, c1 in chunks), default=0), ref)
-    acc = _Grads(hidden, weight, bias, need, single=len(chunks) == 1, direct=weight.dtype == tiles.cdt or tiles.triton)
+    acc = _Grads(hidden, weight, bias, need, single=len(chunks) == 1, direct=weight.dtype == tiles.cdt or tiles.triton,
+                 triton=tiles.triton)
     for c0, c1 in chunks:
         ck = _chunk(hidden, targets, idx, live, c0, c1, compact)
         ref_h = None if ref is None else _chunk(ref[0], targets, idx, live, c0, c1, compact).h
@@ -277,14 +295,20 @@ class _Tiles:
 
 class _Grads:
     """The gradient GEMMs' accumulators: grad_h rows written per chunk, grad_W (one GEMM over every row when there is
-    one chunk: no float32 [V, H] accumulator, 8 V H bytes saved), grad_b."""
+    one chunk: no accumulator at all), grad_b. Over several chunks a bf16 grad_W is kept as a compensated pair of bf16
+    halves (``_gemm.compensated_addmm_``: the gradient itself and 2 V H bytes beside it, against a float32 [V, H]
+    accumulator's 4 V H and its cast), a float32 / float64 one accumulates in itself, an fp16 one in float32."""
 
-    def __init__(self, hidden, weight, bias, need: tuple[bool, bool, bool], single: bool, direct: bool):
+    def __init__(self, hidden, weight, bias, need: tuple[bool, bool, bool], single: bool, direct: bool,
+                 triton: bool = False):
         V, H, cdt, dev = weight.shape[0], hidden.shape[1], TB.acc_dtype(hidden.dtype), hidden.device
         self.need, self.single, self.weight, self.bias, self.cdt = need, single, weight, bias, cdt
-        self.direct = direct  # grad_h = G W straight (W in G's dtype)
+        self.direct, self.triton = direct, triton  # grad_h = G W straight (W in G's dtype); the combine's kernel
         self.h = torch.zeros_like(hidden) if need[0] else None
-        self.w = torch.zeros((V, H), dtype=cdt, device=dev) if need[1] and not single else None
+        self.compensated = need[1] and not single and weight.dtype == torch.bfloat16
+        acc = weight.dtype if self.compensated else cdt
+        self.w = torch.zeros((V, H), dtype=acc, device=dev) if need[1] and not single else None
+        self.w_lo = torch.zeros((V, H), dtype=acc, device=dev) if self.compensated else None
         self.b = torch.zeros(V, dtype=cdt, device=dev) if need[2] else None
 
     def add_(self, ck: Chunk, G: torch.Tensor, h_mm: torch.Tensor) -> None:
@@ -294,6 +318,8 @@ class _Grads:
         if need_w:
             if self.single:  # G and h in one dtype: the GEMM accumulates in float32 and rounds once, as the cast did
                 self.w = torch.mm(G.T, h_mm)  # (as path A's grad_W slices in hybrid.sliced_backward)
+            elif self.compensated:
+                compensated_addmm_(self.w, self.w_lo, G.T, h_mm, self.triton)
             else:
                 addmm_f32(self.w, G.T, h_mm)
         if need_b:
@@ -313,6 +339,7 @@ class _Grads:
 
     def result(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         need_h, need_w, need_b = self.need
+        self.w_lo = None  # the compensation's low half is dead: hi is the gradient
         grad_w = (torch.zeros_like(self.weight) if self.w is None else self.w.to(self.weight.dtype)) if need_w else None
         return self.h, grad_w, self.b.to(self.bias.dtype) if need_b else None
 

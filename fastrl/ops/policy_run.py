@@ -88,13 +88,15 @@ def plan(spec: LossSpec, hidden, weight, bias, targets, logit_scale: float, soft
     if spec.sync:
         check_targets(spec.eff_targets, weight.shape[0], IGNORE)
     tf = LogitTransform(temperature=spec.temperature, logit_scale=logit_scale, softcap=softcap)
-    backend = resolve_backend(hidden.device, backend, kind="loss", H=hidden.shape[-1], dtype=hidden.dtype,
-                              tensors=(hidden, weight))
-    check_triton_dtypes(backend, hidden.dtype, *((ref[0].dtype,) if spec.exact_kl else ()))
-    head = dict(spec=spec, hidden=hidden, weight=weight, bias=bias, ref=ref, tf=tf, backend=backend)
     need = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
     grads = torch.is_grad_enabled() and any(need)
     need = need if grads else (False, False, False)
+    # the measured default of the route the loss takes: the one-pass loss ("loss"), else path A's log-probs with
+    # gradients ("logprob"), else the forward alone: each route's default decided on its own rows (bench defaults)
+    one_pass_route = grads and spec.granularity is not None
+    requested, kind = backend, "loss" if one_pass_route else "logprob" if grads else "forward"
+    backend = _backend(hidden, weight, requested, kind, ref, spec.exact_kl)
+    head = dict(spec=spec, hidden=hidden, weight=weight, bias=bias, ref=ref, tf=tf, backend=backend)
     if support is not None:
         kept, outside, given = resolve_support(support, hidden, weight, bias, spec.eff_targets, tf, IGNORE,
                                                positions, spec.host_sync)
@@ -102,14 +104,24 @@ def plan(spec: LossSpec, hidden, weight, bias, targets, logit_scale: float, soft
                                                   isinstance(support, SamplerRule), TB.acc_dtype(hidden.dtype))
         if kept is not None:
             return _kept_plan(head, kept, need, given)
-    if grads and spec.granularity is not None and backend != "triton-fused":
+    if one_pass_route and backend != "triton-fused":
         one = _one_pass_plan(head, need, chunk_tokens)
         if one is not None:
             return one
+        # two passes after all (a sequence longer than a chunk, or no chunk within the memory budget): path A's default
+        head["backend"] = _backend(hidden, weight, requested, "logprob", ref, spec.exact_kl)
     # Path A (or forward-only under no_grad): "triton-fused" promises that no logit is ever stored, so there the
     # loss takes path A on the fused kernels: 8NHV instead of 6NHV, but no [chunk, V] tile and no float32 [V, H]
     # weight-gradient accumulator
     return LossPlan(**head, path="two-pass", kl="outside" if spec.exact_kl else None)
+
+
+def _backend(hidden, weight, requested: str | None, kind: str, ref: tuple, exact_kl: bool) -> str:
+    """The concrete backend for this route (``kind``), its dtypes checked."""
+    backend = resolve_backend(hidden.device, requested, kind=kind, H=hidden.shape[-1], dtype=hidden.dtype,
+                              tensors=(hidden, weight))
+    check_triton_dtypes(backend, hidden.dtype, *((ref[0].dtype,) if exact_kl else ()))
+    return backend
 
 
 def _reference_head(ref: tuple) -> tuple:
@@ -143,6 +155,7 @@ def _options(head: dict, need, **extra) -> tuple:
     return spec.pack(
         logit_scale=float(tf.logit_scale), softcap=None if tf.softcap is None else float(tf.softcap),
         backend=head["backend"], need_hidden=need[0], need_weight=need[1], need_bias=need[2], compact=spec.sync,
+        consume_grads=spec.sync,
         n_metrics=len(spec.metric_names), **extra,
     )
 
@@ -165,7 +178,8 @@ def _one_pass_plan(head: dict, need, chunk_tokens: int | None) -> LossPlan | Non
     ``fused_divergence`` pass whose [B, T] result enters the op."""
     spec, hidden, weight, backend = head["spec"], head["hidden"], head["weight"], head["backend"]
     chunks, rows = one_pass.plan_chunks(spec.in_mask, spec.granularity, weight.shape[0], need[1], chunk_tokens,
-                                        backend, hidden.dtype, hidden.shape[-1], spec.sync)
+                                        backend, hidden.dtype, hidden.shape[-1], spec.sync,
+                                        (need[0], spec.exact_kl and not is_triton(backend)))
     if chunks is None:
         return None
     kl = None if not spec.exact_kl else "outside" if is_triton(backend) else "inside"

@@ -31,7 +31,7 @@ from fastrl.kernels import persistent_stats as PS
 from fastrl.kernels.linear_logprob import tma_ok
 from fastrl.kernels.tuning import KernelConfig, config_for
 from fastrl.ops.config import LogitTransform
-from fastrl.ops.budget import grad_columns
+from fastrl.ops.budget import grad_columns, memory_budget
 from fastrl.ops.hybrid import MAX_ROWS, sliced_backward
 
 __all__ = ["NAME", "check_tensors", "supports_width", "linear_stats", "linear_backward", "ExpTile", "chunk_stats", "chunk_grad"]
@@ -99,7 +99,9 @@ def linear_backward(
     rows = min(max(N, 1), MAX_ROWS)
     # G slices sized by the device's memory (budget's sm90-grad row, whole 256-column blocks): grad_h's float32
     # [N, H] accumulator is read and written once per slice (38 slices at W1 with the hybrid row, 8 on 80 GB)
-    cols = vocab_chunk or grad_columns(rows, V, hidden.dtype, hidden.device)
+    cap = memory_budget(N, V, hidden.shape[1], hidden.dtype, hidden.device, need[1], need[0])
+    cols = vocab_chunk or grad_columns(rows, V, hidden.dtype, hidden.device, budget=cap, H=hidden.shape[1],
+                                       need_hidden=need[0])
     cols = max(1, min(int(cols), V))
     # G in the input dtype; a row stride of whole 256-column blocks keeps every row 16-byte aligned for the TMA store
     buf = torch.empty((rows, -(-cols // 256) * 256), dtype=hidden.dtype, device=hidden.device)
