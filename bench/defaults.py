@@ -1,6 +1,8 @@
 """``python -m bench defaults [PATH...]``: ``kernels/_defaults.py`` (read by ``fastrl.ops.backend.choose_triton`` and
 ``fastrl.kernels.tuning.config_for``) from committed GPU session results; ``--check`` exits 1 when it is stale. The
-rules: docs/gpu-window.md, "From results to defaults".
+rules: docs/gpu-window.md, "From results to defaults". A row is crowned only within the memory ceiling: its extra
+memory at most TRL's on the same workload in the same run (``fastrl.ops.budget.ceiling`` where TRL did not run);
+the fastest rows refused for memory are listed in the table (REFUSED).
 """
 
 from __future__ import annotations
@@ -112,9 +114,37 @@ def _installed(r: dict, wins: dict) -> bool:
     return True
 
 
-def _choice_wins(lm: list[dict], wins: dict) -> dict[tuple, dict]:
-    """(kind, H, dtype) -> {implementation, evidence} where the fastest installable row beat the built-in choice,
-    None where this session measured the built-in choice and nothing beat it."""
+def _ceiling_mib(r: dict, trl: dict) -> float | None:
+    """The memory a row may hold (MiB): TRL's extra memory on its workload in the same process, else the ceiling's
+    formula on its shape (``fastrl.ops.budget.ceiling``); None when neither is known."""
+    same = trl.get((r["workload"], r.get("pid")), trl.get((r["workload"], None)))
+    if same is not None:
+        return same
+    if not all(r.get(k) for k in ("N", "V", "H")):
+        return None
+    import torch
+
+    from fastrl.ops.budget import ceiling
+
+    grads = r["kind"] != "forward"
+    return ceiling(r["N"], r["V"], r["H"], getattr(torch, r["dtype"]), grads, grads) / 2**20
+
+
+def _fits(r: dict, trl: dict) -> bool:
+    """Whether the row's measured extra memory is within its ceiling (1 MiB of allocator slack)."""
+    cap = _ceiling_mib(r, trl)
+    return r.get("extra_mb") is not None and cap is not None and r["extra_mb"] <= cap + 1.0
+
+
+def _memory(r: dict, trl: dict) -> str:
+    cap = _ceiling_mib(r, trl)
+    return f"{r.get('extra_mb', float('nan')):.0f} MiB (ceiling {cap:.0f})" if cap is not None else "memory unknown"
+
+
+def _choice_wins(lm: list[dict], wins: dict, trl: dict, refused: list) -> dict[tuple, dict]:
+    """(kind, H, dtype) -> {implementation, evidence} where the fastest installable row within the memory ceiling
+    beat the built-in choice, None where this session measured the built-in choice and nothing beat it. The rows
+    faster than the winner but over the ceiling go to ``refused``."""
     out = {}
     for kind, provider in KINDS:
         for H, dtype in sorted({(r["H"], r["dtype"]) for r in lm if r["kind"] == kind}):
@@ -124,10 +154,25 @@ def _choice_wins(lm: list[dict], wins: dict) -> dict[tuple, dict]:
             base = next((r for r in mine if r["implementation"] == builtin), None)
             if base is None:
                 continue  # no built-in row to beat: this session did not decide the key
-            win = mine[0]
+            within = [r for r in mine if _fits(r, trl)]
+            win = within[0] if within else base
+            refused += [{"kind": kind, "dtype": dtype, "H": H, "workload": r["workload"], "implementation": _label(r),
+                         "ms": round(_ms(r), 2), "memory": _memory(r, trl)}
+                        for r in mine if _ms(r) < _ms(win) and not _fits(r, trl) and r is not base]
             why = None if win["implementation"] == builtin else _evidence(win, base, win["workload"])
             # None: measured, and the built-in choice stays
-            out[(kind, H, dtype)] = None if why is None else {"implementation": win["implementation"], "evidence": why}
+            out[(kind, H, dtype)] = None if why is None else {
+                "implementation": win["implementation"],
+                "evidence": f"{why}; memory {_memory(win, trl)}, built-in {_memory(base, trl)}"}
+    return out
+
+
+def _trl_memory(rows: list[dict]) -> dict[tuple, float]:
+    """(workload, pid) and (workload, None) -> TRL's extra memory (MiB) in this session."""
+    out = {}
+    for r in rows:
+        if r.get("provider") == "trl" and r.get("status") == "ok" and r.get("extra_mb") is not None:
+            out[(r["workload"], r.get("pid"))] = out[(r["workload"], None)] = r["extra_mb"]
     return out
 
 
@@ -160,7 +205,7 @@ def build(paths: list[Path], allow_dirty: bool = False) -> dict:
         run = {"run": _rel(f), "device": env.get("device"), "family": env.get("family"),
                "commit": env.get("fastrl_commit"), "tree_clean": env.get("tree_clean"), "created": env.get("created")}
         runs.append((run, data, _usable(data, allow_dirty)))
-    choices, configs, measured_h = {}, {}, {}
+    choices, configs, measured_h, refused = {}, {}, {}, {}
     passed = _checks_by_commit([(run, data) for run, data, why in runs if why is None])
     runs = [(run, data, why if why is not None or any(passed[(run["family"], run["commit"])].values()) else
              "no implementation passed the full float64 checks at this commit on this family")
@@ -170,12 +215,19 @@ def build(paths: list[Path], allow_dirty: bool = False) -> dict:
             continue
         fam, lm = run["family"], _lm_rows(data["rows"], passed[(run["family"], run["commit"])])
         measured_h.setdefault(fam, set()).update(r["H"] for r in lm)
-        wins = _config_wins(lm)
-        for found, decided in ((choices, _choice_wins(lm, wins)), (configs, wins)):
+        wins, over = _config_wins(lm), []
+        decided_choices = _choice_wins(lm, wins, _trl_memory(data["rows"]), over)
+        for found, decided in ((choices, decided_choices), (configs, wins)):
             for k, v in decided.items():  # a newer session's verdict on a key replaces an older one's, win or not
                 found[(fam, *k)] = v if v is None else {**v, "run": run["run"]}
-    return _table(runs, {k: v for k, v in choices.items() if v is not None},
-                  {k: v for k, v in configs.items() if v is not None}, measured_h)
+        for e in over:  # the newest session's refusals per key, like its verdicts
+            refused[(fam, e["kind"], e["H"], e["dtype"])] = []
+        for e in over:
+            refused[(fam, e["kind"], e["H"], e["dtype"])].append({"family": fam, **e, "run": run["run"]})
+    table = _table(runs, {k: v for k, v in choices.items() if v is not None},
+                   {k: v for k, v in configs.items() if v is not None}, measured_h)
+    table["REFUSED"] = [e for k in sorted(refused, key=str) for e in refused[k]]
+    return table
 
 
 def _table(runs, choices: dict, configs: dict, measured_h: dict) -> dict:
@@ -213,14 +265,15 @@ _COMMENTS = {
     "RUNS": "# the committed session files read; each entry comes from the newest run that decided its key",
     "CHOICES": "# implementation per (family, kind, dtype, H range): h_min <= H < h_max, None = unbounded",
     "CONFIGS": '# launch configuration per (family, implementation, dtype, H range, TMA): kernel -> "BNxBVxBH wW sS"',
+    "REFUSED": "# rows faster than the choice but over the memory ceiling (extra memory above TRL's on the same work)",
 }
 
 
 def render(table: dict) -> str:
     """The module text: the header, then RUNS, CHOICES and CONFIGS as tuples of dicts."""
     parts = [_HEADER]
-    for name in ("RUNS", "CHOICES", "CONFIGS"):
-        items = table[name]
+    for name in ("RUNS", "CHOICES", "CONFIGS", "REFUSED"):
+        items = table.get(name, ())
         lines = ("    " + pprint.pformat(x, width=112, sort_dicts=False).replace("\n", "\n    ") + ",\n" for x in items)
         body = "(\n" + "".join(lines) + ")" if items else "()"
         parts.append(f"{_COMMENTS[name]}\n{name} = {body}\n")
@@ -244,6 +297,9 @@ def command(args, con=None) -> int:
     for e in table["CHOICES"]:
         say(f"{e['family']} {e['kind']:<8} {e['dtype']} H in [{e['h_min']}, {e['h_max']}): {e['implementation']}  "
             f"({e['evidence']})")
+    for e in table.get("REFUSED", ()):
+        say(f"{e['family']} {e['kind']:<8} {e['dtype']} H={e['H']}: not {e['implementation']} at {e['workload']} "
+            f"({e['ms']} ms, {e['memory']}: over the memory ceiling)")
     out = Path(args.out)
     if args.check:
         same = out.is_file() and out.read_text() == text

@@ -96,8 +96,10 @@ def test_empty_table_keeps_todays_choice(sm90, monkeypatch):
 def _row(section, workload, provider, impl, ms, config="default", served=None, **kw):
     kind = {"W1": "loss", "W2": "loss", "W3": "forward"}.get(workload, "logprob")
     H = 896 if workload.startswith("W2") else 4096
+    kw = {"extra_mb": 100.0, **kw}  # within any workload's memory ceiling unless a test says otherwise
     return dict(section=section, workload=workload, provider=provider, implementation=impl, config=config, kind=kind,
-                H=H, dtype="bfloat16", status="ok", total_ms={"median": ms}, configs_served=served or {}, **kw)
+                N=16384, V=151936, H=H, dtype="bfloat16", status="ok", total_ms={"median": ms},
+                configs_served=served or {}, **kw)
 
 
 def _fused(cfg):
@@ -393,3 +395,54 @@ def test_a_misaligned_view_runs_under_auto_with_a_crowned_sm90(sm90, monkeypatch
     monkeypatch.setattr(linear_logprob, "resolve_backend", as_if_cuda)
     logp, _ = fastrl.fused_logprobs(hidden, weight, targets)
     assert picked == ["triton-hybrid"] and torch.isfinite(logp).all()
+
+
+def test_a_winner_must_fit_the_memory_ceiling(tmp_path):
+    """A row faster than the built-in choice is crowned only if its extra memory is at most TRL's on the same workload
+    in the same process; a faster row over it is listed in REFUSED, and the fastest row within the ceiling competes."""
+    from bench import defaults
+
+    def table(sm90_mb, fused_ms=100.0):
+        rows = [dict(section="checks", workload="awkward", provider="fastrl", implementation="triton-sm90",
+                     status="ok", **{"pass": True}),
+                _row("tournament", "W2-lp", "trl", None, 34.0, extra_mb=831.0, pid=1),
+                _row("tournament", "W2-lp", "fastrl", "triton-hybrid", 38.0, extra_mb=312.0, pid=1),
+                _row("tournament", "W2-lp", "fastrl", "triton-sm90", 31.0, extra_mb=sm90_mb, pid=1),
+                _row("tournament", "W2-lp", "fastrl", "triton-fused", fused_ms, extra_mb=184.0, pid=1)]
+        _session(tmp_path / "s" / "session.json", rows)
+        t = defaults.build([tmp_path])
+        return {e["kind"]: e["implementation"] for e in t["CHOICES"]}, [e["implementation"] for e in t["REFUSED"]], t
+
+    assert table(800.0)[:2] == ({"logprob": "triton-sm90"}, [])
+    assert table(1168.0)[:2] == ({}, ["triton-sm90"])  # over TRL's 831 MiB: the built-in choice stays
+    choices, refused, t = table(1168.0, fused_ms=34.0)  # the fastest within the ceiling wins instead
+    assert choices == {"logprob": "triton-fused"} and refused == ["triton-sm90"]
+    assert "memory 184 MiB (ceiling 831)" in t["CHOICES"][0]["evidence"]
+    _session(tmp_path / "s" / "session.json", [_row("tournament", "W3", "fastrl", "triton-hybrid", 36.0),
+                                                _row("tournament", "W3", "fastrl", "triton-sm90", 30.0, extra_mb=None)])
+    assert defaults.build([tmp_path])["CHOICES"] == []  # memory not measured: never crowned
+
+
+def test_policy_loss_asks_for_the_default_of_its_route(monkeypatch):
+    """The one-pass loss asks for the 'loss' kind, a loss on path A (a coupled loss whose sequence does not fit a
+    chunk) for 'logprob', a loss without gradients for 'forward': each route's default is decided on its own rows."""
+    import fastrl
+    from fastrl.ops import policy_run
+
+    seen = []
+
+    def spy(device, requested=None, **kw):
+        seen.append(kw["kind"])
+        return backend.resolve_backend(device, requested, **kw)
+
+    monkeypatch.setattr(policy_run, "resolve_backend", spy)
+    B, T, H, V = 2, 3, 8, 11
+    hidden, weight = torch.randn(B, T, H, requires_grad=True), torch.randn(V, H)
+    targets, mask = torch.randint(0, V, (B, T)), torch.ones(B, T)
+    kw = dict(advantages=torch.randn(B), mask=mask, backend="torch", old_logprobs=torch.randn(B, T) - 3)
+    fastrl.policy_loss(hidden, weight, targets, config=fastrl.PolicyLossConfig(), **kw)
+    fastrl.policy_loss(hidden, weight, targets, chunk_tokens=1, **kw,
+                       config=fastrl.PolicyLossConfig(importance_sampling_level="sequence"))
+    with torch.no_grad():
+        fastrl.policy_loss(hidden, weight, targets, config=fastrl.PolicyLossConfig(), **kw)
+    assert seen == ["loss", "loss", "logprob", "forward"]
