@@ -49,11 +49,11 @@ def test_ppo_config_rejects_bad_values(tmp_path, kw, match):
 
 GRPO_BAD = [
     (dict(loss_type="ppo2"), "GRPOConfig.loss_type must be one of"),
-    (dict(epsilon=-0.1), "GRPOConfig.epsilon must be a finite number >= 0, got -0.1"),
+    (dict(epsilon=-0.1), r"GRPOConfig.epsilon must be a number in \[0, 1\), got -0.1"),
     (dict(epsilon_high=-1.0), "GRPOConfig.epsilon_high must be"),
     (dict(beta=-1.0), "GRPOConfig.beta must be a finite number >= 0"),
-    (dict(delta=0.0), "GRPOConfig.delta must be None or a finite number > 0"),
-    (dict(loss_type="cispo", delta=-1.0), "GRPOConfig.delta must be None or a finite number > 0"),
+    (dict(delta=0.0), "GRPOConfig.delta must be None or a finite number > 1"),
+    (dict(loss_type="cispo", delta=-1.0), "GRPOConfig.delta must be None or a finite number > 1"),
     (dict(top_entropy_quantile=2.0), r"GRPOConfig.top_entropy_quantile must be a number in \[0, 1\]"),
     (dict(importance_sampling_level="batch"), "GRPOConfig.importance_sampling_level must be one of"),
     (dict(temperature=0.0), "GRPOConfig.temperature must be a finite number > 0"),

@@ -11,7 +11,8 @@ The arithmetic that uses them is ``fastrl.losses.arithmetic.policy_loss_from_log
 from __future__ import annotations
 
 import dataclasses
-import math
+
+from fastrl._options import _finite, number, suggest_keywords
 
 __all__ = ["LOSS_TYPES", "KL_ESTIMATORS", "IMPORTANCE_SAMPLING_LEVELS", "PolicyLossConfig"]
 
@@ -24,26 +25,29 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
 
+_OWNER = "PolicyLossConfig"
+
+
 def _bad(field: str, expected: str, value: object) -> ValueError:
-    return ValueError(f"PolicyLossConfig.{field} must be {expected}, got {value!r}")
+    return ValueError(f"{_OWNER}.{field} must be {expected}, got {value!r}")
 
 
-def _finite(value: object) -> bool:
-    # comparisons rather than math.isfinite: under torch.compile(dynamic=True) a float may be symbolic
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and -math.inf < value < math.inf
-
-
+@suggest_keywords(aliases={"epsilon": "epsilon_low"})  # TRL's GRPOConfig calls epsilon_low `epsilon`
 @dataclasses.dataclass(frozen=True)
 class PolicyLossConfig:
     """Options of the per-token policy loss of TRL 1.16's ``GRPOTrainer._compute_loss``.
 
-    Fields (TRL name in brackets where it differs):
+    Fields (TRL name in brackets where it differs), each checked against the range where it means something
+    (``ValueError`` naming the field, the range and the value; a misspelt keyword gets ``TypeError`` with the
+    closest names):
 
     - ``loss_type``: one of ``LOSS_TYPES``; TRL's default ``"dapo"``.
     - ``epsilon_low`` [``epsilon``] = 0.2 and ``epsilon_high`` = None -> ``epsilon_low`` (TRL's rule). For
       ``cispo`` ``epsilon_high`` is the cap on the ratio itself (TRL clamps ``coef_1`` at ``epsilon_high``, not at
       ``1 + epsilon_high``; TRL recommends 5.0 there, but its default is still ``epsilon``, i.e. 0.2).
-    - ``delta``: two-sided clipping (INTELLECT-2), caps ``coef_1`` at ``delta``; None = off. TRL reads it only
+      ``epsilon_low`` in [0, 1) (at 1 or more the lower bound ``1 - epsilon_low`` is at or below 0, under every
+      ratio: it could never bind); ``epsilon_high`` > 0.
+    - ``delta``: two-sided clipping (INTELLECT-2), caps ``coef_1`` at ``delta`` (> 1); None = off. TRL reads it only
       for the clipped loss types (grpo, bnpo, dr_grpo, dapo, luspo) and silently ignores it otherwise; here
       setting it with another loss type is a ``ValueError`` rather than a silent no-op.
     - ``beta`` = 0.0: KL coefficient; ``kl_estimator`` = "k3" (TRL only has k3; k1/k2 are placed the same way);
@@ -57,7 +61,7 @@ class PolicyLossConfig:
       ratio has the exact KL as its expectation at each position). The loss then takes ``per_token_kl``
       (``policy_loss_from_logprobs``) or ``ref_hidden`` / ``ref_weight`` (``fastrl.policy_loss``), never
       ``ref_logprobs``.
-    - ``entropy_coef`` = 0.0: entropy bonus ``loss - entropy_coef * masked_mean(entropy)``. TRL's adaptive
+    - ``entropy_coef`` = 0.0 (>= 0): entropy bonus ``loss - entropy_coef * masked_mean(entropy)``. TRL's adaptive
       variant (``use_adaptive_entropy``, ``entropy_target``, ``entropy_coef_min/max/delta``) is trainer state
       updated at optimizer-step boundaries from window-global, cross-process entropy, not a per-batch formula:
       only the fixed coefficient lives here, and an adaptive trainer passes the coefficient it applies this step
@@ -71,7 +75,8 @@ class PolicyLossConfig:
     - ``top_entropy_quantile`` = 1.0: keep only tokens whose entropy is in the top quantile of the batch
       ("Beyond the 80/20 rule"); 1.0 = off.
     - ``off_policy_mask_threshold`` = None: DeepSeek-V3.2 off-policy sequence mask (drop a negative-advantage
-      sequence whose mean ``sampling_logp - logp`` exceeds it); None = off.
+      sequence whose mean ``sampling_logp - logp`` exceeds it); None = off, else > 0. ``beta`` >= 0,
+      ``temperature`` and the SAPO temperatures > 0, the VESPO parameters >= 0, ``top_entropy_quantile`` in [0, 1].
 
     Left to the trainer (they do not act on the per-token tensors given to the loss, or they are state):
     ``vllm_importance_sampling_correction/_mode/_clip_min/_clip_max`` (they build the truncated/masked IS ratio
@@ -118,31 +123,19 @@ class PolicyLossConfig:
                     "epsilon_high = cliprange and beta=0 (PPO puts the KL into the rewards)"
                 )
             raise _bad("loss_type", f"one of {LOSS_TYPES}", self.loss_type)
-        if not _finite(self.epsilon_low) or self.epsilon_low < 0:
-            raise _bad("epsilon_low", "a finite number >= 0", self.epsilon_low)
-        if self.epsilon_high is None:
-            # TRL: `epsilon_high if epsilon_high is not None else epsilon`.
-            object.__setattr__(self, "epsilon_high", self.epsilon_low)
-        elif not _finite(self.epsilon_high) or self.epsilon_high < 0:
-            raise _bad("epsilon_high", "None or a finite number >= 0", self.epsilon_high)
-        if self.delta is not None:
-            if not _finite(self.delta) or self.delta <= 0:
-                raise _bad("delta", "None or a finite number > 0", self.delta)
-            if self.loss_type not in CLIPPED_LOSS_TYPES:
-                raise _bad("delta", f"None for loss_type={self.loss_type!r} (TRL ignores it there)", self.delta)
-        if not _finite(self.beta) or self.beta < 0:
-            raise _bad("beta", "a finite number >= 0", self.beta)
+        self._check_clip_range()
+        number(_OWNER, "beta", self.beta, low=0, why="a KL coefficient below 0 would reward moving away from the "
+               "reference policy")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise _bad("kl_estimator", f"one of {KL_ESTIMATORS}", self.kl_estimator)
         if not isinstance(self.use_bias_correction_kl, bool):
             raise _bad("use_bias_correction_kl", "a bool", self.use_bias_correction_kl)
-        if not _finite(self.entropy_coef):
-            raise _bad("entropy_coef", "a finite number", self.entropy_coef)
+        number(_OWNER, "entropy_coef", self.entropy_coef, low=0, why="the entropy bonus subtracts entropy_coef x "
+               "the mean entropy from the loss; a negative one would push the policy towards collapse")
         if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
             levels = IMPORTANCE_SAMPLING_LEVELS
             raise _bad("importance_sampling_level", f"one of {levels}", self.importance_sampling_level)
-        if not _finite(self.temperature) or self.temperature <= 0:
-            raise _bad("temperature", "a finite number > 0", self.temperature)
+        number(_OWNER, "temperature", self.temperature, low=0, low_open=True, why="the logits are divided by it")
         if self.max_completion_length is not None and (
             not isinstance(self.max_completion_length, int)
             or isinstance(self.max_completion_length, bool)
@@ -151,18 +144,36 @@ class PolicyLossConfig:
             raise _bad("max_completion_length", "None or an int > 0", self.max_completion_length)
         if self.loss_type == "dr_grpo" and self.max_completion_length is None:
             raise _bad("max_completion_length", "an int > 0 when loss_type='dr_grpo'", self.max_completion_length)
-        for name in ("sapo_temperature_neg", "sapo_temperature_pos"):  # SAPO divides by them
-            value = getattr(self, name)
-            if not _finite(value) or value <= 0:
-                raise _bad(name, "a finite number > 0", value)
-        for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
-            value = getattr(self, name)
-            if not _finite(value) or value < 0:
-                raise _bad(name, "a finite number >= 0", value)
-        if not _finite(self.top_entropy_quantile) or not 0.0 <= self.top_entropy_quantile <= 1.0:
-            raise _bad("top_entropy_quantile", "a number in [0, 1]", self.top_entropy_quantile)
-        if self.off_policy_mask_threshold is not None and not _finite(self.off_policy_mask_threshold):
-            raise _bad("off_policy_mask_threshold", "None or a finite number", self.off_policy_mask_threshold)
+        for name in ("sapo_temperature_neg", "sapo_temperature_pos"):
+            number(_OWNER, name, getattr(self, name), low=0, low_open=True, why="SAPO's gate divides by it")
+        for name in ("vespo_k_pos", "vespo_k_neg"):
+            number(_OWNER, name, getattr(self, name), low=0, why="VESPO's power of the ratio; below 0 it would "
+                   "up-weight the samples it is meant to down-weight")
+        for name in ("vespo_lambda_pos", "vespo_lambda_neg"):
+            number(_OWNER, name, getattr(self, name), low=0, why="VESPO's exponential decay rate")
+        number(_OWNER, "top_entropy_quantile", self.top_entropy_quantile, low=0, high=1,
+               why="the share of tokens kept by entropy (1.0 keeps all)")
+        number(_OWNER, "off_policy_mask_threshold", self.off_policy_mask_threshold, low=0, low_open=True,
+               optional=True, why="a bound on a sequence's mean log-ratio between the sampler and the policy "
+               "(DeepSeek-V3.2's delta; TRL expects a positive value, e.g. 0.5)")
+
+    def _check_clip_range(self) -> None:
+        """epsilon_low, epsilon_high (TRL's default: epsilon_low) and delta, each where it can bind."""
+        number(_OWNER, "epsilon_low", self.epsilon_low, low=0, high=1, high_open=True,
+               why=f"the ratio's lower clip bound 1 - {self.epsilon_low!r} must stay above 0, or no ratio (always > 0) "
+               "can ever reach it" if _finite(self.epsilon_low) and self.epsilon_low >= 1 else "")
+        derived = self.epsilon_high is None
+        if derived:
+            # TRL: `epsilon_high if epsilon_high is not None else epsilon`.
+            object.__setattr__(self, "epsilon_high", self.epsilon_low)
+        why = "cispo caps the ratio at it" if self.loss_type == "cispo" else "the ratio's upper clip bound is 1 + it"
+        number(_OWNER, "epsilon_high", self.epsilon_high, low=0, low_open=True,
+               why=why + ("; left as None it takes epsilon_low's value: give it one of its own" if derived else ""))
+        number(_OWNER, "delta", self.delta, low=1, low_open=True, optional=True,
+               why="two-sided clipping caps the ratio at delta; at or below 1 it would cap even an unchanged "
+               "policy's ratio (TRL recommends more than 1 + epsilon_high)")
+        if self.delta is not None and self.loss_type not in CLIPPED_LOSS_TYPES:
+            raise _bad("delta", f"None for loss_type={self.loss_type!r} (TRL ignores it there)", self.delta)
 
     @classmethod
     def ppo(cls, cliprange: float = 0.2) -> PolicyLossConfig:

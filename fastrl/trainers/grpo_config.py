@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 
 import trl
 
+from fastrl._options import number, suggest_keywords
 from fastrl.ops.backend import BACKENDS
 from fastrl.trainers._common import default_activation_checkpointing
 from fastrl.trainers.memory import check_memory_options
@@ -15,9 +17,19 @@ from fastrl.trainers.sampling import check_replay_options
 __all__ = ["GRPOConfig", "check_loss_options"]
 
 
+# other libraries' names for GRPOConfig options, answered with ours when misspelt or borrowed
+_ALIASES = {"epsilon_low": "epsilon", "backend": "fastrl_backend", "fastrl_backends": "fastrl_backend",
+            "chunk_tokens": "fastrl_chunk_tokens", "vocab_chunk": "fastrl_vocab_chunk"}
+
+
+@suggest_keywords(aliases=_ALIASES)
 @dataclass
 class GRPOConfig(trl.GRPOConfig):
     """TRL 1.16's ``GRPOConfig`` plus fastrl's own options (every TRL option keeps its meaning).
+
+    Every loss option is checked when the config is made (``ValueError`` naming the option, its range and the
+    value: ``epsilon`` in [0, 1), ``epsilon_high`` > 0, ``delta`` None or > 1, ``beta`` and ``entropy_coef`` >= 0,
+    ...; see ``fastrl.PolicyLossConfig``), and a misspelt keyword gets ``TypeError`` with the closest option names.
 
     Args (fastrl only):
         fused_loss (`bool`, defaults to `True`): compute log-probs, entropies and the policy loss with fastrl.
@@ -122,12 +134,7 @@ class GRPOConfig(trl.GRPOConfig):
         default_activation_checkpointing(self, trl.GRPOConfig)
         super().__post_init__()
         check_loss_options(self)
-        if self.fastrl_backend not in (None, *BACKENDS):
-            raise ValueError(f"fastrl_backend must be None or one of {BACKENDS}, got {self.fastrl_backend!r}")
-        for name in ("fastrl_vocab_chunk", "fastrl_chunk_tokens"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-                raise ValueError(f"{name} must be None or a positive int, got {value!r}")
+        check_fastrl_fields(self)
         check_memory_options(self.activation_offloading, self.tiled_mlp)
         check_replay_options("GRPOConfig", self.sampling_replay, self.log_kept_mass)
         if self.sampling_replay != "off" and not self.fused_loss:
@@ -142,6 +149,22 @@ class GRPOConfig(trl.GRPOConfig):
                 f"one_pass_loss=True), got fused_loss={self.fused_loss}, one_pass_loss={self.one_pass_loss}: TRL's "
                 "loss math only computes the k3 estimate"
             )
+
+
+def check_fastrl_fields(args) -> None:
+    """fastrl's own switches, backend and chunk sizes (the memory, replay and vLLM options have their checks)."""
+    for name in ("fused_loss", "one_pass_loss", "health_checks"):
+        if not isinstance(getattr(args, name), bool):
+            raise ValueError(f"GRPOConfig.{name} must be a bool, got {getattr(args, name)!r}")
+    if args.fastrl_backend not in (None, *BACKENDS):
+        close = difflib.get_close_matches(str(args.fastrl_backend), BACKENDS, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"GRPOConfig.fastrl_backend must be None or one of {BACKENDS}, got "
+                         f"{args.fastrl_backend!r}{hint}")
+    for name in ("fastrl_vocab_chunk", "fastrl_chunk_tokens"):
+        value = getattr(args, name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+            raise ValueError(f"GRPOConfig.{name} must be None or a positive int, got {value!r}")
 
 
 def check_vllm_fp32_lm_head(args) -> None:
@@ -168,9 +191,10 @@ def check_loss_options(args) -> None:
     from fastrl.losses.config import CLIPPED_LOSS_TYPES, PolicyLossConfig
 
     delta = getattr(args, "delta", None)
-    if delta is not None and (isinstance(delta, bool) or not isinstance(delta, (int, float)) or not delta > 0
-                              or delta == float("inf")):
-        raise ValueError(f"GRPOConfig.delta must be None or a finite number > 0, got {delta!r}")
+    number("GRPOConfig", "delta", delta, low=1, low_open=True, optional=True,
+           why="two-sided clipping caps the ratio at delta; at or below 1 it would cap even an unchanged policy's "
+           "ratio (TRL recommends more than 1 + epsilon_high)")
+    check_adaptive_entropy(args)
     options = dict(
         loss_type=args.loss_type, epsilon_low=args.epsilon, epsilon_high=args.epsilon_high,
         delta=delta if args.loss_type in CLIPPED_LOSS_TYPES else None, beta=args.beta,
@@ -189,6 +213,19 @@ def check_loss_options(args) -> None:
     except ValueError as e:
         message = str(e)
         for ours, theirs in _TRL_NAMES.items():
-            message = message.replace(f"PolicyLossConfig.{ours} ", f"GRPOConfig.{theirs} ")
+            message = message.replace(ours, theirs)
         raise ValueError(message.replace("PolicyLossConfig.", "GRPOConfig.")) from None
 
+
+
+def check_adaptive_entropy(args) -> None:
+    """TRL's adaptive entropy control (``use_adaptive_entropy``): its bounds, step and target, where the config has
+    them (TRL moves ``entropy_coef`` by ``entropy_coef_delta`` within ``[entropy_coef_min, entropy_coef_max]``)."""
+    if not hasattr(args, "entropy_coef_min"):
+        return
+    low = args.entropy_coef_min
+    number("GRPOConfig", "entropy_coef_min", low, low=0, why="the entropy coefficient's lower bound")
+    number("GRPOConfig", "entropy_coef_max", args.entropy_coef_max, low=low,
+           why="the entropy coefficient's upper bound, at least entropy_coef_min")
+    number("GRPOConfig", "entropy_coef_delta", args.entropy_coef_delta, low=0, why="the coefficient's step")
+    number("GRPOConfig", "entropy_target", args.entropy_target, low=0, why="a target entropy in nats")
