@@ -32,9 +32,10 @@ _LAZY = {
     "DistillationTrainer": "fastrl.trainers.distillation",
     "DistillationConfig": "fastrl.trainers.distillation",
     "TrainingHealthCallback": "fastrl.trainers.health",
+    "finish": "fastrl.trainers._distributed",
 }
 # the names above that need the `trl` extra (trl, transformers, accelerate, datasets)
-_NEEDS_TRL = {n for n, module in _LAZY.items() if module.startswith("fastrl.trainers.")}
+_NEEDS_TRL = {n for n, module in _LAZY.items() if module.startswith("fastrl.trainers.")} - {"finish"}
 
 __all__ = ["__version__", "fused_logprobs", *_LAZY]
 

@@ -262,7 +262,7 @@ class DistillationTrainer(MemoryStepsMixin, trl.DistillationTrainer):
                 "(a teacher served remotely is trl.experimental.server_distillation.ServerDistillationTrainer, "
                 "which fastrl does not replace)"
             )
-        check_launch(args)
+        check_launch(args, self)
         check_overrides(trl.DistillationTrainer, TRL_OVERRIDES, "fastrl.DistillationTrainer's loss")
         check_forward_redirection(trl.DistillationTrainer)  # the fused loss runs the teacher through it
         super().__init__(model, teacher_model, args, *pargs, **kwargs)

@@ -78,7 +78,7 @@ class GRPOTrainer(MemoryStepsMixin, SamplingReplayMixin, ReferenceCaptureMixin, 
             name = model if isinstance(model, str) else get_config_model_id(model.config)
             args = GRPOConfig(f"{name.split('/')[-1]}-GRPO")
         check_loss_options(args)  # a stock trl.GRPOConfig too, and one changed after it was made
-        check_launch(args)
+        check_launch(args, self)
         replay = opt(args, "sampling_replay", "off")
         check_replay_options(type(args).__name__, replay, opt(args, "log_kept_mass", False))
         check_vllm_replay_launch(args, replay)

@@ -52,7 +52,7 @@ from transformers.trainer_utils import TrainOutput, get_last_checkpoint, set_see
 
 from fastrl.losses.config import PolicyLossConfig
 from fastrl.trainers._common import args_checkpointing
-from fastrl.trainers._distributed import check_launch
+from fastrl.trainers._distributed import check_launch, release_at_exit
 from fastrl.trainers._guards import check_logits_processor_hook, check_overrides
 from fastrl.trainers._lm_head import head_settings_from_config, unwrap_causal_lm
 from fastrl.trainers.memory import MemoryOptions, during_training
@@ -131,6 +131,7 @@ class PPOTrainer(RolloutMixin, UpdateMixin, CheckpointMixin, TablesMixin, Traine
             callbacks=_with_health_callback(args, callbacks),
             optimizers=optimizers,
         )
+        release_at_exit(self)  # a clean exit from a distributed run (fastrl.trainers._distributed)
         self.model.config = unwrap_causal_lm(model).config  # model cards / hub pushes describe the policy
         self._set_tensorboard_dir()
         self._set_batch_sizes(args, train_dataset)
