@@ -1,10 +1,12 @@
 """A two-process training run on the CPU: GRPO, then on-policy distillation, with tiny models built offline.
 
-    accelerate launch --num_processes 2 --cpu examples/distributed_cpu.py
+    accelerate launch --multi_gpu --num_processes 2 examples/distributed_cpu.py
 
-Each process trains its share of the batch; gradients are averaged over both (DistributedDataParallel over gloo).
-The script ends like any other: fastrl's trainers take down the process group they joined when the interpreter
-exits (see docs/scaling-out.md), so the launch exits 0 once both processes are done.
+``--multi_gpu`` names accelerate's multi-process launcher; ``use_cpu=True`` below joins the processes over gloo on a
+machine without GPUs (``--cpu`` instead would start one process, whatever ``--num_processes`` says). Each process
+trains on its share of the batch and the gradients are averaged over both (DistributedDataParallel). The script
+ends like any other: fastrl's trainers take down the process group when the interpreter exits (docs/scaling-out.md),
+so the launch exits 0 once both processes are done. About 15 s on 2 cores, mostly imports.
 """
 
 from __future__ import annotations
