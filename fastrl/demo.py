@@ -268,10 +268,13 @@ def _measure_step(stack, which, vocab, hidden, layers, batch, prompt_len, comple
 
     # untimed warm-up: on a GPU at the measured shape (Triton compiles its kernels at the first call), on a CPU
     # at a short length (lazy initialisation, without doubling the run time)
-    progress("trainer built; warm-up step")
+    warm_len = completion_len if cuda else min(completion_len, 16)
+    what = "compiling the kernels" if cuda else "first-call set-up"
+    progress(f"trainer built; warm-up: one untimed step on {batch} x {warm_len} tokens ({what})")
     t_warm = time.perf_counter()
-    step(_step_inputs(batch, vocab, prompt_len, completion_len if cuda else min(completion_len, 16), seed + 1, device))
-    progress(f"warm-up done ({time.perf_counter() - t_warm:.1f} s); timing {reps} step{'s' if reps > 1 else ''}")
+    step(_step_inputs(batch, vocab, prompt_len, warm_len, seed + 1, device))
+    progress(f"warm-up done ({time.perf_counter() - t_warm:.1f} s); timing {reps} step{'s' if reps > 1 else ''} "
+             f"on {batch} x {completion_len} tokens")
     model.zero_grad(set_to_none=True)
     inputs = _step_inputs(batch, vocab, prompt_len, completion_len, seed, device)
     times, peaks, losses = [], [], []

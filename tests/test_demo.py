@@ -142,7 +142,9 @@ def test_demo_runs_clean(tmp_path, monkeypatch, capsys):
     assert re.search(r"stock TRL:\s+[\d.]+ MB", out) and re.search(r"fastrl:\s+[\d.]+ MB", out), out
     assert "\nVerdict: " in out
     for label in ("stock TRL", "fastrl"):  # progress while each step is measured: warm-up, then each timed step
-        assert re.search(rf"{label}: warm-up done \([\d.]+ s\); timing 1 step\n\s+{label}: step 1/1: [\d.]+ s", out), out
+        assert re.search(rf"{label}: trainer built; warm-up: one untimed step on 2 x 16 tokens \(first-call set-up\)\n"
+                         rf"\s+{label}: warm-up done \([\d.]+ s\); timing 1 step on 2 x 16 tokens\n"
+                         rf"\s+{label}: step 1/1: [\d.]+ s", out), out
     assert not caught, [f"{w.category.__name__}: {w.message} ({w.filename}:{w.lineno})" for w in caught]
     assert not re.search(r"warn", out + err, re.IGNORECASE), f"stdout:\n{out}\nstderr:\n{err}"
     assert "VmHWM" not in out
