@@ -121,11 +121,20 @@ def test_the_pages_have_their_snippets():
 
 
 @pytest.mark.parametrize("page,line,code", ALL_SNIPPETS, ids=[f"{p}:{n}" for p, n, _ in ALL_SNIPPETS])
-def test_snippet_runs_as_printed(page, line, code, tmp_path, monkeypatch):
-    """Each snippet is the whole program: no name is supplied, nothing is prepended."""
+def test_snippet_runs_as_printed(page, line, code, tmp_path, monkeypatch, capsys):
+    """Each snippet is the whole program: no name is supplied, nothing is prepended. The front page's snippets print
+    only their own result lines (no trainer's log dictionaries) and leave nothing in the working directory."""
     pytest.importorskip("trl")
     monkeypatch.chdir(tmp_path)  # snippets that train write their output_dir here
     exec(compile(code, f"{page}:{line}", "exec"), {"__name__": "__main__"})
+    if page == "README.md":
+        out = capsys.readouterr().out
+        assert "{'" not in out and "train_runtime" not in out, out
+        assert not list(tmp_path.iterdir()), f"{page}:{line} left {[p.name for p in tmp_path.iterdir()]} behind"
+        if "GRPOTrainer(" in code:  # the trainer swap: one line per training step, nothing else
+            assert out.strip(), "the trainer swap printed nothing"
+            assert all(re.fullmatch(r"step \d+: reward [\d.]+  loss \S+  grad norm [\d.]+", ln)
+                       for ln in out.strip().splitlines()), out
 
 
 def test_a_cpu_trainer_example_states_its_precision():
@@ -208,3 +217,111 @@ def test_readme_c1_figures_are_those_of_the_cited_result_file():
         r = rows[(wl, prov)]
         assert (int(ms), int(mb), float(ratio)) == (
             round(r["total_ms"]["median"]), round(r["peak_extra_mb"]), round(r["time_vs_torch"], 2)), (wl, label)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What a newcomer reads: no internal wording, installs that work as printed, figures from their files
+# ---------------------------------------------------------------------------------------------------------------
+
+USER_PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+# wording that describes how a measurement was organised, not what it measured, and test counts that go stale
+INTERNAL = [r"\blent machine\b", r"\bwhere that session measured\b", r"\bits GPU test asks\b",
+            r"\bits printed output\b", r"\b\d+ passed\b"]
+
+
+@pytest.mark.parametrize("page", USER_PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_user_pages_have_no_internal_wording_or_test_counts(page):
+    bad = [f"{page.name}:{n}: {line.strip()[:100]}" for n, line in enumerate(page.read_text().splitlines(), 1)
+           if any(re.search(pattern, line, flags=re.I) for pattern in INTERNAL)]
+    assert not bad, bad
+
+
+def _install_commands(page: Path) -> list[list[str]]:
+    """The pip commands of each fenced bash block of ``page`` (and, on the front page and the install page, of each
+    inline code span), in order, split at ``&&``."""
+    text = page.read_text()
+    groups = [block for block in re.findall(r"^```bash\n(.*?)^```", text, flags=re.S | re.M)]
+    if page.name in ("README.md", "install.md"):
+        groups += re.findall(r"`([^`\n]*pip install[^`\n]*)`", re.sub(r"^```.*?^```", "", text, flags=re.S | re.M))
+    out = []
+    for group in groups:
+        lines = [ln.split("#", 1)[0] for ln in group.splitlines()]
+        out.append([c.strip() for ln in lines for c in ln.split("&&") if c.strip().startswith("pip install")])
+    return out
+
+
+def _installs_fastrl(command: str) -> bool:
+    return bool(re.search(r"pip install (-e|--editable) ['\"]?\.(\[|['\"\s]|$)|fastrl-kernels", command))
+
+
+@pytest.mark.parametrize("page", USER_PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_torch_is_installed_before_fastrl_in_every_printed_install(page):
+    """An extra installed without a torch already there pulls the index's default torch (a CUDA build with GBs of
+    NVIDIA wheels on Linux), the docs extra included: every printed install of fastrl comes after torch's."""
+    for commands in _install_commands(page):
+        for i, command in enumerate(commands):
+            if _installs_fastrl(command):
+                assert any(c.startswith("pip install torch==") for c in commands[:i]), (page.name, commands)
+
+
+def test_the_install_pages_install_from_a_checkout_while_not_on_the_index():
+    for page in (REPO / "README.md", REPO / "docs" / "install.md"):
+        commands = [c for group in _install_commands(page) for c in group]
+        assert commands and not [c for c in commands if "fastrl-kernels" in c], (page.name, commands)
+        assert 'pip install -e ".[docs]"' in " ".join(c for group in _install_commands(REPO / "docs" / "install.md")
+                                                     for c in group)
+    text = (REPO / "docs" / "install.md").read_text()
+    assert "--index-url https://download.pytorch.org/whl/cpu" in text  # the CPU build, named
+    assert re.search(r"^site/$", (REPO / ".gitignore").read_text(), flags=re.M)  # mkdocs build's output
+
+
+def test_the_instruments_check_what_they_should():
+    assert _installs_fastrl('pip install -e ".[docs]"') and _installs_fastrl("pip install -e .")
+    assert _installs_fastrl('pip install "fastrl-kernels[trl]"') and not _installs_fastrl("pip install torch==2.13.0")
+    assert re.search(INTERNAL[-1], "ran (1934 passed, 388 skipped)")
+
+
+# the README's GPU table: (workload cell start -> session workload), (what-ran cell -> provider, implementation)
+_GPU_WORKLOADS = {"W1 GRPO loss": "W1", "W2 GRPO loss": "W2", "W3 forward-only": "W3",
+                  "distillation divergence, beta 0.5": "D-b0.5", "W4 `GRPOTrainer` step, 8 x 4096": "W4-4096"}
+
+
+def _gpu_provider(label: str) -> tuple[str, str | None]:
+    if "TRL" in label:
+        return "trl", None
+    if label.startswith("Liger"):
+        return "liger", None
+    if label == "`fastrl.GRPOTrainer`":
+        return "fastrl", None
+    impl = re.match(r"fastrl `([\w-]+)`(, (one|two) pass)?$", label)
+    assert impl, label
+    return ("fastrl-fused" if impl.group(3) == "one" else "fastrl"), impl.group(1)
+
+
+def test_readme_gpu_figures_are_those_of_the_cited_session_files():
+    """Every row of the README's GPU table (time, memory and both ratios against TRL) is a row of the session files
+    of the results folder it links, as rounded."""
+    import json
+
+    text = (REPO / "README.md").read_text()
+    m = re.search(r"\]\((bench/results/nvidia-h200/[^/)]+)/README\.md\)", text)
+    assert m, "README.md links no H200 results folder next to its GPU table"
+    rows = {}
+    for name in ("session.rows.jsonl", "session-rest.rows.jsonl"):
+        for line in (REPO / m.group(1) / name).read_text().splitlines():
+            r = json.loads(line)
+            if r.get("status") == "ok" and "total_ms" in r and "extra_mb" in r:
+                rows.setdefault((r["workload"], r["provider"], r.get("implementation")), r)
+    table = re.findall(r"^\|\s*([^|]*?)\s*\|\s*([^|]+?)\s*\|\s*([\d.]+) ms\s*\|\s*\**([\d.]+)x\**\s*\|"
+                       r"\s*(\d+) MB\s*\|\s*\**([\d.]+)x\**\s*\|$", text[m.end():], flags=re.M)
+    assert len(table) >= 15, table
+    workload = None
+    for cell, label, ms, ratio, mb, mem_ratio in table:
+        if cell.strip():
+            workload = next(w for start, w in _GPU_WORKLOADS.items() if cell.startswith(start))
+        provider, impl = _gpu_provider(label.strip())
+        r, trl = rows[(workload, provider, impl)], rows[(workload, "trl", None)]
+        t, t_trl = r["total_ms"]["median"], trl["total_ms"]["median"]
+        got = (float(ms), float(ratio), int(mb), float(mem_ratio))
+        want = (round(t, 1), round(t / t_trl, 2), round(r["extra_mb"]), round(r["extra_mb"] / trl["extra_mb"], 2))
+        assert got == want, (workload, label, got, want)
