@@ -115,8 +115,8 @@ def _release(trainer) -> None:
 def finish(barrier: bool = True) -> None:
     """End a distributed run cleanly: wait for every process (``barrier=True``), release what fastrl's trainers
     hold of the process group, and destroy it, so that nothing of gloo or NCCL is left for the interpreter's exit
-    to tear down. Does nothing outside a process group. The trainers are unusable for training afterwards; their
-    unwrapped models stay (save them before or after).
+    to tear down. Does nothing outside a process group. Call it last: the trainers cannot train or save through
+    the group afterwards (save the models before); their unwrapped models stay.
 
     fastrl's trainers run this (without the barrier) at interpreter exit when the script has not: a script needs
     no call of its own. Call it yourself to end the group at a point of your choosing, e.g. before work that
