@@ -12,10 +12,10 @@ import difflib
 import functools
 import math
 
-__all__ = ["number", "suggest_keywords", "unknown_keyword_message"]
+__all__ = ["is_finite_number", "number", "suggest_keywords", "unknown_keyword_message"]
 
 
-def _finite(value: object) -> bool:
+def is_finite_number(value: object) -> bool:
     # comparisons rather than math.isfinite: under torch.compile(dynamic=True) a float may be symbolic
     return isinstance(value, (int, float)) and not isinstance(value, bool) and -math.inf < value < math.inf
 
@@ -36,7 +36,7 @@ def number(owner: str, name: str, value: object, *, low=None, high=None, low_ope
     finite number (not a bool) in the range (``None`` too when ``optional``). ``why`` says what goes wrong outside."""
     if optional and value is None:
         return
-    ok = _finite(value) and (low is None or (value > low if low_open else value >= low)) and (
+    ok = is_finite_number(value) and (low is None or (value > low if low_open else value >= low)) and (
         high is None or (value < high if high_open else value <= high))
     if not ok:
         expected = ("None or " if optional else "") + _range(low, high, low_open, high_open)

@@ -19,8 +19,8 @@ with an offender (it must be reported) and once without (nothing reported), so n
    when that is a module of the project and ``p`` otherwise; the parent packages a dotted import runs first are
    not counted. (a) No cycle among the modules of ``fastrl`` (``kernels/`` included). (b) The layers, top first:
    ``bench`` > ``fastrl/__init__.py``, ``fastrl/demo.py``, ``fastrl/reference.py``, ``fastrl/testing.py`` >
-   ``fastrl/trainers`` > ``fastrl/losses`` > ``fastrl/ops`` > ``kernels`` > ``fastrl/_extras.py`` (a leaf that
-   imports nothing of the project); no module imports a module of a higher layer.
+   ``fastrl/trainers`` > ``fastrl/losses`` > ``fastrl/ops`` > ``kernels`` > ``fastrl/_extras.py`` and
+   ``fastrl/_options.py`` (leaves that import nothing of the project); no module imports a module of a higher layer.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ LAYERS = {
     "fastrl.ops": 2,
     "fastrl.kernels": 1,
     "fastrl._extras": 0,
+    "fastrl._options": 0,  # the option checks shared by PolicyLossConfig and GRPOConfig: a leaf too
 }
 EXEMPT_PACKAGE = "fastrl.kernels"  # where @triton.jit functions may be long
 

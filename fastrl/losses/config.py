@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from fastrl._options import _finite, number, suggest_keywords
+from fastrl._options import is_finite_number, number, suggest_keywords
 
 __all__ = ["LOSS_TYPES", "KL_ESTIMATORS", "IMPORTANCE_SAMPLING_LEVELS", "PolicyLossConfig"]
 
@@ -161,7 +161,7 @@ class PolicyLossConfig:
         """epsilon_low, epsilon_high (TRL's default: epsilon_low) and delta, each where it can bind."""
         number(_OWNER, "epsilon_low", self.epsilon_low, low=0, high=1, high_open=True,
                why=f"the ratio's lower clip bound 1 - {self.epsilon_low!r} must stay above 0, or no ratio (always > 0) "
-               "can ever reach it" if _finite(self.epsilon_low) and self.epsilon_low >= 1 else "")
+               "can ever reach it" if is_finite_number(self.epsilon_low) and self.epsilon_low >= 1 else "")
         derived = self.epsilon_high is None
         if derived:
             # TRL: `epsilon_high if epsilon_high is not None else epsilon`.
