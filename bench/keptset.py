@@ -26,13 +26,14 @@ RULE_TARGET = 0.25  # issue 34: support=SamplerRule(top_k=64), fwd + bwd, at <= 
 
 
 def make_sets(N: int, V: int, K: int, kind: str, device: torch.device, seed: int = 0, rows: int = 256):
-    """(KeptSet, targets [N]): K distinct ids per token (``zipf`` or ``uniform``), the target one of them; Gumbel
+    """(KeptSet, targets [N]): K distinct ids per token (``zipf`` or ``uniform``; ``ragged``: Zipf ids, sizes as a
+    sampler keeps, issue 44: ~45% one id, median 2, mean ~8, p99 ~82, at most K), the target one of them; Gumbel
     top-K over blocks of ``rows`` tokens on the device (one multinomial call per token is slower than the point)."""
     import fastrl
 
     device = torch.device(device)
     g = torch.Generator(device=device).manual_seed(seed)
-    if kind == "zipf":
+    if kind != "uniform":
         logp = torch.arange(1, V + 1, device=device, dtype=torch.float32).log_().mul_(-1.1)
         logp = logp[torch.randperm(V, generator=g, device=device)]  # which ids are frequent
     else:
@@ -42,7 +43,12 @@ def make_sets(N: int, V: int, K: int, kind: str, device: torch.device, seed: int
         r1 = min(N, r0 + rows)
         u = torch.rand(r1 - r0, V, generator=g, device=device).clamp_(min=1e-20)
         ids[r0:r1] = (logp - u.log_().neg_().log_()).topk(K, dim=1).indices
-    pick = torch.randint(0, K, (N,), generator=g, device=device)
+    sizes = torch.full((N,), K, device=device)
+    if kind == "ragged":
+        sizes = (torch.randn(N, generator=g, device=device) * 1.19 + 1.91).exp_().ceil_().clamp_(2, K).long()
+        sizes[torch.rand(N, generator=g, device=device) < 0.45] = 1
+        ids[torch.arange(K, device=device) >= sizes[:, None]] = -1
+    pick = (torch.rand(N, generator=g, device=device) * sizes).long()
     return fastrl.KeptSet.from_padded(ids, V), ids[torch.arange(N, device=device), pick]
 
 
