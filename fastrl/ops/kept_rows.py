@@ -157,7 +157,7 @@ def _scatter_add(acc: torch.Tensor, index: torch.Tensor, src: torch.Tensor, dete
     """``acc[index] += src`` (rows). Deterministic: the rows of each index summed in a fixed order first (sort by
     index, then ``segment_reduce``: no atomics), then one add per distinct index, all without a data-dependent
     shape (the unused segments are empty and add exact zeros to row 0)."""
-    if not deterministic:
+    if not deterministic or acc.device.type == "cpu":  # a CPU's index_add_ adds in index order: deterministic
         acc.index_add_(0, index, src.to(acc.dtype))
         return
     M = index.numel()
