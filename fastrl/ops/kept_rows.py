@@ -11,11 +11,15 @@ Two implementations of one semantics:
 
 * torch (every device): row chunks of at most ``tile_elems`` gathered weight elements (``[rows, K, H]``), a batched
   matmul with float32 accumulation (float64 for float64 inputs; bf16/fp16 operands upcast on a CPU, where the
-  products are exact, cuBLAS's float32-out ``bmm`` on CUDA); ``grad_W`` with ``index_add_`` over the chunk's ids.
-  ``deterministic=True`` sums each id's rows first (sorted by id, ``segment_reduce``: no atomics) and adds each
-  distinct id once per chunk, so the result does not depend on the order of atomic adds on CUDA.
+  products are exact, cuBLAS's float32-out ``bmm`` on CUDA); ``grad_W`` over the chunk's ids: ``deterministic=True``
+  (what the engine asks) sums each id's rows first on CUDA (sorted by id, ``segment_reduce``: no atomics) and adds
+  each distinct id once per chunk; on a CPU ``index_add_``, which adds in index order (deterministic, and ~30x faster
+  there than ``segment_reduce`` over ``[rows, H]``).
 * Triton (``fastrl.kernels.kept_rows``, on a Triton backend when that module is installed): gather + dot in the
-  input dtype with float32 accumulation, a scatter-add backward; the same arguments and results.
+  input dtype with float32 accumulation, a sorted segment reduction for ``grad_W`` (no atomics); the same arguments
+  and results.
+
+The engine (``fastrl.ops.kept``) calls these once per bucket of rows of one padded width (``KeptPlan``).
 """
 
 from __future__ import annotations
