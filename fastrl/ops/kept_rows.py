@@ -13,8 +13,8 @@ Two implementations of one semantics:
   matmul with float32 accumulation (float64 for float64 inputs; bf16/fp16 operands upcast on a CPU, where the
   products are exact, cuBLAS's float32-out ``bmm`` on CUDA); ``grad_W`` over the chunk's ids: ``deterministic=True``
   (what the engine asks) sums each id's rows first on CUDA (sorted by id, ``segment_reduce``: no atomics) and adds
-  each distinct id once per chunk; on a CPU ``index_add_``, which adds in index order (deterministic, and ~30x faster
-  there than ``segment_reduce`` over ``[rows, H]``).
+  each distinct id once per chunk; on a CPU ``index_add_``, which adds in index order (deterministic; with
+  ``segment_reduce`` over ``[rows, H]`` a ragged 4096 x 512 step took 1.0 s there instead of 0.29 s, one thread).
 * Triton (``fastrl.kernels.kept_rows``, on a Triton backend when that module is installed): gather + dot in the
   input dtype with float32 accumulation, a sorted segment reduction for ``grad_W`` (no atomics); the same arguments
   and results.
