@@ -10,11 +10,11 @@ kernels, nothing here knows about autograd (``fastrl/ops`` orchestrates):
 * ``backward_kernel``: one program per (row, H slice): ``dh_n = sum_k g[n, k] W[ids[n, k]]`` from the same gather.
 * ``segment_dw_kernel``: the scatter-add ``dW[ids[n, k]] += g[n, k] h_n`` (``db`` likewise; with ``weight_rows``
   into row ``weight_rows[n, k]`` of a compact [R, H] buffer instead), a sorted segment reduction (issue 47: no
-  float32 atomics anywhere in the kept path, so the gradients are deterministic by construction). The launcher sorts the flat (id, n, k) entries once
-  (stable, so equal ids keep their (n, k) order); each program owns the id segments that *start* in its block of
-  sorted positions and sums each one in a fixed order (within the block, then the tail of the
-  block's last segment in later blocks), writing every touched ``dW`` row exactly once: no atomics, two runs give
-  bitwise-equal gradients. The in-block segment sums are one float32 ``tl.dot`` of a 0/1 "same segment" matrix
+  float32 atomics anywhere in the kept path, so the gradients are deterministic by construction). The launcher
+  sorts the flat (id, n, k) entries once (stable, so equal ids keep their (n, k) order); each program owns the id
+  segments that *start* in its block of sorted positions and sums each one in a fixed order (within the block, then
+  the tail of the block's last segment in later blocks), writing every touched ``dW`` row exactly once: two runs
+  give bitwise-equal gradients. The in-block segment sums are one float32 ``tl.dot`` of a 0/1 "same segment" matrix
   with the block's contributions: a fixed order, BLOCK_E multiply-adds per element.
 
 Why no ``tl.dot``. Per token the forward is a [K, H] x [H] matrix-vector product: every weight element loaded is
@@ -51,9 +51,9 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Launch configurations, written as KernelConfig(rows per program, ids per step, BLOCK_H, warps, stages): the
 # first two fields are the per-row kernels' BLOCK_N (1: one token per program) and BLOCK_K; the segment kernel
 # reads them as its block of sorted positions (BLOCK_E) and 1. A step loads BLOCK_K weight-row slices of BLOCK_H
-# contiguous elements (256 bytes in bf16). The backward steps 16 ids (chosen when it also added dW with atomics, whose
-# 64-bit addresses doubled its registers at 32 ids; ``python -m bench sass --only kept`` prints them). Candidates for a GPU tournament:
-# tuning.CANDIDATES_BY_KERNEL["kept_logits" | "kept_backward" | "kept_segment_dw"].
+# contiguous elements (256 bytes in bf16). The backward steps 16 ids (chosen when it also added dW with atomics,
+# whose 64-bit addresses doubled its registers at 32 ids; ``python -m bench sass --only kept`` prints them).
+# Candidates for a GPU tournament: tuning.CANDIDATES_BY_KERNEL["kept_logits" | "kept_backward" | "kept_segment_dw"].
 DEFAULT_CONFIGS: dict[str, KernelConfig] = {
     "kept_logits": KernelConfig(1, 32, 128, 4, 2),
     "kept_backward": KernelConfig(1, 16, 128, 4, 2),

@@ -131,8 +131,8 @@ def union_bound(N: int, nnz: int, V: int, tile_elems: int, cap: int) -> int:
 
 
 def bucket_width(sizes: torch.Tensor, width: int) -> torch.Tensor:
-    """[N] the padded width of each row's bucket on the per-row plan: a set of ``s`` ids is padded to ``s`` rounded up to
-    a multiple of ``q = 2^max(0, floor(log2 s) - 2)`` (four widths per octave), at most ``width``. Exact below 8 ids;
+    """[N] the padded width of each row's bucket on the per-row plan: a set of ``s`` ids is padded to ``s`` rounded up
+    to a multiple of ``q = 2^max(0, floor(log2 s) - 2)`` (four widths per octave), at most ``width``. Exact below 8 ids;
     from 8 on the padding is under ``q <= s / 4``, so a plan pays at most ``1.25 nnz`` logits whatever the sizes."""
     s = sizes.clamp(min=1)
     e = torch.log2(s.double()).floor_().long()
