@@ -13,11 +13,13 @@ The work never walks the vocabulary. The engine computes the transformed logits 
 one place a plan is chosen, for ``fused_logprobs``, ``policy_loss`` and ``fused_divergence`` alike, and
 ``KeptSet.describe_plan()`` prints the choice):
 
-* the per-row plan (``fastrl.ops.kept_rows``): each token's ids padded to ``K_max``, one batched product of each
-  row's hidden state with its own gathered weight rows: ``K_max`` logits per token, static shapes, no host read;
-  the backward from the same gather, the weight gradient a scatter-add over the kept ids. On a Triton backend it
-  runs ``fastrl.kernels.kept_rows`` where that module is installed. The default for sampled sets (different
-  sequences share few ids), with or without host reads;
+* the per-row plan (``fastrl.ops.kept_rows``): rows bucketed by set size (``kept_plan.bucket_width``: four padded
+  widths per octave), one batched product per bucket of each row's hidden state with its own gathered weight rows:
+  at most ``1.25 nnz`` logits in all (``N x K_max`` under CUDA graph capture, where the op cannot read the bucket
+  counts); the backward from the same gather, skipping singleton rows (their log-prob and entropy are 0 whatever
+  the logit), the weight gradient a deterministic scatter-add over the kept ids. On a Triton backend it runs
+  ``fastrl.kernels.kept_rows`` where that module is installed. The default for sampled sets (different sequences
+  share few ids), with or without host reads;
 * union tiles (the host plan, or the fixed plan without host reads): per unit the rows ``W[U]`` (and ``b[U]``) of a
   token chunk's union gathered once, one GEMM ``[rows, H] x [H, |U|]`` with a float32 result (cuBLAS with a float32
   output on CUDA: no logit is rounded to bf16), the unit's entries read out of the tile. Chosen where neighbouring
@@ -28,15 +30,19 @@ The per-entry logits (O(nnz) floats) are kept for the backward, which forms ``G 
 plan's gradient products: ``grad_h = G W[ids]`` and ``G^T h`` added to the kept rows of the weight gradient: of the
 gradient itself for a float32 (float64) head, of a float32 buffer over the kept ids for a bf16/fp16 one on the torch
 path (cast into the gradient at the end). Forward ``2 L H`` FLOPs per token, backward ``4 L H`` (nothing recomputed),
-``L`` the logits the plan computes per token: ``K_max`` on the per-row plan, at most ``max(cap, K_max)`` on the host
-union plan and ``3.5 C`` plus one chunk on the fixed union plan (``C = min(cap, 4 K)``, ``K`` the mean set size;
-docs/kept-set-costs.md; held by
-tests/test_kept_costs.py, which reads ``KeptPlan.computed``, the count ``entry_logits`` keeps).
+``L`` the logits the plan computes per token: at most ``1.25 K`` on the per-row plan (``K`` the mean set size), at
+most ``max(cap, K_max)`` on the host union plan and ``3.5 C`` plus one chunk on the fixed union plan
+(``C = min(cap, 4 K)``; docs/kept-set-costs.md; held by tests/test_kept_costs.py and tests/test_kept_ragged.py, which
+read ``KeptPlan.computed``, counted where the products run).
 
 Autograd and ``torch.compile`` see one op, ``torch.ops.fastrl.kept_logprob`` (its backward the op
 ``kept_logprob_backward``): opaque, with fake implementations, in eager and compiled alike. The plan is an
 argument (``PlanChoice.arg``: the host plan's chunk boundaries, ``[]`` for the fixed union plan, ``[-K_max]`` for the
 per-row plan), its bounds and the backend are options.
+
+Determinism: every reduction of the engine runs in a fixed order (segment reductions over the CSR, one
+``index_add_`` of distinct ids per union unit, the per-row plan's sorted segment sums on CUDA and Triton and a CPU's
+in-order ``index_add_``): two backward runs give bitwise-equal gradients (tests/test_kept_ragged.py).
 """
 
 from __future__ import annotations

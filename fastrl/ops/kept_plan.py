@@ -218,8 +218,8 @@ def choose(ids: torch.Tensor, offsets: torch.Tensor, V: int, width: int | None, 
     """The plan for a kept set (CSR ``ids`` / ``offsets``) of rows at most ``width`` wide (None: unknown).
 
     ``overlap`` (the set's ``KeptSet.overlap``): True takes union tiles, False the per-row plan, None decides: with
-    ``sync`` (host reads allowed) by measuring the host plan's unions against ``N x K_max`` (``UNION_ADVANTAGE``);
-    without, the per-row plan (sampled sets of different sequences share few ids), or the fixed union plan where
+    ``sync`` (host reads allowed) on a CPU by measuring the host plan's unions against the per-row plan's logits
+    (``UNION_ADVANTAGE``), on CUDA the per-row plan (the GPU window's rows: union tiles never won there); without, the per-row plan (sampled sets of different sequences share few ids), or the fixed union plan where
     no width is known (a rule replayed while compiling).
 
     ``count``: whether the per-row plan's logits (``rows_count``, a read of the set sizes) are counted into the
@@ -246,6 +246,11 @@ def choose(ids: torch.Tensor, offsets: torch.Tensor, V: int, width: int | None, 
         why = ("the set says its rows overlap (KeptSet.overlap=True)" if overlap else
                "no host read and no known set width (a rule replayed while compiling)")
         return PlanChoice("union-fixed", bounds=(), logits=fixed, other=rows_logits or None, reason=why, **base)
+    if overlap is None and offsets.device.type == "cuda":
+        # measuring the unions costs a host sync per chunk (the H200 window's eager per-row row took 45.1 ms at W1,
+        # 22.0 without host reads), and there union tiles never won: 0.68-3.5x the full head's time against the
+        # per-row plan's 0.17-1.11x
+        return rows(None, "on CUDA the per-row plan unless the set says its rows overlap (docs/kept-set-costs.md)")
     bounds = host_bounds(ids, offsets, tile_elems, cap)
     off = offsets.tolist()
     union = sum((c1 - c0) * torch.unique(ids[off[c0]:off[c1]]).numel() for c0, c1 in zip(bounds[:-1], bounds[1:]))
