@@ -199,8 +199,11 @@ class PlanChoice:
         what = {"rows": f"per-row plan, {self.N} rows bucketed by set size (K_max = {self.width})",
                 "union-host": f"union tiles, host plan ({max(0, len(self.bounds) - 1)} chunks, cap {self.cap})",
                 "union-fixed": f"union tiles, fixed plan (cap {self.cap}, provisioned from shapes)"}[self.kind]
-        s = (f"{what}: {self.logits} logits, {self.per_token():.1f} per token ({self.per_token() / max(k, 1e-9):.2f}"
-             f" x the mean set size {k:.1f})")
+        if self.logits is None:
+            s = f"{what}: logits counted where the op runs (no host read here)"
+        else:
+            s = (f"{what}: {self.logits} logits, {self.per_token():.1f} per token "
+                 f"({self.per_token() / max(k, 1e-9):.2f} x the mean set size {k:.1f})")
         if self.other is not None:
             s += f"; the other plan: {self.other} ({self.other / max(1, self.N):.1f} per token)"
         return s + f". Why: {self.reason}"

@@ -218,7 +218,8 @@ class KeptSet:
         """Which plan the kept-set engine runs for this set (``fastrl.ops.kept.build_plan``), what it computes and
         why: ``print(ks.describe_plan())``. ``host_sync=False``: the choice of the no-sync path and
         ``torch.compile``. Ignored tokens are planned too here (the ops drop them first where the host may be read)."""
-        return choose_for(self.ids, self.offsets, self.vocab_size, self.width, self.overlap, host_sync, self.device)
+        return choose_for(self.ids, self.offsets, self.vocab_size, self.width, self.overlap, host_sync, self.device,
+                          count=True)  # (asked for: its logits are counted, a read of the set sizes)
 
     def padded(self, pad_id: int = -1) -> torch.Tensor:  # [N, K_max] int64
         """Dense ``[N, K_max]`` ids, ``pad_id`` after each token's last id."""
