@@ -34,18 +34,17 @@ def make_sets(N: int, V: int, K: int, kind: str, device: torch.device, seed: int
 
     device = torch.device(device)
     g = torch.Generator(device=device).manual_seed(seed)
+    logp = torch.zeros(V, device=device)
     if kind != "uniform":
         logp = torch.arange(1, V + 1, device=device, dtype=torch.float32).log_().mul_(-1.1)
         logp = logp[torch.randperm(V, generator=g, device=device)]  # which ids are frequent
-    else:
-        logp = torch.zeros(V, device=device)
     ids = torch.empty(N, K, dtype=torch.int64, device=device)
     for r0 in range(0, N, rows):
         r1 = min(N, r0 + rows)
         u = torch.rand(r1 - r0, V, generator=g, device=device).clamp_(min=1e-20)
         ids[r0:r1] = (logp - u.log_().neg_().log_()).topk(K, dim=1).indices
     sizes = torch.full((N,), K, device=device)
-    if kind == "ragged":
+    if kind == "ragged":  # lognormal sizes with the measured masks' mean, median and p99, then 45% set to 1
         sizes = (torch.randn(N, generator=g, device=device) * 1.19 + 1.91).exp_().ceil_().clamp_(2, K).long()
         sizes[torch.rand(N, generator=g, device=device) < 0.45] = 1
         ids[torch.arange(K, device=device) >= sizes[:, None]] = -1
@@ -56,8 +55,7 @@ def make_sets(N: int, V: int, K: int, kind: str, device: torch.device, seed: int
 def run_point(spec: dict) -> dict:
     """The point's step (``ms``: the median of ``ms_all``), its extra peak memory (``measure.time_steps``), the plan
     it ran and the union GEMMs' work against the full vocabulary's (docs/benchmarks.md)."""
-    from fastrl.ops.budget import tile_budget
-    from fastrl.ops.kept import chunk_plan
+    from fastrl.ops.kept import capacity, chunk_plan
 
     dev = torch.device(spec["device"])
     N, H, V = spec["N"], spec["H"], spec["V"]
@@ -72,8 +70,7 @@ def run_point(spec: dict) -> dict:
     elif spec.get("threads"):
         torch.set_num_threads(spec["threads"])
     times, res["peak_extra_mb"] = measure.time_steps(step, spec["reps"], spec["warmup"], dev.type == "cuda")
-    b = tile_budget("kept", dev)
-    plan = chunk_plan(ks, V, b.elems, b.cap)
+    plan = chunk_plan(ks, V, *capacity(dev))  # the host union plan's chunks (the engine's capacity rule)
     unions = [torch.unique(ks[c0:c1].ids).numel() for c0, c1 in plan]
     # union_work_vs_full: the union GEMMs' work against the full vocabulary's, per pass (sum(rows * |U|) / (N V))
     res.update(ms=statistics.median(times), ms_all=times, kept_mean=float(ks.sizes().float().mean()),
