@@ -226,14 +226,14 @@ def choose(ids: torch.Tensor, offsets: torch.Tensor, V: int, width: int | None, 
     no width is known (a rule replayed while compiling).
 
     ``count``: whether the per-row plan's logits (``rows_count``, a read of the set sizes) are counted into the
-    choice; None: where that read costs no sync (host reads allowed, or the sets not on CUDA). Uncounted, the
+    choice; None: where host reads are allowed (``sync``; ``describe_plan`` asks for them). Uncounted, the
     choice's ``logits`` is None (the op counts them where it runs: ``KeptPlan.computed``)."""
     N, nnz = offsets.numel() - 1, ids.numel()
     if sync and N and width is None:
         width = int((offsets[1:] - offsets[:-1]).max())
     # while compiling, sizes may be symbolic (a replayed rule's nnz is data-dependent): nothing is counted then
     counted = not torch.compiler.is_compiling()
-    count = sync or (offsets.device.type != "cuda" if count is None else count)
+    count = sync or bool(count)
     rows_logits = rows_count(offsets, width or 0) if counted and count else None
     base = dict(N=N, nnz=nnz, width=width or 0, tile_elems=tile_elems, cap=cap)
 
