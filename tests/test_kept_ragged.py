@@ -167,3 +167,25 @@ def test_deterministic_gradients_bitwise(backend, dtype):
     for a, c in zip(*runs):
         assert torch.equal(a, c)
     assert runs[0][1].abs().sum() > 0
+
+
+def test_opcheck_on_ragged_sets():
+    """``fastrl::kept_logprob`` and its backward on the bucketed per-row plan (singletons, empty and masked rows)."""
+    ks, t = ragged(24, seed=9)
+    ids = ks.padded()
+    ids[5] = -1  # an empty set, its token masked
+    ks = fastrl.KeptSet.from_padded(ids, V)
+    t = t.clone()
+    t[5] = -100
+    g = torch.Generator().manual_seed(10)
+    h = torch.randn(24, H, generator=g, requires_grad=True)
+    w = torch.randn(V, H, generator=g, requires_grad=True)
+    choice = ks.describe_plan(host_sync=False)
+    o = kept.KeptOptions(temperature=0.7, all_live=False)
+    fwd = (h, w, None, t, ks.ids, ks.offsets, choice.arg(), *o.pack())
+    torch.library.opcheck(torch.ops.fastrl.kept_logprob, fwd)
+    with torch.no_grad():
+        _, ent, lse, z = torch.ops.fastrl.kept_logprob(*fwd)
+    bwd = (torch.randn(24, generator=g), torch.randn(24, generator=g), h.detach(), w.detach(), None, t, ks.ids,
+           ks.offsets, z, lse, ent, choice.arg(), *o.pack(), True, True, False)
+    torch.library.opcheck(torch.ops.fastrl.kept_logprob_backward, bwd)
