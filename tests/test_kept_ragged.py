@@ -144,13 +144,14 @@ def test_compiled_runs_the_same_buckets(monkeypatch):
         assert torch.allclose(a, c, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend,overlap", [("torch", None), ("triton", None), ("torch", True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_deterministic_gradients_bitwise(backend, dtype):
+def test_deterministic_gradients_bitwise(backend, overlap, dtype):
     """Two backward runs: bitwise-equal gradients (ids recur within and across buckets; bf16: the float32 buffer
-    over the kept ids)."""
+    over the kept ids), on the per-row plan and on union tiles (``overlap=True``)."""
     N = 160 if backend == "torch" else 48
     ks, t = ragged(N, seed=7)
+    ks = ks.with_overlap(overlap)
     g = torch.Generator().manual_seed(8)
     hidden = torch.randn(N, 64, generator=g).to(dtype).requires_grad_()
     weight = torch.randn(V, 64, generator=g).to(dtype).requires_grad_()
