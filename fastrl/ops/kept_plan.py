@@ -20,10 +20,12 @@ Three plans. Two cut the set into *units* (``Unit``: one dense GEMM over a chunk
   nnz // E`` (``fixed_shape``), computed from shapes; units past the real count hold no entry and compute a tile
   that is never read. At most ``3.5 C + R C / N`` logits per token (``union_bound``).
 
-The third has no units: the per-row plan (``fastrl.ops.kept_rows``), each token's ids padded to the widest set,
-``[N, K_max]``, and one batched product of each row's hidden state with its own gathered weight rows: exactly
-``K_max`` logits per token, no union, static shapes, no host read. ``choose`` picks the plan (the sets' overlap,
-measured on the host or stated by ``KeptSet.overlap``) and says why (``PlanChoice``, printable).
+The third has no units: the per-row plan (``fastrl.ops.kept_rows``), rows bucketed by set size (``bucket_width``:
+four padded widths per octave, at most ``1.25 nnz`` logits in all), one batched product per bucket of each row's
+hidden state with its own gathered weight rows: no union, static shapes at the op's boundary, one host read of the
+bucket counts inside the op (none under CUDA graph capture, which runs one ``[N, K_max]`` bucket). ``choose`` picks
+the plan (the sets' overlap, measured on the host or stated by ``KeptSet.overlap``) and says why (``PlanChoice``,
+printable).
 
 The op argument that names a plan (``PlanChoice.arg``; ``decode``): ``[0, c1, ..., N]`` the host plan's chunk
 boundaries, ``[]`` the fixed union plan, ``[-K_max]`` the per-row plan.
