@@ -39,8 +39,8 @@ class KeptSet:
 
     What the kept-set engine reads to choose its plan (``describe_plan`` prints the choice):
 
-    * ``width``: the most ids any token keeps, or a bound on it (the per-row plan's ``K_max``: ``[N, width]``
-      padded ids, no host read). Known from construction (``from_padded``: K; ``from_lists`` / ``from_mask`` and a
+    * ``width``: the most ids any token keeps, or a bound on it (the per-row plan's ``K_max``: its widest bucket,
+      and the ``[N, width]`` padding it runs under CUDA graph capture). Known from construction (``from_padded``: K; ``from_lists`` / ``from_mask`` and a
       validated CSR: measured), kept by slicing and ``to``; None where unknown (the engine then measures it where the
       host may be read, and takes the fixed union plan where not).
     * ``overlap``: whether neighbouring tokens' sets share most of their ids (True: union tiles; False: the per-row
