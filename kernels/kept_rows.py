@@ -7,14 +7,14 @@ kernels, nothing here knows about autograd (``fastrl/ops`` orchestrates):
 * ``logits_kernel``: one program per (row, block of BLOCK_K ids) walks H in BLOCK_H slices, loading the row's
   hidden slice and its BLOCK_K gathered weight rows, and keeps a [BLOCK_K, BLOCK_H] float32 accumulator reduced
   once at the end.
-* ``backward_kernel``: one program per (row, H slice): ``dh_n = sum_k g[n, k] W[ids[n, k]]`` from the same gather,
-  and, when asked, the scatter-add ``dW[ids[n, k]] += g[n, k] h_n`` (``db`` likewise) with float32 atomics; with
-  ``weight_rows`` the weight gradient goes to row ``weight_rows[n, k]`` of a compact [R, H] buffer instead.
-* ``segment_dw_kernel``: the deterministic scatter-add. The launcher sorts the flat (id, n, k) entries once
-  (stable, so equal ids keep their (n, k) order); each program owns the id segments that *start* in its block of
-  sorted positions and sums each one in a fixed order (within the block, then the tail of the
-  block's last segment in later blocks), writing every touched ``dW`` row exactly once: no atomics, two runs give
-  bitwise-equal gradients. The in-block segment sums are one float32 ``tl.dot`` of a 0/1 "same segment" matrix
+* ``backward_kernel``: one program per (row, H slice): ``dh_n = sum_k g[n, k] W[ids[n, k]]`` from the same gather.
+* ``segment_dw_kernel``: the scatter-add ``dW[ids[n, k]] += g[n, k] h_n`` (``db`` likewise; with ``weight_rows``
+  into row ``weight_rows[n, k]`` of a compact [R, H] buffer instead), a sorted segment reduction (issue 47: no
+  float32 atomics anywhere in the kept path, so the gradients are deterministic by construction). The launcher
+  sorts the flat (id, n, k) entries once (stable, so equal ids keep their (n, k) order); each program owns the id
+  segments that *start* in its block of sorted positions and sums each one in a fixed order (within the block, then
+  the tail of the block's last segment in later blocks), writing every touched ``dW`` row exactly once: two runs
+  give bitwise-equal gradients. The in-block segment sums are one float32 ``tl.dot`` of a 0/1 "same segment" matrix
   with the block's contributions: a fixed order, BLOCK_E multiply-adds per element.
 
 Why no ``tl.dot``. Per token the forward is a [K, H] x [H] matrix-vector product: every weight element loaded is
@@ -25,8 +25,10 @@ gathered rows for 8.6 GFLOP, 1 FLOP per byte: at an H100's 3.35 TB/s that asks ~
 rated ~67, so a float32 multiply-reduce is bound by memory, not arithmetic, and tensor cores could not make it
 faster (not yet measured on a GPU). It is also exact where it matters: bf16 x bf16 and fp16 x fp16 products are exact in
 float32, so upcasting and accumulating in float32 is the tensor cores' arithmetic (float32 inputs: IEEE products,
-never TF32). The backward's dH is the same gather (K H per token); the atomic dW adds N K H float32
-read-modify-writes in L2.
+never TF32). The backward's dH is the same gather (K H per token). The segment dW reads each entry's hidden row again
+(N K H input-dtype bytes, which atomics would not) and reads and writes each touched dW row once per segment (per
+block of sorted entries it spans): no more than the N K H float32 read-modify-writes of atomics, fewer where ids
+recur (Zipf sets), and no contention on a hot id.
 
 int64 addressing: every row offset (``ids * stride``, ``n * stride``) is a 64-bit scalar or vector before it meets a
 pointer, since V H and N K H exceed 2^31 at real sizes; offsets within a row stay 32-bit.
@@ -49,10 +51,9 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Launch configurations, written as KernelConfig(rows per program, ids per step, BLOCK_H, warps, stages): the
 # first two fields are the per-row kernels' BLOCK_N (1: one token per program) and BLOCK_K; the segment kernel
 # reads them as its block of sorted positions (BLOCK_E) and 1. A step loads BLOCK_K weight-row slices of BLOCK_H
-# contiguous elements (256 bytes in bf16). The backward steps 16 ids, not 32: each atomically added element carries
-# its own 64-bit address, and at 32 ids that more than doubled its registers on sm_90 (2 blocks per SM instead of
-# 5; ``python -m bench sass --only kept`` prints them). Candidates for a GPU tournament:
-# tuning.CANDIDATES_BY_KERNEL["kept_logits" | "kept_backward" | "kept_segment_dw"].
+# contiguous elements (256 bytes in bf16). The backward steps 16 ids (chosen when it also added dW with atomics,
+# whose 64-bit addresses doubled its registers at 32 ids; ``python -m bench sass --only kept`` prints them).
+# Candidates for a GPU tournament: tuning.CANDIDATES_BY_KERNEL["kept_logits" | "kept_backward" | "kept_segment_dw"].
 DEFAULT_CONFIGS: dict[str, KernelConfig] = {
     "kept_logits": KernelConfig(1, 32, 128, 4, 2),
     "kept_backward": KernelConfig(1, 16, 128, 4, 2),
@@ -137,22 +138,16 @@ def kept_rows_logits(
 def backward_kernel(
     g_ptr,  # [N, K] float32 dL/dy (never read at pads)
     h_ptr, w_ptr, ids_ptr,
-    rows_ptr,  # [N, K] int64: the grad_weight row of each entry (HAS_ROWS; else the id)
     gh_ptr,  # [N, H] float32 out: grad of hidden
-    gw_ptr,  # [R, H] float32, added to with atomics (ATOMIC_GW)
-    gb_ptr,  # [V] float32, added to with atomics (ATOMIC_GB)
-    K, H, V, R,
-    stride_gn, stride_gk, stride_hn, stride_wv, stride_in, stride_ik, stride_rn, stride_rk, stride_ghn, stride_gwv,
+    K, H, V,
+    stride_gn, stride_gk, stride_wv, stride_in, stride_ik, stride_ghn,
     # Meta-parameters
-    ATOMIC_GW: tl.constexpr, ATOMIC_GB: tl.constexpr, HAS_ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
     pid_h = tl.program_id(1)
     cols = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = cols < H
-    if ATOMIC_GW:
-        h = tl.load(h_ptr + n * stride_hn + cols, mask=h_ok, other=0.0).to(tl.float32)
     rk0 = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_K, BLOCK_H), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -161,23 +156,8 @@ def backward_kernel(
         live = (ids >= 0) & (ids < V)
         safe = tl.where(live, ids, 0)
         g = tl.load(g_ptr + n * stride_gn + rk * stride_gk, mask=live, other=0.0)
-        tile = live[:, None] & h_ok[None, :]
-        w = tl.load(w_ptr + safe[:, None] * stride_wv + cols[None, :], mask=tile, other=0.0)
+        w = tl.load(w_ptr + safe[:, None] * stride_wv + cols[None, :], mask=live[:, None] & h_ok[None, :], other=0.0)
         acc += g[:, None] * w.to(tl.float32)
-        if ATOMIC_GW:
-            if HAS_ROWS:
-                dst = tl.load(rows_ptr + n * stride_rn + rk * stride_rk, mask=live, other=-1)
-                dst_ok = (dst >= 0) & (dst < R)  # a row off the buffer is never written (the launcher refuses it)
-                dst = tl.where(dst_ok, dst, 0)
-                dst_tile = dst_ok[:, None] & h_ok[None, :]
-            else:
-                dst = safe
-                dst_tile = tile
-            tl.atomic_add(gw_ptr + dst[:, None] * stride_gwv + cols[None, :], g[:, None] * h[None, :], mask=dst_tile,
-                          sem="relaxed")
-        if ATOMIC_GB:
-            if pid_h == 0:
-                tl.atomic_add(gb_ptr + safe, g, mask=live, sem="relaxed")
     tl.store(gh_ptr + n * stride_ghn + cols, tl.sum(acc, axis=0), mask=h_ok)
 
 
@@ -267,7 +247,7 @@ def kept_rows_backward(
     ids: torch.Tensor,  # [N, K] int64, pad = -1
     grad_weight: torch.Tensor | None = None,  # [V, H] float32, added to in place
     grad_bias: torch.Tensor | None = None,  # [V] float32, added to in place
-    deterministic: bool = False,
+    deterministic: bool = True,  # kept for callers: the weight and bias gradients are always deterministic
     *,
     weight_rows: torch.Tensor | None = None,  # [N, K] int64: grad_weight's row of each entry (default: its id)
     check_ids: bool = True,
@@ -276,8 +256,8 @@ def kept_rows_backward(
 ) -> torch.Tensor:  # [N, H] float32 grad of hidden
     """Gradients of :func:`kept_rows_logits`: returns ``dh[n] = sum_k grad[n, k] weight[ids[n, k]]`` and adds
     ``grad[n, k] hidden[n]`` into ``grad_weight[ids[n, k]]`` (``grad[n, k]`` into ``grad_bias[ids[n, k]]``) when
-    given. ``deterministic=False`` scatter-adds with float32 atomics; ``True`` sorts the entries by id once and
-    sums each id's contributions in a fixed order (bitwise-reproducible).
+    given: the entries sorted by id once, each id's contributions summed in a fixed order and its row written once (no
+    atomics: bitwise-reproducible whatever ``deterministic`` says).
 
     ``weight_rows`` redirects the weight gradient: ``grad_weight[weight_rows[n, k]] += grad[n, k] hidden[n]``, with
     ``grad_weight`` any ``[R, H]`` float32 buffer (e.g. one row per distinct kept id instead of a [V, H] one); the
@@ -289,19 +269,14 @@ def kept_rows_backward(
     grad_hidden = torch.empty((N, H), dtype=torch.float32, device=hidden.device)
     if N == 0 or H == 0:
         return grad_hidden
-    atomic = not deterministic
-    gw, gb, rows = grad_weight, grad_bias, weight_rows
     cfg = config or DEFAULT_CONFIGS["kept_backward"]
     backward_kernel[(N, triton.cdiv(H, cfg.block_h))](
-        grad, hidden, weight, ids, rows if rows is not None else ids, grad_hidden,
-        gw if gw is not None else grad_hidden, gb if gb is not None else grad_hidden,
-        K, H, V, gw.shape[0] if gw is not None else 0,
-        grad.stride(0), grad.stride(1), hidden.stride(0), weight.stride(0), ids.stride(0), ids.stride(1),
-        *(rows.stride() if rows is not None else (0, 0)), grad_hidden.stride(0), gw.stride(0) if gw is not None else 0,
-        ATOMIC_GW=atomic and gw is not None, ATOMIC_GB=atomic and gb is not None, HAS_ROWS=rows is not None,
+        grad, hidden, weight, ids, grad_hidden, K, H, V,
+        grad.stride(0), grad.stride(1), weight.stride(0), ids.stride(0), ids.stride(1), grad_hidden.stride(0),
         BLOCK_K=cfg.block_v, BLOCK_H=cfg.block_h, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if deterministic and K > 0:
+    gw, gb, rows = grad_weight, grad_bias, weight_rows
+    if K > 0 and (gw is not None or gb is not None):
         seg_cfg = segment_config or DEFAULT_CONFIGS["kept_segment_dw"]
         if rows is not None and gw is not None:  # the weight gradient's segments are its rows, the bias's the ids
             _segment_scatter(grad, hidden, rows.masked_fill(ids < 0, -1), gw, None, seg_cfg)

@@ -13,11 +13,13 @@ The work never walks the vocabulary. The engine computes the transformed logits 
 one place a plan is chosen, for ``fused_logprobs``, ``policy_loss`` and ``fused_divergence`` alike, and
 ``KeptSet.describe_plan()`` prints the choice):
 
-* the per-row plan (``fastrl.ops.kept_rows``): each token's ids padded to ``K_max``, one batched product of each
-  row's hidden state with its own gathered weight rows: ``K_max`` logits per token, static shapes, no host read;
-  the backward from the same gather, the weight gradient a scatter-add over the kept ids. On a Triton backend it
-  runs ``fastrl.kernels.kept_rows`` where that module is installed. The default for sampled sets (different
-  sequences share few ids), with or without host reads;
+* the per-row plan (``fastrl.ops.kept_rows``): rows bucketed by set size (``kept_plan.bucket_width``: four padded
+  widths per octave), one batched product per bucket of each row's hidden state with its own gathered weight rows:
+  at most ``1.25 nnz`` logits in all (``N x K_max`` under CUDA graph capture, where the op cannot read the bucket
+  counts); the backward from the same gather, skipping singleton rows (their log-prob and entropy are 0 whatever
+  the logit), the weight gradient a deterministic scatter-add over the kept ids. On a Triton backend it runs
+  ``fastrl.kernels.kept_rows`` where that module is installed. The default for sampled sets (different sequences
+  share few ids), with or without host reads;
 * union tiles (the host plan, or the fixed plan without host reads): per unit the rows ``W[U]`` (and ``b[U]``) of a
   token chunk's union gathered once, one GEMM ``[rows, H] x [H, |U|]`` with a float32 result (cuBLAS with a float32
   output on CUDA: no logit is rounded to bf16), the unit's entries read out of the tile. Chosen where neighbouring
@@ -28,15 +30,19 @@ The per-entry logits (O(nnz) floats) are kept for the backward, which forms ``G 
 plan's gradient products: ``grad_h = G W[ids]`` and ``G^T h`` added to the kept rows of the weight gradient: of the
 gradient itself for a float32 (float64) head, of a float32 buffer over the kept ids for a bf16/fp16 one on the torch
 path (cast into the gradient at the end). Forward ``2 L H`` FLOPs per token, backward ``4 L H`` (nothing recomputed),
-``L`` the logits the plan computes per token: ``K_max`` on the per-row plan, at most ``max(cap, K_max)`` on the host
-union plan and ``3.5 C`` plus one chunk on the fixed union plan (``C = min(cap, 4 K)``, ``K`` the mean set size;
-docs/kept-set-costs.md; held by
-tests/test_kept_costs.py, which reads ``KeptPlan.computed``, the count ``entry_logits`` keeps).
+``L`` the logits the plan computes per token: at most ``1.25 K`` on the per-row plan (``K`` the mean set size), at
+most ``max(cap, K_max)`` on the host union plan and ``3.5 C`` plus one chunk on the fixed union plan
+(``C = min(cap, 4 K)``; docs/kept-set-costs.md; held by tests/test_kept_costs.py and tests/test_kept_ragged.py, which
+read ``KeptPlan.computed``, counted where the products run).
 
 Autograd and ``torch.compile`` see one op, ``torch.ops.fastrl.kept_logprob`` (its backward the op
 ``kept_logprob_backward``): opaque, with fake implementations, in eager and compiled alike. The plan is an
 argument (``PlanChoice.arg``: the host plan's chunk boundaries, ``[]`` for the fixed union plan, ``[-K_max]`` for the
 per-row plan), its bounds and the backend are options.
+
+Determinism: every reduction of the engine runs in a fixed order (segment reductions over the CSR, one
+``index_add_`` of distinct ids per union unit, the per-row plan's sorted segment sums on CUDA and Triton and a CPU's
+in-order ``index_add_``): two backward runs give bitwise-equal gradients (tests/test_kept_ragged.py).
 """
 
 from __future__ import annotations
@@ -141,9 +147,8 @@ def entry_logits(plan: KeptPlan, heads: Sequence[Head], cdt: torch.dtype,
     if given is not None:
         z = given.to(cdt)
         if plan.width:
-            z = z.masked_fill(plan.pos == plan.N * plan.width, float("nan"))
+            z = z.masked_fill(plan.pos == plan.tile, float("nan"))
         return [entries(z)] + (entry_logits(plan, heads[1:], cdt) if len(heads) > 1 else [])
-    plan.computed += plan.logits * len(heads)
     if plan.width:
         return [_rows_entry_logits(plan, head, cdt) for head in heads]
     dev = plan.ids.device
@@ -153,43 +158,55 @@ def entry_logits(plan: KeptPlan, heads: Sequence[Head], cdt: torch.dtype,
     for u in plan.units:
         for head, out in zip(heads, outs):
             out[u.entries] = unit_logits(head, u, buf)[u.flat]
+            plan.computed += u.n_rows * u.n_cols  # counted where the GEMM ran
     return outs
 
 
 def _rows_entry_logits(plan: KeptPlan, head: Head, cdt: torch.dtype) -> torch.Tensor:
-    """The per-row plan's logits of one head ([N, K_max], one batched product), transformed, read out per entry;
-    an entry past the plan's width reads NaN (its token's results are NaN)."""
-    y = kept_rows.rows_logits(head.hidden, head.weight, plan.padded, head.bias, backend=plan.backend,
-                              tile_elems=plan.tile_elems).to(cdt)
-    flat = torch.cat([head.tf.apply_(y).reshape(-1), y.new_full((1,), float("nan"))])
+    """The per-row plan's logits of one head (a batched product per bucket, ``[count, width]``), transformed, read
+    out per entry; an entry past the plan's width reads NaN (its token's results are NaN)."""
+    flat = torch.empty(plan.tile + 1, dtype=cdt, device=plan.ids.device)
+    for b in plan.buckets:
+        y = kept_rows.rows_logits(b.take(head.hidden), head.weight, b.ids, head.bias, backend=plan.backend,
+                                  tile_elems=plan.tile_elems)
+        flat[b.base : b.base + y.numel()] = y.reshape(-1)
+        plan.computed += y.numel()  # counted where the product ran
+    head.tf.apply_(flat[: plan.tile])
+    flat[plan.tile] = float("nan")
     return entries(flat[plan.pos])
 
 
 def _rows_backward(plan: KeptPlan, head: Head, G: torch.Tensor, need: tuple[bool, bool, bool]):
-    """``entry_backward`` on the per-row plan: G scattered into ``[N, K_max]``, then ``kept_rows.rows_backward``
-    (the same gather; the weight gradient a scatter-add over the kept ids, deterministic where
-    ``torch.are_deterministic_algorithms_enabled()``)."""
+    """``entry_backward`` on the per-row plan: G scattered into the buckets' flat tile, then per bucket
+    ``kept_rows.rows_backward`` (the same gather; the weight gradient a sorted segment reduction over the bucket's
+    kept ids, each id's row added once per bucket: deterministic); singleton rows are skipped (zero gradient)."""
     need_h, need_w, need_b = need
     hidden, weight, bias = head.hidden, head.weight, head.bias
-    N, W = plan.N, plan.width
     cdt, dev = G.dtype, G.device
-    Gt = torch.zeros(N * W + 1, dtype=cdt, device=dev)
+    Gt = torch.zeros(plan.tile + 1, dtype=cdt, device=dev)
     Gt[plan.pos] = G[: plan.nnz]
-    Gt = Gt[: N * W].view(N, W)
     direct_w = weight.dtype == cdt
-    slots = rows = None
+    slots = None
     if need_w and direct_w:  # the gradient itself
         grad_w = torch.zeros(weight.shape, dtype=cdt, device=dev)
     elif need_w:  # a bf16/fp16 head: a float32 buffer of min(V, nnz) rows (_WeightSlots: [V, H] once N K >= V)
         slots = _WeightSlots(plan, weight.shape[0])
         grad_w = torch.zeros((slots.count, weight.shape[1]), dtype=cdt, device=dev)
-        rows = slots.of(plan.padded.clamp(min=0))
     else:
         grad_w = None
     grad_b = torch.zeros(weight.shape[0], dtype=cdt, device=dev) if need_b else None
-    gh = kept_rows.rows_backward(Gt, hidden, weight, plan.padded, grad_w, grad_b,
-                                 deterministic=torch.are_deterministic_algorithms_enabled(), backend=plan.backend,
-                                 tile_elems=plan.tile_elems, weight_rows=rows)
+    gh = torch.zeros(hidden.shape, dtype=cdt, device=dev) if need_h else None
+    for b in plan.buckets:
+        if b.singleton:  # log-prob and entropy 0 whatever the logit: no gradient, no product
+            continue
+        Gb = Gt[b.base : b.base + b.count * b.width].view(b.count, b.width)
+        rows = slots.of(b.ids.clamp(min=0)) if slots is not None else None
+        gh_b = kept_rows.rows_backward(Gb, b.take(hidden), weight, b.ids, grad_w, grad_b,
+                                       deterministic=True, backend=plan.backend, tile_elems=plan.tile_elems,
+                                       weight_rows=rows)
+        plan.computed_backward += b.count * b.width
+        if need_h:
+            gh = gh_b.to(cdt) if b.rows is None else gh.index_copy_(0, b.rows, gh_b.to(cdt))
     if slots is not None:
         grad_w = slots.scatter(grad_w, weight)
     elif grad_w is not None and grad_w.dtype != weight.dtype:
@@ -224,6 +241,7 @@ def entry_backward(
     buf = torch.empty(largest + 1, dtype=cdt, device=dev)
     for u in plan.units:
         R, C = u.n_rows, u.n_cols
+        plan.computed_backward += R * C
         buf.zero_()
         buf[u.flat] = G[u.entries]
         Gt = buf[: R * C].view(R, C)

@@ -20,10 +20,12 @@ Three plans. Two cut the set into *units* (``Unit``: one dense GEMM over a chunk
   nnz // E`` (``fixed_shape``), computed from shapes; units past the real count hold no entry and compute a tile
   that is never read. At most ``3.5 C + R C / N`` logits per token (``union_bound``).
 
-The third has no units: the per-row plan (``fastrl.ops.kept_rows``), each token's ids padded to the widest set,
-``[N, K_max]``, and one batched product of each row's hidden state with its own gathered weight rows: exactly
-``K_max`` logits per token, no union, static shapes, no host read. ``choose`` picks the plan (the sets' overlap,
-measured on the host or stated by ``KeptSet.overlap``) and says why (``PlanChoice``, printable).
+The third has no units: the per-row plan (``fastrl.ops.kept_rows``), rows bucketed by set size (``bucket_width``:
+four padded widths per octave, at most ``1.25 nnz`` logits in all), one batched product per bucket of each row's
+hidden state with its own gathered weight rows: no union, static shapes at the op's boundary, one host read of the
+bucket counts inside the op (none under CUDA graph capture, which runs one ``[N, K_max]`` bucket). ``choose`` picks
+the plan (the sets' overlap, measured on the host or stated by ``KeptSet.overlap``) and says why (``PlanChoice``,
+printable).
 
 The op argument that names a plan (``PlanChoice.arg``; ``decode``): ``[0, c1, ..., N]`` the host plan's chunk
 boundaries, ``[]`` the fixed union plan, ``[-K_max]`` the per-row plan.
@@ -40,8 +42,8 @@ import torch
 
 from fastrl.ops.budget import kept_capacity
 
-__all__ = ["Unit", "KeptPlan", "PlanChoice", "chunk_plan", "host_bounds", "fixed_shape", "union_bound", "choose",
-           "decode", "UNION_ADVANTAGE"]
+__all__ = ["Unit", "KeptPlan", "PlanChoice", "RowBucket", "chunk_plan", "host_bounds", "fixed_shape", "union_bound",
+           "bucket_width", "rows_count", "choose", "decode", "UNION_ADVANTAGE"]
 
 
 @dataclass
@@ -130,6 +132,26 @@ def union_bound(N: int, nnz: int, V: int, tile_elems: int, cap: int) -> int:
     return S * R * C
 
 
+def bucket_width(sizes: torch.Tensor, width: int) -> torch.Tensor:
+    """[N] the padded width of each row's bucket on the per-row plan: a set of ``s`` ids is padded to ``s`` rounded up
+    to a multiple of ``q = 2^max(0, floor(log2 s) - 2)`` (four widths per octave), at most ``width``. Exact below 8 ids;
+    from 8 on the padding is under ``q <= s / 4``, so a plan pays at most ``1.25 nnz`` logits whatever the sizes."""
+    s = sizes.clamp(min=1)
+    e = torch.log2(s.double()).floor_().long()
+    e -= ((1 << e) > s).long()  # floor(log2 s) exactly, whatever log2's last bit
+    e += ((2 << e) <= s).long()
+    q = 1 << (e - 2).clamp_(min=0)
+    return torch.where(sizes > 0, (s + q - 1) // q * q, 0).clamp_(max=width)
+
+
+def rows_count(offsets: torch.Tensor, width: int) -> int:
+    """The logits the per-row plan's forward computes for the sets of ``offsets`` (bucketed: ``bucket_width`` summed;
+    a host read). At most ``1.25 nnz``."""
+    if offsets.numel() <= 1 or not width:
+        return 0
+    return int(bucket_width(offsets[1:] - offsets[:-1], width).sum())
+
+
 def decode(plan: list[int]) -> tuple[list[int] | None, int]:
     """An op's plan argument as (host plan boundaries, or None for no host plan; per-row width, 0 for none)."""
     if len(plan) == 1 and plan[0] < 0:
@@ -151,8 +173,8 @@ class PlanChoice:
     """Which plan the engine runs for a kept set, what it computes and why: ``print(choice)`` says it.
 
     ``kind``: "rows" (the per-row plan), "union-host" or "union-fixed". ``logits``: how many the plan computes in
-    one pass (``rows x ids`` summed over its GEMMs; the per-row plan's ``N x K_max``), ``other``: the other plan's
-    count where it was measured (host plan) or bounded (fixed plan), else None."""
+    one pass (``rows x ids`` summed over its GEMMs; the per-row plan's buckets, ``rows_count``), None where not
+    counted; ``other``: the other plan's count where it was measured (host plan) or bounded (fixed plan), else None."""
 
     kind: str
     N: int
@@ -176,37 +198,45 @@ class PlanChoice:
 
     def __str__(self) -> str:
         k = self.nnz / max(1, self.N)
-        what = {"rows": f"per-row plan, [{self.N}, {self.width}] ids (K_max = {self.width})",
+        what = {"rows": f"per-row plan, {self.N} rows bucketed by set size (K_max = {self.width})",
                 "union-host": f"union tiles, host plan ({max(0, len(self.bounds) - 1)} chunks, cap {self.cap})",
                 "union-fixed": f"union tiles, fixed plan (cap {self.cap}, provisioned from shapes)"}[self.kind]
-        s = (f"{what}: {self.logits} logits, {self.per_token():.1f} per token ({self.per_token() / max(k, 1e-9):.2f}"
-             f" x the mean set size {k:.1f})")
+        if self.logits is None:
+            s = f"{what}: logits counted where the op runs (no host read here)"
+        else:
+            s = (f"{what}: {self.logits} logits, {self.per_token():.1f} per token "
+                 f"({self.per_token() / max(k, 1e-9):.2f} x the mean set size {k:.1f})")
         if self.other is not None:
             s += f"; the other plan: {self.other} ({self.other / max(1, self.N):.1f} per token)"
         return s + f". Why: {self.reason}"
 
 
 def choose_for(ids: torch.Tensor, offsets: torch.Tensor, V: int, width: int | None, overlap: bool | None, sync: bool,
-               device: torch.device | str | None) -> PlanChoice:
+               device: torch.device | str | None, count: bool | None = None) -> PlanChoice:
     """``choose`` with ``device``'s engine capacity (``fastrl.ops.budget.kept_capacity``): the one place a kept set's
     plan is chosen (``fastrl.ops.kept.build_plan`` for the ops, ``KeptSet.describe_plan`` to print it)."""
-    return choose(ids, offsets, V, width, overlap, sync, *kept_capacity(device))
+    return choose(ids, offsets, V, width, overlap, sync, *kept_capacity(device), count=count)
 
 
 def choose(ids: torch.Tensor, offsets: torch.Tensor, V: int, width: int | None, overlap: bool | None, sync: bool,
-           tile_elems: int, cap: int) -> PlanChoice:
+           tile_elems: int, cap: int, count: bool | None = None) -> PlanChoice:
     """The plan for a kept set (CSR ``ids`` / ``offsets``) of rows at most ``width`` wide (None: unknown).
 
     ``overlap`` (the set's ``KeptSet.overlap``): True takes union tiles, False the per-row plan, None decides: with
-    ``sync`` (host reads allowed) by measuring the host plan's unions against ``N x K_max`` (``UNION_ADVANTAGE``);
-    without, the per-row plan (sampled sets of different sequences share few ids), or the fixed union plan where
-    no width is known (a rule replayed while compiling)."""
+    ``sync`` (host reads allowed) on a CPU by measuring the host plan's unions against the per-row plan's logits
+    (``UNION_ADVANTAGE``), on CUDA the per-row plan (the GPU window's rows: union tiles never won there); without, the per-row plan (sampled sets of different sequences share few ids), or the fixed union plan where
+    no width is known (a rule replayed while compiling).
+
+    ``count``: whether the per-row plan's logits (``rows_count``, a read of the set sizes) are counted into the
+    choice; None: where host reads are allowed (``sync``; ``describe_plan`` asks for them). Uncounted, the
+    choice's ``logits`` is None (the op counts them where it runs: ``KeptPlan.computed``)."""
     N, nnz = offsets.numel() - 1, ids.numel()
     if sync and N and width is None:
         width = int((offsets[1:] - offsets[:-1]).max())
     # while compiling, sizes may be symbolic (a replayed rule's nnz is data-dependent): nothing is counted then
     counted = not torch.compiler.is_compiling()
-    rows_logits = N * (width or 0) if counted else None
+    count = sync or bool(count)
+    rows_logits = rows_count(offsets, width or 0) if counted and count else None
     base = dict(N=N, nnz=nnz, width=width or 0, tile_elems=tile_elems, cap=cap)
 
     def rows(other, why):
@@ -221,6 +251,11 @@ def choose(ids: torch.Tensor, offsets: torch.Tensor, V: int, width: int | None, 
         why = ("the set says its rows overlap (KeptSet.overlap=True)" if overlap else
                "no host read and no known set width (a rule replayed while compiling)")
         return PlanChoice("union-fixed", bounds=(), logits=fixed, other=rows_logits or None, reason=why, **base)
+    if overlap is None and offsets.device.type == "cuda":
+        # measuring the unions costs a host sync per chunk (the H200 window's eager per-row row took 45.1 ms at W1,
+        # 22.0 without host reads), and there union tiles never won: 0.68-3.5x the full head's time against the
+        # per-row plan's 0.17-1.11x
+        return rows(None, "on CUDA the per-row plan unless the set says its rows overlap (docs/kept-set-costs.md)")
     bounds = host_bounds(ids, offsets, tile_elems, cap)
     off = offsets.tolist()
     union = sum((c1 - c0) * torch.unique(ids[off[c0]:off[c1]]).numel() for c0, c1 in zip(bounds[:-1], bounds[1:]))
@@ -232,14 +267,34 @@ def choose(ids: torch.Tensor, offsets: torch.Tensor, V: int, width: int | None, 
     return PlanChoice("union-host", bounds=tuple(bounds), logits=union, other=rows_logits, reason=why, **base)
 
 
+def _capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on ``device``'s current stream (no host read possible)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+@dataclass
+class RowBucket:
+    """Rows of the per-row plan whose sets pad to one width: a ``[count, width]`` batched product."""
+
+    rows: torch.Tensor | None  # [count] token rows (None: every row, in order)
+    base: int  # its first slot in the plan's flat tile
+    count: int
+    width: int
+    singleton: bool = False  # rows of one id each: log-prob and entropy 0, zero gradient (no backward product)
+    ids: torch.Tensor | None = None  # [count, width] kept ids, -1 after a row's last
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:  # [N, ...] -> [count, ...]
+        return x if self.rows is None else x.index_select(0, self.rows)
+
+
 class KeptPlan:
     """How the engine computes one kept set's entries: the units of a union plan covering every entry once, or the
     per-row plan's padded ids; and each entry's row.
 
     ``bounds``: the host plan's chunk boundaries (``host_bounds``), or None for the fixed plan (no host read);
     ``width`` > 0: the per-row plan of that width instead (``bounds`` unused). ``computed`` counts the logits the
-    engine computed with this plan (``entry_logits`` adds each GEMM's ``rows x ids``).
-    """
+    engine computed with this plan (``entry_logits`` adds each GEMM's ``rows x ids``), ``computed_backward`` the
+    gradient products' (``entry_backward``: the per-row plan skips its singleton rows there)."""
 
     def __init__(self, ids: torch.Tensor, offsets: torch.Tensor, V: int, bounds: list[int] | None,
                  tile_elems: int, cap: int, width: int = 0, backend: str = "torch"):
@@ -248,7 +303,7 @@ class KeptPlan:
         self.ids, self.offsets = ids, offsets
         self.sizes = offsets[1:] - offsets[:-1]  # [N]
         self.tile_elems, self.backend, self.width = tile_elems, backend, width
-        self.computed = 0
+        self.computed = self.computed_backward = 0
         dev = ids.device
         # the row of each entry, without a host read (output_size is the known nnz)
         self.row = torch.repeat_interleave(torch.arange(self.N, device=dev), self.sizes, output_size=self.nnz)
@@ -268,23 +323,51 @@ class KeptPlan:
 
     @property
     def logits(self) -> int:
-        """The logits one pass of this plan computes (the per-row plan's ``N x K_max``; the units' tiles)."""
+        """The logits one pass of this plan computes (the per-row plan's buckets; the units' tiles)."""
         if self.width:
-            return self.N * self.width
+            return self.tile
         return sum(u.n_rows * u.n_cols for u in self.units)
 
     # ------------------------------------------------------------------------------------------- per-row plan
 
     def _rows_layout(self) -> None:
-        """``padded`` [N, width] ids (-1 after a row's last) and ``pos`` [nnz]: each entry's place in the flat
-        ``[N * width]`` tile, ``N * width`` (a scratch slot, read as NaN) for an entry past the width (a set wider
-        than its KeptSet said: its token's results are NaN, never silently short)."""
-        N, W = self.N, self.width
-        col = torch.arange(self.nnz, device=self.ids.device) - self.offsets[:-1][self.row]
-        self.pos = torch.where(col < W, self.row * W + col, N * W)
-        flat = torch.full((N * W + 1,), -1, dtype=torch.int64, device=self.ids.device)
+        """The per-row plan's buckets (``RowBucket``) and ``pos`` [nnz]: each entry's place in the flat tile of all
+        buckets (``tile`` logits), or ``tile`` (a scratch slot, read as NaN) for an entry past the plan's width (a set
+        wider than its KeptSet said: its token's results are NaN, never silently short).
+
+        Rows are bucketed by set size (``bucket_width``: one host read of the bucket counts, which the op may do as
+        it runs eagerly, under ``torch.compile`` too); under CUDA graph capture, where no host read is possible, one
+        bucket of every row at the plan's width (``N x K_max`` logits)."""
+        N, W, dev = self.N, self.width, self.ids.device
+        col = torch.arange(self.nnz, device=dev) - self.offsets[:-1][self.row]
+        capturing = _capturing(dev)
+        if capturing:  # no host read: every row at the width
+            key = width = torch.full((N,), W, dtype=torch.int64, device=dev)
+            keys, counts = [W], [N]
+        else:
+            width = bucket_width(self.sizes, W)
+            # singleton rows: a bucket of their own (width 1), skipped by the backward (their gradient is zero)
+            key = torch.where(self.sizes == 1, 0, torch.where(self.sizes == 0, -1, width))
+            keys, counts = (x.tolist() for x in torch.unique(key, return_counts=True))  # the host read
+        order = torch.argsort(key, stable=True)  # rows grouped by bucket, in row order within one
+        rank = torch.empty_like(order).scatter_(0, order, torch.arange(N, device=dev))
+        start = torch.zeros(N, dtype=torch.int64, device=dev)  # each row's first slot in the flat tile
+        self.buckets, base, first = [], 0, 0
+        for k, c in zip(keys, counts):
+            if k >= 0:
+                w = max(k, 1)
+                sel = key == k
+                start = torch.where(sel, base + (rank - first) * w, start)
+                rows = None if c == N else order[first : first + c]
+                self.buckets.append(RowBucket(rows, base, c, w, singleton=k == 0 and not capturing))
+                base += c * w
+            first += c
+        self.tile = base
+        self.pos = torch.where(col < width[self.row], start[self.row] + col, base)
+        flat = torch.full((base + 1,), -1, dtype=torch.int64, device=dev)
         flat[self.pos] = self.ids
-        self.padded = flat[: N * W].view(N, W)
+        for bk in self.buckets:
+            bk.ids = flat[bk.base : bk.base + bk.count * bk.width].view(bk.count, bk.width)
 
     # -------------------------------------------------------------------------------------------- host plan
 

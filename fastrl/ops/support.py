@@ -39,8 +39,8 @@ class KeptSet:
 
     What the kept-set engine reads to choose its plan (``describe_plan`` prints the choice):
 
-    * ``width``: the most ids any token keeps, or a bound on it (the per-row plan's ``K_max``: ``[N, width]``
-      padded ids, no host read). Known from construction (``from_padded``: K; ``from_lists`` / ``from_mask`` and a
+    * ``width``: the most ids any token keeps, or a bound on it (the per-row plan's ``K_max``: its widest bucket,
+      and the ``[N, width]`` padding it runs under CUDA graph capture). Known from construction (``from_padded``: K; ``from_lists`` / ``from_mask`` and a
       validated CSR: measured), kept by slicing and ``to``; None where unknown (the engine then measures it where the
       host may be read, and takes the fixed union plan where not).
     * ``overlap``: whether neighbouring tokens' sets share most of their ids (True: union tiles; False: the per-row
@@ -218,7 +218,8 @@ class KeptSet:
         """Which plan the kept-set engine runs for this set (``fastrl.ops.kept.build_plan``), what it computes and
         why: ``print(ks.describe_plan())``. ``host_sync=False``: the choice of the no-sync path and
         ``torch.compile``. Ignored tokens are planned too here (the ops drop them first where the host may be read)."""
-        return choose_for(self.ids, self.offsets, self.vocab_size, self.width, self.overlap, host_sync, self.device)
+        return choose_for(self.ids, self.offsets, self.vocab_size, self.width, self.overlap, host_sync, self.device,
+                          count=True)  # (asked for: its logits are counted, a read of the set sizes)
 
     def padded(self, pad_id: int = -1) -> torch.Tensor:  # [N, K_max] int64
         """Dense ``[N, K_max]`` ids, ``pad_id`` after each token's last id."""
