@@ -220,11 +220,14 @@ def policy_loss_one_pass(
                 given=support_logits)
             grad_kl = None
         else:
-            pairs = (list(zip(chunks[0::2], chunks[1::2])) if o.compact
-                     else engine.fixed_chunks(B, T, config.one_pass_granularity, o.chunk_rows))
+            if o.compact:
+                pairs, rows = list(zip(chunks[0::2], chunks[1::2])), None
+            else:  # no-sync: the live rows alone where their count is read without a sync (fastrl.ops.live)
+                pairs, rows = engine.nosync_chunks(t2.view(B, T) != engine.IGNORE, config.one_pass_granularity,
+                                                   o.chunk_rows)
             loss, metrics, grads, logp_all, ent_all, grad_kl, kl = engine.run(
                 h2, weight, bias, t2, o.tf(config), o.backend, pairs, need,
-                inputs.chunk_loss(config, B, T), compact=o.compact, ref=ref,
+                inputs.chunk_loss(config, B, T), compact=o.compact, ref=ref, live_rows=rows,
             )
     assert len(metrics) == o.n_metrics, f"{len(metrics)} metrics, the options say {o.n_metrics}"
     gh, gw, gb = grads
