@@ -142,8 +142,9 @@ class PolicyOptions(PackedOptions):
     temperature is the config's), the backend, which inputs need a gradient, and how rows are chunked.
 
     ``compact``: the ``chunks`` argument holds ranges of live (in-mask) rows found on the host (eager). False:
-    no host synchronisation: fixed chunks over all rows (``chunk_rows`` rows each, whole sequences when the loss
-    couples a sequence's tokens), rows outside the mask computed with zeroed hidden states and no gradient.
+    no host synchronisation: chunks of ``chunk_rows`` rows (whole sequences when the loss couples a sequence's tokens)
+    over the live rows where their count is read without a synchronisation (CPU tensors, ``engine.nosync_chunks``),
+    else fixed chunks over all rows, rows outside the mask computed with zeroed hidden states and no gradient.
 
     ``consume_grads``: the backward may scale the gradient outputs (2-4) in place and hand them on, when it runs
     eagerly through a graph not kept for another backward (``fastrl.policy_loss`` sets it: nothing else holds them);

@@ -159,7 +159,8 @@ def divergence_op(
     # the live rows alone, their results scattered back: 0 at the masked rows
     take = rows.take
     div, ent, lse_s, lse_t, aux, entries = _forward_rows(take(hidden), weight, bias, take(teacher_hidden),
-                                                         teacher_weight, teacher_bias, take(active), None, None, plan, o)
+                                                         teacher_weight, teacher_bias, take(active), None, None, plan,
+                                                         o)
     return (rows.put(div), rows.put(ent) if o.with_entropy else ent, rows.put(lse_s), rows.put(lse_t), rows.put(aux),
             entries)
 

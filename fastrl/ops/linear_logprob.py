@@ -410,7 +410,8 @@ def fused_logprobs(
             shape); default: column t of ``[B, T]`` targets is position t (flat targets raise).
         host_sync: whether the op may read device values on the host. None (default): yes in eager, no while
             ``torch.compile`` traces. False (the no-sync path, for ``torch.compile`` and CUDA graphs): ignored
-            rows are computed with zeroed hidden states instead of being dropped (no data-dependent shape), the
+            rows are computed with zeroed hidden states instead of being dropped on a device (no host read; on CPU
+            tensors the op computes the live rows alone: docs/compile.md), the
             target-range check becomes a NaN log-prob and entropy at the bad token, and ``check_finite`` is
             skipped (a non-finite output shows as a non-finite value downstream instead of an exception). A
             KeptSet runs on a kept-set plan chosen without host reads (the per-row plan unless the set says its

@@ -191,7 +191,7 @@ def run(
     chunks: list[tuple[int, int]],  # ranges of live rows (compact), else of all rows
     need: tuple[bool, bool, bool],
     loss: ChunkLoss,
-    compact: bool = True,  # False: no host sync; rows outside the mask are computed (zeroed hidden, no gradient)
+    compact: bool = True,  # False: no host sync; live_rows' rows alone, else every row (masked: zeroed, no gradient)
     ref: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,  # the exact KL's (hidden, W, b)
     live_rows: LiveRows | None = None,  # no-sync (compact False): the live rows nosync_chunks found, its chunks' rows
 ) -> tuple[torch.Tensor, dict, tuple, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
