@@ -30,8 +30,8 @@ def _step_fn(kind: str, body: torch.nn.ModuleDict, head: torch.nn.Linear, host_s
     config = fastrl.PolicyLossConfig(loss_type="dapo", beta=0.04, entropy_coef=0.01, temperature=0.9)
 
     def step(x, targets, adv, mask, old, ref):
-        hidden = x + body.down(torch.nn.functional.gelu(body.up(body.norm(x))))  # [B, T, H] -> [B, T, H]
-        hidden = body.norm(x) if masked is not None else hidden  # --masked: the head and loss alone (and a norm)
+        hidden = (body.norm(x) if masked is not None  # --masked: the head and loss alone (and a norm)
+                  else x + body.down(torch.nn.functional.gelu(body.up(body.norm(x)))))  # [B, T, H] -> [B, T, H]
         if kind == "fastrl":
             loss, metrics = fastrl.policy_loss(hidden, head.weight, targets, adv, mask, config=config,
                                                old_logprobs=old, ref_logprobs=ref, check_finite=False,
