@@ -79,8 +79,10 @@ def _measure(variant: str, shape, device: str, reps: int, warmup: int, compile_b
         backend = {"backend": compile_backend} if compile_backend else {}
         fn = torch.compile(fn, fullgraph=(kind == "fastrl"), mode=mode, dynamic=False, **backend)
     inputs = _inputs(B, T, H, V, dtype, device, masked=masked)
+    # --masked: an unmasked step after each masked one, in this process: their ratio survives a shared machine's load
+    pairs = ((inputs, []),) + (((_inputs(B, T, H, V, dtype, device, masked=0.0), []),) if masked else ())
 
-    def step():
+    def step(inputs=inputs):
         for p in params:
             p.grad = None
         loss, _ = fn(*inputs)
@@ -94,13 +96,14 @@ def _measure(variant: str, shape, device: str, reps: int, warmup: int, compile_b
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-    untimed, times, losses = max(1, warmup), [], []  # the first step compiles: reported apart
+    untimed, losses = max(1, warmup), []  # the first step compiles: reported apart
     for _ in range(untimed + reps):
-        t0 = time.perf_counter()
-        losses.append(step())
-        sync()
-        times.append(time.perf_counter() - t0)
-    first, times = times[0], times[untimed:]
+        for inp, out in pairs:
+            t0 = time.perf_counter()
+            losses.append(step(inp))
+            sync()
+            out.append(time.perf_counter() - t0)
+    first, times = pairs[0][1][0], pairs[0][1][untimed:]
     # FLOPs per step: LM head 6NHV (forward GEMM, grad_h, grad_W) + body 2 * 3 * (2 * N * H * 4H) = 48NH^2
     flops = 6 * B * T * H * V + 48 * B * T * H * H
     flops = flops if masked is None else 6 * B * (T - round(masked * T)) * H * V  # --masked: the head's, live rows
@@ -108,6 +111,10 @@ def _measure(variant: str, shape, device: str, reps: int, warmup: int, compile_b
     row = {"variant": variant, "B": B, "T": T, "H": H, "V": V, "dtype": str(dtype).replace("torch.", ""), "ms": ms,
            "ms_min": 1e3 * min(times), "ms_max": 1e3 * max(times), "first_step_s": first, "first_loss": losses[0],
            "tflops": flops / (ms * 1e-3) / 1e12, "reps": reps, "masked": masked}
+    if masked:  # each masked step's time over the unmasked step after it: median and range
+        ratios = sorted(a / b for a, b in zip(times, pairs[1][1][untimed:]))
+        row.update(ms_unmasked=1e3 * statistics.median(pairs[1][1][untimed:]), ratio=statistics.median(ratios),
+                   ratio_min=ratios[0], ratio_max=ratios[-1])
     if device == "cuda":
         row["peak_extra_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
     return row
@@ -143,7 +150,8 @@ def add_options(ap) -> None:
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first, compilation included (default 2)")
     ap.add_argument("--shape", help="B,T,H,V (default: CPU 4,512,512,32768 float32; CUDA W1 8,2048,4096,151936 bf16)")
     ap.add_argument("--out", help="results folder (default: a new folder outside the repository)")
-    ap.add_argument("--masked", type=float, help="the head and loss alone, the last F of every sequence padding")
+    ap.add_argument("--masked", type=float, help="the head and loss alone, the last F of every sequence padding; "
+                    "each step then beside an unmasked one (their time ratio)")
 
 
 def parse_args(args, device: str) -> tuple[list[str], list[int] | None]:
@@ -185,6 +193,8 @@ def command(args, device: str, con=None) -> int:
     print(f"{'variant':22s} {'ms':>10s} {'vs fastrl-eager':>16s} {'first step s':>13s} {'loss':>12s}")
     for r in rows:
         ratio = f"{r['ms'] / eager:.2f}x" if eager and "ms" in r else "-"
+        if "ratio" in r:
+            print(f"{r['variant']}: masked / unmasked {r['ratio']:.3f} ({r['ratio_min']:.3f}-{r['ratio_max']:.3f})")
         print(f"{r['variant']:22s} {r['ms']:10.1f} {ratio:>16s} {r['first_step_s']:13.1f} {r['first_loss']:12.6f}"
               if "ms" in r else f"{r['variant']:22s} error: {r['error']}")
     # on a CPU, OMP_WAIT_POLICY=PASSIVE keeps inductor's OpenMP threads from spinning (docs/compile.md): recorded
