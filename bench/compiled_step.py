@@ -23,14 +23,15 @@ SHAPES = {  # (B, T, H, V, dtype)
 }
 
 
-def _step_fn(kind: str, body: torch.nn.ModuleDict, head: torch.nn.Linear, host_sync=None):
+def _step_fn(kind: str, body: torch.nn.ModuleDict, head: torch.nn.Linear, host_sync=None, masked=None):
     import fastrl
     from fastrl.reference import logprobs_reference, policy_loss_from_logprobs
 
     config = fastrl.PolicyLossConfig(loss_type="dapo", beta=0.04, entropy_coef=0.01, temperature=0.9)
 
     def step(x, targets, adv, mask, old, ref):
-        hidden = x + body.down(torch.nn.functional.gelu(body.up(body.norm(x))))  # [B, T, H] -> [B, T, H]
+        hidden = (body.norm(x) if masked is not None  # --masked: the head and loss alone (and a norm)
+                  else x + body.down(torch.nn.functional.gelu(body.up(body.norm(x)))))  # [B, T, H] -> [B, T, H]
         if kind == "fastrl":
             loss, metrics = fastrl.policy_loss(hidden, head.weight, targets, adv, mask, config=config,
                                                old_logprobs=old, ref_logprobs=ref, check_finite=False,
@@ -46,12 +47,14 @@ def _step_fn(kind: str, body: torch.nn.ModuleDict, head: torch.nn.Linear, host_s
     return step
 
 
-def _inputs(B, T, H, V, dtype, device, seed=0):
+def _inputs(B, T, H, V, dtype, device, seed=0, masked=None):
     g = torch.Generator(device="cpu").manual_seed(seed)
     x = torch.randn(B, T, H, generator=g).to(device=device, dtype=dtype)
     targets = torch.randint(0, V, (B, T), generator=g).to(device)
     lengths = torch.randint(T // 2, T + 1, (B,), generator=g)
     mask = (torch.arange(T)[None, :] < lengths[:, None]).to(device)  # completions of different lengths
+    if masked is not None:  # --masked F: the last round(F T) tokens of every sequence are padding
+        mask = (torch.arange(T)[None, :] < T - round(masked * T)).expand(B, T).to(device)
     # old / ref log-probs near what a random head gives (about -log V): ratios and k3 stay O(1)
     old = (-torch.log(torch.tensor(float(V))) + 0.1 * torch.randn(B, T, generator=g)).to(device)
     ref = old + 0.05 * torch.randn(B, T, generator=g).to(device)
@@ -59,7 +62,8 @@ def _inputs(B, T, H, V, dtype, device, seed=0):
     return x, targets, adv, mask, old, ref
 
 
-def _measure(variant: str, shape, device: str, reps: int, warmup: int, compile_backend: str | None = None) -> dict:
+def _measure(variant: str, shape, device: str, reps: int, warmup: int, compile_backend: str | None = None,
+             masked=None) -> dict:
     B, T, H, V, dtype = shape
     torch.manual_seed(0)
     # the model body: one residual MLP block with RMSNorm, a stand-in for the transformer in front of the LM head
@@ -69,20 +73,22 @@ def _measure(variant: str, shape, device: str, reps: int, warmup: int, compile_b
     torch.nn.init.normal_(head.weight, std=H ** -0.5)
     params = list(body.parameters()) + list(head.parameters())
     kind = variant.split("-")[0]
-    fn = _step_fn(kind, body, head, host_sync=False if variant == "fastrl-nosync" else None)
+    fn = _step_fn(kind, body, head, host_sync=False if variant == "fastrl-nosync" else None, masked=masked)
     if "compile" in variant:
         mode = "reduce-overhead" if variant.endswith("-ro") else None
         backend = {"backend": compile_backend} if compile_backend else {}
         fn = torch.compile(fn, fullgraph=(kind == "fastrl"), mode=mode, dynamic=False, **backend)
-    inputs = _inputs(B, T, H, V, dtype, device)
+    inputs = _inputs(B, T, H, V, dtype, device, masked=masked)
+    # --masked: an unmasked step after each masked one, in this process: their ratio survives a shared machine's load
+    pairs = ((inputs, []),) + (((_inputs(B, T, H, V, dtype, device, masked=0.0), []),) if masked else ())
 
-    def step():
+    def step(inputs=inputs):
         for p in params:
             p.grad = None
         loss, _ = fn(*inputs)
         loss.backward()  # (AOTAutograd's compiled backward for the compiled variants)
         with torch.no_grad():
-            for p in params:
+            for p in (p for p in params if p.grad is not None):  # (--masked: the MLP is not in the step)
                 p.sub_(1e-4 * p.grad)  # an SGD update in place: the compiled step sees the same parameters
         return float(loss.detach())
 
@@ -90,25 +96,32 @@ def _measure(variant: str, shape, device: str, reps: int, warmup: int, compile_b
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-    untimed, times, losses = max(1, warmup), [], []  # the first step compiles: reported apart
+    untimed, losses = max(1, warmup), []  # the first step compiles: reported apart
     for _ in range(untimed + reps):
-        t0 = time.perf_counter()
-        losses.append(step())
-        sync()
-        times.append(time.perf_counter() - t0)
-    first, times = times[0], times[untimed:]
+        for inp, out in pairs:
+            t0 = time.perf_counter()
+            losses.append(step(inp))
+            sync()
+            out.append(time.perf_counter() - t0)
+    first, times = pairs[0][1][0], pairs[0][1][untimed:]
     # FLOPs per step: LM head 6NHV (forward GEMM, grad_h, grad_W) + body 2 * 3 * (2 * N * H * 4H) = 48NH^2
     flops = 6 * B * T * H * V + 48 * B * T * H * H
+    flops = flops if masked is None else 6 * B * (T - round(masked * T)) * H * V  # --masked: the head's, live rows
     ms = 1e3 * statistics.median(times)
     row = {"variant": variant, "B": B, "T": T, "H": H, "V": V, "dtype": str(dtype).replace("torch.", ""), "ms": ms,
            "ms_min": 1e3 * min(times), "ms_max": 1e3 * max(times), "first_step_s": first, "first_loss": losses[0],
-           "tflops": flops / (ms * 1e-3) / 1e12, "reps": reps}
+           "tflops": flops / (ms * 1e-3) / 1e12, "reps": reps, "masked": masked}
+    if masked:  # each masked step's time over the unmasked step after it: median and range
+        ratios = sorted(a / b for a, b in zip(times, pairs[1][1][untimed:]))
+        row.update(ms_unmasked=1e3 * statistics.median(pairs[1][1][untimed:]), ratio=statistics.median(ratios),
+                   ratio_min=ratios[0], ratio_max=ratios[-1])
     if device == "cuda":
         row["peak_extra_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
     return row
 
 
-def run(device: str, variants, reps: int, warmup: int, shape=None, compile_backend: str | None = None) -> list[dict]:
+def run(device: str, variants, reps: int, warmup: int, shape=None, compile_backend: str | None = None,
+        masked=None) -> list[dict]:
     """``compile_backend``: torch.compile's backend (default inductor; ``"aot_eager"`` traces without generating
     code: the plumbing only)."""
     shape = shape or SHAPES[device]
@@ -116,7 +129,7 @@ def run(device: str, variants, reps: int, warmup: int, shape=None, compile_backe
     for v in variants:
         torch._dynamo.reset()
         try:
-            rows.append(_measure(v, shape, device, reps, warmup, compile_backend))
+            rows.append(_measure(v, shape, device, reps, warmup, compile_backend, masked))
         except Exception as e:  # report and go on: one variant failing must not hide the others
             rows.append({"variant": v, "error": f"{type(e).__name__}: {str(e)[:400]}"})
     return rows
@@ -126,7 +139,7 @@ def run_point(spec: dict) -> dict:
     """One variant in this fresh process (``bench.session_points.run_spec``, kind "compile")."""
     device = spec["device"]
     shape = (*spec["shape"], SHAPES[device][4]) if spec.get("shape") else None
-    (row,) = run(device, [spec["variant"]], spec["reps"], spec["warmup"], shape)
+    (row,) = run(device, [spec["variant"]], spec["reps"], spec["warmup"], shape, masked=spec.get("masked"))
     return {"status": "error", "reason": row["error"], **row} if "error" in row else {"status": "ok", **row}
 
 
@@ -137,6 +150,8 @@ def add_options(ap) -> None:
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first, compilation included (default 2)")
     ap.add_argument("--shape", help="B,T,H,V (default: CPU 4,512,512,32768 float32; CUDA W1 8,2048,4096,151936 bf16)")
     ap.add_argument("--out", help="results folder (default: a new folder outside the repository)")
+    ap.add_argument("--masked", type=float, help="the head and loss alone, the last F of every sequence padding; "
+                    "each step then beside an unmasked one (their time ratio)")
 
 
 def parse_args(args, device: str) -> tuple[list[str], list[int] | None]:
@@ -168,7 +183,7 @@ def command(args, device: str, con=None) -> int:
     variants, shape = parse_args(args, device)
     env = report.environment(device)
     specs = [{"kind": "compile", "variant": v, "device": device, "reps": args.reps, "warmup": args.warmup,
-              "shape": shape} for v in variants]
+              "shape": shape, "masked": args.masked} for v in variants]
     rows = [res if res.get("status") == "ok" else {"variant": spec["variant"], "error": res.get("reason")}
             for spec, res in zip(specs, run_fresh(specs, device, 3600))]
     out = Path(args.out) if args.out else report.new_out_dir(env["device_slug"], "compile")
@@ -178,6 +193,8 @@ def command(args, device: str, con=None) -> int:
     print(f"{'variant':22s} {'ms':>10s} {'vs fastrl-eager':>16s} {'first step s':>13s} {'loss':>12s}")
     for r in rows:
         ratio = f"{r['ms'] / eager:.2f}x" if eager and "ms" in r else "-"
+        if "ratio" in r:
+            print(f"{r['variant']}: masked / unmasked {r['ratio']:.3f} ({r['ratio_min']:.3f}-{r['ratio_max']:.3f})")
         print(f"{r['variant']:22s} {r['ms']:10.1f} {ratio:>16s} {r['first_step_s']:13.1f} {r['first_loss']:12.6f}"
               if "ms" in r else f"{r['variant']:22s} error: {r['error']}")
     # on a CPU, OMP_WAIT_POLICY=PASSIVE keeps inductor's OpenMP threads from spinning (docs/compile.md): recorded

@@ -142,8 +142,9 @@ class PolicyOptions(PackedOptions):
     temperature is the config's), the backend, which inputs need a gradient, and how rows are chunked.
 
     ``compact``: the ``chunks`` argument holds ranges of live (in-mask) rows found on the host (eager). False:
-    no host synchronisation: fixed chunks over all rows (``chunk_rows`` rows each, whole sequences when the loss
-    couples a sequence's tokens), rows outside the mask computed with zeroed hidden states and no gradient.
+    no host synchronisation: chunks of ``chunk_rows`` rows (whole sequences when the loss couples a sequence's tokens)
+    over the live rows where their count is read without a synchronisation (CPU tensors, ``engine.nosync_chunks``),
+    else fixed chunks over all rows, rows outside the mask computed with zeroed hidden states and no gradient.
 
     ``consume_grads``: the backward may scale the gradient outputs (2-4) in place and hand them on, when it runs
     eagerly through a graph not kept for another backward (``fastrl.policy_loss`` sets it: nothing else holds them);
@@ -220,11 +221,14 @@ def policy_loss_one_pass(
                 given=support_logits)
             grad_kl = None
         else:
-            pairs = (list(zip(chunks[0::2], chunks[1::2])) if o.compact
-                     else engine.fixed_chunks(B, T, config.one_pass_granularity, o.chunk_rows))
+            if o.compact:
+                pairs, rows = list(zip(chunks[0::2], chunks[1::2])), None
+            else:  # no-sync: the live rows alone where their count is read without a sync (fastrl.ops.live)
+                pairs, rows = engine.nosync_chunks(t2.view(B, T) != engine.IGNORE, config.one_pass_granularity,
+                                                   o.chunk_rows)
             loss, metrics, grads, logp_all, ent_all, grad_kl, kl = engine.run(
                 h2, weight, bias, t2, o.tf(config), o.backend, pairs, need,
-                inputs.chunk_loss(config, B, T), compact=o.compact, ref=ref,
+                inputs.chunk_loss(config, B, T), compact=o.compact, ref=ref, live_rows=rows,
             )
     assert len(metrics) == o.n_metrics, f"{len(metrics)} metrics, the options say {o.n_metrics}"
     gh, gw, gb = grads

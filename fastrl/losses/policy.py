@@ -144,8 +144,9 @@ def policy_loss(
         positions: with a ``SamplerRule`` that has ``min_tokens``: ``[B, T]`` completion positions (default:
             column t is position t).
         host_sync: None (default): host reads in eager, none while ``torch.compile`` traces; False forces the
-            no-sync path (for CUDA graphs): tokens outside the mask are computed (zeroed hidden states, no
-            gradient) instead of being dropped, one-pass chunks are fixed ranges of whole rows, a KeptSet runs on
+            no-sync path (for CUDA graphs): on a device tokens outside the mask are computed (zeroed hidden states,
+            no gradient) instead of being dropped and one-pass chunks are fixed ranges of whole rows (on CPU tensors
+            the ops compute the live rows alone, without a support: docs/compile.md), a KeptSet runs on
             a kept-set plan chosen without host reads (the per-row plan unless the set overlaps), the value checks below multiply the loss by NaN instead of raising
             (so a bad input gives a NaN loss and NaN gradients; so does a KeptSet that lacks a counted target),
             and the ``check_finite`` checks are skipped (a non-finite value the loss reads makes the loss

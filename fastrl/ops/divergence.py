@@ -264,7 +264,8 @@ def fused_divergence(
             token: below).
         host_sync: whether the op may read device values on the host. None (default): yes in eager, no while
             ``torch.compile`` traces. False (the no-sync path, for ``torch.compile`` and CUDA graphs): masked tokens
-            are computed with zeroed hidden states instead of being dropped, a support runs on a plan chosen
+            are computed with zeroed hidden states instead of being dropped on a device or with a support (on CPU
+            tensors the op computes the live rows alone: docs/compile.md), a support runs on a plan chosen
             without host reads (the per-row plan unless the set says it overlaps), and the checks that need the host
             are skipped (the mask's 0/1 check, ``check_finite``; an empty support at a counted token gives a NaN
             divergence there instead of an exception).

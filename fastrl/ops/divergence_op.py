@@ -8,9 +8,11 @@ crosses the op boundary as its two CSR tensors (``ids``, ``offsets``) and the en
 (``fastrl.ops.kept.build_plan``'s choice, made by the public function); the ops run what they are handed and check
 nothing again (``fastrl.ops.divergence.fused_divergence`` checked it).
 
-Given the mask (``active``, the no-sync path) the ops compute every row with both models' hidden states replaced by
-zeros at the masked ones (whatever they hold, NaN included, cannot reach an output or a gradient): masked rows give
-0 and no gradient, and nothing is read on the host (CUDA-graph safe). Without it every row counts.
+Given the mask (``active``, the no-sync path) the ops compute the live rows alone where their count is read without
+a synchronisation (rows in host memory, ``fastrl.ops.live``; without a support), else every row with both models'
+hidden states replaced by zeros at the masked ones (whatever they hold, NaN included, cannot reach an output or a
+gradient): masked rows give 0 and no gradient, and nothing is read on a device (CUDA-graph safe). Without it every
+row counts.
 
 The backends, one interface (``forward`` / ``backward`` over ``fastrl.ops.config.Head``s): ``divergence_torch``
 (PyTorch tiles), ``divergence_hybrid`` (cuBLAS tiles, one Triton pass over the pair: the Triton backends),
@@ -34,6 +36,7 @@ from fastrl.ops.custom_ops import (
     refuse_double_backward, zero_rows,
 )
 from fastrl.ops.divergence_stats import FORWARD_KL, JSD, REVERSE_KL
+from fastrl.ops.live import LiveRows
 from fastrl.ops.torch_backend import acc_dtype
 
 __all__ = ["DivergenceOptions", "divergence_op", "divergence_backward_op"]
@@ -149,6 +152,33 @@ def divergence_op(
     N = hidden.shape[0]
     if N == 0:  # distinct empty outputs (an op's outputs may not alias one another)
         return tuple(hidden.new_zeros((0,), dtype=acc_dtype(hidden.dtype)) for _ in range(6))
+    rows = _live(active, support_ids)
+    if rows is None:
+        return _forward_rows(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, active, support_ids,
+                             support_offsets, plan, o)
+    # the live rows alone, their results scattered back: 0 at the masked rows
+    take = rows.take
+    div, ent, lse_s, lse_t, aux, entries = _forward_rows(take(hidden), weight, bias, take(teacher_hidden),
+                                                         teacher_weight, teacher_bias, take(active), None, None, plan,
+                                                         o)
+    return (rows.put(div), rows.put(ent) if o.with_entropy else ent, rows.put(lse_s), rows.put(lse_t), rows.put(aux),
+            entries)
+
+
+def _live(active: torch.Tensor | None, support_ids: torch.Tensor | None) -> LiveRows | None:
+    """The no-sync op's live rows when it computes them alone (``fastrl.ops.live``: their count read without a
+    synchronisation; without a support), else None (every row)."""
+    if active is None or support_ids is not None:
+        return None
+    rows = LiveRows.of(active)
+    return rows if rows.ids is not None else None
+
+
+def _forward_rows(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, active, support_ids,
+                  support_offsets, plan, o: DivergenceOptions):
+    """The forward op's outputs for the rows handed in (those outside ``active`` zeroed first, 0 in the outputs)."""
+    if hidden.shape[0] == 0:  # no live row
+        return tuple(hidden.new_zeros((0,), dtype=acc_dtype(hidden.dtype)) for _ in range(6))
     h, ht = zero_rows(active, hidden), zero_rows(active, teacher_hidden)
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
         div, ent, lse_s, lse_t, aux, entries = _forward(h, weight, bias, ht, teacher_weight, teacher_bias, active,
@@ -232,6 +262,22 @@ def divergence_backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # grad hidden [N, H], weight [V, H], bias [V] (each [0] if not needed)
     o = DivergenceOptions.unpack(opt_str, opt_float, opt_int)
     need = (need_hidden, need_weight, need_bias and bias is not None)
+    rows = _live(active, support_ids)
+    if rows is None:
+        return _backward_rows(grad_div, grad_entropy, hidden, weight, bias, teacher_hidden, teacher_weight,
+                              teacher_bias, active, support_ids, support_offsets, plan, lse_s, lse_t, aux, entropy,
+                              entries, o, need)
+    take = rows.take  # the live rows alone (the masked ones' gradient rows are 0)
+    gh, gw, gb = _backward_rows(take(grad_div), take(grad_entropy), take(hidden), weight, bias, take(teacher_hidden),
+                                teacher_weight, teacher_bias, take(active), None, None, plan, take(lse_s),
+                                take(lse_t), take(aux), take(entropy), entries, o, need)
+    return rows.put(gh) if need[0] else gh, gw, gb
+
+
+def _backward_rows(grad_div, grad_entropy, hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, active,
+                   support_ids, support_offsets, plan, lse_s, lse_t, aux, entropy, entries, o: DivergenceOptions,
+                   need):
+    """The backward op's outputs for the rows handed in (those outside ``active`` zeroed first: no gradient)."""
     if hidden.shape[0] == 0:  # no token: nothing flows back
         return (torch.zeros_like(hidden) if need[0] else empty_output(hidden),
                 torch.zeros_like(weight) if need[1] else empty_output(weight),

@@ -8,7 +8,8 @@ and the backward; this module dispatches to them. Autograd is the custom op ``to
 ``linear_stats`` and whose registered backward (the op ``linear_logprob_backward``) calls ``linear_backward``. In eager, ``fused_logprobs`` hands the op only the tokens that are
 not ignored (``compact_rows``, one host sync): padding costs no work, and whatever an ignored row holds (even
 inf/NaN) cannot reach a gradient GEMM. On the no-sync path (under ``torch.compile``, or ``host_sync=False``) the op
-gets every row and zeroes the hidden states and gradients of the ignored ones instead.
+gets every row: it computes the live ones alone where their count is read without a synchronisation (rows in host
+memory, ``fastrl.ops.live``), else every row with the hidden states and gradients of the ignored ones zeroed.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from fastrl.ops._checks import (
 from fastrl.ops._gemm import addmm_f32
 from fastrl.ops.backend import resolve_backend
 from fastrl.ops.config import LogitTransform
+from fastrl.ops.live import LiveRows
 
 __all__ = ["fused_logprobs", "run_logprobs", "linear_stats", "linear_backward", "host_sync_enabled",
            "LinearOptions"]
@@ -220,6 +222,26 @@ def linear_logprob(
     if hidden.shape[0] == 0:  # three distinct empty outputs (an op's outputs may not alias one another)
         e = hidden.new_zeros((0,), dtype=acc_dtype(hidden.dtype))
         return e, e.clone(), e.clone()
+    rows = _live(targets, o)
+    if rows is None:
+        logp, ent, lse = _stats_rows(hidden, weight, bias, targets, o)
+    else:  # the live rows alone, their results scattered back: 0 at the masked rows
+        logp, ent, lse = (rows.put(x) for x in _stats_rows(rows.take(hidden), weight, bias, rows.take(targets), o))
+    return logp, (ent if ent is not None else empty_output(logp)), lse
+
+
+def _live(targets: torch.Tensor, o: LinearOptions) -> LiveRows | None:
+    """The no-sync op's live rows when it computes them alone (``fastrl.ops.live``: their count read without a
+    synchronisation), else None (every row)."""
+    if o.all_live:
+        return None
+    rows = LiveRows.of(targets != o.ignore_index)
+    return rows if rows.ids is not None else None
+
+
+def _stats_rows(hidden, weight, bias, targets, o: LinearOptions):
+    """(logp, entropy | None, lse) [N] of the rows handed in; on the no-sync path 0 at an ignored row (its hidden
+    state zeroed first) and NaN at a counted row whose target is outside [0, V)."""
     active, h = live_rows(targets, hidden, o)
     with torch.autocast(hidden.device.type, enabled=False):
         lse, zt, ent = linear_stats(h, weight, bias, targets, o.tf, o.backend, o.with_entropy, o.vocab_chunk)
@@ -232,7 +254,7 @@ def linear_logprob(
         logp = torch.where(bad, nan, torch.where(active, logp, zero))
         if ent is not None:
             ent = torch.where(bad, nan, torch.where(active, ent, zero))
-    return logp, (ent if ent is not None else empty_output(logp)), lse
+    return logp, ent, lse
 
 
 @linear_logprob.register_fake
@@ -289,14 +311,25 @@ def linear_logprob_backward(
     need_bias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # grad hidden [N, H], weight [V, H], bias [V] (or [0])
     o = LinearOptions.unpack(opt_str, opt_float, opt_int)
+    need = (need_hidden, need_weight, need_bias and bias is not None)
+    rows = _live(targets, o)
+    if rows is None:
+        gh, gw, gb = _backward_rows(grad_logp, grad_entropy, hidden, weight, bias, targets, lse, entropy, o, need)
+    else:  # the live rows alone (the masked ones' gradient rows are 0)
+        take = rows.take
+        gh, gw, gb = _backward_rows(take(grad_logp), take(grad_entropy), take(hidden), weight, bias, take(targets),
+                                    take(lse), take(entropy), o, need)
+        gh = rows.put(gh)
+    return head_grads(gh, gw, gb, hidden, weight)
+
+
+def _backward_rows(grad_logp, grad_entropy, hidden, weight, bias, targets, lse, entropy, o: LinearOptions, need):
+    """``linear_backward`` of the rows handed in (on the no-sync path the ignored ones zeroed: no gradient)."""
     active, h = live_rows(targets, hidden, o)
     cdt = lse.dtype
-
-    need = (need_hidden, need_weight, need_bias and bias is not None)
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
-        gh, gw, gb = linear_backward(h, weight, bias, targets, lse, entropy, grad_rows(grad_logp, active, cdt),
-                                     grad_rows(grad_entropy, active, cdt), o, need)
-    return head_grads(gh, gw, gb, hidden, weight)
+        return linear_backward(h, weight, bias, targets, lse, entropy, grad_rows(grad_logp, active, cdt),
+                               grad_rows(grad_entropy, active, cdt), o, need)
 
 
 @linear_logprob_backward.register_fake
@@ -377,7 +410,8 @@ def fused_logprobs(
             shape); default: column t of ``[B, T]`` targets is position t (flat targets raise).
         host_sync: whether the op may read device values on the host. None (default): yes in eager, no while
             ``torch.compile`` traces. False (the no-sync path, for ``torch.compile`` and CUDA graphs): ignored
-            rows are computed with zeroed hidden states instead of being dropped (no data-dependent shape), the
+            rows are computed with zeroed hidden states instead of being dropped on a device (no host read; on CPU
+            tensors the op computes the live rows alone: docs/compile.md), the
             target-range check becomes a NaN log-prob and entropy at the bad token, and ``check_finite`` is
             skipped (a non-finite output shows as a non-finite value downstream instead of an exception). A
             KeptSet runs on a kept-set plan chosen without host reads (the per-row plan unless the set says its

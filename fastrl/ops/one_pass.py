@@ -26,9 +26,10 @@ from fastrl.ops._gemm import addmm_f32, compensated_addmm_, mm_f32
 from fastrl.ops.backend import is_triton
 from fastrl.ops.budget import fit_one_pass_rows, memory_budget, one_pass_rows, tile_budget
 from fastrl.ops.config import LogitTransform
+from fastrl.ops.live import LiveRows
 
-__all__ = ["IGNORE", "ChunkLoss", "Chunk", "chunk_budget", "live_chunks", "plan_chunks", "fixed_chunks", "run",
-           "tile_stats_kl", "tile_grad_kl_"]
+__all__ = ["IGNORE", "ChunkLoss", "Chunk", "chunk_budget", "live_chunks", "plan_chunks", "nosync_chunks",
+           "fixed_chunks", "run", "tile_stats_kl", "tile_grad_kl_"]
 
 IGNORE = -100  # the target id of a row outside the mask (the ops' ignore_index)
 
@@ -82,6 +83,12 @@ def live_chunks(
     per_seq = live.sum(1).tolist()
     if max(per_seq, default=0) > budget:
         return None
+    return _whole_sequences(per_seq, budget)
+
+
+def _whole_sequences(per_seq: list[int], budget: int) -> list[tuple[int, int]]:
+    """Ranges of live rows holding as many whole sequences (``per_seq`` live rows each, none over ``budget``) as
+    fit in ``budget`` rows."""
     out, start, size = [], 0, 0
     for n in per_seq:
         if size + n > budget:
@@ -107,6 +114,21 @@ def plan_chunks(live: torch.Tensor, granularity: str, V: int, trained_head: bool
     if sync:
         return live_chunks(live, granularity, V, device, trained_head, requested, backend, dtype, H, mem), rows
     return ([] if granularity == "token" or T <= rows else None), rows
+
+
+def nosync_chunks(live: torch.Tensor, granularity: str, chunk_rows: int) -> tuple[list[tuple[int, int]], LiveRows]:
+    """The no-sync op's chunks for ``live`` [B, T] (the tokens in the mask): ranges of live rows of ``chunk_rows``
+    tokens (or of whole sequences) where the live count is read without a synchronisation (``fastrl.ops.live``), else
+    ``fixed_chunks`` over every row; with the ``LiveRows`` that ``run`` takes."""
+    B, T = live.shape
+    rows = LiveRows.of(live.reshape(-1))
+    if rows.ids is None:
+        return fixed_chunks(B, T, granularity, chunk_rows), rows
+    n = rows.ids.shape[0]
+    if granularity == "token":
+        return [(c0, min(c0 + chunk_rows, n)) for c0 in range(0, n, chunk_rows)], rows
+    # the plan checked that a whole row of T tokens fits in a chunk: so does each sequence's live part
+    return _whole_sequences(live.sum(1).tolist(), chunk_rows), rows
 
 
 def fixed_chunks(B: int, T: int, granularity: str, chunk_rows: int) -> list[tuple[int, int]]:
@@ -169,16 +191,22 @@ def run(
     chunks: list[tuple[int, int]],  # ranges of live rows (compact), else of all rows
     need: tuple[bool, bool, bool],
     loss: ChunkLoss,
-    compact: bool = True,  # False: no host sync; rows outside the mask are computed (zeroed hidden, no gradient)
+    compact: bool = True,  # False: no host sync; live_rows' rows alone, else every row (masked: zeroed, no gradient)
     ref: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,  # the exact KL's (hidden, W, b)
+    live_rows: LiveRows | None = None,  # no-sync (compact False): the live rows nosync_chunks found, its chunks' rows
 ) -> tuple[torch.Tensor, dict, tuple, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(loss, metrics, (grad_h, grad_w, grad_b), logp [N], entropy [N], d loss / d the caller's KL | None, the exact
     KL computed here [N] | None)."""
     assert ref is None or not is_triton(backend), "the exact KL inside the chunks runs on the torch backend's tiles"
     live = targets != IGNORE
-    # live rows only: padding costs nothing and cannot poison grad_W (compact); or every row, with the hidden
-    # states of rows outside the mask zeroed so that whatever they hold cannot reach grad_W either
-    idx = compact_rows(live) if compact else None
+    # live rows only: padding costs nothing and cannot poison grad_W (compact: found with a host sync in eager, or
+    # by the no-sync op where the count is read without one); or every row, with the hidden states of rows outside
+    # the mask zeroed so that whatever they hold cannot reach grad_W either
+    if compact:
+        idx = compact_rows(live)
+    else:
+        idx = None if live_rows is None else live_rows.ids
+        compact = live_rows is not None and live_rows.known
     rows = _Rows(hidden, loss.logp_init, ref is not None)
     tiles = _Tiles(hidden, weight, bias, tf, backend, max((c1 - c0 for c0, c1 in chunks), default=0), ref)
     acc = _Grads(hidden, weight, bias, need, single=len(chunks) == 1, direct=weight.dtype == tiles.cdt or tiles.triton,

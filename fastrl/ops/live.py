@@ -1,0 +1,67 @@
+"""Live rows on the no-sync path: the rows whose target counts, found on the device, computed alone where the host
+may know how many there are without a device synchronisation.
+
+In eager (``host_sync`` allowed) the public functions drop masked rows before their op (``compact_rows``: one host
+synchronisation). While ``torch.compile`` traces, or with ``host_sync=False``, the ops receive every row and the mask,
+and nothing outside them may read the host. Inside an op's implementation the code runs eagerly even under
+``torch.compile``, so the op itself may decide how many rows to compute; the only question is whether reading the
+count costs a synchronisation:
+
+* the rows live in host memory (CPU tensors): reading the count is a memory read, not a synchronisation, so the op
+  computes the live rows alone and scatters their results back (``LiveRows.ids``): a compiled loss over half-masked
+  rows costs what eager's does;
+* the rows live on a device (CUDA, eager ``host_sync=False``, ``torch.compile``, CUDA-graph capture): the count is
+  never read (the issue's "no host read"), so every row is computed with the masked rows' hidden states zeroed, as
+  before (``LiveRows.ids`` is None). A cuBLAS GEMM's shape is a host value, so the GEMMs cannot shrink to a count
+  that only the device knows.
+
+``LiveRows.of`` finds the live rows with a stable sort of the mask (live rows first, in their order: a permutation,
+a static shape), so the ids equal ``nonzero``'s and every result equals eager's row for row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["LiveRows", "count_readable"]
+
+
+def count_readable(device: torch.device) -> bool:
+    """Whether the live count may be read on the host without a device synchronisation: the rows are in host memory.
+    (A CUDA tensor's value is read only by waiting for the stream, which a CUDA-graph capture forbids and the no-sync
+    path promises not to do.)"""
+    return device.type == "cpu"
+
+
+@dataclass(frozen=True)
+class LiveRows:
+    """The rows an op computes on the no-sync path: ``ids`` [n] (ascending) of the live rows when their count is
+    readable and some rows are masked, else None: every row is computed (all live, or the count is on a device)."""
+
+    ids: torch.Tensor | None
+    n_rows: int
+    known: bool  # the live count was read: ``ids`` None then means every row is live
+
+    @staticmethod
+    def of(live: torch.Tensor) -> LiveRows:  # [N] bool
+        N = live.numel()
+        if N == 0 or not count_readable(live.device):
+            return LiveRows(None, N, N == 0)
+        count = int(live.sum())  # host memory: a read, not a synchronisation (count_readable)
+        if count == N:
+            return LiveRows(None, N, True)
+        # live rows first, each group in row order (stable): the first `count` entries are nonzero()'s ids
+        order = torch.sort(torch.logical_not(live).to(torch.uint8), stable=True).indices
+        return LiveRows(order[:count], N, True)
+
+    def take(self, x: torch.Tensor | None) -> torch.Tensor | None:  # [N, ...] -> [n, ...]
+        return x if x is None or self.ids is None else x.index_select(0, self.ids)
+
+    def put(self, x: torch.Tensor | None, fill: float = 0.0) -> torch.Tensor | None:  # [n, ...] -> [N, ...]
+        """The live rows' values at their rows, ``fill`` at the others (no autograd: the ops' outputs)."""
+        if x is None or self.ids is None:
+            return x
+        out = torch.full((self.n_rows, *x.shape[1:]), fill, dtype=x.dtype, device=x.device)
+        return out.index_copy_(0, self.ids, x)

@@ -1,0 +1,199 @@
+"""Masked rows skipped on the no-sync path (``torch.compile(fullgraph=True)``, ``host_sync=False``): the GEMMs see the
+live rows alone where their count is read without a synchronisation (rows in host memory: ``fastrl.ops.live``).
+
+* Counted where the products run: every ``aten::mm`` / ``aten::addmm`` the profiler records while a compiled call
+  runs forward and backward (inside fastrl's ops too), as multiply-adds; they must equal ``k * live * H * V`` with
+  ``k`` the path's GEMMs per row (one pass: forward, grad_h, grad_W = 3; two passes and ``fused_logprobs``: 4; the
+  exact KL inside the chunks adds the reference's forward). Masks: half of every sequence, none, all, the middle of
+  every sequence; the torch backend, and the Triton hybrid backend under the interpreter (real block sizes).
+* Compiled equals eager (which drops the masked rows with a host sync): loss, metrics and gradients, bitwise where the
+  same rows meet the same GEMMs in the same order, else within float32 rounding (<= 1e-6 relative).
+* Masked rows give what they gave before: 0 log-prob and entropy, exactly 0 gradient rows, even when their hidden
+  state holds NaN. On a device the count is never read (``tests/test_compile.py``'s host-read recorder, with the
+  count treated as on a device): every row is computed there, as the last test shows by counting.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import fastrl
+from fastrl import PolicyLossConfig
+from fastrl.ops import live
+
+B, T, H, V = 4, 10, 24, 200  # B*T = 40 rows: no dimension of a GEMM is ambiguous
+REL = 1e-6
+DAPO = PolicyLossConfig(loss_type="dapo", beta=0.04, entropy_coef=0.01, temperature=0.7)
+GSPO = PolicyLossConfig(loss_type="grpo", temperature=0.7, importance_sampling_level="sequence")  # whole sequences
+TWO_PASS = PolicyLossConfig(loss_type="dapo", temperature=0.7, top_entropy_quantile=0.5)  # path A
+EXACT = PolicyLossConfig(loss_type="grpo", beta=0.04, kl_estimator="exact", temperature=0.7)
+
+
+def masks() -> dict[str, torch.Tensor]:
+    full = torch.ones(B, T, dtype=torch.bool)
+    half, middle = full.clone(), full.clone()
+    half[:, T // 2:] = False
+    middle[:, 3:7] = False
+    return {"half": half, "none": full, "all": torch.zeros(B, T, dtype=torch.bool), "middle": middle}
+
+
+def inputs(mask: torch.Tensor, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(B, T, H, generator=g)
+    h[~mask] = float("nan")  # whatever a masked row holds must reach nothing
+    return dict(h=h, w=0.3 * torch.randn(V, H, generator=g), bias=0.1 * torch.randn(V, generator=g),
+                targets=torch.randint(0, V, (B, T), generator=g), mask=mask, adv=torch.randn(B, generator=g),
+                old=-5.0 + 0.3 * torch.randn(B, T, generator=g), ref_h=torch.randn(B, T, H, generator=g))
+
+
+def gemm_macs(fn) -> int:
+    """Multiply-adds of every GEMM ``fn`` runs (the profiler's recorded shapes, inside custom ops too)."""
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn()
+    total = 0
+    for e in prof.events():
+        if e.name == "aten::mm":
+            a, b = e.input_shapes[0], e.input_shapes[1]
+        elif e.name in ("aten::addmm", "aten::addmm_"):
+            a, b = e.input_shapes[1], e.input_shapes[2]
+        else:
+            continue
+        total += a[0] * a[1] * b[1]
+    return total
+
+
+def loss_step(config: PolicyLossConfig, backend: str = "torch", host_sync=None):
+    def step(h, w, bias, targets, mask, adv, old, ref_h):
+        ref = (dict(ref_hidden=ref_h, ref_weight=w.detach()) if config.kl_estimator == "exact"
+               else dict(ref_logprobs=old - 0.1) if config.beta else {})
+        loss, metrics = fastrl.policy_loss(h, w, targets, adv, mask, config=config, old_logprobs=old, bias=bias,
+                                           softcap=4.0, backend=backend, check_finite=False, host_sync=host_sync,
+                                           **ref)
+        return loss, tuple(metrics.values())
+
+    return step
+
+
+def logprob_step(backend: str = "torch"):
+    def step(h, w, bias, targets, mask, adv, old, ref_h):
+        lp, ent = fastrl.fused_logprobs(h, w, torch.where(mask, targets, -100), bias=bias, temperature=0.7,
+                                        softcap=4.0, backend=backend, check_finite=False)
+        return lp.sum() + 0.3 * ent.sum(), (lp, ent)
+
+    return step
+
+
+def run(fn, x: dict):
+    """(first output, other outputs, gradients of hidden, weight, bias) of fn's forward and backward."""
+    leaves = [x[k].clone().requires_grad_() for k in ("h", "w", "bias")]
+    out, rest = fn(*leaves, x["targets"], x["mask"], x["adv"], x["old"], x["ref_h"])
+    out.backward()
+    return out.detach(), tuple(r.detach() for r in rest), tuple(t.grad for t in leaves)
+
+
+def assert_close(got, want, what: str) -> None:
+    for i, (g, e) in enumerate(zip(got, want)):
+        if torch.equal(g, e):
+            continue
+        both_nan = torch.isnan(g) & torch.isnan(e)
+        err = (g.double() - e.double()).abs().masked_fill(both_nan, 0).max()
+        scale = e.double().abs().nan_to_num().max().clamp(min=1e-30)
+        assert err / scale <= REL, f"{what} [{i}]: compiled differs from eager by {float(err / scale):.2e} relative"
+
+
+CASES = {  # name: (step, GEMMs per live row (in units of H * V))
+    "one-pass": (loss_step(DAPO), 3),
+    "one-pass-sequences": (loss_step(GSPO), 3),
+    "two-pass": (loss_step(TWO_PASS), 4),
+    "exact-kl-inside": (loss_step(EXACT), 4),
+    "fused_logprobs": (logprob_step(), 4),
+}
+
+
+@pytest.mark.parametrize("mask_name", list(masks()))
+@pytest.mark.parametrize("case", list(CASES))
+def test_compiled_gemms_see_live_rows_only(case, mask_name):
+    torch._dynamo.reset()
+    step, per_row = CASES[case]
+    x = inputs(masks()[mask_name])
+    compiled = torch.compile(step, fullgraph=True)
+    run(compiled, x)  # compiles
+    got = {}
+    macs = gemm_macs(lambda: got.setdefault("r", run(compiled, x)))
+    live_rows = int(x["mask"].sum())
+    assert macs == per_row * live_rows * H * V, (
+        f"{case}, {mask_name} masked: the GEMMs computed {macs / (H * V):g} row-products, expected {per_row} x "
+        f"{live_rows} live rows")
+    out, rest, grads = got["r"]
+    e_out, e_rest, e_grads = run(step, x)  # eager: masked rows dropped with a host sync
+    assert_close((out, *rest, *grads), (e_out, *e_rest, *e_grads), f"{case}, {mask_name} masked")
+    masked = ~x["mask"]
+    assert torch.isfinite(grads[1]).all() and (grads[0][masked] == 0).all(), "a masked row reached a gradient"
+    if case == "fused_logprobs":
+        assert (rest[0][masked] == 0).all() and (rest[1][masked] == 0).all()
+
+
+@pytest.mark.parametrize("mask_name", ("half", "middle"))
+def test_host_sync_false_eager_skips_masked_rows(mask_name):
+    """``host_sync=False`` in eager is the compiled path: the same GEMMs."""
+    x = inputs(masks()[mask_name])
+    step = loss_step(DAPO, host_sync=False)
+    got = {}
+    macs = gemm_macs(lambda: got.setdefault("r", run(step, x)))
+    assert macs == 3 * int(x["mask"].sum()) * H * V
+    want = run(loss_step(DAPO), x)
+    assert_close((got["r"][0], *got["r"][2]), (want[0], *want[2]), f"host_sync=False, {mask_name} masked")
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("mask_name", ("half", "middle"))
+@pytest.mark.parametrize("kind", ("loss", "logprobs"))
+def test_triton_hybrid_compiled_skips_masked_rows(kind, mask_name):
+    """The hybrid backend (cuBLAS-style GEMMs + Triton folds, interpreted) compiled: the same GEMM count and values."""
+    torch._dynamo.reset()
+    step, per_row = (loss_step(DAPO, "triton-hybrid"), 3) if kind == "loss" else (logprob_step("triton-hybrid"), 4)
+    x = inputs(masks()[mask_name])
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    run(compiled, x)
+    got = {}
+    macs = gemm_macs(lambda: got.setdefault("r", run(compiled, x)))
+    assert macs == per_row * int(x["mask"].sum()) * H * V
+    out, rest, grads = got["r"]
+    e_out, e_rest, e_grads = run(step, x)
+    assert_close((out, *rest, *grads), (e_out, *e_rest, *e_grads), f"triton-hybrid {kind}, {mask_name} masked")
+
+
+def test_divergence_no_sync_skips_masked_rows(monkeypatch):
+    """``fused_divergence(host_sync=False)``: its GEMMs are those of every row computed, scaled by live / all rows."""
+    x = inputs(masks()["middle"])
+
+    def div(mask, host_sync):
+        h = x["h"].clone().requires_grad_()
+        d = fastrl.fused_divergence(h, x["w"], x["ref_h"], x["w"] * 0.9, beta=0.5, mask=mask, host_sync=host_sync,
+                                    check_finite=False)
+        d.sum().backward()
+        return h.grad
+
+    got = {}
+    macs = gemm_macs(lambda: got.setdefault("g", div(x["mask"], False)))
+    want = div(x["mask"], None)  # eager: masked rows dropped with a host sync
+    assert_close((got["g"],), (want,), "divergence host_sync=False")
+    assert (got["g"][~x["mask"]] == 0).all()
+    monkeypatch.setattr(live, "count_readable", lambda device: False)  # as on a device: every row computed
+    every = gemm_macs(lambda: div(x["mask"], False))
+    assert macs > 0 and macs * B * T == every * int(x["mask"].sum()), (macs, every)
+
+
+def test_on_a_device_every_row_is_computed(monkeypatch):
+    """Where the count would need a synchronisation (rows on a device) it is never read: every row is computed
+    (masked ones zeroed), and the values are the same."""
+    x = inputs(masks()["half"])
+    step = loss_step(DAPO, host_sync=False)
+    want = run(step, x)
+    monkeypatch.setattr(live, "count_readable", lambda device: False)
+    got = {}
+    macs = gemm_macs(lambda: got.setdefault("r", run(step, x)))
+    assert macs == 3 * B * T * H * V
+    assert_close((got["r"][0], *got["r"][2]), (want[0], *want[2]), "every row computed")
