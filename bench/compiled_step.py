@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import os
 import statistics
-import time
 
 import torch
+
+from bench import measure
 
 __all__ = ["VARIANTS", "run", "run_point", "add_options", "parse_args", "command"]
 
@@ -76,9 +77,12 @@ def _measure(variant: str, shape, device: str, reps: int, warmup: int, compile_b
         fn = torch.compile(fn, fullgraph=(kind == "fastrl"), mode=mode, dynamic=False, **backend)
     inputs = _inputs(B, T, H, V, dtype, device)
 
-    def step():
+    def clear():
         for p in params:
             p.grad = None
+
+    def step():
+        clear()
         loss, _ = fn(*inputs)
         loss.backward()  # (AOTAutograd's compiled backward for the compiled variants)
         with torch.no_grad():
@@ -86,25 +90,16 @@ def _measure(variant: str, shape, device: str, reps: int, warmup: int, compile_b
                 p.sub_(1e-4 * p.grad)  # an SGD update in place: the compiled step sees the same parameters
         return float(loss.detach())
 
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    untimed, times, losses = max(1, warmup), [], []  # the first step compiles: reported apart
-    for _ in range(untimed + reps):
-        t0 = time.perf_counter()
-        losses.append(step())
-        sync()
-        times.append(time.perf_counter() - t0)
-    first, times = times[0], times[untimed:]
+    # the first step compiles: reported apart (first_step_s)
+    t = measure.time_steps(step, reps, max(1, warmup), device == "cuda", before=clear)
     # FLOPs per step: LM head 6NHV (forward GEMM, grad_h, grad_W) + body 2 * 3 * (2 * N * H * 4H) = 48NH^2
     flops = 6 * B * T * H * V + 48 * B * T * H * H
-    ms = 1e3 * statistics.median(times)
+    ms = statistics.median(t["ms"])
     row = {"variant": variant, "B": B, "T": T, "H": H, "V": V, "dtype": str(dtype).replace("torch.", ""), "ms": ms,
-           "ms_min": 1e3 * min(times), "ms_max": 1e3 * max(times), "first_step_s": first, "first_loss": losses[0],
-           "tflops": flops / (ms * 1e-3) / 1e12, "reps": reps}
+           "ms_min": min(t["ms"]), "ms_max": max(t["ms"]), "first_step_s": t["first_ms"] / 1e3,
+           "first_loss": t["first_out"], "tflops": flops / (ms * 1e-3) / 1e12, "reps": reps}
     if device == "cuda":
-        row["peak_extra_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        row["peak_extra_mb"] = t["extra_mb"]
     return row
 
 

@@ -213,7 +213,7 @@ def _interleaved(wl: DivWorkload, spec: dict, inp: dict, device: torch.device) -
 
     for _ in range(max(5, spec["reps"])):
         for p in KL_PROVIDERS:
-            times[p].append(measure.wall_ms(step, device.type == "cuda", p))
+            times[p].append(measure.wall_ms(lambda: step(p), device.type == "cuda")[0])
     return {"k3_ms": statistics.median(times["k3"]), "exact_ms": statistics.median(times["exact"]),
             "ratio": statistics.median(e / k for e, k in zip(times["exact"], times["k3"])), "reps": len(times["k3"]),
             "k3_all_ms": times["k3"], "exact_all_ms": times["exact"]}
@@ -221,22 +221,18 @@ def _interleaved(wl: DivWorkload, spec: dict, inp: dict, device: torch.device) -
 
 def targets(rows: list[dict], device: str, console=None) -> dict:
     """Issue 21's targets (fastrl against TRL), issue 26's (fastrl-kept64 against fastrl, exact against k3 on the
-    interleaved steps): {workload[/provider]: verdict}; printed when ``console`` is given."""
+    interleaved steps), by ``report.judge``; printed when ``console`` is given."""
     t_trl, m_trl = CPU_TARGETS if device == "cpu" else GPU_TARGETS
     bounds = {"fastrl": ("trl", t_trl, m_trl), "fastrl-kept64": ("fastrl", KEPT_TARGET, None),
               "exact": ("k3", EXACT_KL_TARGET, None)}
-    out = {}
+    checks = []
     for r in (r for r in rows if r["provider"] in bounds):
         ref, t_max, m_max = bounds[r["provider"]]
-        checks = [(f"{r['workload']}: {r['provider']} time vs {ref}'s", r["interleaved"]["ratio"] if "interleaved" in r
-                   else r.get(f"time_vs_{ref}"), t_max)]
-        if m_max is not None:
-            checks.append((f"{r['workload']}: {r['provider']} extra memory vs {ref}'s", r.get(f"mem_vs_{ref}"), m_max))
-        verdicts = report.judge(console, checks)
-        res = out[r["workload"] + ("" if ref == "trl" else f"/{r['provider']}")] = {}
-        for (_, value, limit), ok, what in zip(checks, verdicts, ("time", "mem")):
-            res.update({f"{what}_vs_{ref}": value, f"{what}_target": limit, f"{what}_pass": ok})
-    return out
+        what = f"{r['workload']}: {r['provider']}"
+        checks.append((f"{what} time vs {ref}'s", r["interleaved"]["ratio"] if "interleaved" in r
+                       else r.get(f"time_vs_{ref}"), t_max))
+        checks += [(f"{what} extra memory vs {ref}'s", r.get(f"mem_vs_{ref}"), m_max)] if m_max is not None else []
+    return report.judge(console, checks)
 
 
 def cli(args, device: str, con) -> int:

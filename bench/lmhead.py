@@ -100,17 +100,9 @@ def _add_flops(row: dict, wl: Workload) -> None:
 
 
 def add_ratios(rows: list[dict], references: tuple[str, ...] = ("torch", "trl")) -> None:
-    """Time and peak-memory ratios against the materialised torch row and TRL's row of the same workload (same
-    run): ``time_vs_torch`` / ``mem_vs_torch``, ``time_vs_trl`` / ``mem_vs_trl``."""
-    for reference in references:
-        ref = {r["workload"]: r for r in rows if r["provider"] == reference and r["status"] == "ok"}
-        for r in rows:
-            base = ref.get(r["workload"])
-            if r["status"] != "ok" or base is None:
-                continue
-            r[f"time_vs_{reference}"] = r["total_ms"]["median"] / base["total_ms"]["median"]
-            if base["peak_extra_mb"] > 0:
-                r[f"mem_vs_{reference}"] = r["peak_extra_mb"] / base["peak_extra_mb"]
+    """``time_vs_<ref>`` / ``mem_vs_<ref>`` against each reference provider's row of the same workload (same run)."""
+    for ref in references:
+        report.add_ratios(rows, ref, lambda r, ref=ref: r["provider"] == ref)
 
 
 def _plan(workloads: list[Workload], provs: list[P.Provider], cfg: RunConfig) -> tuple[list, list, list]:
@@ -168,8 +160,8 @@ def _find(rows: list[dict], workload: str, provider: str) -> dict:
 
 def _c1_targets(rows: list[dict], con) -> dict:
     """C1_TARGETS per workload: time and extra peak memory as ratios of torch's in the same run; a fresh process's
-    first step (lazy imports included) reported next to them, not judged."""
-    out = {}
+    first step (lazy imports included) printed next to them, not judged."""
+    checks = []
     for wl in dict.fromkeys(r["workload"] for r in rows if r["workload"].removesuffix("-smoke") in C1_TARGETS):
         prov, t_max, m_max = C1_TARGETS[wl.removesuffix("-smoke")]
         fr, tr = _find(rows, wl, prov), _find(rows, wl, "torch")
@@ -177,18 +169,13 @@ def _c1_targets(rows: list[dict], con) -> dict:
                 if r["workload"] == wl and r["kind"] == "loss" and "loss_value" in r}
         if vals:  # no float64 check for the loss workloads: at least the providers agree on the value
             con.print(f"{wl} loss values: " + ", ".join(f"{p} {v}" for p, v in vals.items()))
-        mem, tim = fr.get("mem_vs_torch"), fr.get("time_vs_torch")
-        mem_ok, time_ok = report.judge(con, [(f"{wl} target, {prov} extra peak RSS vs torch's", mem, m_max),
-                                             (f"{wl} target, {prov} fwd+bwd time vs torch's", tim, t_max)])
-        res = out[wl] = {"provider": prov, "evaluated": bool(fr and tr), "mem_ratio": mem, "mem_target": m_max,
-                         "mem_pass": mem_ok, "time_ratio": tim, "time_target": t_max, "time_pass": time_ok}
+        checks += [(f"{wl} target, {prov} extra peak RSS vs torch's", fr.get("mem_vs_torch"), m_max),
+                   (f"{wl} target, {prov} fwd+bwd time vs torch's", fr.get("time_vs_torch"), t_max)]
         if fr.get("first_step_ms") and tr.get("first_step_ms"):
-            res["first_step_time_ratio"] = fr["first_step_ms"] / tr["first_step_ms"]
-            res["first_step_extra_mb"] = fr["first_step_extra_mb"]
             con.print(f"{wl} first step of a fresh process, {prov}: {fr['first_step_ms']:.0f} ms "
-                      f"({res['first_step_time_ratio']:.2f}x torch's {tr['first_step_ms']:.0f} ms), "
+                      f"({fr['first_step_ms'] / tr['first_step_ms']:.2f}x torch's {tr['first_step_ms']:.0f} ms), "
                       f"{fr['first_step_extra_mb']:.0f} MB extra peak RSS (torch {tr['first_step_extra_mb']:.0f} MB)")
-    return out
+    return report.judge(con, checks)
 
 
 def cli(args, device: str, con) -> int:

@@ -23,7 +23,7 @@ from rich.markup import escape
 from rich.table import Table
 
 __all__ = ["environment", "device_slug", "new_out_dir", "out_dir", "mode", "prefix", "write_json",
-           "save_results", "write_csv", "plot", "print_table", "console", "cell", "run_points", "judge",
+           "save_results", "write_csv", "plot", "print_table", "console", "cell", "run_points", "add_ratios", "judge",
            "SUMMARY_WIDTH"]
 
 # the console summary fits this many columns; every figure it leaves out is in the JSON / CSV files
@@ -285,17 +285,38 @@ def run_points(specs: list[dict], rows: list[dict], device: str, timeout_s: floa
     return min(loads), max(loads)
 
 
-def judge(con: Console | None, checks: list[tuple[str, float | None, float]]) -> list[bool]:
-    """Each target (what, value, limit) as a line "what = value (target <= limit): PASS / FAIL" (value None: not
-    evaluated, a fail); whether each passed."""
-    passed = []
-    for what, value, limit in checks:
-        passed.append(value is not None and value <= limit)
-        if con is None:
-            continue
-        if value is None:
-            con.print(f"[yellow]{what}: not evaluated (a row it needs did not run); target <= {limit:g}[/yellow]")
-        else:
-            con.print(f"{what} = {value:.3f} (target <= {limit:g}): "
-                      + ("[green]PASS[/green]" if passed[-1] else "[red]FAIL[/red]"))
-    return passed
+def _median(r: dict):
+    return (r.get("total_ms") or {}).get("median")
+
+
+def add_ratios(rows: list[dict], name: str, is_ref: Callable[[dict], bool], key: Callable = lambda r: r["workload"],
+               ms: Callable = _median, mb: str = "peak_extra_mb", where: Callable = lambda r: True) -> None:
+    """The benchmarks' one ratio rule: each ok row (``where``) gets ``time_vs_<name>`` and ``mem_vs_<name>`` against
+    the ok reference row (``is_ref``) of the same ``key`` (time ``ms(row)``, memory ``row[mb]``; None where the
+    reference held none)."""
+    def ok(r: dict) -> bool:
+        return r.get("status", "ok") == "ok" and ms(r) is not None
+
+    refs = {key(r): r for r in rows if is_ref(r) and ok(r)}
+    for r in rows:
+        b = refs.get(key(r)) if ok(r) and where(r) else None
+        if b is not None:
+            r[f"time_vs_{name}"] = ms(r) / ms(b)
+            r[f"mem_vs_{name}"] = r[mb] / b[mb] if r.get(mb) is not None and b.get(mb) else None
+
+
+def judge(con: Console | None, checks) -> dict[str, dict]:
+    """The benchmarks' one targets judge. Each check (name, value, limit[, what[, at_least]]) printed as "name: what
+    value (target <= limit): PASS / FAIL" (``at_least``: >=; value None: not evaluated, a fail, ``what`` saying why);
+    returns {name: {"value", "target", "pass", "row"}}."""
+    out = {}
+    for name, value, limit, what, at_least in ((*c, "", False)[:5] for c in checks):
+        ok = value is not None and (value >= limit if at_least else value <= limit)
+        out[name] = {"value": value, "target": limit, "pass": ok, "row": what}
+        bound = f"target {'>=' if at_least else '<='} {limit:g}x"
+        if con is not None and value is None:
+            con.print(f"[yellow]{name}: not evaluated ({what or 'a row it needs did not run'}); {bound}[/yellow]")
+        elif con is not None:
+            con.print(f"{name}: {what + ' ' if what else ''}{value:.3f}x ({bound}): "
+                      + ("[green]PASS[/green]" if ok else "[red]FAIL[/red]"))
+    return out

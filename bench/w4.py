@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import gc
 import os
 import shutil
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
+
+from bench import report
 
 __all__ = ["W4Shape", "Config", "Plan", "plan_for", "with_overrides", "run_point", "point_spec",
            "spawn_point", "point_row", "add_ratios", "sweep", "print_points", "command", "cli",
@@ -198,37 +199,6 @@ def _trainer(spec: dict, s: W4Shape, which: str, L: int, cuda: bool):
     return trainer
 
 
-def _timed_steps(step, model, inputs, reps: int, cuda: bool) -> dict:
-    """``reps`` steps, gradients set to None before each: time, and the peak over what was allocated before it."""
-    import torch
-
-    from bench import measure
-
-    def start() -> float:  # MB held as the step starts (CUDA: allocated; CPU: RSS), the peak counter reset
-        model.zero_grad(set_to_none=True)
-        gc.collect()
-        if not cuda:
-            measure.trim()
-            measure.reset_peak()
-            return measure.rss_mb()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        return torch.cuda.memory_allocated() / measure.MB
-
-    times, found, peaks, losses = [], [], [], []
-    for _ in range(reps):
-        found.append(start())
-        t0 = time.perf_counter()
-        losses.append(step(inputs))
-        if cuda:
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-        peaks.append(torch.cuda.max_memory_allocated() / measure.MB if cuda else measure.peak_rss_mb())
-    return {"step_ms": measure.summarize(times), "peak_extra_mb": max(p - b for p, b in zip(peaks, found)),
-            "peak_total_mb": max(peaks), "baseline_mb": min(found), "loss_value": losses[0]}
-
-
 def run_point(spec: dict) -> dict:
     """Measure one (trainer, completion length) in this fresh process; returns a result dict for the row."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -269,7 +239,11 @@ def run_point(spec: dict) -> dict:
         if cuda:
             torch.cuda.synchronize()
         where = ""
-        res.update(_timed_steps(step, model, _inputs(s, L, device, spec.get("seed", 0)), spec.get("reps", 1), cuda))
+        inputs = _inputs(s, L, device, spec.get("seed", 0))
+        t = measure.time_steps(lambda: step(inputs), spec.get("reps", 1), 0, cuda,
+                               before=lambda: model.zero_grad(set_to_none=True))
+        res.update(step_ms=measure.summarize(t["ms"]), peak_extra_mb=t["extra_mb"], peak_total_mb=t["peak_mb"],
+                   baseline_mb=t["base_mb"], loss_value=t["outs"][0])
     except Exception as e:  # noqa: BLE001
         text = str(e).lower()
         if not (isinstance(e, torch.OutOfMemoryError) or "out of memory" in text or "can't allocate memory" in text):
@@ -347,12 +321,8 @@ def measure_point(plan: Plan, group: str, arch: str, c: Config, L: int, con) -> 
 
 def add_ratios(rows: list[dict]) -> None:
     """Each measured fastrl row's step time and extra memory against stock TRL's at the same shape and length."""
-    trl = {(r["workload"], r["completion_len"]): r for r in rows if r["config"] == "trl" and r["status"] == "ok"}
-    for r in rows:
-        t = trl.get((r["workload"], r["completion_len"]))
-        if r["provider"] != "trl" and r["status"] == "ok" and t:
-            r["time_vs_trl"] = r["step_ms"]["median"] / t["step_ms"]["median"]
-            r["mem_vs_trl"] = r["peak_extra_mb"] / t["peak_extra_mb"] if t["peak_extra_mb"] > 0 else None
+    report.add_ratios(rows, "trl", lambda r: r["config"] == "trl", key=lambda r: (r["workload"], r["completion_len"]),
+                      ms=lambda r: (r.get("step_ms") or {}).get("median"), where=lambda r: r["provider"] != "trl")
 
 
 def sweep(plan: Plan, con) -> list[dict]:
@@ -440,8 +410,6 @@ def command(name: str, args, device: str, con, plan: Plan, measure, report_rows,
     """``python -m bench w4`` / ``w5``: the plan with the command line's overrides, ``measure(plan, con)`` -> rows,
     ``report_rows(plan, rows, con, title, elapsed)`` -> the JSON's own fields (it prints the tables), then
     ``<prefix>.json`` and ``<prefix>.csv``."""
-    from bench import report
-
     env, mode = report.environment(device), report.mode(args)
     out_dir, prefix = report.out_dir(args, env["device_slug"], name), report.prefix(name, args)
     try:
@@ -474,8 +442,6 @@ def command(name: str, args, device: str, con, plan: Plan, measure, report_rows,
 
 def cli(args, device: str, con) -> int:
     """``python -m bench w4`` (``bench/__main__.py`` parses the shared options and ``--lengths``, ``--budget-mb``)."""
-    from bench import report
-
     return command("w4", args, device, con, plan_for(device, report.mode(args)), sweep, _report)
 
 

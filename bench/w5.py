@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, replace
 
+from bench import report
 from bench.w4 import (GIB, QWEN25_05B, Config, Plan, W4Shape, add_ratios, command, measure_point, point_row,
                       print_points)
 
@@ -208,11 +209,10 @@ def print_tables(con, plan: Plan, rows: list[dict], summary: dict, tgt: dict, ti
     if not tgt.get("evaluated"):
         con.print(f"[yellow]no targets evaluated: {tgt.get('why')}[/yellow]")
     for c in tgt.get("checks", []):
-        where = f"target {c['arch']} @ {c['budget_mb'] / GIB:.0f} GiB"
-        con.print(f"[red]{where}: not evaluated[/red]" if not c["evaluated"] else
-                  f"{where}: {h} fits {c['length_ratio']:.2f}x trl's length (>= 3x"
-                  f"{', a lower bound' if c['lower_bound'] else ''}) at {_x(c['time_ratio'])} its step time (<= 1.1x): "
-                  + ("[green]PASS[/green]" if c["pass"] else "[red]FAIL[/red]"))
+        where = f"target {c['arch']} @ {c['budget_mb'] / GIB:.0f} GiB: {h}"
+        bound = " (a lower bound)" if c.get("lower_bound") else ""
+        report.judge(con, [(f"{where} length vs trl's{bound}", c.get("length_ratio"), 3, "", True),
+                           (f"{where} step time vs trl's", c.get("time_ratio"), 1.1)])
 
 
 def _report(plan: Plan, rows: list[dict], con, title: str, elapsed: float) -> dict:
@@ -232,7 +232,5 @@ CSV_COLUMNS = ["workload", "arch", "config", "provider", "activation_offloading"
 
 def cli(args, device: str, con) -> int:
     """``python -m bench w5`` (``bench/__main__.py`` parses the shared options and W5's)."""
-    from bench import report
-
     return command("w5", args, device, con, plan_for(device, report.mode(args)), run, _report, CSV_COLUMNS,
                    _shapes(device, ARCHS))
