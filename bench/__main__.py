@@ -10,7 +10,6 @@ Results go to --out (default: a new folder under $FASTRL_BENCH_OUT or the system
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,14 +111,11 @@ def _targets_command(args, device: str, con) -> int:
     each file."""
     from bench.session_report import add_ratios, targets
 
-    paths = [Path(p) for p in args.paths]
-    files = [f for p in paths for f in (sorted(p.rglob("session*.json")) if p.is_dir() else [p])]
-    missing = [str(p) for p in paths if not p.exists()]
+    files, missing = report.session_files(args.paths), [p for p in args.paths if not Path(p).exists()]
     if missing or not files:
         con.print(f"[red]no session*.json at {', '.join(missing or args.paths)}[/red]")
         return 2
-    for f in files:
-        data = json.loads(f.read_text())
+    for f, data in files:
         add_ratios(data["rows"])
         env = data["env"]
         con.print(f"[bold]{f}[/bold] ({env.get('device')}, fastrl {str(env.get('fastrl_commit'))[:10]})")

@@ -23,7 +23,7 @@ from rich.markup import escape
 from rich.table import Table
 
 __all__ = ["environment", "device_slug", "new_out_dir", "out_dir", "mode", "prefix", "write_json",
-           "save_results", "write_csv", "plot", "print_table", "console", "cell", "run_points", "add_ratios", "judge",
+           "save_results", "session_files", "write_csv", "plot", "print_table", "console", "cell", "run_points", "add_ratios", "judge",
            "SUMMARY_WIDTH"]
 
 # the console summary fits this many columns; every figure it leaves out is in the JSON / CSV files
@@ -115,6 +115,18 @@ def environment(device: str) -> dict:
         "transformers": _version("transformers"),
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), **prov,
     }
+
+
+def session_files(paths) -> list[tuple[Path, dict]]:
+    """Every ``session*.json`` under ``paths`` (files, or folders searched at any depth), parsed; one that does not
+    parse (cut short) is left out."""
+    out = []
+    for f in (f for p in map(Path, paths) for f in (sorted(p.rglob("session*.json")) if p.is_dir() else [p])):
+        try:
+            out.append((f, json.loads(f.read_text())))
+        except (OSError, ValueError):
+            continue
+    return out
 
 
 def write_json(path: Path, payload: dict) -> None:
