@@ -8,11 +8,11 @@ process; the variants and what is measured: docs/benchmarks.md#python--m-bench-c
 from __future__ import annotations
 
 import os
-import statistics
 
 import torch
 
 from bench import measure
+from bench.report import pick
 
 __all__ = ["VARIANTS", "run", "run_point", "add_options", "parse_args", "command"]
 
@@ -94,13 +94,10 @@ def _measure(variant: str, shape, device: str, reps: int, warmup: int, compile_b
     t = measure.time_steps(step, reps, max(1, warmup), device == "cuda", before=clear)
     # FLOPs per step: LM head 6NHV (forward GEMM, grad_h, grad_W) + body 2 * 3 * (2 * N * H * 4H) = 48NH^2
     flops = 6 * B * T * H * V + 48 * B * T * H * H
-    ms = statistics.median(t["ms"])
-    row = {"variant": variant, "B": B, "T": T, "H": H, "V": V, "dtype": str(dtype).replace("torch.", ""), "ms": ms,
-           "ms_min": min(t["ms"]), "ms_max": max(t["ms"]), "first_step_s": t["first_ms"] / 1e3,
-           "first_loss": t["first_out"], "tflops": flops / (ms * 1e-3) / 1e12, "reps": reps}
-    if device == "cuda":
-        row["peak_extra_mb"] = t["extra_mb"]
-    return row
+    ms = measure.summarize(t["ms"])
+    return {"variant": variant, "shape": [B, T, H, V], "dtype": str(dtype).replace("torch.", ""), "total_ms": ms,
+            "first_step_s": t["first_ms"] / 1e3, "loss_value": t["first_out"],
+            "tflops": flops / (ms["median"] * 1e-3) / 1e12, "extra_mb": t["extra_mb"] if device == "cuda" else None}
 
 
 def run(device: str, variants, reps: int, warmup: int, shape=None, compile_backend: str | None = None) -> list[dict]:
@@ -118,10 +115,14 @@ def run(device: str, variants, reps: int, warmup: int, shape=None, compile_backe
 
 
 def run_point(spec: dict) -> dict:
-    """One variant in this fresh process (``bench.session_points.run_spec``, kind "compile")."""
+    """One variant in this fresh process (``bench.session_points.run_spec``, kind "compile"; ``"smoke"``: tiny shapes,
+    traced by aot_eager without inductor's code generation, a minute on two cores: tests/test_compile.py compiles
+    fastrl with inductor)."""
     device = spec["device"]
-    shape = (*spec["shape"], SHAPES[device][4]) if spec.get("shape") else None
-    (row,) = run(device, [spec["variant"]], spec["reps"], spec["warmup"], shape)
+    dtype = torch.float32 if spec.get("smoke") else SHAPES[device][4]
+    shape = (*spec["shape"], dtype) if spec.get("shape") else (2, 32, 32, 512, dtype) if spec.get("smoke") else None
+    (row,) = run(device, [spec["variant"]], spec["reps"], spec["warmup"], shape,
+                 compile_backend="aot_eager" if spec.get("smoke") else None)
     return {"status": "error", "reason": row["error"], **row} if "error" in row else {"status": "ok", **row}
 
 
@@ -137,12 +138,7 @@ def add_options(ap) -> None:
 def parse_args(args, device: str) -> tuple[list[str], list[int] | None]:
     """``--variants`` (each one this device runs) and ``--shape`` (B,T,H,V: four positive integers); a clear
     ``SystemExit`` otherwise, before any process starts (an unknown name used to run as the reference)."""
-    known = CUDA_VARIANTS if device == "cuda" else VARIANTS
-    variants = [v.strip() for v in args.variants.split(",")] if args.variants else list(known)
-    unknown = [v for v in variants if v not in known]
-    if unknown:
-        raise SystemExit(f"--variants: expected a comma list of {', '.join(known)} on {device}; got "
-                         f"{', '.join(map(repr, unknown))}")
+    variants = pick("--variants", args.variants, CUDA_VARIANTS if device == "cuda" else VARIANTS)
     if not args.shape:
         return variants, None
     parts = args.shape.split(",")
@@ -167,17 +163,18 @@ def command(args, device: str, con=None) -> int:
     rows = [res if res.get("status") == "ok" else {"variant": spec["variant"], "error": res.get("reason")}
             for spec, res in zip(specs, run_fresh(specs, device, 3600))]
     out = Path(args.out) if args.out else report.new_out_dir(env["device_slug"], "compile")
-    eager = next((r["ms"] for r in rows if r.get("variant") == "fastrl-eager" and "ms" in r), None)
+    eager = next((r["total_ms"]["median"] for r in rows if r.get("variant") == "fastrl-eager" and "total_ms" in r),
+                 None)
     print(f"\ncompiled training step on {env['device']} | torch {env['torch']} | median of {args.reps} steps after "
           f"{args.warmup} untimed")
     print(f"{'variant':22s} {'ms':>10s} {'vs fastrl-eager':>16s} {'first step s':>13s} {'loss':>12s}")
     for r in rows:
-        ratio = f"{r['ms'] / eager:.2f}x" if eager and "ms" in r else "-"
-        print(f"{r['variant']:22s} {r['ms']:10.1f} {ratio:>16s} {r['first_step_s']:13.1f} {r['first_loss']:12.6f}"
-              if "ms" in r else f"{r['variant']:22s} error: {r['error']}")
+        ms = r["total_ms"]["median"] if "total_ms" in r else None
+        print(f"{r['variant']:22s} {ms:10.1f} {f'{ms / eager:.2f}x' if eager else '-':>16s} {r['first_step_s']:13.1f} "
+              f"{r['loss_value']:12.6f}" if ms else f"{r['variant']:22s} error: {r['error']}")
     # on a CPU, OMP_WAIT_POLICY=PASSIVE keeps inductor's OpenMP threads from spinning (docs/compile.md): recorded
     omp = {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
     report.write_json(out / "compile.json", {"command": "compile", "env": {**env, **omp}, "args": vars(args),
                                              "rows": rows, "doc": "bench/compiled_step.py"})
     print(f"wrote {out / 'compile.json'}")
-    return 0 if all("ms" in r for r in rows) else 1
+    return 0 if all("total_ms" in r for r in rows) else 1

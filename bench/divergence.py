@@ -242,11 +242,7 @@ def cli(args, device: str, con) -> int:
     wls = workloads(device, quick=args.quick, smoke=args.smoke, betas=betas)
     if args.tokens:
         wls = [replace(w, N=args.tokens, note=f"{w.note}; N set by --tokens") for w in wls]
-    provs = [p.strip() for p in (args.providers or ",".join(PROVIDERS)).split(",") if p.strip()]
-    if set(provs) - set(PROVIDERS):
-        con.print(f"[red]unknown divergence provider(s) {sorted(set(provs) - set(PROVIDERS))}; choose from "
-                  f"{', '.join(PROVIDERS)}[/red]")
-        return 2
+    provs = report.pick("--providers", args.providers, PROVIDERS)
     wls += kl_workloads(device, quick=args.quick, smoke=args.smoke) if set(provs) & set(KL_PROVIDERS) else []
     cuda, env = device == "cuda", report.environment(device)
     reps = args.reps or (1 if args.smoke else 3 if cuda else 2)

@@ -23,7 +23,7 @@ from rich.markup import escape
 from rich.table import Table
 
 __all__ = ["environment", "device_slug", "new_out_dir", "out_dir", "mode", "prefix", "write_json",
-           "save_results", "session_files", "write_csv", "plot", "print_table", "console", "cell", "run_points", "add_ratios", "judge",
+           "save_results", "session_files", "write_csv", "plot", "print_table", "console", "cell", "pick", "run_points", "add_ratios", "judge",
            "SUMMARY_WIDTH"]
 
 # the console summary fits this many columns; every figure it leaves out is in the JSON / CSV files
@@ -48,6 +48,16 @@ def new_out_dir(device_slug: str, what: str = "bench") -> Path:
 def out_dir(args, device_slug: str, what: str) -> Path:
     """``--out``, else ``new_out_dir`` (``<what>-smoke`` under --smoke)."""
     return Path(args.out) if args.out else new_out_dir(device_slug, f"{what}-smoke" if args.smoke else what)
+
+
+def pick(option: str, text: str | None, known) -> list[str]:
+    """The names in the comma list ``text`` (none: every one of ``known``), or a SystemExit naming ``option``, what it
+    expects and what came: the one check of every command's list options."""
+    names = [x.strip() for x in (text or ",".join(known)).split(",") if x.strip()]
+    bad = [x for x in names if x not in known]
+    if bad:
+        raise SystemExit(f"{option}: expected a comma list of {', '.join(known)}; got {', '.join(map(repr, bad))}")
+    return names
 
 
 def mode(args) -> str:

@@ -11,7 +11,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.report import new_out_dir
+from bench.report import new_out_dir, pick
 from bench.session_run import append_rows, run_points, stub
 
 __all__ = ["ALWAYS", "DROP_ORDER", "GPU_COSTS", "SECTIONS", "SMOKE_COSTS", "Costs", "SessionRun", "add_options",
@@ -195,10 +195,7 @@ def add_options(ap) -> None:
 
 def _wanted(spec: str | None) -> tuple[list[str], bool]:
     """(the sections, in SECTIONS order; quick checks: one case per implementation, to learn which kernels it runs)."""
-    names = [s.strip() for s in (spec or ",".join(SECTIONS)).split(",") if s.strip()]
-    bad = [s for s in names if s not in SECTIONS]
-    if bad:
-        raise SystemExit(f"--sections: unknown {', '.join(bad)}; choose from {', '.join(SECTIONS)}")
+    names = pick("--sections", spec, SECTIONS)
     quick = "checks" not in names and bool({"tournament", "configs"} & set(names))
     return [s for s in SECTIONS if s in names or (quick and s == "checks")], quick
 

@@ -196,18 +196,8 @@ def _run(p: dict, device: torch.device, lm: LMHead, times: dict) -> dict:
         err = {k.removesuffix("_max_abs_err"): res[k] for k in ("div_max_abs_err", "grad_h_max_abs_err") if k in res}
         return res if res.get("status") != "ok" else {"status": "ok", "total_ms": res["total_ms"], "error": err,
                                                       "extra_mb": res["peak_extra_mb"], "loss_value": res["loss_value"]}
-    from bench import compiled_step  # compile
-
-    shape = compiled_step.SHAPES[device.type] if not smoke else (2, 32, 32, 512, torch.float32)
-    # smoke: aot_eager traces the same graph without inductor's code generation (a minute on two cores);
-    # tests/test_compile.py compiles fastrl with inductor
-    (r,) = compiled_step.run(device.type, [p["provider"]], 1 if smoke else 5, 1 if smoke else 2, shape,
-                             compile_backend="aot_eager" if smoke else None)
-    if "error" in r:
-        return {"status": "error", "reason": r["error"]}
-    return {"status": "ok", "total_ms": {"median": r["ms"], "min": r["ms_min"], "max": r["ms_max"], "n": r["reps"]},
-            "extra_mb": r.get("peak_extra_mb"), "first_step_s": r["first_step_s"], "loss_value": r["first_loss"],
-            "shape": list(shape[:4])}
+    return run_spec({"kind": "compile", "variant": p["provider"], "device": device.type, "smoke": smoke,
+                     "reps": 1 if smoke else 5, "warmup": 1 if smoke else 2})  # compile
 
 
 RUN_POINT = {"w4": ("bench.w4", "run_point"), "w5": ("bench.w4", "run_point"), "compile": ("bench.compiled_step",

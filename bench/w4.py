@@ -99,25 +99,17 @@ def plan_for(device: str, mode: str) -> Plan:
                 timeout_s=1200 if cuda else 900)
 
 
-def _pick(option: str, what: str, text: str, known) -> list[str]:
-    want = [x.strip() for x in text.split(",") if x.strip()]
-    unknown = [x for x in want if x not in known]
-    if unknown:
-        raise ValueError(f"w5 {option}: unknown {what} {unknown}; expected a comma list of {list(known)}")
-    return want
-
-
 def with_overrides(plan: Plan, args, archs: dict | None = None) -> Plan:
     """The plan with the command line's ``--lengths``, ``--budget-mb``, ``--reps``, ``--warmup``, ``--timeout``,
     ``--threads``, ``--fastrl-backend``; W5's also ``--providers`` (configurations) and ``--workload`` (``archs``:
     architecture -> its shape)."""
     if getattr(args, "providers", None):
-        want = _pick("--providers", "configuration", args.providers, [c.name for c in plan.configs])
+        want = report.pick("--providers", args.providers, [c.name for c in plan.configs])
         plan = replace(plan, configs=tuple(c for c in plan.configs if c.name in want))
     if getattr(args, "workload", None):
-        want = _pick("--workload", "architecture", args.workload, archs)
+        want = report.pick("--workload", args.workload, list(archs))
         if plan.mode == "smoke":
-            raise ValueError("w5 --workload: --smoke runs one tiny model; leave --workload out")
+            raise SystemExit("w5 --workload: --smoke runs one tiny model; leave --workload out")
         plan = replace(plan, shapes={a: archs[a] for a in want})
     if args.lengths:
         lengths = tuple(sorted({int(x) for x in args.lengths.split(",") if x.strip()}))
@@ -398,25 +390,21 @@ def _report(plan: Plan, rows: list[dict], con, title: str, elapsed: float) -> di
                    "warmup": plan.warmup, "elapsed_s": elapsed, "rows": rows}}
 
 
-CSV_COLUMNS = ["workload", "provider", "status", "reason", "completion_len", "completions", "tokens", "prompt_len",
-               "V", "H", "layers", "dtype", "step_ms_median", "step_ms_min", "step_ms_max", "step_ms_n",
-               "peak_extra_mb", "peak_total_mb", "baseline_mb", "time_vs_trl", "mem_vs_trl", "budget_mb",
-               "fits_budget", "loss_value", "path", "activation_checkpointing", "model_params",
-               "device", "torch", "driver"]
+# one CSV for W4 and W5: a row per point, the JSON holds the rest
+CSV_COLUMNS = ["workload", "arch", "config", "provider", "activation_offloading", "tiled_mlp", "status", "reason",
+               "completion_len", "completions", "tokens", "prompt_len", "V", "H", "intermediate", "layers", "dtype",
+               "step_ms_median", "step_ms_min", "step_ms_max", "step_ms_n", "peak_extra_mb", "peak_total_mb",
+               "baseline_mb", "time_vs_trl", "mem_vs_trl", "budget_mb", "fits_budget", "loss_value", "path",
+               "activation_checkpointing", "model_params", "device", "torch", "driver"]
 
 
-def command(name: str, args, device: str, con, plan: Plan, measure, report_rows, columns=CSV_COLUMNS,
-            archs: dict | None = None) -> int:
+def command(name: str, args, device: str, con, plan: Plan, measure, report_rows, archs: dict | None = None) -> int:
     """``python -m bench w4`` / ``w5``: the plan with the command line's overrides, ``measure(plan, con)`` -> rows,
     ``report_rows(plan, rows, con, title, elapsed)`` -> the JSON's own fields (it prints the tables), then
     ``<prefix>.json`` and ``<prefix>.csv``."""
     env, mode = report.environment(device), report.mode(args)
     out_dir, prefix = report.out_dir(args, env["device_slug"], name), report.prefix(name, args)
-    try:
-        plan = with_overrides(plan, args, archs)
-    except ValueError as e:
-        con.print(f"[red]{e}[/red]")
-        return 2
+    plan = with_overrides(plan, args, archs)
     con.print(f"[bold]fastrl bench {name}[/bold] ({mode}) on {env['device']}: torch {env['torch']}, triton "
               f"{env['triton']}, driver {env['driver']}; architectures {', '.join(plan.shapes)}, configs "
               f"{', '.join(c.name for c in plan.configs)}; each point in a fresh process")
@@ -434,8 +422,7 @@ def command(name: str, args, device: str, con, plan: Plan, measure, report_rows,
                          f"{steps} after a warm-up", elapsed)
     payload = {"command": name, "mode": mode, "argv": list(getattr(args, "argv", []) or []), "env": env,
                "elapsed_s": elapsed, **fields}
-    # the CSV: a row per point in ``columns`` (W4's or W5's), the JSON holds the rest
-    written = [report.write_csv(out_dir / f"{prefix}.csv", rows, env, columns, nested=("step_ms",))]
+    written = [report.write_csv(out_dir / f"{prefix}.csv", rows, env, CSV_COLUMNS, nested=("step_ms",))]
     report.save_results(con, out_dir / f"{prefix}.json", payload, elapsed, written)
     return 1 if args.smoke and any(r["status"] == "error" for r in rows) else 0
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import asdict, replace
 
 from bench import report
-from bench.w4 import (GIB, QWEN25_05B, Config, Plan, W4Shape, add_ratios, command, measure_point, point_row,
-                      print_points)
+from bench.w4 import (CSV_COLUMNS, GIB, QWEN25_05B, Config, Plan, W4Shape, add_ratios, command, measure_point,
+                      point_row, print_points)
 
-__all__ = ["CONFIGS", "plan_for", "longest_fit", "run", "summarize", "targets", "print_tables", "cli"]
+__all__ = ["CONFIGS", "CSV_COLUMNS", "plan_for", "longest_fit", "run", "summarize", "targets", "print_tables", "cli"]
 
 # Qwen2.5-1.5B (its config.json): tied embeddings, rope theta 1e6
 QWEN25_15B = dict(vocab=151936, hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960, tie_embeddings=True)
@@ -223,14 +223,8 @@ def _report(plan: Plan, rows: list[dict], con, title: str, elapsed: float) -> di
     return {"plan": asdict(plan), "summary": summary, "targets": tgt, "rows": rows}
 
 
-CSV_COLUMNS = ["workload", "arch", "config", "provider", "activation_offloading", "tiled_mlp", "status", "reason",
-               "completion_len", "completions", "tokens", "prompt_len", "V", "H", "intermediate", "layers", "dtype",
-               "step_ms_median", "step_ms_min", "step_ms_max", "step_ms_n", "peak_extra_mb", "peak_total_mb",
-               "baseline_mb", "loss_value", "path", "activation_checkpointing", "model_params", "device", "torch",
-               "driver"]
-
 
 def cli(args, device: str, con) -> int:
     """``python -m bench w5`` (``bench/__main__.py`` parses the shared options and W5's)."""
-    return command("w5", args, device, con, plan_for(device, report.mode(args)), run, _report, CSV_COLUMNS,
-                   _shapes(device, ARCHS))
+    return command("w5", args, device, con, plan_for(device, report.mode(args)), run, _report,
+                   archs=_shapes(device, ARCHS))
