@@ -84,7 +84,7 @@ def provider_unavailable(name: str, device: str) -> str | None:
     return None
 
 
-def _inputs(wl: DivWorkload, device: torch.device, seed: int) -> dict:
+def make_inputs(wl: DivWorkload, device: torch.device, seed: int) -> dict:
     """Random heads whose logits have unit scale, the teacher's a little sharper; a disjoint kept set of K ids per
     token (runs of one permutation of the vocabulary). KL-exact: B x 256 tokens, old and reference log-probs the
     policy's and the reference head's own."""
@@ -115,7 +115,7 @@ def _inputs(wl: DivWorkload, device: torch.device, seed: int) -> dict:
     return x
 
 
-def _op(wl: DivWorkload, provider: str, opts: dict) -> Op:
+def build_op(wl: DivWorkload, provider: str, opts: dict) -> Op:
     """One provider's timed forward: the loss, and the per-token divergence where it returns one (as ``logp``, so the
     measuring code keeps it for its error); gradients to the student's hidden states and head."""
     import fastrl
@@ -184,8 +184,8 @@ def run_point(spec: dict) -> dict:
     why = provider_unavailable(spec["provider"], device.type)
     if why:
         return {"status": "skipped", "reason": why}
-    op = _op(wl, spec["provider"], spec.get("options", {}))
-    sets = [_inputs(wl, device, spec["seed"] + i) for i in range(spec["n_sets"])]
+    op = build_op(wl, spec["provider"], spec.get("options", {}))
+    sets = [make_inputs(wl, device, spec["seed"] + i) for i in range(spec["n_sets"])]
     states = [op.prepare(s) for s in sets]
     rows = min(spec.get("accuracy_rows", 64), wl.N)
     t0 = time.perf_counter()
@@ -204,7 +204,7 @@ def run_point(spec: dict) -> dict:
 def _interleaved(wl: DivWorkload, spec: dict, inp: dict, device: torch.device) -> dict:
     """k3 and exact steps alternately: the ratio judged is the median of the adjacent pairs' (a shared machine's load
     moves from process to process and from step to step)."""
-    ops = {p: _op(wl, p, spec.get("options", {})) for p in KL_PROVIDERS}
+    ops = {p: build_op(wl, p, spec.get("options", {})) for p in KL_PROVIDERS}
     states = {p: ops[p].prepare(inp) for p in KL_PROVIDERS}
     times: dict[str, list[float]] = {p: [] for p in KL_PROVIDERS}
 

@@ -46,20 +46,24 @@ def make_sets(N: int, V: int, K: int, kind: str, device: torch.device, seed: int
     return fastrl.KeptSet.from_padded(ids, V), ids[torch.arange(N, device=device), pick]
 
 
+def build(spec: dict) -> tuple:
+    """(the point's step, what it records: the plan a kept-set row runs, its kept set) on random inputs."""
+    dev, N, H, V = torch.device(spec["device"]), spec["N"], spec["H"], spec["V"]
+    g = torch.Generator(device=dev).manual_seed(1)
+    hidden = torch.randn(N, H, generator=g, device=dev).to(getattr(torch, spec["dtype"])).requires_grad_()
+    weight = (torch.randn(V, H, generator=g, device=dev) * H ** -0.5).to(hidden.dtype).requires_grad_()
+    ks, targets = make_sets(N, V, spec["K"], spec["sets"], dev)
+    res = {}
+    return _step(spec, hidden, weight, targets, ks, res), res, ks
+
+
 def run_point(spec: dict) -> dict:
     """The point's step (``ms``: the median of ``ms_all``), its extra peak memory (``measure.time_steps``), the plan
     it ran and the union GEMMs' work against the full vocabulary's (docs/benchmarks.md)."""
     from fastrl.ops.budget import tile_budget
     from fastrl.ops.kept import chunk_plan
 
-    dev = torch.device(spec["device"])
-    N, H, V = spec["N"], spec["H"], spec["V"]
-    g = torch.Generator(device=dev).manual_seed(1)
-    hidden = torch.randn(N, H, generator=g, device=dev).to(getattr(torch, spec["dtype"])).requires_grad_()
-    weight = (torch.randn(V, H, generator=g, device=dev) * H ** -0.5).to(hidden.dtype).requires_grad_()
-    ks, targets = make_sets(N, V, spec["K"], spec["sets"], dev)
-    res = {}
-    step = _step(spec, hidden, weight, targets, ks, res)
+    (step, res, ks), dev, N, V = build(spec), torch.device(spec["device"]), spec["N"], spec["V"]
     if dev.type == "cuda":
         res["device_name"] = torch.cuda.get_device_name(dev)
     elif spec.get("threads"):

@@ -44,7 +44,7 @@ def test_keptset_plan_rows(mode, kind, plan, sets):
 
 def test_divergence_kept_support_is_disjoint_and_measured():
     wl = divergence.workloads("cpu", smoke=True, betas=(0.5,))[0]
-    x = divergence._inputs(wl, torch.device("cpu"), seed=1)
+    x = divergence.make_inputs(wl, torch.device("cpu"), seed=1)
     ks = x["support"]
     assert len(ks) == wl.N and ks.sizes().eq(divergence.KEPT_K).all()
     if wl.N * divergence.KEPT_K <= wl.V:
