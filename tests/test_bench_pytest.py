@@ -29,7 +29,7 @@ def test_the_benchmarks_collect_the_core_ops_and_their_peers():
 def test_the_default_run_leaves_them_out_and_the_bench_extra_brings_pytest_benchmark():
     text = (REPO / "pyproject.toml").read_text()
     assert '\ntestpaths = ["tests"]\n' in text  # `python -m pytest` never times anything
-    assert '"pytest-benchmark>=' in text.split("\nbench = [", 1)[1].split("]", 1)[0]
+    assert '"pytest-benchmark>=' in text.split("\nbench = [", 1)[1].split("\n]", 1)[0]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("pytest_benchmark") is None, reason="pytest-benchmark not installed")
