@@ -150,6 +150,10 @@ def _lmhead_point(p: dict, lm: LMHead, times: dict) -> dict:
     if probe and config != "default" and base and mine and mine >= PRUNE * base:
         return {"status": "pruned", "reason": f"{mine / base:.2f}x the default configuration's time at {probe} "
                                               f"(pruned at {PRUNE}x)"}
+    if p.get("memory_budget"):  # the budget section: this process's every fastrl path sized by it
+        from fastrl.ops.budget import set_memory_budget
+
+        set_memory_budget(p["memory_budget"])
     built = _build(p["provider"], wl, lm.device, {"fastrl_backend": impl} if impl else {}, lambda: lm.inputs(wl))
     if isinstance(built, dict):
         return built
@@ -169,6 +173,40 @@ def _lmhead_point(p: dict, lm: LMHead, times: dict) -> dict:
             "flops": W.flops(wl, "total"), "error": {} if sets[0] is None else lm.error(op, wl, sets[0], kept)}
 
 
+def _profile_point(p: dict, lm: LMHead) -> dict:
+    """Where a step's time goes: torch.profiler over 3 steps (smoke: 1) after 2 untimed ones; the costliest kernels
+    (their device time per step; CPU ops in a smoke run) in the row, ``total_ms`` their sum per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    wl, cuda, steps = lm.wls[p["workload"]], lm.device.type == "cuda", 1 if lm.smoke else 3
+    built = _build(p["provider"], wl, lm.device, {}, lambda: lm.inputs(wl))
+    if isinstance(built, dict):
+        return built
+    op, _, states = built
+
+    def step(i: int) -> None:
+        st = states[i % len(states)]
+        out = op.forward(st)
+        if op.needs_grad:
+            torch.autograd.grad(out["loss"], st["wrt"])
+
+    for i in range(2):
+        step(i)
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for i in range(steps):
+            step(i)
+        if cuda:
+            torch.cuda.synchronize()
+    def cost(e) -> float:  # us over the profiled steps; on CUDA the kernels' own, not the ops' that launched them
+        return e.self_cpu_time_total if not cuda else e.self_device_time_total if e.device_type.name == "CUDA" else 0
+
+    events = sorted((e for e in prof.key_averages() if cost(e) > 0), key=cost, reverse=True)
+    kernels = [{"name": e.key[:160], "ms": cost(e) / 1e3 / steps, "calls": e.count / steps} for e in events]
+    ms = sum(k["ms"] for k in kernels)
+    return {"status": "ok", "total_ms": {"median": ms, "min": ms, "max": ms, "n": steps}, "extra_mb": None,
+            "kernels": kernels[:12], "kernels_other_ms": sum(k["ms"] for k in kernels[12:]), "path": op.path}
+
+
 def _first_line(e: BaseException) -> str:
     msg = str(e).strip().splitlines()
     return f"{type(e).__name__}: {msg[0] if msg else ''}"[:300]
@@ -181,8 +219,10 @@ def _run(p: dict, device: torch.device, lm: LMHead, times: dict) -> dict:
     reps = {"reps": 1 if smoke else 6, "warmup": 0 if smoke else 2, "device": device.type, "threads": 0}
     if section == "checks":
         return run_check(p, device)
-    if section in ("tournament", "configs"):
+    if section in ("tournament", "configs", "budget"):
         return _lmhead_point(p, lm, times)
+    if section == "profile":
+        return _profile_point(p, lm)
     if section == "point":
         return run_spec(p["spec"])
     if section == "keptset":
@@ -301,7 +341,7 @@ def main(argv: list[str]) -> int:
     for p in spec["points"]:
         row = {k: p[k] for k in ("id", "section", "workload", "provider", "implementation", "config") if k in p}
         wl = lm.wls.get(p.get("workload", ""))
-        if wl is not None and p["section"] in ("tournament", "configs"):
+        if wl is not None and p["section"] in ("tournament", "configs", "budget", "profile"):
             row.update(kind=wl.kind, N=wl.N, H=wl.H, V=wl.V, dtype=wl.dtype)
         left = spec["deadline"] - time.time()
         append_rows(rows_path, [{"begin": p["id"], "t": time.time()}])

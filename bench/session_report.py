@@ -24,7 +24,8 @@ ROW_TARGETS = (
 )
 # (sections, the reference provider in the first of them, the ratios' suffix): time_vs_<suffix>, mem_vs_<suffix>
 RATIOS = ((LMHEAD, "trl", "trl"), (("divergence",), "trl", "trl"), (("keptset",), "full", "full"),
-          (("compile",), "fastrl-eager", "eager"), (("w4",), "trl", "trl"))
+          (("compile",), "fastrl-eager", "eager"), (("w4",), "trl", "trl"), (("profile",), "trl", "trl"),
+          (("tournament", "budget"), "trl", "trl"))  # the budget's rows against the tournament's TRL rows
 
 
 def _ok(r: dict) -> bool:

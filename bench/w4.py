@@ -16,8 +16,10 @@ import shutil
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
 from bench import report
+from bench.session_run import append_rows
 
 __all__ = ["W4Shape", "Config", "Plan", "plan_for", "with_overrides", "run_point", "point_spec",
            "spawn_point", "point_row", "add_ratios", "sweep", "print_points", "command", "cli",
@@ -77,6 +79,7 @@ class Plan:
     timeout_s: int = 900
     threads: int = 0
     extra_options: dict = field(default_factory=dict)
+    log: str = ""  # a file each point's row is appended to as it finishes (a command cut at its limit keeps them)
 
 
 def plan_for(device: str, mode: str) -> Plan:
@@ -202,6 +205,9 @@ def run_point(spec: dict) -> dict:
     s, which, L = W4Shape.from_dict(spec["shape"]), spec["trainer"], int(spec["completion_len"])
     device = torch.device(spec["device"])
     cuda = device.type == "cuda"
+    if cuda and spec.get("cap_mb"):  # a card of that size: a step over it fails here as it would there, at once
+        total_mb = torch.cuda.get_device_properties(0).total_memory / measure.MB
+        torch.cuda.set_per_process_memory_fraction(min(1.0, spec["cap_mb"] / total_mb))
     if not cuda and spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
     trainer = _trainer(spec, s, which, L, cuda)
@@ -293,7 +299,8 @@ def measure_point(plan: Plan, group: str, arch: str, c: Config, L: int, con) -> 
     s = plan.shapes[arch]
     options = {**plan.extra_options, "activation_offloading": c.activation_offloading, "tiled_mlp": c.tiled_mlp}
     spec = point_spec(s, c.trainer, L, plan.device, kind=group, options=options, reps=plan.reps,
-                      warmup=plan.warmup, threads=plan.threads, warmup_len=plan.warmup_len or None)
+                      warmup=plan.warmup, threads=plan.threads, warmup_len=plan.warmup_len or None,
+                      cap_mb=max(plan.budgets_mb) if plan.budget_on == "total" else None)
     row = {**point_row(group, s, arch, c, L, "error"), "loadavg": os.getloadavg()[0],
            **spawn_point(spec, plan.timeout_s)}
     ran = (row.get("tiled_mlp"), row.get("activation_offloading"))
@@ -308,6 +315,8 @@ def measure_point(plan: Plan, group: str, arch: str, c: Config, L: int, con) -> 
     else:
         style = "red" if row["status"] == "error" else "dim"
         con.print(f"[{style}]{head} {row['status']}: {escape(row['reason'])}[/{style}]")
+    if plan.log:
+        append_rows(Path(plan.log), [row])
     return row
 
 
@@ -404,7 +413,8 @@ def command(name: str, args, device: str, con, plan: Plan, measure, report_rows,
     ``<prefix>.json`` and ``<prefix>.csv``."""
     env, mode = report.environment(device), report.mode(args)
     out_dir, prefix = report.out_dir(args, env["device_slug"], name), report.prefix(name, args)
-    plan = with_overrides(plan, args, archs)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plan = replace(with_overrides(plan, args, archs), log=str(out_dir / f"{prefix}.rows.jsonl"))
     con.print(f"[bold]fastrl bench {name}[/bold] ({mode}) on {env['device']}: torch {env['torch']}, triton "
               f"{env['triton']}, driver {env['driver']}; architectures {', '.join(plan.shapes)}, configs "
               f"{', '.join(c.name for c in plan.configs)}; each point in a fresh process")
