@@ -65,13 +65,6 @@ SMOKE_COSTS = Costs(setup={"checks": 3, "tournament": 3 + 5 + 0.3, "divergence":
                     compile={"configs": 0.5}, jit=0.5, watchdog=(4.0, 150.0))
 
 
-def run_w4(pts: list[dict], deadline: float, run) -> list[dict]:
-    """The W4 section's rows: ``bench.w4.session_rows`` (imported here, when the section runs)."""
-    from bench import w4
-
-    return w4.session_rows(pts, deadline, run)
-
-
 def cuda_implementations() -> list[str]:
     """Every concrete backend that runs the Triton kernels (on CUDA; interpreted in a smoke run)."""
     from fastrl.ops.backend import CONCRETE, is_triton
@@ -266,8 +259,7 @@ class SessionRun:
         self.say(f"[bold]{section}[/bold] (~{self.est.get(section, 0):.0f} s, {max(self.left(), 0):.0f} s left)")
         pts = self.points(section)
         try:
-            rows = run_w4(pts, deadline, self) if section == "w4" else run_points(
-                section, pts, deadline, self, point_bounds(section, self.costs, pts))
+            rows = run_points(section, pts, deadline, self, point_bounds(section, self.costs, pts))
         except Exception as e:  # noqa: BLE001 - the session goes on; the section's rows say why
             rows = [stub(p, "error", f"the section failed in the session itself: {type(e).__name__}: {e}"[:300])
                     for p in pts]

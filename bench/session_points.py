@@ -225,6 +225,13 @@ def _run(p: dict, device: torch.device, lm: LMHead, times: dict) -> dict:
         return _profile_point(p, lm)
     if section == "point":
         return run_spec(p["spec"])
+    if section == "w4":  # W4 at 4096 tokens (smoke: its tiny model), a point as `python -m bench w4` runs it
+        from bench import w4
+
+        (s,) = w4.plan_for(device.type, "smoke" if smoke else "full").shapes.values()
+        res = w4.run_point(w4.point_spec(s, p["provider"], s.lengths[0], device.type, reps=1 if smoke else 3))
+        return {**res, "workload": f"W4-{s.lengths[0]}", "total_ms": res.get("step_ms"),
+                "extra_mb": res.get("peak_extra_mb"), "tokens": s.completions * s.lengths[0]}
     if section == "keptset":
         res = run_spec({**p["spec"], **reps, "kind": "keptset"})
         ms, extra = res.pop("ms_all"), res.pop("peak_extra_mb")

@@ -22,8 +22,7 @@ from bench import report
 from bench.session_run import append_rows
 
 __all__ = ["W4Shape", "Config", "Plan", "plan_for", "with_overrides", "run_point", "point_spec",
-           "spawn_point", "point_row", "add_ratios", "sweep", "print_points", "command", "cli",
-           "session_rows", "TRAINERS"]
+           "spawn_point", "point_row", "add_ratios", "sweep", "print_points", "command", "cli", "TRAINERS"]
 
 TRAINERS = ("trl", "fastrl")
 LABELS = {"trl": "stock trl.GRPOTrainer (TRL 1.16 chunked LM head)", "fastrl": "fastrl.GRPOTrainer"}
@@ -440,25 +439,3 @@ def command(name: str, args, device: str, con, plan: Plan, measure, report_rows,
 def cli(args, device: str, con) -> int:
     """``python -m bench w4`` (``bench/__main__.py`` parses the shared options and ``--lengths``, ``--budget-mb``)."""
     return command("w4", args, device, con, plan_for(device, report.mode(args)), sweep, _report)
-
-
-def session_rows(pts: list[dict], deadline: float, session) -> list[dict]:
-    """W4 at 4096 tokens (smoke: its tiny model) as the w4 command runs it, each point under half the time left:
-    the session's W4 section (``bench.session.run_w4``)."""
-    from bench.session_run import append_rows, stub
-
-    left = deadline + session.costs.grace - time.time()
-    if left <= 10:
-        out = [stub(p, "skipped", "the section's time ran out (--budget)") for p in pts]
-    else:
-        plan = replace(plan_for(session.device, "smoke" if session.smoke else "full"), timeout_s=int(left / 2),
-                       reps=1 if session.smoke else 3)
-        if not session.smoke:
-            plan.shapes = {a: replace(s, lengths=(4096,)) for a, s in plan.shapes.items()}
-        by = {r["provider"]: r for r in sweep(plan, session.con)}
-        out = [{**{k: p[k] for k in ("id", "section", "provider")}, "workload": f"W4-{r['completion_len']}",
-                "status": r["status"], "reason": r.get("reason", ""), "total_ms": r.get("step_ms"),
-                "extra_mb": r.get("peak_extra_mb"), "loss_value": r.get("loss_value"), "tokens": r.get("tokens"),
-                "path": r.get("path")} for p in pts for r in [by[p["provider"]]]]
-    append_rows(session.rows_path, out)
-    return out

@@ -151,7 +151,6 @@ def test_a_section_that_runs_long_drops_later_sections_from_the_end_not_its_own_
     run.costs = S.GPU_COSTS
     seen = {}
     monkeypatch.setattr(S, "run_points", lambda name, pts, deadline, r, bounds: seen.setdefault(name, deadline) and [])
-    monkeypatch.setattr(S, "run_w4", lambda pts, deadline, r: seen.setdefault("w4", deadline) and [])
     run.est = {"tournament": 50, "divergence": 50, "keptset": 20, "w4": 70, "configs": 160}
     run.pending = ["tournament", "divergence", "keptset", "w4", "configs"]
     run.end = time.time() + 500
