@@ -189,11 +189,7 @@ def run_point(spec: dict) -> dict:
     states = [op.prepare(s) for s in sets]
     rows = min(spec.get("accuracy_rows", 64), wl.N)
     t0 = time.perf_counter()
-    if device.type == "cuda":
-        m, kept = measure.measure_cuda(op, states, spec["reps"], spec["warmup"], rows, rep_ms=spec.get("rep_ms", 2000),
-                                       total_only=spec.get("total_only", False))
-    else:
-        m, kept = measure.measure_cpu(op, states, spec["reps"], spec["warmup"], rows)
+    m, kept = measure.measure_op(op, states, device, spec["reps"], spec["warmup"], rows, spec.get("total_only", False))
     res = {"status": "ok", "reason": "", **m, "loss_value": kept.get("loss"), "measure_s": time.perf_counter() - t0}
     res.update(_accuracy(wl, spec["provider"], sets[0], kept, rows))
     if spec["provider"] == "exact":
@@ -245,7 +241,7 @@ def cli(args, device: str, con) -> int:
     provs = report.pick("--providers", args.providers, PROVIDERS)
     wls += kl_workloads(device, quick=args.quick, smoke=args.smoke) if set(provs) & set(KL_PROVIDERS) else []
     cuda, env = device == "cuda", report.environment(device)
-    reps = args.reps or (1 if args.smoke else 3 if cuda else 2)
+    reps = args.reps or (1 if args.smoke else 20 if cuda else 2)
     warmup = args.warmup if args.warmup is not None else (0 if args.smoke else 1)
     con.print(f"[bold]fastrl bench divergence[/bold] on {env['device']}: torch {env['torch']}, trl {env['trl']}, "
               f"liger {env['liger_kernel']}; {len(wls)} workloads x {len(provs)} providers, each in a fresh process")
@@ -258,7 +254,7 @@ def cli(args, device: str, con) -> int:
     todo = [r for r in rows if "status" not in r]
     specs = [{"kind": "divergence", "workload": {f.name: r[f.name] for f in fields(DivWorkload)}, "device": device,
               "provider": r["provider"], "reps": reps, "warmup": warmup, "n_sets": 1 if args.smoke else 2,
-              "seed": 1234, "threads": args.threads, "rep_ms": 50 if args.smoke else 2000,
+              "seed": 1234, "threads": args.threads,
               "options": {"fastrl_backend": args.fastrl_backend} if args.fastrl_backend else {},
               "accuracy_rows": 64 if device == "cpu" else 256} for r in todo]
     report.run_points(specs, todo, device, args.timeout or (1200 if cuda else 900), con)

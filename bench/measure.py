@@ -18,7 +18,7 @@ import torch
 from bench.providers import Op
 from bench.workloads import ENTROPY_COEF, Workload
 
-__all__ = ["measure_cpu", "measure_cuda", "accuracy", "summarize", "event_times", "wall_ms", "time_steps"]
+__all__ = ["measure_op", "measure_cpu", "measure_cuda", "accuracy", "summarize", "event_times", "wall_ms", "time_steps"]
 
 MB = 1024.0 * 1024.0
 
@@ -204,12 +204,10 @@ def event_times(fn, reps: int, setup=None) -> list[float]:
     return out
 
 
-def measure_cuda(op: Op, states: list[dict], reps: int, warmup: int, keep_rows: int, rep_ms: int = 2000,
-                 total_only: bool = False) -> dict:
-    """``total_only``: time forward + backward only, ``reps`` steps between CUDA events after an L2 flush (as do_bench
-    times, without its estimate and warm-up calls): for a whole tournament in one short GPU window."""
-    from triton.testing import do_bench
-
+def measure_cuda(op: Op, states: list[dict], reps: int, warmup: int, keep_rows: int, total_only: bool = False) -> dict:
+    """``reps`` forward + backward steps, each between CUDA events after an L2 flush (``event_times``), then the forward
+    alone and the backward alone (an untimed forward before each); ``total_only``: the first only (a whole tournament
+    in one short GPU window)."""
     dev = torch.device("cuda")
     with torch.set_grad_enabled(op.needs_grad):
         for i in range(max(1, warmup)):  # compile, autotune, allocator warm-up (results dropped at once)
@@ -230,28 +228,26 @@ def measure_cuda(op: Op, states: list[dict], reps: int, warmup: int, keep_rows: 
         del out, grads
 
         cycle = itertools.cycle(states)
-
-        def bench(fn) -> dict:
-            return summarize(do_bench(fn, warmup=200, rep=rep_ms, return_mode="all"))
-
-        if total_only:
-            res = {"fwd_ms": {}, "bwd_ms": {}, "total_ms": summarize(event_times(lambda: _step(op, next(cycle)), reps))}
-        elif not op.needs_grad:
-            fwd = bench(lambda: op.forward(next(cycle)))
-            res = {"fwd_ms": fwd, "bwd_ms": {}, "total_ms": fwd}  # the total is the forward: there is no backward
-        else:
-            res = {"fwd_ms": bench(lambda: op.forward(next(cycle))), "total_ms": bench(lambda: _step(op, next(cycle)))}
-
+        total = summarize(event_times(lambda: _step(op, next(cycle)), reps))  # without a backward: the forward
+        res = {"fwd_ms": {} if total_only else total, "bwd_ms": {}, "total_ms": total}
+        if op.needs_grad and not total_only:
             def untimed_forward():
                 st = next(cycle)
                 return st, op.forward(st)
-            # backward alone: an untimed forward, an L2 flush, then events around autograd.grad
-            n = max(5, min(100, int(rep_ms / max(res["total_ms"]["median"], 1e-3))))
-            res["bwd_ms"] = summarize(event_times(lambda st, out: torch.autograd.grad(out["loss"], st["wrt"]), n,
+            res["fwd_ms"] = summarize(event_times(lambda: op.forward(next(cycle)), reps))
+            res["bwd_ms"] = summarize(event_times(lambda st, out: torch.autograd.grad(out["loss"], st["wrt"]), reps,
                                                   setup=untimed_forward))
     res.update(peak_extra_fwd_mb=peak_f / MB, peak_extra_mb=peak_t / MB, inputs_mb=base / MB,
                memory_method="torch.cuda.max_memory_allocated() minus inputs and outputs")
     return res, kept
+
+
+def measure_op(op: Op, states: list, device: torch.device, reps: int, warmup: int, rows: int,
+               total_only: bool = False) -> tuple[dict, dict]:
+    """(figures, the first ``rows`` tokens' outputs): ``measure_cuda`` on CUDA, ``measure_cpu`` elsewhere."""
+    if device.type == "cuda":
+        return measure_cuda(op, states, reps, warmup, rows, total_only)
+    return measure_cpu(op, states, reps, warmup, rows)
 
 
 def accuracy(op: Op, wl: Workload, inp, kept: dict, rows: int) -> dict:

@@ -133,12 +133,6 @@ def _build(provider: str, wl: W.Workload, device: torch.device, options: dict, m
         raise
 
 
-def _measure(op: Op, states: list, device: torch.device, reps: int, warmup: int, rows: int, **cuda) -> tuple:
-    if device.type == "cuda":
-        return measure.measure_cuda(op, states, reps, warmup, rows, **cuda)
-    return measure.measure_cpu(op, states, reps, warmup, rows)
-
-
 def _lmhead_point(p: dict, lm: LMHead, times: dict) -> dict:
     from fastrl.kernels import tuning
     from fastrl.ops.backend import builtin_choice, resolve_backend
@@ -161,8 +155,7 @@ def _lmhead_point(p: dict, lm: LMHead, times: dict) -> dict:
     tuning.reset_served()
     cuda = lm.device.type == "cuda"
     with contextlib.nullcontext() if config == "default" else tuning.forced_config(config):
-        m, kept = _measure(op, states, lm.device, 6 if cuda else 1, 2 if cuda else 0, lm.rows, rep_ms=300,
-                           total_only=True)
+        m, kept = measure.measure_op(op, states, lm.device, 6 if cuda else 1, 2 if cuda else 0, lm.rows, True)
     times[(impl, config, p["workload"], p["provider"])] = m["total_ms"]["median"]
     # auto: what backend="triton" / "auto" picks for this work here (the row that stands for today's default); builtin:
     # what a measured winner must beat (bench/defaults.py)
@@ -239,7 +232,7 @@ def _run(p: dict, device: torch.device, lm: LMHead, times: dict) -> dict:
     if section == "divergence":
         res = run_spec({"kind": "divergence", "workload": p["spec"], "provider": p["provider"], **reps,
                         "n_sets": 1 if smoke else 2, "seed": 1234, "options": {"fastrl_backend": impl} if impl else {},
-                        "rep_ms": 50 if smoke else 300, "total_only": True, "accuracy_rows": 16 if smoke else 256})
+                        "total_only": True, "accuracy_rows": 16 if smoke else 256})
         err = {k.removesuffix("_max_abs_err"): res[k] for k in ("div_max_abs_err", "grad_h_max_abs_err") if k in res}
         return res if res.get("status") != "ok" else {"status": "ok", "total_ms": res["total_ms"], "error": err,
                                                       "extra_mb": res["peak_extra_mb"], "loss_value": res["loss_value"]}
@@ -275,7 +268,7 @@ def _provider_point(spec: dict) -> dict:
         return built
     op, sets, states = built
     try:
-        m, kept = _measure(op, states, device, spec["reps"], spec["warmup"], rows, rep_ms=spec.get("rep_ms", 2000))
+        m, kept = measure.measure_op(op, states, device, spec["reps"], spec["warmup"], rows)
     except Exception as e:  # noqa: BLE001 - any failure becomes a row that says why
         if prov.is_refusal(e):
             return _refused(e)
