@@ -1,9 +1,6 @@
 """``python -m bench compile``: one training step (an MLP body, the LM head and W1's GRPO loss, backward, SGD) with
 fastrl inside ``torch.compile``, against the same step eager and the materialised reference, each variant in a fresh
-process; the variants and what is measured: docs/benchmarks.md#python--m-bench-compile.
-
-    python -m bench compile [--variants fastrl-eager,fastrl-compile] [--shape B,T,H,V] [--reps 5] [--warmup 2]
-"""
+process; the variants and what is measured: docs/benchmarks.md#python--m-bench-compile (options: --help)."""
 
 from __future__ import annotations
 

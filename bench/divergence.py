@@ -1,10 +1,6 @@
 """``python -m bench divergence``: a student's LM head against a teacher's, forward + backward, beta 0 / 0.5 / 1
 (issue 21), and the policy loss's exact reference KL against k3 (issue 26); what each row measures:
-docs/benchmarks.md, "python -m bench divergence".
-
-    python -m bench divergence --quick     # CPU: N=512 (default 1024), H=256, teacher 384, V=65536
-    python -m bench divergence --beta 0.5 --providers fastrl,trl
-"""
+docs/benchmarks.md, "python -m bench divergence" (options: --help)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
 """W4 (bench/README.md): one GRPO training step, stock ``trl.GRPOTrainer`` vs ``fastrl.GRPOTrainer``, per completion
 length, each point in a fresh process; W5 (``bench/w5.py``) is the same point with more configurations and a search.
-
-    python -m bench w4                 # CUDA: Qwen2.5-0.5B shapes, 8 completions of 4k/8k/16k tokens, bf16
-                                       # CPU:  scaled down (V=151936, H=256, 1 layer), 2 completions of 256-2048
-    python -m bench w4 --quick         # CPU: 256/512/1024 tokens
-    python -m bench w4 --lengths 1024,4096 --budget-mb 8192
-"""
+The shapes per device and mode: ``plan_for``."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
 """W5 (bench/README.md): the longest completion whose GRPO step fits a memory budget, per architecture and trainer
-configuration; each point a W4 point (``bench.w4``) with fastrl's memory options, the lengths searched.
-
-    python -m bench w5 [--quick]     # CUDA: Qwen2.5-0.5B and 1.5B, budgets 24 and 80 GiB; CPU: scaled down, 280 MB
-    python -m bench w5 --workload 0.5B --budget-mb 24576 --providers trl,fastrl+both --lengths 4096,8192 --out DIR
-"""
+configuration; each point a W4 point (``bench.w4``) with fastrl's memory options, the lengths searched (``plan_for``:
+the shapes and budgets per device and mode)."""
 
 from __future__ import annotations
 
