@@ -286,7 +286,7 @@ def run_points(specs: list[dict], rows: list[dict], device: str, timeout_s: floa
     its result merged into the row of the same index, a line printed (``who(row)`` names the point) and the row
     appended to ``log`` as each finishes (a run stopped part-way keeps what it measured); a warning when the load
     average went well above the cores. Returns the load average's (min, max) over the run."""
-    from bench.session_run import run_fresh
+    from bench.session_run import append_rows, run_fresh
 
     index, loads = {id(s): i for i, s in enumerate(specs)}, [os.getloadavg()[0]]
 
@@ -296,8 +296,7 @@ def run_points(specs: list[dict], rows: list[dict], device: str, timeout_s: floa
         loads.append(os.getloadavg()[0])
         con.print(f"{i + 1:>4}/{len(specs)} " + _progress(rows[i], who(rows[i])))
         if log is not None:
-            with open(log, "a") as f:
-                f.write(json.dumps(rows[i], default=str) + "\n")
+            append_rows(log, [rows[i]])
 
     run_fresh(specs, device, timeout_s, on_result=done)
     # a measuring process itself keeps about `cores` threads busy; well above that, something else ran too
