@@ -40,16 +40,15 @@ WORKLOADS = (  # the commands that measure workloads x providers
     ("--sets", {"type": int, "help": "input sets rotated through the repetitions (CPU 2, CUDA 3)"}),
 )
 W4_OPTIONS = (
-    ("--lengths", {"help": "comma list of completion lengths (default: by device and mode)"}),
-    ("--budget-mb", {"type": float, "help": "step-memory budget in MB for 'longest that fits'"}),
+    ("--lengths", {"help": "comma list of completion lengths (W5: to search; default: by device and mode)"}),
+    ("--budget-mb", {"type": float, "help": "step-memory budget in MB for 'longest that fits' (W5 on CUDA: 24 and "
+                                            "80 GiB)"}),
 )
 W5_OPTIONS = (
     ("--workload", {"help": "W5: comma list of architectures (0.5B,1.5B; default both)"}),
     ("--providers", {"help": "W5: comma list of configurations: trl, fastrl, fastrl+offload, fastrl+tiled, "
                              "fastrl+both (default all)"}),
-    ("--lengths", {"help": "W5: comma list of completion lengths to search (default: by device and mode)"}),
-    ("--budget-mb", {"type": float, "help": "W5: one step-memory budget in MB (default: 24 and 80 GiB on CUDA)"}),
-)
+) + W4_OPTIONS
 DIVERGENCE = (
     ("--beta", {"help": "comma list of betas (default 0,0.5,1)"}),
     ("--tokens", {"type": int, "help": "tokens N (default: by device; results go to divergence-nN.json)"}),

@@ -265,7 +265,7 @@ def measured(root: str) -> dict[tuple[str, str], float]:
     alias = {a: impl for impl, (_, names) in IMPLEMENTATIONS.items() for a in names}
     for _, data in session_files([root]):  # bench/README's unpack path <device>/<date>-<commit>/session*.json
         for r in data.get("rows") or []:
-            if r.get("status", "ok") != "ok":
+            if r.get("status", "ok") != "ok" or r.get("section") in ("profile", "budget"):  # not the default's time
                 continue
             key, ms = _kept_row(r) if r.get("workload") == KEPT_SESSION_WORKLOAD else (None, None)
             if key is None:
