@@ -11,6 +11,7 @@ import math
 import pprint
 from pathlib import Path
 
+from bench.report import median_ms as _ms
 from bench.report import session_files
 
 __all__ = ["build", "render", "add_options", "command", "TABLE_PATH", "MARGIN"]
@@ -59,10 +60,6 @@ def _config(r: dict) -> str:
 
 def _label(r: dict) -> str:
     return r["implementation"] + ("" if _config(r) == "default" else f" [{_config(r)}]")
-
-
-def _ms(r: dict) -> float:
-    return r["total_ms"]["median"]
 
 
 def _evidence(win: dict, base: dict, what: str) -> str | None:

@@ -22,9 +22,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-__all__ = ["environment", "device_slug", "new_out_dir", "out_dir", "mode", "prefix", "write_json",
-           "save_results", "session_files", "write_csv", "plot", "print_table", "console", "cell", "pick", "run_points", "add_ratios", "judge",
-           "SUMMARY_WIDTH"]
+__all__ = ["environment", "device_slug", "new_out_dir", "out_dir", "mode", "prefix", "write_json", "save_results",
+           "session_files", "write_csv", "plot", "print_table", "console", "cell", "pick", "run_points", "add_ratios",
+           "median_ms", "judge", "SUMMARY_WIDTH"]
 
 # the console summary fits this many columns; every figure it leaves out is in the JSON / CSV files
 SUMMARY_WIDTH = 120
@@ -306,12 +306,13 @@ def run_points(specs: list[dict], rows: list[dict], device: str, timeout_s: floa
     return min(loads), max(loads)
 
 
-def _median(r: dict):
+def median_ms(r: dict) -> float | None:
+    """A row's median step time (``total_ms``), None when it has none."""
     return (r.get("total_ms") or {}).get("median")
 
 
 def add_ratios(rows: list[dict], name: str, is_ref: Callable[[dict], bool], key: Callable = lambda r: r["workload"],
-               ms: Callable = _median, mb: str = "peak_extra_mb", where: Callable = lambda r: True) -> None:
+               ms: Callable = median_ms, mb: str = "peak_extra_mb", where: Callable = lambda r: True) -> None:
     """The benchmarks' one ratio rule: each ok row (``where``) gets ``time_vs_<name>`` and ``mem_vs_<name>`` against
     the ok reference row (``is_ref``) of the same ``key`` (time ``ms(row)``, memory ``row[mb]``; None where the
     reference held none)."""

@@ -8,6 +8,7 @@ says what each ratio means.
 from __future__ import annotations
 
 from bench import report
+from bench.report import median_ms as _ms
 
 __all__ = ["add_ratios", "checks_passed", "targets", "print_summary", "TIME_TARGETS", "MEM_TARGETS"]
 
@@ -30,10 +31,6 @@ RATIOS = ((LMHEAD, "trl", "trl"), (("divergence",), "trl", "trl"), (("keptset",)
 
 def _ok(r: dict) -> bool:
     return r.get("status") == "ok" and bool(r.get("total_ms"))
-
-
-def _ms(r: dict) -> float:
-    return r["total_ms"]["median"]
 
 
 def add_ratios(rows: list[dict]) -> None:

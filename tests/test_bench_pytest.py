@@ -1,5 +1,6 @@
-"""``pytest bench/ --benchmark-only`` (bench/test_benchmarks.py, pytest-benchmark): the file stays collectable with the
-core ops and their peers, the ``[bench]`` extra installs pytest-benchmark, and the default test run never collects it."""
+"""``pytest bench/ --benchmark-only`` (bench/test_benchmarks.py, pytest-benchmark): the file stays collectable with
+the core ops and their peers, the ``[bench]`` extra installs pytest-benchmark, and the default test run never
+collects it."""
 
 import importlib.util
 import subprocess

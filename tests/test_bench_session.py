@@ -39,7 +39,8 @@ def test_gpu_estimates_are_the_documented_arithmetic():
         "budget": 19.05, "compile": 105, "configs": 159.5}
     assert [len(_tunable()[i]) for i in ("triton-fused", "triton-sm90")] == [6, 5]
     doc = " ".join((REPO / "docs" / "gpu-window.md").read_text().split())
-    for phrase in ("checks 7 + 33 x 2.5 = 89.5", "31 points in 30.95 = 54.95", "2 x 9 compiling = 52", "14 x 2.2 = 37.8",
+    for phrase in ("checks 7 + 33 x 2.5 = 89.5", "31 points in 30.95 = 54.95", "2 x 9 compiling = 52",
+                   "14 x 2.2 = 37.8",
                    "profile 7 + 12 + 2 x (1.5 + 1.5 + 0.65) = 26.3", "budget 7 + 5 + 7 points in 7.05 = 19.05",
                    "11 x 8 compiling + 56 points in 59.5 = 159.5", "2 + 2 + 2 x 47 = 105", "Total 614 s",
                    "w4 to profile (331 s + 20 s grace)", "7 + 3 x 2.5 = 14.5"):
