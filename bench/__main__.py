@@ -10,7 +10,6 @@ Results go to --out (default: a new folder under $FASTRL_BENCH_OUT or the system
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,16 +40,15 @@ WORKLOADS = (  # the commands that measure workloads x providers
     ("--sets", {"type": int, "help": "input sets rotated through the repetitions (CPU 2, CUDA 3)"}),
 )
 W4_OPTIONS = (
-    ("--lengths", {"help": "comma list of completion lengths (default: by device and mode)"}),
-    ("--budget-mb", {"type": float, "help": "step-memory budget in MB for 'longest that fits'"}),
+    ("--lengths", {"help": "comma list of completion lengths (W5: to search; default: by device and mode)"}),
+    ("--budget-mb", {"type": float, "help": "step-memory budget in MB for 'longest that fits' (W5 on CUDA: 24 and "
+                                            "80 GiB)"}),
 )
 W5_OPTIONS = (
     ("--workload", {"help": "W5: comma list of architectures (0.5B,1.5B; default both)"}),
     ("--providers", {"help": "W5: comma list of configurations: trl, fastrl, fastrl+offload, fastrl+tiled, "
                              "fastrl+both (default all)"}),
-    ("--lengths", {"help": "W5: comma list of completion lengths to search (default: by device and mode)"}),
-    ("--budget-mb", {"type": float, "help": "W5: one step-memory budget in MB (default: 24 and 80 GiB on CUDA)"}),
-)
+) + W4_OPTIONS
 DIVERGENCE = (
     ("--beta", {"help": "comma list of betas (default 0,0.5,1)"}),
     ("--tokens", {"type": int, "help": "tokens N (default: by device; results go to divergence-nN.json)"}),
@@ -112,14 +110,11 @@ def _targets_command(args, device: str, con) -> int:
     each file."""
     from bench.session_report import add_ratios, targets
 
-    paths = [Path(p) for p in args.paths]
-    files = [f for p in paths for f in (sorted(p.rglob("session*.json")) if p.is_dir() else [p])]
-    missing = [str(p) for p in paths if not p.exists()]
+    files, missing = report.session_files(args.paths), [p for p in args.paths if not Path(p).exists()]
     if missing or not files:
         con.print(f"[red]no session*.json at {', '.join(missing or args.paths)}[/red]")
         return 2
-    for f in files:
-        data = json.loads(f.read_text())
+    for f, data in files:
         add_ratios(data["rows"])
         env = data["env"]
         con.print(f"[bold]{f}[/bold] ({env.get('device')}, fastrl {str(env.get('fastrl_commit'))[:10]})")

@@ -1,17 +1,16 @@
 """``python -m bench compile``: one training step (an MLP body, the LM head and W1's GRPO loss, backward, SGD) with
 fastrl inside ``torch.compile``, against the same step eager and the materialised reference, each variant in a fresh
-process; the variants and what is measured: docs/benchmarks.md#python--m-bench-compile.
-
-    python -m bench compile [--variants fastrl-eager,fastrl-compile] [--shape B,T,H,V] [--reps 5] [--warmup 2]
-"""
+process; the variants and what is measured: docs/benchmarks.md#python--m-bench-compile (options: --help)."""
 
 from __future__ import annotations
 
 import os
 import statistics
-import time
 
 import torch
+
+from bench import measure
+from bench.report import pick
 
 __all__ = ["VARIANTS", "run", "run_point", "add_options", "parse_args", "command"]
 
@@ -79,12 +78,13 @@ def _measure(variant: str, shape, device: str, reps: int, warmup: int, compile_b
         backend = {"backend": compile_backend} if compile_backend else {}
         fn = torch.compile(fn, fullgraph=(kind == "fastrl"), mode=mode, dynamic=False, **backend)
     inputs = _inputs(B, T, H, V, dtype, device, masked=masked)
-    # --masked: an unmasked step after each masked one, in this process: their ratio survives a shared machine's load
-    pairs = ((inputs, []),) + (((_inputs(B, T, H, V, dtype, device, masked=0.0), []),) if masked else ())
 
-    def step(inputs=inputs):
+    def clear():
         for p in params:
             p.grad = None
+
+    def step(inputs=inputs):
+        clear()
         loss, _ = fn(*inputs)
         loss.backward()  # (AOTAutograd's compiled backward for the compiled variants)
         with torch.no_grad():
@@ -92,31 +92,20 @@ def _measure(variant: str, shape, device: str, reps: int, warmup: int, compile_b
                 p.sub_(1e-4 * p.grad)  # an SGD update in place: the compiled step sees the same parameters
         return float(loss.detach())
 
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    untimed, losses = max(1, warmup), []  # the first step compiles: reported apart
-    for _ in range(untimed + reps):
-        for inp, out in pairs:
-            t0 = time.perf_counter()
-            losses.append(step(inp))
-            sync()
-            out.append(time.perf_counter() - t0)
-    first, times = pairs[0][1][0], pairs[0][1][untimed:]
+    # the first step compiles: reported apart (first_step_s)
+    t = measure.time_steps(step, reps, max(1, warmup), device == "cuda", before=clear)
     # FLOPs per step: LM head 6NHV (forward GEMM, grad_h, grad_W) + body 2 * 3 * (2 * N * H * 4H) = 48NH^2
     flops = 6 * B * T * H * V + 48 * B * T * H * H
     flops = flops if masked is None else 6 * B * (T - round(masked * T)) * H * V  # --masked: the head's, live rows
-    ms = 1e3 * statistics.median(times)
-    row = {"variant": variant, "B": B, "T": T, "H": H, "V": V, "dtype": str(dtype).replace("torch.", ""), "ms": ms,
-           "ms_min": 1e3 * min(times), "ms_max": 1e3 * max(times), "first_step_s": first, "first_loss": losses[0],
-           "tflops": flops / (ms * 1e-3) / 1e12, "reps": reps, "masked": masked}
-    if masked:  # each masked step's time over the unmasked step after it: median and range
-        ratios = sorted(a / b for a, b in zip(times, pairs[1][1][untimed:]))
-        row.update(ms_unmasked=1e3 * statistics.median(pairs[1][1][untimed:]), ratio=statistics.median(ratios),
-                   ratio_min=ratios[0], ratio_max=ratios[-1])
-    if device == "cuda":
-        row["peak_extra_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+    ms = measure.summarize(t["ms"])
+    row = {"variant": variant, "shape": [B, T, H, V], "dtype": str(dtype).replace("torch.", ""), "total_ms": ms,
+           "first_step_s": t["first_ms"] / 1e3, "loss_value": t["first_out"], "masked": masked,
+           "tflops": flops / (ms["median"] * 1e-3) / 1e12, "extra_mb": t["extra_mb"] if device == "cuda" else None}
+    if masked:  # each masked step beside an unmasked one, in this process: their ratio survives a shared machine's load
+        plain = _inputs(B, T, H, V, dtype, device, masked=0.0)
+        ratios = sorted(measure.time_steps(step, 1, 0, device == "cuda")["ms"][0]
+                        / measure.time_steps(lambda: step(plain), 1, 1, device == "cuda")["ms"][0] for _ in range(reps))
+        row.update(ratio=statistics.median(ratios), ratio_min=ratios[0], ratio_max=ratios[-1])
     return row
 
 
@@ -136,10 +125,14 @@ def run(device: str, variants, reps: int, warmup: int, shape=None, compile_backe
 
 
 def run_point(spec: dict) -> dict:
-    """One variant in this fresh process (``bench.session_points.run_spec``, kind "compile")."""
+    """One variant in this fresh process (``bench.session_points.run_spec``, kind "compile"; ``"smoke"``: tiny shapes,
+    traced by aot_eager without inductor's code generation, a minute on two cores: tests/test_compile.py compiles
+    fastrl with inductor)."""
     device = spec["device"]
-    shape = (*spec["shape"], SHAPES[device][4]) if spec.get("shape") else None
-    (row,) = run(device, [spec["variant"]], spec["reps"], spec["warmup"], shape, masked=spec.get("masked"))
+    dtype = torch.float32 if spec.get("smoke") else SHAPES[device][4]
+    shape = (*spec["shape"], dtype) if spec.get("shape") else (2, 32, 32, 512, dtype) if spec.get("smoke") else None
+    (row,) = run(device, [spec["variant"]], spec["reps"], spec["warmup"], shape,
+                 compile_backend="aot_eager" if spec.get("smoke") else None, masked=spec.get("masked"))
     return {"status": "error", "reason": row["error"], **row} if "error" in row else {"status": "ok", **row}
 
 
@@ -157,12 +150,7 @@ def add_options(ap) -> None:
 def parse_args(args, device: str) -> tuple[list[str], list[int] | None]:
     """``--variants`` (each one this device runs) and ``--shape`` (B,T,H,V: four positive integers); a clear
     ``SystemExit`` otherwise, before any process starts (an unknown name used to run as the reference)."""
-    known = CUDA_VARIANTS if device == "cuda" else VARIANTS
-    variants = [v.strip() for v in args.variants.split(",")] if args.variants else list(known)
-    unknown = [v for v in variants if v not in known]
-    if unknown:
-        raise SystemExit(f"--variants: expected a comma list of {', '.join(known)} on {device}; got "
-                         f"{', '.join(map(repr, unknown))}")
+    variants = pick("--variants", args.variants, CUDA_VARIANTS if device == "cuda" else VARIANTS)
     if not args.shape:
         return variants, None
     parts = args.shape.split(",")
@@ -187,19 +175,20 @@ def command(args, device: str, con=None) -> int:
     rows = [res if res.get("status") == "ok" else {"variant": spec["variant"], "error": res.get("reason")}
             for spec, res in zip(specs, run_fresh(specs, device, 3600))]
     out = Path(args.out) if args.out else report.new_out_dir(env["device_slug"], "compile")
-    eager = next((r["ms"] for r in rows if r.get("variant") == "fastrl-eager" and "ms" in r), None)
+    eager = next((r["total_ms"]["median"] for r in rows if r.get("variant") == "fastrl-eager" and "total_ms" in r),
+                 None)
     print(f"\ncompiled training step on {env['device']} | torch {env['torch']} | median of {args.reps} steps after "
           f"{args.warmup} untimed")
     print(f"{'variant':22s} {'ms':>10s} {'vs fastrl-eager':>16s} {'first step s':>13s} {'loss':>12s}")
     for r in rows:
-        ratio = f"{r['ms'] / eager:.2f}x" if eager and "ms" in r else "-"
+        ms = r["total_ms"]["median"] if "total_ms" in r else None
         if "ratio" in r:
             print(f"{r['variant']}: masked / unmasked {r['ratio']:.3f} ({r['ratio_min']:.3f}-{r['ratio_max']:.3f})")
-        print(f"{r['variant']:22s} {r['ms']:10.1f} {ratio:>16s} {r['first_step_s']:13.1f} {r['first_loss']:12.6f}"
-              if "ms" in r else f"{r['variant']:22s} error: {r['error']}")
+        print(f"{r['variant']:22s} {ms:10.1f} {f'{ms / eager:.2f}x' if eager else '-':>16s} {r['first_step_s']:13.1f} "
+              f"{r['loss_value']:12.6f}" if ms else f"{r['variant']:22s} error: {r['error']}")
     # on a CPU, OMP_WAIT_POLICY=PASSIVE keeps inductor's OpenMP threads from spinning (docs/compile.md): recorded
     omp = {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
     report.write_json(out / "compile.json", {"command": "compile", "env": {**env, **omp}, "args": vars(args),
                                              "rows": rows, "doc": "bench/compiled_step.py"})
     print(f"wrote {out / 'compile.json'}")
-    return 0 if all("ms" in r for r in rows) else 1
+    return 0 if all("total_ms" in r for r in rows) else 1

@@ -7,10 +7,12 @@ the fastest rows refused for memory are listed in the table (REFUSED).
 
 from __future__ import annotations
 
-import json
 import math
 import pprint
 from pathlib import Path
+
+from bench.report import median_ms as _ms
+from bench.report import session_files
 
 __all__ = ["build", "render", "add_options", "command", "TABLE_PATH", "MARGIN"]
 
@@ -58,10 +60,6 @@ def _config(r: dict) -> str:
 
 def _label(r: dict) -> str:
     return r["implementation"] + ("" if _config(r) == "default" else f" [{_config(r)}]")
-
-
-def _ms(r: dict) -> float:
-    return r["total_ms"]["median"]
 
 
 def _evidence(win: dict, base: dict, what: str) -> str | None:
@@ -199,8 +197,7 @@ def build(paths: list[Path], allow_dirty: bool = False) -> dict:
     """The table from the session files under ``paths``: every usable session of a family, oldest first, each
     entry from the newest session that decided its key."""
     runs = []
-    for f in [f for p in paths for f in (sorted(p.rglob("session*.json")) if p.is_dir() else [p])]:
-        data = json.loads(f.read_text())
+    for f, data in session_files(paths):
         env = data.get("env", {})
         run = {"run": _rel(f), "device": env.get("device"), "family": env.get("family"),
                "commit": env.get("fastrl_commit"), "tree_clean": env.get("tree_clean"), "created": env.get("created")}

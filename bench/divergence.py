@@ -1,10 +1,6 @@
 """``python -m bench divergence``: a student's LM head against a teacher's, forward + backward, beta 0 / 0.5 / 1
 (issue 21), and the policy loss's exact reference KL against k3 (issue 26); what each row measures:
-docs/benchmarks.md, "python -m bench divergence".
-
-    python -m bench divergence --quick     # CPU: N=512 (default 1024), H=256, teacher 384, V=65536
-    python -m bench divergence --beta 0.5 --providers fastrl,trl
-"""
+docs/benchmarks.md, "python -m bench divergence" (options: --help)."""
 
 from __future__ import annotations
 
@@ -84,7 +80,7 @@ def provider_unavailable(name: str, device: str) -> str | None:
     return None
 
 
-def _inputs(wl: DivWorkload, device: torch.device, seed: int) -> dict:
+def make_inputs(wl: DivWorkload, device: torch.device, seed: int) -> dict:
     """Random heads whose logits have unit scale, the teacher's a little sharper; a disjoint kept set of K ids per
     token (runs of one permutation of the vocabulary). KL-exact: B x 256 tokens, old and reference log-probs the
     policy's and the reference head's own."""
@@ -115,7 +111,7 @@ def _inputs(wl: DivWorkload, device: torch.device, seed: int) -> dict:
     return x
 
 
-def _op(wl: DivWorkload, provider: str, opts: dict) -> Op:
+def build_op(wl: DivWorkload, provider: str, opts: dict) -> Op:
     """One provider's timed forward: the loss, and the per-token divergence where it returns one (as ``logp``, so the
     measuring code keeps it for its error); gradients to the student's hidden states and head."""
     import fastrl
@@ -184,16 +180,12 @@ def run_point(spec: dict) -> dict:
     why = provider_unavailable(spec["provider"], device.type)
     if why:
         return {"status": "skipped", "reason": why}
-    op = _op(wl, spec["provider"], spec.get("options", {}))
-    sets = [_inputs(wl, device, spec["seed"] + i) for i in range(spec["n_sets"])]
+    op = build_op(wl, spec["provider"], spec.get("options", {}))
+    sets = [make_inputs(wl, device, spec["seed"] + i) for i in range(spec["n_sets"])]
     states = [op.prepare(s) for s in sets]
     rows = min(spec.get("accuracy_rows", 64), wl.N)
     t0 = time.perf_counter()
-    if device.type == "cuda":
-        m, kept = measure.measure_cuda(op, states, spec["reps"], spec["warmup"], rows, rep_ms=spec.get("rep_ms", 2000),
-                                       total_only=spec.get("total_only", False))
-    else:
-        m, kept = measure.measure_cpu(op, states, spec["reps"], spec["warmup"], rows)
+    m, kept = measure.measure_op(op, states, device, spec["reps"], spec["warmup"], rows, spec.get("total_only", False))
     res = {"status": "ok", "reason": "", **m, "loss_value": kept.get("loss"), "measure_s": time.perf_counter() - t0}
     res.update(_accuracy(wl, spec["provider"], sets[0], kept, rows))
     if spec["provider"] == "exact":
@@ -204,7 +196,7 @@ def run_point(spec: dict) -> dict:
 def _interleaved(wl: DivWorkload, spec: dict, inp: dict, device: torch.device) -> dict:
     """k3 and exact steps alternately: the ratio judged is the median of the adjacent pairs' (a shared machine's load
     moves from process to process and from step to step)."""
-    ops = {p: _op(wl, p, spec.get("options", {})) for p in KL_PROVIDERS}
+    ops = {p: build_op(wl, p, spec.get("options", {})) for p in KL_PROVIDERS}
     states = {p: ops[p].prepare(inp) for p in KL_PROVIDERS}
     times: dict[str, list[float]] = {p: [] for p in KL_PROVIDERS}
 
@@ -213,7 +205,7 @@ def _interleaved(wl: DivWorkload, spec: dict, inp: dict, device: torch.device) -
 
     for _ in range(max(5, spec["reps"])):
         for p in KL_PROVIDERS:
-            times[p].append(measure.wall_ms(step, device.type == "cuda", p))
+            times[p].append(measure.wall_ms(lambda: step(p), device.type == "cuda")[0])
     return {"k3_ms": statistics.median(times["k3"]), "exact_ms": statistics.median(times["exact"]),
             "ratio": statistics.median(e / k for e, k in zip(times["exact"], times["k3"])), "reps": len(times["k3"]),
             "k3_all_ms": times["k3"], "exact_all_ms": times["exact"]}
@@ -221,22 +213,18 @@ def _interleaved(wl: DivWorkload, spec: dict, inp: dict, device: torch.device) -
 
 def targets(rows: list[dict], device: str, console=None) -> dict:
     """Issue 21's targets (fastrl against TRL), issue 26's (fastrl-kept64 against fastrl, exact against k3 on the
-    interleaved steps): {workload[/provider]: verdict}; printed when ``console`` is given."""
+    interleaved steps), by ``report.judge``; printed when ``console`` is given."""
     t_trl, m_trl = CPU_TARGETS if device == "cpu" else GPU_TARGETS
     bounds = {"fastrl": ("trl", t_trl, m_trl), "fastrl-kept64": ("fastrl", KEPT_TARGET, None),
               "exact": ("k3", EXACT_KL_TARGET, None)}
-    out = {}
+    checks = []
     for r in (r for r in rows if r["provider"] in bounds):
         ref, t_max, m_max = bounds[r["provider"]]
-        checks = [(f"{r['workload']}: {r['provider']} time vs {ref}'s", r["interleaved"]["ratio"] if "interleaved" in r
-                   else r.get(f"time_vs_{ref}"), t_max)]
-        if m_max is not None:
-            checks.append((f"{r['workload']}: {r['provider']} extra memory vs {ref}'s", r.get(f"mem_vs_{ref}"), m_max))
-        verdicts = report.judge(console, checks)
-        res = out[r["workload"] + ("" if ref == "trl" else f"/{r['provider']}")] = {}
-        for (_, value, limit), ok, what in zip(checks, verdicts, ("time", "mem")):
-            res.update({f"{what}_vs_{ref}": value, f"{what}_target": limit, f"{what}_pass": ok})
-    return out
+        what = f"{r['workload']}: {r['provider']}"
+        checks.append((f"{what} time vs {ref}'s", r["interleaved"]["ratio"] if "interleaved" in r
+                       else r.get(f"time_vs_{ref}"), t_max))
+        checks += [(f"{what} extra memory vs {ref}'s", r.get(f"mem_vs_{ref}"), m_max)] if m_max is not None else []
+    return report.judge(console, checks)
 
 
 def cli(args, device: str, con) -> int:
@@ -246,14 +234,10 @@ def cli(args, device: str, con) -> int:
     wls = workloads(device, quick=args.quick, smoke=args.smoke, betas=betas)
     if args.tokens:
         wls = [replace(w, N=args.tokens, note=f"{w.note}; N set by --tokens") for w in wls]
-    provs = [p.strip() for p in (args.providers or ",".join(PROVIDERS)).split(",") if p.strip()]
-    if set(provs) - set(PROVIDERS):
-        con.print(f"[red]unknown divergence provider(s) {sorted(set(provs) - set(PROVIDERS))}; choose from "
-                  f"{', '.join(PROVIDERS)}[/red]")
-        return 2
+    provs = report.pick("--providers", args.providers, PROVIDERS)
     wls += kl_workloads(device, quick=args.quick, smoke=args.smoke) if set(provs) & set(KL_PROVIDERS) else []
     cuda, env = device == "cuda", report.environment(device)
-    reps = args.reps or (1 if args.smoke else 3 if cuda else 2)
+    reps = args.reps or (1 if args.smoke else 20 if cuda else 2)
     warmup = args.warmup if args.warmup is not None else (0 if args.smoke else 1)
     con.print(f"[bold]fastrl bench divergence[/bold] on {env['device']}: torch {env['torch']}, trl {env['trl']}, "
               f"liger {env['liger_kernel']}; {len(wls)} workloads x {len(provs)} providers, each in a fresh process")
@@ -266,7 +250,7 @@ def cli(args, device: str, con) -> int:
     todo = [r for r in rows if "status" not in r]
     specs = [{"kind": "divergence", "workload": {f.name: r[f.name] for f in fields(DivWorkload)}, "device": device,
               "provider": r["provider"], "reps": reps, "warmup": warmup, "n_sets": 1 if args.smoke else 2,
-              "seed": 1234, "threads": args.threads, "rep_ms": 50 if args.smoke else 2000,
+              "seed": 1234, "threads": args.threads,
               "options": {"fastrl_backend": args.fastrl_backend} if args.fastrl_backend else {},
               "accuracy_rows": 64 if device == "cpu" else 256} for r in todo]
     report.run_points(specs, todo, device, args.timeout or (1200 if cuda else 900), con)

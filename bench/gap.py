@@ -1,9 +1,7 @@
 """``python -m bench gap``: the gap between vLLM's log-probs and the trainer's as GRPO users meet it (TRL's colocated
 vLLM), for stock TRL, fastrl, and fastrl with vLLM's LM head in float32; sampling replay off and on; float32 and
-bf16 policies; each configuration in a fresh process. What it measures: docs/benchmarks.md#python--m-bench-gap.
-
-    PY=$(bash .ci/vllm-env.sh); $PY -m bench gap [--quick] [--steps N] [--dtypes float32]
-"""
+bf16 policies; each configuration in a fresh process, run with the vLLM environment's python (``bash
+.ci/vllm-env.sh`` prints it). What it measures: docs/benchmarks.md#python--m-bench-gap."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU window in one or two calls of a lent machine (docs/gpu-window.md: the plan, cuts and faults):
 #   bash bench/device_wheels.sh                  # here, right before: wheels into .whl/ and the commit stamp
-#   bash bench/gpu_session.sh                    # call 1 (timeout 600 s, carry .whl): tests, then the session
-#   bash bench/gpu_session.sh rest SECONDS [SECTIONS]  # call 2: SECONDS = device seconds left in the window
+#   bash bench/gpu_session.sh                    # call 1 (timeout 600 s, carry .whl): W5, then the session
+#   bash bench/gpu_session.sh rest SECONDS [SECTIONS]  # call 2: SECONDS = device seconds left; GPU tests, the rest
 #   bash bench/gpu_session.sh w5|smoke           # bench w5 at 24 GiB | the session's plumbing (runs on a CPU too)
 # Every file goes straight into $OUT (<stage>.log, session.json, session.rows.jsonl, tests-failures.txt, <stage>.tgz
 # refreshed every 20 s). Unpack here with
@@ -19,8 +19,8 @@ export PYTHONUNBUFFERED=1
 export FASTRL_INSTAFAIL=1  # tests/conftest.py: a failure's traceback printed as it happens (a cut call keeps it)
 INSTALL_S=30
 PACK_S=15
-TESTS_KERNELS_S="${TESTS_KERNELS_S:-120}"
-TESTS_REST_S="${TESTS_REST_S:-45}"
+W5_S="${W5_S:-150}"
+TESTS_S="${TESTS_S:-120}"
 case "$STAGE" in
     rest)
         if ! [[ "${2:-}" =~ ^[0-9]+$ ]]; then
@@ -37,12 +37,13 @@ exec > >(tee -a "$LOG") 2>&1  # everything to the log and to the caller
 
 SESSION_S=$((CALL_LIMIT - INSTALL_S - PACK_S))  # the plan of this call, before anything runs
 case "$STAGE" in
-    window) echo "plan ($CALL_LIMIT s): install ~${INSTALL_S} s; GPU kernel tests (tests/test_cuda_sm90.py," \
-            "tests/test_cuda_kernels.py) <= ${TESTS_KERNELS_S} s; tests/test_cuda.py and the rest of the suite" \
-            "<= ${TESTS_REST_S} s; python -m bench session ~$((SESSION_S - TESTS_KERNELS_S - TESTS_REST_S)) s (what" \
-            "is left); pack ${PACK_S} s" ;;
-    rest) echo "plan ($CALL_LIMIT s of the $2 s left): install ~${INSTALL_S} s; python -m bench session --sections" \
-            "${3:-configs,compile} ~${SESSION_S} s; the suite in what is left over a minute; pack ${PACK_S} s" ;;
+    window) echo "plan ($CALL_LIMIT s): install ~${INSTALL_S} s; W5 at 24 GiB (python -m bench w5) <= ${W5_S} s;" \
+            "python -m bench session ~$((SESSION_S - W5_S - 10)) s (W4 first; sections that do not fit are left to" \
+            "call 2); pack ${PACK_S} s" ;;
+    rest) [ "$TESTS_S" -gt "$SESSION_S" ] && TESTS_S=$SESSION_S
+        echo "plan ($CALL_LIMIT s of the $2 s left): install ~${INSTALL_S} s; every GPU test file <= ${TESTS_S} s;" \
+            "python -m bench session --sections ${3:-compile,configs} in the ~$((SESSION_S - TESTS_S)) s left" \
+            "(not under 30); pack ${PACK_S} s" ;;
     *) echo "plan ($CALL_LIMIT s): $STAGE" ;;
 esac
 [ -n "${PLAN_ONLY:-}" ] && exit 0  # tests/test_gpu_window.py checks the plan's arithmetic
@@ -99,13 +100,20 @@ tests() {  # tests() LIMIT WHAT FILES...: pytest -v (no xdist), each verdict in 
         "$(wc -l <"$OUT/tests-failures.txt") failed (tests-failures.txt)"
 }
 
-GPU_TESTS=(tests/test_cuda_sm90.py tests/test_cuda_kernels.py tests/test_cuda.py)
-cuda_then_rest() {  # cuda_then_rest LIMIT FILES...: those GPU test files, then the suite without GPU_TESTS, in LIMIT s
-    # (two pytest runs: given a file and its folder, pytest collects in the folder's order, not the file first)
+# every GPU test file (tests/test_invariance.py once it exists); then the CUDA tests of a file that is mostly CPU
+GPU_TESTS=(tests/test_cuda*.py tests/test_kernels_kept_rows.py)
+[ -e tests/test_invariance.py ] && GPU_TESTS+=(tests/test_invariance.py)
+gpu_tests() {  # gpu_tests LIMIT: GPU_TESTS, then tests/test_divergence.py -k cuda, in LIMIT s
     local end=$((SECONDS + $1))
-    shift
-    tests "$((end - SECONDS))" "$*" "$@"
-    tests "$((end - SECONDS))" "the rest of the suite" tests "${GPU_TESTS[@]/#/--ignore=}"
+    tests "$1" "GPU test files: ${GPU_TESTS[*]}" "${GPU_TESTS[@]}"
+    tests "$((end - SECONDS))" "CUDA tests of tests/test_divergence.py" tests/test_divergence.py -k cuda
+}
+
+w5() {  # w5 LIMIT: the longest completion within 24 GiB (0.5B; stock TRL, fastrl with both memory options)
+    local limit=$(($1 < $(left) - PACK_S ? $1 : $(left) - PACK_S))
+    echo "w5: python -m bench w5 at 24 GiB, at most ${limit} s (rows as they finish: w5.rows.jsonl)"
+    timeout --foreground "$limit" python3 -m bench w5 --no-plots --out "$OUT" --workload 0.5B --budget-mb 24576 \
+        --providers trl,fastrl+both --lengths 16384,32768,65536 --reps 1 --timeout 100 || rc=1
 }
 
 session() {  # session NAME [ARGS...]: python -m bench session in what is left of the call less the packing
@@ -126,18 +134,15 @@ rc=0
 case "$STAGE" in
     window)
         install
-        tests "$TESTS_KERNELS_S" "GPU kernels" tests/test_cuda_sm90.py tests/test_cuda_kernels.py
-        cuda_then_rest "$TESTS_REST_S" tests/test_cuda.py
+        w5 "$W5_S"
         session session ;;
     rest)
         install
-        session session-rest --sections "${3:-configs,compile}"
-        [ "$(left)" -gt 60 ] && cuda_then_rest $(($(left) - PACK_S)) tests/test_cuda_sm90.py \
-            tests/test_cuda_kernels.py tests/test_cuda.py ;;
+        gpu_tests "$TESTS_S"
+        session session-rest --sections "${3:-compile,configs}" ;;
     w5)
         install
-        timeout --foreground $(($(left) - 20)) python3 -m bench w5 --no-plots --out "$OUT" --workload 0.5B \
-            --budget-mb 24576 --providers trl,fastrl,fastrl+both || rc=1 ;;
+        w5 $(($(left) - PACK_S)) ;;
     smoke) session session --smoke ;;
     *) echo "unknown stage $STAGE (window, rest SECONDS [SECTIONS], w5, smoke)"; exit 2 ;;
 esac

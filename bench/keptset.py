@@ -52,24 +52,29 @@ def make_sets(N: int, V: int, K: int, kind: str, device: torch.device, seed: int
     return fastrl.KeptSet.from_padded(ids, V), ids[torch.arange(N, device=device), pick]
 
 
-def run_point(spec: dict) -> dict:
-    """The point's step (``ms``: the median of ``ms_all``), its extra peak memory (``measure.time_steps``), the plan
-    it ran and the union GEMMs' work against the full vocabulary's (docs/benchmarks.md)."""
-    from fastrl.ops.kept import capacity, chunk_plan
-
-    dev = torch.device(spec["device"])
-    N, H, V = spec["N"], spec["H"], spec["V"]
+def build(spec: dict) -> tuple:
+    """(the point's step, what it records: the plan a kept-set row runs, its kept set) on random inputs."""
+    dev, N, H, V = torch.device(spec["device"]), spec["N"], spec["H"], spec["V"]
     g = torch.Generator(device=dev).manual_seed(1)
     hidden = torch.randn(N, H, generator=g, device=dev).to(getattr(torch, spec["dtype"])).requires_grad_()
     weight = (torch.randn(V, H, generator=g, device=dev) * H ** -0.5).to(hidden.dtype).requires_grad_()
     ks, targets = make_sets(N, V, spec["K"], spec["sets"], dev)
     res = {}
-    step = _step(spec, hidden, weight, targets, ks, res)
+    return _step(spec, hidden, weight, targets, ks, res), res, ks
+
+
+def run_point(spec: dict) -> dict:
+    """The point's step (``ms``: the median of ``ms_all``), its extra peak memory (``measure.time_steps``), the plan
+    it ran and the union GEMMs' work against the full vocabulary's (docs/benchmarks.md)."""
+    from fastrl.ops.kept import capacity, chunk_plan
+
+    (step, res, ks), dev, N, V = build(spec), torch.device(spec["device"]), spec["N"], spec["V"]
     if dev.type == "cuda":
         res["device_name"] = torch.cuda.get_device_name(dev)
     elif spec.get("threads"):
         torch.set_num_threads(spec["threads"])
-    times, res["peak_extra_mb"] = measure.time_steps(step, spec["reps"], spec["warmup"], dev.type == "cuda")
+    t = measure.time_steps(step, spec["reps"], spec["warmup"], dev.type == "cuda")
+    times, res["peak_extra_mb"] = t["ms"], t["extra_mb"]
     plan = chunk_plan(ks, V, *capacity(dev))  # the host union plan's chunks (the engine's capacity rule)
     unions = [torch.unique(ks[c0:c1].ids).numel() for c0, c1 in plan]
     # union_work_vs_full: the union GEMMs' work against the full vocabulary's, per pass (sum(rows * |U|) / (N V))
@@ -144,22 +149,21 @@ def session_points(smoke: bool) -> list[tuple[str, dict]]:
     return out
 
 
-def _with_ratios(row: dict, rows: list[dict]) -> None:
-    """Its time and memory against its shape's full-vocabulary row (log-probs or loss) and, without host reads, its
-    time against the eager row of the same plan kind."""
-    def find(**kw):
-        return next((x for x in rows if "ms" in x and all(x.get(k) == v for k, v in kw.items())), None)
+def _with_ratios(rows: list[dict]) -> None:
+    """Each row's time and memory against its shape's full-vocabulary row (log-probs or loss) and, without host reads,
+    its time against the eager row of the same plan kind."""
+    def ms(r: dict):
+        return r.get("ms")
 
-    full = find(shape=row["shape"], mode="loss" if row["mode"].startswith("loss") else "full")
-    if full and "ms" in row:
-        row["time_vs_full"] = row["ms"] / full["ms"]
-        row["mem_vs_full"] = row["peak_extra_mb"] / full["peak_extra_mb"] if full["peak_extra_mb"] > 0 else None
-    host = find(shape=row["shape"], mode="kept", K=row["K"], sets=row["sets"], plan_kind=row.get("plan_kind"))
-    if row["mode"] == "nosync" and host and "ms" in row:
-        row["time_vs_host_plan"] = row["ms"] / host["ms"]
+    def full(r: dict) -> tuple:
+        return r["shape"], r["mode"].startswith("loss")
+
+    report.add_ratios(rows, "full", lambda r: r["mode"] in ("full", "loss"), key=full, ms=ms)
+    report.add_ratios(rows, "host_plan", lambda r: r["mode"] == "kept", where=lambda r: r["mode"] == "nosync", ms=ms,
+                      key=lambda r: (r["shape"], r["K"], r["sets"], r.get("plan_kind")))
 
 
-def targets(rows: list[dict], con) -> list[bool]:
+def targets(rows: list[dict], con) -> dict:
     """Issue 34's targets at K=64: both plans (eager and without host reads) <= KEPT_TARGET x the full path's time;
     support=SamplerRule(top_k=64) <= RULE_TARGET x its time at <= 1.1x its memory; issue 44's ragged sets <=
     RAGGED_TARGET x its time (CPU targets, printed anywhere)."""
@@ -203,8 +207,7 @@ def cli(args, device: str, con) -> int:
             for p in pts]
     report.run_points(specs, rows, device, args.timeout or 1200, con,
                       who=lambda r: f"{r['shape']:<11}{r['provider']:<13}{r['K']:>5} {r['sets']:<8}")
-    for r in rows:
-        _with_ratios(r, rows)
+    _with_ratios(rows)
     con.print()
     report.print_table(con, rows, f"keptset on {env['device']} | torch {env['torch']} | ms: median of {reps} (full "
                        f"path: of {full_reps})", COLUMNS, LEGEND)

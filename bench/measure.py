@@ -1,4 +1,4 @@
-"""Timing, peak memory and accuracy of one op on CPU or CUDA, and the step timers keptset, divergence and w4 share.
+"""Timing, peak memory and accuracy of one op on CPU or CUDA, and the one step timer keptset, compile and W4 share.
 
 What each figure means: bench/README.md, "How it is measured".
 """
@@ -18,7 +18,7 @@ import torch
 from bench.providers import Op
 from bench.workloads import ENTROPY_COEF, Workload
 
-__all__ = ["measure_cpu", "measure_cuda", "accuracy", "summarize", "event_times", "wall_ms", "time_steps"]
+__all__ = ["measure_op", "measure_cpu", "measure_cuda", "accuracy", "summarize", "event_times", "wall_ms", "time_steps"]
 
 MB = 1024.0 * 1024.0
 
@@ -63,36 +63,59 @@ def trim() -> None:
         pass
 
 
-def wall_ms(fn, cuda: bool = False, *args) -> float:
-    """One call ``fn(*args)``: its wall time (ms), the device synchronised before and after on CUDA."""
+def wall_ms(fn, cuda: bool = False) -> tuple[float, object]:
+    """One call ``fn()``: (its wall time in ms, what it returned), the device synchronised before and after on CUDA."""
     if cuda:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    fn(*args)
+    out = fn()
     if cuda:
         torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e3
+    return (time.perf_counter() - t0) * 1e3, out
 
 
-def time_steps(step, reps: int, warmup: int, cuda: bool) -> tuple[list[float], float]:
-    """``warmup`` untimed calls of ``step``, then ``reps`` timed ones: (ms of each, extra peak MB). CUDA: events after
-    an L2 flush, the peak allocated over what was allocated before the warm-up; CPU: wall time, the peak RSS over the
-    RSS after the warm-up."""
-    if cuda:
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-    for _ in range(warmup):
-        step()
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        times = event_times(step, reps)
-        return times, (torch.cuda.max_memory_allocated() - base) / MB
+def _fresh_peak(cuda: bool) -> float:
+    """MB held now (CUDA: allocated; CPU: RSS of a trimmed heap), the peak mark reset to it."""
     gc.collect()
-    base = rss_mb()
-    reset_peak()
-    times = [wall_ms(step) for _ in range(reps)]
-    return times, max(0.0, peak_rss_mb() - base)
+    if not cuda:
+        trim()
+        reset_peak()
+        return rss_mb()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated() / MB
+
+
+def _l2_flusher():
+    """A call that evicts the L2 cache, as ``triton.testing.do_bench`` does before each timed call."""
+    from triton import runtime
+
+    cache = runtime.driver.active.get_empty_cache_for_benchmark()
+    return lambda: runtime.driver.active.clear_cache(cache)
+
+
+def time_steps(step, reps: int, warmup: int, cuda: bool, before=None) -> dict:
+    """The benchmarks' one step timer (keptset, compile, W4): ``warmup`` untimed calls of ``step``, then ``reps`` timed
+    ones, each after ``before()`` (untimed: e.g. gradients set to None) on a fresh peak-memory mark (CUDA: allocated,
+    after an L2 flush; CPU: RSS). Wall time between device synchronisations. Returns {"ms": each timed step's,
+    "first_ms" / "first_out": the first call's time (compiling, autotuning) and result, "outs": the timed calls'
+    results, "extra_mb": the largest peak over what was held as its step began, "peak_mb", "base_mb"}."""
+    first = [wall_ms(step, cuda) for _ in range(warmup)][:1]  # the steps return small things (a loss, None)
+    flush = _l2_flusher() if cuda else (lambda: None)
+    ms, outs, peaks, bases = [], [], [], []
+    for _ in range(reps):
+        if before is not None:
+            before()
+        bases.append(_fresh_peak(cuda))
+        flush()
+        t, out = wall_ms(step, cuda)
+        ms.append(t)
+        outs.append(out)
+        peaks.append(torch.cuda.max_memory_allocated() / MB if cuda else peak_rss_mb())
+    first_ms, first_out = first[0] if first else (ms[0], outs[0])
+    return {"ms": ms, "outs": outs, "first_ms": first_ms, "first_out": first_out, "peak_mb": max(peaks),
+            "base_mb": min(bases), "extra_mb": max(0.0, max(p - b for p, b in zip(peaks, bases)))}
 
 
 def _step(op: Op, st: dict):
@@ -167,13 +190,10 @@ def _nbytes(*objs) -> int:
 def event_times(fn, reps: int, setup=None) -> list[float]:
     """``reps`` calls of ``fn``, each timed with CUDA events after an L2 flush (ms); ``setup``: an untimed call before
     each flush, whose results ``fn`` takes as its arguments."""
-    from triton import runtime
-
-    cache = runtime.driver.active.get_empty_cache_for_benchmark()  # evicted before every call, as do_bench does
-    out = []
+    flush, out = _l2_flusher(), []
     for _ in range(max(1, reps)):
         args = setup() if setup else ()
-        runtime.driver.active.clear_cache(cache)
+        flush()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn(*args)
@@ -184,12 +204,10 @@ def event_times(fn, reps: int, setup=None) -> list[float]:
     return out
 
 
-def measure_cuda(op: Op, states: list[dict], reps: int, warmup: int, keep_rows: int, rep_ms: int = 2000,
-                 total_only: bool = False) -> dict:
-    """``total_only``: time forward + backward only, ``reps`` steps between CUDA events after an L2 flush (as do_bench
-    times, without its estimate and warm-up calls): for a whole tournament in one short GPU window."""
-    from triton.testing import do_bench
-
+def measure_cuda(op: Op, states: list[dict], reps: int, warmup: int, keep_rows: int, total_only: bool = False) -> dict:
+    """``reps`` forward + backward steps, each between CUDA events after an L2 flush (``event_times``), then the forward
+    alone and the backward alone (an untimed forward before each); ``total_only``: the first only (a whole tournament
+    in one short GPU window)."""
     dev = torch.device("cuda")
     with torch.set_grad_enabled(op.needs_grad):
         for i in range(max(1, warmup)):  # compile, autotune, allocator warm-up (results dropped at once)
@@ -210,28 +228,26 @@ def measure_cuda(op: Op, states: list[dict], reps: int, warmup: int, keep_rows: 
         del out, grads
 
         cycle = itertools.cycle(states)
-
-        def bench(fn) -> dict:
-            return summarize(do_bench(fn, warmup=200, rep=rep_ms, return_mode="all"))
-
-        if total_only:
-            res = {"fwd_ms": {}, "bwd_ms": {}, "total_ms": summarize(event_times(lambda: _step(op, next(cycle)), reps))}
-        elif not op.needs_grad:
-            fwd = bench(lambda: op.forward(next(cycle)))
-            res = {"fwd_ms": fwd, "bwd_ms": {}, "total_ms": fwd}  # the total is the forward: there is no backward
-        else:
-            res = {"fwd_ms": bench(lambda: op.forward(next(cycle))), "total_ms": bench(lambda: _step(op, next(cycle)))}
-
+        total = summarize(event_times(lambda: _step(op, next(cycle)), reps))  # without a backward: the forward
+        res = {"fwd_ms": {} if total_only else total, "bwd_ms": {}, "total_ms": total}
+        if op.needs_grad and not total_only:
             def untimed_forward():
                 st = next(cycle)
                 return st, op.forward(st)
-            # backward alone: an untimed forward, an L2 flush, then events around autograd.grad
-            n = max(5, min(100, int(rep_ms / max(res["total_ms"]["median"], 1e-3))))
-            res["bwd_ms"] = summarize(event_times(lambda st, out: torch.autograd.grad(out["loss"], st["wrt"]), n,
+            res["fwd_ms"] = summarize(event_times(lambda: op.forward(next(cycle)), reps))
+            res["bwd_ms"] = summarize(event_times(lambda st, out: torch.autograd.grad(out["loss"], st["wrt"]), reps,
                                                   setup=untimed_forward))
     res.update(peak_extra_fwd_mb=peak_f / MB, peak_extra_mb=peak_t / MB, inputs_mb=base / MB,
                memory_method="torch.cuda.max_memory_allocated() minus inputs and outputs")
     return res, kept
+
+
+def measure_op(op: Op, states: list, device: torch.device, reps: int, warmup: int, rows: int,
+               total_only: bool = False) -> tuple[dict, dict]:
+    """(figures, the first ``rows`` tokens' outputs): ``measure_cuda`` on CUDA, ``measure_cpu`` elsewhere."""
+    if device.type == "cuda":
+        return measure_cuda(op, states, reps, warmup, rows, total_only)
+    return measure_cpu(op, states, reps, warmup, rows)
 
 
 def accuracy(op: Op, wl: Workload, inp, kept: dict, rows: int) -> dict:

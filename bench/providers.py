@@ -347,6 +347,6 @@ def get(name: str) -> Provider:
 
 def select(spec: str | None) -> list[Provider]:
     """Providers named in a comma list (default: all)."""
-    if not spec:
-        return list(PROVIDERS.values())
-    return [get(n.strip()) for n in spec.split(",") if n.strip()]
+    from bench.report import pick
+
+    return [PROVIDERS[n] for n in pick("--providers", spec, PROVIDERS)]

@@ -22,9 +22,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-__all__ = ["environment", "device_slug", "new_out_dir", "out_dir", "mode", "prefix", "write_json",
-           "save_results", "write_csv", "plot", "print_table", "console", "cell", "run_points", "judge",
-           "SUMMARY_WIDTH"]
+__all__ = ["environment", "device_slug", "new_out_dir", "out_dir", "mode", "prefix", "write_json", "save_results",
+           "session_files", "write_csv", "plot", "print_table", "console", "cell", "pick", "run_points", "add_ratios",
+           "median_ms", "judge", "SUMMARY_WIDTH"]
 
 # the console summary fits this many columns; every figure it leaves out is in the JSON / CSV files
 SUMMARY_WIDTH = 120
@@ -48,6 +48,16 @@ def new_out_dir(device_slug: str, what: str = "bench") -> Path:
 def out_dir(args, device_slug: str, what: str) -> Path:
     """``--out``, else ``new_out_dir`` (``<what>-smoke`` under --smoke)."""
     return Path(args.out) if args.out else new_out_dir(device_slug, f"{what}-smoke" if args.smoke else what)
+
+
+def pick(option: str, text: str | None, known) -> list[str]:
+    """The names in the comma list ``text`` (none: every one of ``known``), or a SystemExit naming ``option``, what it
+    expects and what came: the one check of every command's list options."""
+    names = [x.strip() for x in (text or ",".join(known)).split(",") if x.strip()]
+    bad = [x for x in names if x not in known]
+    if bad:
+        raise SystemExit(f"{option}: expected a comma list of {', '.join(known)}; got {', '.join(map(repr, bad))}")
+    return names
 
 
 def mode(args) -> str:
@@ -115,6 +125,18 @@ def environment(device: str) -> dict:
         "transformers": _version("transformers"),
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), **prov,
     }
+
+
+def session_files(paths) -> list[tuple[Path, dict]]:
+    """Every ``session*.json`` under ``paths`` (files, or folders searched at any depth), parsed; one that does not
+    parse (cut short) is left out."""
+    out = []
+    for f in (f for p in map(Path, paths) for f in (sorted(p.rglob("session*.json")) if p.is_dir() else [p])):
+        try:
+            out.append((f, json.loads(f.read_text())))
+        except (OSError, ValueError):
+            continue
+    return out
 
 
 def write_json(path: Path, payload: dict) -> None:
@@ -264,7 +286,7 @@ def run_points(specs: list[dict], rows: list[dict], device: str, timeout_s: floa
     its result merged into the row of the same index, a line printed (``who(row)`` names the point) and the row
     appended to ``log`` as each finishes (a run stopped part-way keeps what it measured); a warning when the load
     average went well above the cores. Returns the load average's (min, max) over the run."""
-    from bench.session_run import run_fresh
+    from bench.session_run import append_rows, run_fresh
 
     index, loads = {id(s): i for i, s in enumerate(specs)}, [os.getloadavg()[0]]
 
@@ -274,8 +296,7 @@ def run_points(specs: list[dict], rows: list[dict], device: str, timeout_s: floa
         loads.append(os.getloadavg()[0])
         con.print(f"{i + 1:>4}/{len(specs)} " + _progress(rows[i], who(rows[i])))
         if log is not None:
-            with open(log, "a") as f:
-                f.write(json.dumps(rows[i], default=str) + "\n")
+            append_rows(log, [rows[i]])
 
     run_fresh(specs, device, timeout_s, on_result=done)
     # a measuring process itself keeps about `cores` threads busy; well above that, something else ran too
@@ -285,17 +306,39 @@ def run_points(specs: list[dict], rows: list[dict], device: str, timeout_s: floa
     return min(loads), max(loads)
 
 
-def judge(con: Console | None, checks: list[tuple[str, float | None, float]]) -> list[bool]:
-    """Each target (what, value, limit) as a line "what = value (target <= limit): PASS / FAIL" (value None: not
-    evaluated, a fail); whether each passed."""
-    passed = []
-    for what, value, limit in checks:
-        passed.append(value is not None and value <= limit)
-        if con is None:
-            continue
-        if value is None:
-            con.print(f"[yellow]{what}: not evaluated (a row it needs did not run); target <= {limit:g}[/yellow]")
-        else:
-            con.print(f"{what} = {value:.3f} (target <= {limit:g}): "
-                      + ("[green]PASS[/green]" if passed[-1] else "[red]FAIL[/red]"))
-    return passed
+def median_ms(r: dict) -> float | None:
+    """A row's median step time (``total_ms``), None when it has none."""
+    return (r.get("total_ms") or {}).get("median")
+
+
+def add_ratios(rows: list[dict], name: str, is_ref: Callable[[dict], bool], key: Callable = lambda r: r["workload"],
+               ms: Callable = median_ms, mb: str = "peak_extra_mb", where: Callable = lambda r: True) -> None:
+    """The benchmarks' one ratio rule: each ok row (``where``) gets ``time_vs_<name>`` and ``mem_vs_<name>`` against
+    the ok reference row (``is_ref``) of the same ``key`` (time ``ms(row)``, memory ``row[mb]``; None where the
+    reference held none)."""
+    def ok(r: dict) -> bool:
+        return r.get("status", "ok") == "ok" and ms(r) is not None
+
+    refs = {key(r): r for r in rows if is_ref(r) and ok(r)}
+    for r in rows:
+        b = refs.get(key(r)) if ok(r) and where(r) else None
+        if b is not None:
+            r[f"time_vs_{name}"] = ms(r) / ms(b)
+            r[f"mem_vs_{name}"] = r[mb] / b[mb] if r.get(mb) is not None and b.get(mb) else None
+
+
+def judge(con: Console | None, checks) -> dict[str, dict]:
+    """The benchmarks' one targets judge. Each check (name, value, limit[, what[, at_least]]) printed as "name: what
+    value (target <= limit): PASS / FAIL" (``at_least``: >=; value None: not evaluated, a fail, ``what`` saying why);
+    returns {name: {"value", "target", "pass", "row"}}."""
+    out = {}
+    for name, value, limit, what, at_least in ((*c, "", False)[:5] for c in checks):
+        ok = value is not None and (value >= limit if at_least else value <= limit)
+        out[name] = {"value": value, "target": limit, "pass": ok, "row": what}
+        bound = f"target {'>=' if at_least else '<='} {limit:g}x"
+        if con is not None and value is None:
+            con.print(f"[yellow]{name}: not evaluated ({what or 'a row it needs did not run'}); {bound}[/yellow]")
+        elif con is not None:
+            con.print(f"{name}: {what + ' ' if what else ''}{value:.3f}x ({bound}): "
+                      + ("[green]PASS[/green]" if ok else "[red]FAIL[/red]"))
+    return out

@@ -6,13 +6,14 @@ model, its conventions and the targets on paper: docs/roofline.md.
 from __future__ import annotations
 
 import argparse
-import glob
-import json
 import math
 import os
 from dataclasses import dataclass
 
 import torch
+
+from bench.report import session_files
+from bench.session_report import ROW_TARGETS, TIME_TARGETS
 
 from fastrl.kernels.kept_rows import DEFAULT_CONFIGS as KEPT_CONFIGS
 from fastrl.ops import hybrid
@@ -212,16 +213,11 @@ def model(w: Shape, impl: str, memory: int | None = MEMORY) -> tuple[float, floa
     return out.get(impl)
 
 
-# (workload, the ratio a design must reach, the baseline it is a ratio of): issue 33's targets
-TARGETS = (
-    ("W1", 0.75, "trl"),
-    ("W1-lp", 0.95, "trl"),
-    ("W2", 0.85, "trl"),
-    ("W2-lp", 0.9, "trl"),
-    ("W3", 0.95, "trl"),
-    ("divergence", 0.8, "trl"),
-    ("kept", 0.15, "full head"),  # the same call over the whole vocabulary: the fastest fastrl design at W1-lp
-)
+# (workload, the ratio a design must reach, the baseline it is a ratio of): the session's targets (one table); kept's
+# baseline: the same call over the whole vocabulary, the fastest fastrl design at W1-lp
+_ROW = {section: limit for section, _, _, _, limit, _ in ROW_TARGETS}
+TARGETS = tuple((wl, limit, "trl") for wl, limit in TIME_TARGETS) + (
+    ("divergence", _ROW["divergence"], "trl"), ("kept", _ROW["keptset"], "full head"))
 _BUILT = ("hybrid", "fused", "sm90", "sm90-nomem", "union", "gather")  # fastrl designs that exist as code
 _NOT_DESIGNS = ("floor", "trl")
 
@@ -267,16 +263,9 @@ def measured(root: str) -> dict[tuple[str, str], float]:
     """(workload, implementation) -> the best median ms over the committed session results under ``root``."""
     out: dict[tuple[str, str], float] = {}
     alias = {a: impl for impl, (_, names) in IMPLEMENTATIONS.items() for a in names}
-    # bench/README's unpack path <device>/<date>-<commit>/session.json, and <device>/session.json
-    paths = glob.glob(os.path.join(root, "*", "session.json")) + glob.glob(os.path.join(root, "*", "*", "session.json"))
-    for path in sorted(paths):
-        try:
-            with open(path) as f:
-                rows = json.load(f)["rows"]  # what `bench session` writes
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # not a session file, or one cut short
-        for r in rows:
-            if r.get("status", "ok") != "ok":
+    for _, data in session_files([root]):  # bench/README's unpack path <device>/<date>-<commit>/session*.json
+        for r in data.get("rows") or []:
+            if r.get("status", "ok") != "ok" or r.get("section") in ("profile", "budget"):  # not the default's time
                 continue
             key, ms = _kept_row(r) if r.get("workload") == KEPT_SESSION_WORKLOAD else (None, None)
             if key is None:

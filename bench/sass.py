@@ -1,9 +1,6 @@
 """``python -m bench sass``: compile every kernel at its default launch configuration for a GPU, without a GPU, and
 report per variant registers, spills, shared memory, tensor-core and TMA instruction counts (``cuobjdump``); exits 1
-when a checked variant spills or a bf16/fp16 matmul kernel has no HGMMA (docs/design.md, "On the GPU").
-
-    python -m bench sass [--arch 80] [--only stats]
-"""
+when a checked variant spills or a bf16/fp16 matmul kernel has no HGMMA (docs/design.md, "On the GPU")."""
 
 from __future__ import annotations
 

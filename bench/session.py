@@ -11,13 +11,14 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.report import new_out_dir
+from bench.report import new_out_dir, pick
 from bench.session_run import append_rows, run_points, stub
 
 __all__ = ["ALWAYS", "DROP_ORDER", "GPU_COSTS", "SECTIONS", "SMOKE_COSTS", "Costs", "SessionRun", "add_options",
            "candidates_for", "command", "estimate", "fit", "point_bounds", "points"]
 
-SECTIONS = ("checks", "tournament", "divergence", "keptset", "w4", "configs", "compile")
+# what users feel first (the trainer step), then the rows the targets need, then what explains them
+SECTIONS = ("w4", "checks", "tournament", "divergence", "keptset", "profile", "budget", "compile", "configs")
 ALWAYS = ("checks", "tournament")  # never dropped: a short budget cuts their points instead (the deadline)
 DROP_ORDER = tuple(reversed([s for s in SECTIONS if s not in ALWAYS]))  # whole sections drop from the end
 WORKLOAD_ORDER = ("W1", "W1-lp", "W2", "W2-lp", "W3")
@@ -29,6 +30,8 @@ QUICK_CHECK = {False: "temperature", True: "temperature-rows"}  # smoke -> the o
 DIVERGENCE_IMPLS = ("triton-hybrid", "triton-sm90")  # triton-fused's fused_divergence runs the hybrid's kernels
 BUILTIN = "triton-hybrid"  # fastrl.ops.backend.builtin_choice on a CUDA install with float32-out cuBLAS
 DEFAULT_BUDGET = {"cuda": 480.0, "smoke": 240.0}
+BUDGET = 0.0625  # the budget section: FASTRL_MEMORY_BUDGET's opt-in speed (1/16 of the device), beside the ceiling's
+PROFILED = (("W1", "fastrl-fused"), ("W1-lp", "fastrl"), ("W2", "fastrl-fused"))  # the profile section, with TRL's
 
 
 @dataclass(frozen=True)
@@ -47,24 +50,19 @@ class Costs:
 
 # a process starts in 7, TRL's imports add 12, the float64 loss references 5
 GPU_COSTS = Costs(setup={"checks": 7, "tournament": 7 + 12 + 5, "divergence": 7 + 12, "keptset": 7, "w4": 0,
-                         "configs": 7 + 5, "compile": 7},
+                         "configs": 7 + 5, "compile": 7, "profile": 7 + 12, "budget": 7 + 5},
                   point={"checks": 2.5, "divergence": 1.25, "keptset": 2.2, "w4": 35, "compile": 47, "fastrl-eager": 2,
+                         "fastrl-nosync": 2,
                          "W1": 1.5, "W1-lp": 1.5, "W2": 0.65, "W2-lp": 0.65, "W3": 0.6},
                   compile={"divergence": 9, "configs": 8}, jit=8)
 # a 2-core CPU, Triton interpreted, at load average 7-10; the watchdog's floor is wide: a loaded machine stretches an
 # interpreted point many times over
 SMOKE_COSTS = Costs(setup={"checks": 3, "tournament": 3 + 5 + 0.3, "divergence": 3 + 5, "keptset": 3, "w4": 0,
-                           "configs": 3 + 0.3, "compile": 3},
+                           "configs": 3 + 0.3, "compile": 3, "profile": 3 + 5, "budget": 3 + 0.3},
                     point={"checks": 1.5, "divergence": 1.5, "keptset": 1.7, "w4": 12, "compile": 6, "fastrl-eager": 4,
+                           "fastrl-nosync": 4,
                            **{w: 0.5 for w in WORKLOAD_ORDER}},
                     compile={"configs": 0.5}, jit=0.5, watchdog=(4.0, 150.0))
-
-
-def run_w4(pts: list[dict], deadline: float, run) -> list[dict]:
-    """The W4 section's rows: ``bench.w4.session_rows`` (imported here, when the section runs)."""
-    from bench import w4
-
-    return w4.session_rows(pts, deadline, run)
 
 
 def cuda_implementations() -> list[str]:
@@ -128,9 +126,15 @@ def points(section: str, *, smoke: bool, device: str, impls: list[str], tunable:
         whos += [("trl", {}), ("liger", {})]
         out = [{"workload": wl.name, "provider": p, **impl, "spec": asdict(wl)}
                for wl in divergence.workloads(device, smoke=smoke) for p, impl in whos]
-    elif section == "compile":
-        variants = ("fastrl-eager", "fastrl-compile") + (("fastrl-compile-ro",) if device == "cuda" else ())
+    elif section == "compile":  # eager, without host reads, compiled, CUDA graphs
+        variants = ("fastrl-eager", "fastrl-nosync", "fastrl-compile") + (("fastrl-compile-ro",) if device == "cuda"
+                                                                          else ())
         out = [{"workload": "compile-step", "provider": v} for v in variants]
+    elif section == "profile":  # torch.profiler's per-kernel split of the default path and of TRL's
+        out = [{"workload": wl, "provider": p} for wl, prov in PROFILED for p in (prov, "trl")]
+    elif section == "budget":  # the default path (backend auto) with the memory budget raised: opt-in speed rows
+        out = [{"workload": wl, "provider": p, "memory_budget": BUDGET} for wl in WORKLOAD_ORDER
+               for p in (LOSS_PROVIDERS if wl in ("W1", "W2") else ("fastrl",))]
     elif section == "w4":
         out = [{"workload": "W4", "provider": p} for p in ("trl", "fastrl")]
     else:
@@ -195,10 +199,7 @@ def add_options(ap) -> None:
 
 def _wanted(spec: str | None) -> tuple[list[str], bool]:
     """(the sections, in SECTIONS order; quick checks: one case per implementation, to learn which kernels it runs)."""
-    names = [s.strip() for s in (spec or ",".join(SECTIONS)).split(",") if s.strip()]
-    bad = [s for s in names if s not in SECTIONS]
-    if bad:
-        raise SystemExit(f"--sections: unknown {', '.join(bad)}; choose from {', '.join(SECTIONS)}")
+    names = pick("--sections", spec, SECTIONS)
     quick = "checks" not in names and bool({"tournament", "configs"} & set(names))
     return [s for s in SECTIONS if s in names or (quick and s == "checks")], quick
 
@@ -258,14 +259,15 @@ class SessionRun:
         self.say(f"[bold]{section}[/bold] (~{self.est.get(section, 0):.0f} s, {max(self.left(), 0):.0f} s left)")
         pts = self.points(section)
         try:
-            rows = run_w4(pts, deadline, self) if section == "w4" else run_points(
-                section, pts, deadline, self, point_bounds(section, self.costs, pts))
+            rows = run_points(section, pts, deadline, self, point_bounds(section, self.costs, pts))
         except Exception as e:  # noqa: BLE001 - the session goes on; the section's rows say why
             rows = [stub(p, "error", f"the section failed in the session itself: {type(e).__name__}: {e}"[:300])
                     for p in pts]
             append_rows(self.rows_path, rows)
         self.rows += rows
         self.done.append(section)
+        if section == "checks":
+            self.after_checks()
         self.write(partial=True)
         return rows
 
@@ -289,24 +291,27 @@ class SessionRun:
         return payload
 
     def plan(self) -> None:
-        """The checks first and alone (which implementations take launch configurations decides the rest), then the
-        plan of the rest in the time left."""
+        """The sections in ``SECTIONS`` order in the time left; the configs section's estimate is redone once the
+        checks have said which kernels each implementation runs (``after_checks``)."""
         self.est = self.estimates()
         append_rows(self.rows_path, [{"plan": {"budget_s": self.budget, "wanted": self.wanted, "estimates_s": self.est,
                                                "implementations": self.impls}}])
-        if "checks" in self.wanted:
-            self.run_section("checks")
-            served = {}  # the kernels of the log-prob and loss ops (not fused_divergence's: no W1-W3 runs them)
-            for r in self.rows:
-                if r["section"] == "checks" and r.get("configs_served") and r.get("kind") in ("logprob", "loss"):
-                    served.setdefault(r["implementation"], set()).update(r["configs_served"])
-            self.tunable = {i: candidates_for(served[i], self.smoke) for i in self.impls if i in served}
-            self.est = self.estimates()
-        self.pending = [s for s in self.wanted if s != "checks"]
+        self.pending = list(self.wanted)
         self.drop_late()
         self.say("plan: " + ", ".join(f"{s} ~{self.est[s]:.0f} s" for s in self.pending)
-                 + f" in {max(self.left(), 0):.0f} s; launch configurations to force: "
-                 + ("; ".join(f"{i}: {len(c)}" for i, c in self.tunable.items()) or "none"))
+                 + f" in {max(self.left(), 0):.0f} s")
+
+    def after_checks(self) -> None:
+        """Which launch configurations to force on each implementation: its kernels' candidates, the kernels read from
+        its check rows (the log-prob and loss ops': no W1-W3 runs fused_divergence's)."""
+        served = {}
+        for r in self.rows:
+            if r["section"] == "checks" and r.get("configs_served") and r.get("kind") in ("logprob", "loss"):
+                served.setdefault(r["implementation"], set()).update(r["configs_served"])
+        self.tunable = {i: candidates_for(served[i], self.smoke) for i in self.impls if i in served}
+        self.est = self.estimates()
+        self.say("launch configurations to force: " + ("; ".join(f"{i}: {len(c)}" for i, c in self.tunable.items())
+                                                        or "none"))
 
 
 def command(args, device: str, con) -> int:

@@ -133,12 +133,6 @@ def _build(provider: str, wl: W.Workload, device: torch.device, options: dict, m
         raise
 
 
-def _measure(op: Op, states: list, device: torch.device, reps: int, warmup: int, rows: int, **cuda) -> tuple:
-    if device.type == "cuda":
-        return measure.measure_cuda(op, states, reps, warmup, rows, **cuda)
-    return measure.measure_cpu(op, states, reps, warmup, rows)
-
-
 def _lmhead_point(p: dict, lm: LMHead, times: dict) -> dict:
     from fastrl.kernels import tuning
     from fastrl.ops.backend import builtin_choice, resolve_backend
@@ -150,6 +144,10 @@ def _lmhead_point(p: dict, lm: LMHead, times: dict) -> dict:
     if probe and config != "default" and base and mine and mine >= PRUNE * base:
         return {"status": "pruned", "reason": f"{mine / base:.2f}x the default configuration's time at {probe} "
                                               f"(pruned at {PRUNE}x)"}
+    if p.get("memory_budget"):  # the budget section: this process's every fastrl path sized by it
+        from fastrl.ops.budget import set_memory_budget
+
+        set_memory_budget(p["memory_budget"])
     built = _build(p["provider"], wl, lm.device, {"fastrl_backend": impl} if impl else {}, lambda: lm.inputs(wl))
     if isinstance(built, dict):
         return built
@@ -157,8 +155,7 @@ def _lmhead_point(p: dict, lm: LMHead, times: dict) -> dict:
     tuning.reset_served()
     cuda = lm.device.type == "cuda"
     with contextlib.nullcontext() if config == "default" else tuning.forced_config(config):
-        m, kept = _measure(op, states, lm.device, 6 if cuda else 1, 2 if cuda else 0, lm.rows, rep_ms=300,
-                           total_only=True)
+        m, kept = measure.measure_op(op, states, lm.device, 6 if cuda else 1, 2 if cuda else 0, lm.rows, True)
     times[(impl, config, p["workload"], p["provider"])] = m["total_ms"]["median"]
     # auto: what backend="triton" / "auto" picks for this work here (the row that stands for today's default); builtin:
     # what a measured winner must beat (bench/defaults.py)
@@ -167,6 +164,40 @@ def _lmhead_point(p: dict, lm: LMHead, times: dict) -> dict:
             "builtin": builtin_choice(lm.device), "path": op.path, "notes": "; ".join(op.notes),
             "total_ms": m["total_ms"], "extra_mb": m["peak_extra_mb"], "configs_served": served_configs(),
             "flops": W.flops(wl, "total"), "error": {} if sets[0] is None else lm.error(op, wl, sets[0], kept)}
+
+
+def _profile_point(p: dict, lm: LMHead) -> dict:
+    """Where a step's time goes: torch.profiler over 3 steps (smoke: 1) after 2 untimed ones; the costliest kernels
+    (their device time per step; CPU ops in a smoke run) in the row, ``total_ms`` their sum per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    wl, cuda, steps = lm.wls[p["workload"]], lm.device.type == "cuda", 1 if lm.smoke else 3
+    built = _build(p["provider"], wl, lm.device, {}, lambda: lm.inputs(wl))
+    if isinstance(built, dict):
+        return built
+    op, _, states = built
+
+    def step(i: int) -> None:
+        st = states[i % len(states)]
+        out = op.forward(st)
+        if op.needs_grad:
+            torch.autograd.grad(out["loss"], st["wrt"])
+
+    for i in range(2):
+        step(i)
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for i in range(steps):
+            step(i)
+        if cuda:
+            torch.cuda.synchronize()
+    def cost(e) -> float:  # us over the profiled steps; on CUDA the kernels' own, not the ops' that launched them
+        return e.self_cpu_time_total if not cuda else e.self_device_time_total if e.device_type.name == "CUDA" else 0
+
+    events = sorted((e for e in prof.key_averages() if cost(e) > 0), key=cost, reverse=True)
+    kernels = [{"name": e.key[:160], "ms": cost(e) / 1e3 / steps, "calls": e.count / steps} for e in events]
+    ms = sum(k["ms"] for k in kernels)
+    return {"status": "ok", "total_ms": {"median": ms, "min": ms, "max": ms, "n": steps}, "extra_mb": None,
+            "kernels": kernels[:12], "kernels_other_ms": sum(k["ms"] for k in kernels[12:]), "path": op.path}
 
 
 def _first_line(e: BaseException) -> str:
@@ -181,10 +212,19 @@ def _run(p: dict, device: torch.device, lm: LMHead, times: dict) -> dict:
     reps = {"reps": 1 if smoke else 6, "warmup": 0 if smoke else 2, "device": device.type, "threads": 0}
     if section == "checks":
         return run_check(p, device)
-    if section in ("tournament", "configs"):
+    if section in ("tournament", "configs", "budget"):
         return _lmhead_point(p, lm, times)
+    if section == "profile":
+        return _profile_point(p, lm)
     if section == "point":
         return run_spec(p["spec"])
+    if section == "w4":  # W4 at 4096 tokens (smoke: its tiny model), a point as `python -m bench w4` runs it
+        from bench import w4
+
+        (s,) = w4.plan_for(device.type, "smoke" if smoke else "full").shapes.values()
+        res = w4.run_point(w4.point_spec(s, p["provider"], s.lengths[0], device.type, reps=1 if smoke else 3))
+        return {**res, "workload": f"W4-{s.lengths[0]}", "total_ms": res.get("step_ms"),
+                "extra_mb": res.get("peak_extra_mb"), "tokens": s.completions * s.lengths[0]}
     if section == "keptset":
         res = run_spec({**p["spec"], **reps, "kind": "keptset"})
         ms, extra = res.pop("ms_all"), res.pop("peak_extra_mb")
@@ -192,22 +232,12 @@ def _run(p: dict, device: torch.device, lm: LMHead, times: dict) -> dict:
     if section == "divergence":
         res = run_spec({"kind": "divergence", "workload": p["spec"], "provider": p["provider"], **reps,
                         "n_sets": 1 if smoke else 2, "seed": 1234, "options": {"fastrl_backend": impl} if impl else {},
-                        "rep_ms": 50 if smoke else 300, "total_only": True, "accuracy_rows": 16 if smoke else 256})
+                        "total_only": True, "accuracy_rows": 16 if smoke else 256})
         err = {k.removesuffix("_max_abs_err"): res[k] for k in ("div_max_abs_err", "grad_h_max_abs_err") if k in res}
         return res if res.get("status") != "ok" else {"status": "ok", "total_ms": res["total_ms"], "error": err,
                                                       "extra_mb": res["peak_extra_mb"], "loss_value": res["loss_value"]}
-    from bench import compiled_step  # compile
-
-    shape = compiled_step.SHAPES[device.type] if not smoke else (2, 32, 32, 512, torch.float32)
-    # smoke: aot_eager traces the same graph without inductor's code generation (a minute on two cores);
-    # tests/test_compile.py compiles fastrl with inductor
-    (r,) = compiled_step.run(device.type, [p["provider"]], 1 if smoke else 5, 1 if smoke else 2, shape,
-                             compile_backend="aot_eager" if smoke else None)
-    if "error" in r:
-        return {"status": "error", "reason": r["error"]}
-    return {"status": "ok", "total_ms": {"median": r["ms"], "min": r["ms_min"], "max": r["ms_max"], "n": r["reps"]},
-            "extra_mb": r.get("peak_extra_mb"), "first_step_s": r["first_step_s"], "loss_value": r["first_loss"],
-            "shape": list(shape[:4])}
+    return run_spec({"kind": "compile", "variant": p["provider"], "device": device.type, "smoke": smoke,
+                     "reps": 1 if smoke else 5, "warmup": 1 if smoke else 2})  # compile
 
 
 RUN_POINT = {"w4": ("bench.w4", "run_point"), "w5": ("bench.w4", "run_point"), "compile": ("bench.compiled_step",
@@ -238,7 +268,7 @@ def _provider_point(spec: dict) -> dict:
         return built
     op, sets, states = built
     try:
-        m, kept = _measure(op, states, device, spec["reps"], spec["warmup"], rows, rep_ms=spec.get("rep_ms", 2000))
+        m, kept = measure.measure_op(op, states, device, spec["reps"], spec["warmup"], rows)
     except Exception as e:  # noqa: BLE001 - any failure becomes a row that says why
         if prov.is_refusal(e):
             return _refused(e)
@@ -311,7 +341,7 @@ def main(argv: list[str]) -> int:
     for p in spec["points"]:
         row = {k: p[k] for k in ("id", "section", "workload", "provider", "implementation", "config") if k in p}
         wl = lm.wls.get(p.get("workload", ""))
-        if wl is not None and p["section"] in ("tournament", "configs"):
+        if wl is not None and p["section"] in ("tournament", "configs", "budget", "profile"):
             row.update(kind=wl.kind, N=wl.N, H=wl.H, V=wl.V, dtype=wl.dtype)
         left = spec["deadline"] - time.time()
         append_rows(rows_path, [{"begin": p["id"], "t": time.time()}])

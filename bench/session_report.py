@@ -7,6 +7,9 @@ says what each ratio means.
 
 from __future__ import annotations
 
+from bench import report
+from bench.report import median_ms as _ms
+
 __all__ = ["add_ratios", "checks_passed", "targets", "print_summary", "TIME_TARGETS", "MEM_TARGETS"]
 
 LMHEAD = ("tournament", "configs")
@@ -22,29 +25,20 @@ ROW_TARGETS = (
 )
 # (sections, the reference provider in the first of them, the ratios' suffix): time_vs_<suffix>, mem_vs_<suffix>
 RATIOS = ((LMHEAD, "trl", "trl"), (("divergence",), "trl", "trl"), (("keptset",), "full", "full"),
-          (("compile",), "fastrl-eager", "eager"), (("w4",), "trl", "trl"))
+          (("compile",), "fastrl-eager", "eager"), (("w4",), "trl", "trl"), (("profile",), "trl", "trl"),
+          (("tournament", "budget"), "trl", "trl"))  # the budget's rows against the tournament's TRL rows
 
 
 def _ok(r: dict) -> bool:
     return r.get("status") == "ok" and bool(r.get("total_ms"))
 
 
-def _ms(r: dict) -> float:
-    return r["total_ms"]["median"]
-
-
 def add_ratios(rows: list[dict]) -> None:
     """``time_vs_<ref>`` / ``mem_vs_<ref>`` of each ok row against its reference row (the same workload, provider
     ``ref``), ``floor_fraction`` against the cuBLAS floor and ``tflops``."""
-    for sections, ref_provider, name in RATIOS:
-        ref = {r["workload"]: r for r in rows if r.get("provider") == ref_provider and r["section"] == sections[0]
-               and _ok(r)}
-        for r in rows:
-            b = ref.get(r.get("workload"))
-            if r["section"] in sections and _ok(r) and b is not None and r is not b:
-                r[f"time_vs_{name}"] = _ms(r) / _ms(b)
-                if r.get("extra_mb") is not None and b.get("extra_mb"):
-                    r[f"mem_vs_{name}"] = r["extra_mb"] / b["extra_mb"]
+    for sections, ref, name in RATIOS:
+        report.add_ratios(rows, name, lambda r: r.get("provider") == ref and r["section"] == sections[0],
+                          mb="extra_mb", where=lambda r: r["section"] in sections)
     floor = {r["workload"]: r for r in rows if r.get("provider") == "cublas" and _ok(r)}
     for r in filter(_ok, rows):
         if r["section"] in LMHEAD and r["workload"] in floor and r.get("provider") != "cublas":
@@ -77,42 +71,38 @@ def _fastest(rows: list[dict], workload: str, passed: dict, providers=None) -> d
     return min(cands, key=_ms) if cands else None
 
 
-def _auto_today(rows: list[dict], wl: str) -> str:
+def _auto_today(rows: list[dict], wl: str) -> str | None:
     """What ``backend='auto'`` picks today at ``wl``, its tournament row's ratio (the one-pass loss first)."""
     mine = [r for r in rows if r["section"] == "tournament" and r["workload"] == wl and _ok(r)
             and r.get("implementation") == r.get("auto") and "time_vs_trl" in r]
     r = next((r for r in mine if r["provider"] == "fastrl-fused"), mine[0] if mine else None)
-    return f"; backend='auto' today: {_label(r)} {r['time_vs_trl']:.2f}x" if r else ""
+    return f"{wl}: backend='auto' today: {_label(r)} {r['time_vs_trl']:.2f}x TRL's time" if r else None
 
 
 def targets(rows: list[dict], con=None, smoke: bool = False) -> dict:
-    """Each target: the row it is judged on, its value, PASS / FAIL, or why it was not evaluated."""
+    """Each target (``report.judge``): the row it is judged on, its value, PASS / FAIL, or why it was not evaluated."""
     passed = checks_passed(rows)
-    out = {}
 
-    def judge(name: str, best: dict | None, ratio: str, limit: float, what: str = "", extra: str = "") -> None:
-        value = best and best.get(ratio)
-        what = what or (_label(best) if best else "no row")
-        out[name] = {"value": value, "target": limit, "pass": value is not None and value <= limit, "row": what}
-        if con is not None and value is None:
-            con.print(f"[yellow]{name}: not evaluated ({what}); target <= {limit:.2f}x[/yellow]")
-        elif con is not None:
-            verdict = "[green]PASS[/green]" if out[name]["pass"] else "[red]FAIL[/red]"
-            con.print(f"{name}: {what} {value:.2f}x (target <= {limit:.2f}x): {verdict}{extra}")
+    def check(name: str, best: dict | None, ratio: str, limit: float, what: str = "") -> tuple:
+        return name, best and best.get(ratio), limit, what or (_label(best) if best else "no row")
 
+    checks = []
     for wl, limit in TIME_TARGETS:
         best = _fastest(rows, wl, passed)
-        judge(f"{wl} time vs TRL", best, "time_vs_trl", limit, "" if best else "no fastrl or TRL row",
-              _auto_today(rows, wl))
+        checks.append(check(f"{wl} time vs TRL", best, "time_vs_trl", limit, "" if best else "no fastrl or TRL row"))
     for wl, prov, path, limit in MEM_TARGETS:
-        judge(f"{wl} {path} extra memory vs TRL", _fastest(rows, wl, passed, (prov,)), "mem_vs_trl", limit)
+        checks.append(check(f"{wl} {path} extra memory vs TRL", _fastest(rows, wl, passed, (prov,)), "mem_vs_trl",
+                            limit))
     for r in rows:
         for section, prov, name, ref, limit, what in ROW_TARGETS:
             if r["section"] == section and r["provider"] == prov:
                 impl = f" ({r['implementation']})" if r.get("implementation") else ""
-                judge(name.format(workload=r["workload"], impl=impl), r, f"time_vs_{ref}", limit,
-                      what.format(impl=impl) if f"time_vs_{ref}" in r else f"no {prov} or {ref} row")
+                checks.append(check(name.format(workload=r["workload"], impl=impl), r, f"time_vs_{ref}", limit,
+                                    what.format(impl=impl) if f"time_vs_{ref}" in r else f"no {prov} or {ref} row"))
+    out = report.judge(con, checks)
     if con is not None:
+        for line in filter(None, (_auto_today(rows, wl) for wl, _ in TIME_TARGETS)):
+            con.print(line)
         for impl, ok in passed.items():
             con.print(f"float64 checks, {impl}: " + ("[green]PASS[/green]" if ok else
                                                      "[red]FAIL[/red] (it cannot become a default)"))

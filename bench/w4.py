@@ -1,26 +1,23 @@
 """W4 (bench/README.md): one GRPO training step, stock ``trl.GRPOTrainer`` vs ``fastrl.GRPOTrainer``, per completion
 length, each point in a fresh process; W5 (``bench/w5.py``) is the same point with more configurations and a search.
-
-    python -m bench w4                 # CUDA: Qwen2.5-0.5B shapes, 8 completions of 4k/8k/16k tokens, bf16
-                                       # CPU:  scaled down (V=151936, H=256, 1 layer), 2 completions of 256-2048
-    python -m bench w4 --quick         # CPU: 256/512/1024 tokens
-    python -m bench w4 --lengths 1024,4096 --budget-mb 8192
-"""
+The shapes per device and mode: ``plan_for``."""
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import gc
 import os
 import shutil
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from bench import report
+from bench.session_run import append_rows
 
 __all__ = ["W4Shape", "Config", "Plan", "plan_for", "with_overrides", "run_point", "point_spec",
-           "spawn_point", "point_row", "add_ratios", "sweep", "print_points", "command", "cli",
-           "session_rows", "TRAINERS"]
+           "spawn_point", "point_row", "add_ratios", "sweep", "print_points", "command", "cli", "TRAINERS"]
 
 TRAINERS = ("trl", "fastrl")
 LABELS = {"trl": "stock trl.GRPOTrainer (TRL 1.16 chunked LM head)", "fastrl": "fastrl.GRPOTrainer"}
@@ -76,6 +73,7 @@ class Plan:
     timeout_s: int = 900
     threads: int = 0
     extra_options: dict = field(default_factory=dict)
+    log: str = ""  # a file each point's row is appended to as it finishes (a command cut at its limit keeps them)
 
 
 def plan_for(device: str, mode: str) -> Plan:
@@ -98,25 +96,17 @@ def plan_for(device: str, mode: str) -> Plan:
                 timeout_s=1200 if cuda else 900)
 
 
-def _pick(option: str, what: str, text: str, known) -> list[str]:
-    want = [x.strip() for x in text.split(",") if x.strip()]
-    unknown = [x for x in want if x not in known]
-    if unknown:
-        raise ValueError(f"w5 {option}: unknown {what} {unknown}; expected a comma list of {list(known)}")
-    return want
-
-
 def with_overrides(plan: Plan, args, archs: dict | None = None) -> Plan:
     """The plan with the command line's ``--lengths``, ``--budget-mb``, ``--reps``, ``--warmup``, ``--timeout``,
     ``--threads``, ``--fastrl-backend``; W5's also ``--providers`` (configurations) and ``--workload`` (``archs``:
     architecture -> its shape)."""
     if getattr(args, "providers", None):
-        want = _pick("--providers", "configuration", args.providers, [c.name for c in plan.configs])
+        want = report.pick("--providers", args.providers, [c.name for c in plan.configs])
         plan = replace(plan, configs=tuple(c for c in plan.configs if c.name in want))
     if getattr(args, "workload", None):
-        want = _pick("--workload", "architecture", args.workload, archs)
+        want = report.pick("--workload", args.workload, list(archs))
         if plan.mode == "smoke":
-            raise ValueError("w5 --workload: --smoke runs one tiny model; leave --workload out")
+            raise SystemExit("w5 --workload: --smoke runs one tiny model; leave --workload out")
         plan = replace(plan, shapes={a: archs[a] for a in want})
     if args.lengths:
         lengths = tuple(sorted({int(x) for x in args.lengths.split(",") if x.strip()}))
@@ -198,37 +188,6 @@ def _trainer(spec: dict, s: W4Shape, which: str, L: int, cuda: bool):
     return trainer
 
 
-def _timed_steps(step, model, inputs, reps: int, cuda: bool) -> dict:
-    """``reps`` steps, gradients set to None before each: time, and the peak over what was allocated before it."""
-    import torch
-
-    from bench import measure
-
-    def start() -> float:  # MB held as the step starts (CUDA: allocated; CPU: RSS), the peak counter reset
-        model.zero_grad(set_to_none=True)
-        gc.collect()
-        if not cuda:
-            measure.trim()
-            measure.reset_peak()
-            return measure.rss_mb()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        return torch.cuda.memory_allocated() / measure.MB
-
-    times, found, peaks, losses = [], [], [], []
-    for _ in range(reps):
-        found.append(start())
-        t0 = time.perf_counter()
-        losses.append(step(inputs))
-        if cuda:
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-        peaks.append(torch.cuda.max_memory_allocated() / measure.MB if cuda else measure.peak_rss_mb())
-    return {"step_ms": measure.summarize(times), "peak_extra_mb": max(p - b for p, b in zip(peaks, found)),
-            "peak_total_mb": max(peaks), "baseline_mb": min(found), "loss_value": losses[0]}
-
-
 def run_point(spec: dict) -> dict:
     """Measure one (trainer, completion length) in this fresh process; returns a result dict for the row."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -240,6 +199,9 @@ def run_point(spec: dict) -> dict:
     s, which, L = W4Shape.from_dict(spec["shape"]), spec["trainer"], int(spec["completion_len"])
     device = torch.device(spec["device"])
     cuda = device.type == "cuda"
+    if cuda and spec.get("cap_mb"):  # a card of that size: a step over it fails here as it would there, at once
+        total_mb = torch.cuda.get_device_properties(0).total_memory / measure.MB
+        torch.cuda.set_per_process_memory_fraction(min(1.0, spec["cap_mb"] / total_mb))
     if not cuda and spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
     trainer = _trainer(spec, s, which, L, cuda)
@@ -269,7 +231,11 @@ def run_point(spec: dict) -> dict:
         if cuda:
             torch.cuda.synchronize()
         where = ""
-        res.update(_timed_steps(step, model, _inputs(s, L, device, spec.get("seed", 0)), spec.get("reps", 1), cuda))
+        inputs = _inputs(s, L, device, spec.get("seed", 0))
+        t = measure.time_steps(lambda: step(inputs), spec.get("reps", 1), 0, cuda,
+                               before=lambda: model.zero_grad(set_to_none=True))
+        res.update(step_ms=measure.summarize(t["ms"]), peak_extra_mb=t["extra_mb"], peak_total_mb=t["peak_mb"],
+                   baseline_mb=t["base_mb"], loss_value=t["outs"][0])
     except Exception as e:  # noqa: BLE001
         text = str(e).lower()
         if not (isinstance(e, torch.OutOfMemoryError) or "out of memory" in text or "can't allocate memory" in text):
@@ -327,7 +293,8 @@ def measure_point(plan: Plan, group: str, arch: str, c: Config, L: int, con) -> 
     s = plan.shapes[arch]
     options = {**plan.extra_options, "activation_offloading": c.activation_offloading, "tiled_mlp": c.tiled_mlp}
     spec = point_spec(s, c.trainer, L, plan.device, kind=group, options=options, reps=plan.reps,
-                      warmup=plan.warmup, threads=plan.threads, warmup_len=plan.warmup_len or None)
+                      warmup=plan.warmup, threads=plan.threads, warmup_len=plan.warmup_len or None,
+                      cap_mb=max(plan.budgets_mb) if plan.budget_on == "total" else None)
     row = {**point_row(group, s, arch, c, L, "error"), "loadavg": os.getloadavg()[0],
            **spawn_point(spec, plan.timeout_s)}
     ran = (row.get("tiled_mlp"), row.get("activation_offloading"))
@@ -342,17 +309,15 @@ def measure_point(plan: Plan, group: str, arch: str, c: Config, L: int, con) -> 
     else:
         style = "red" if row["status"] == "error" else "dim"
         con.print(f"[{style}]{head} {row['status']}: {escape(row['reason'])}[/{style}]")
+    if plan.log:
+        append_rows(Path(plan.log), [row])
     return row
 
 
 def add_ratios(rows: list[dict]) -> None:
     """Each measured fastrl row's step time and extra memory against stock TRL's at the same shape and length."""
-    trl = {(r["workload"], r["completion_len"]): r for r in rows if r["config"] == "trl" and r["status"] == "ok"}
-    for r in rows:
-        t = trl.get((r["workload"], r["completion_len"]))
-        if r["provider"] != "trl" and r["status"] == "ok" and t:
-            r["time_vs_trl"] = r["step_ms"]["median"] / t["step_ms"]["median"]
-            r["mem_vs_trl"] = r["peak_extra_mb"] / t["peak_extra_mb"] if t["peak_extra_mb"] > 0 else None
+    report.add_ratios(rows, "trl", lambda r: r["config"] == "trl", key=lambda r: (r["workload"], r["completion_len"]),
+                      ms=lambda r: (r.get("step_ms") or {}).get("median"), where=lambda r: r["provider"] != "trl")
 
 
 def sweep(plan: Plan, con) -> list[dict]:
@@ -428,27 +393,22 @@ def _report(plan: Plan, rows: list[dict], con, title: str, elapsed: float) -> di
                    "warmup": plan.warmup, "elapsed_s": elapsed, "rows": rows}}
 
 
-CSV_COLUMNS = ["workload", "provider", "status", "reason", "completion_len", "completions", "tokens", "prompt_len",
-               "V", "H", "layers", "dtype", "step_ms_median", "step_ms_min", "step_ms_max", "step_ms_n",
-               "peak_extra_mb", "peak_total_mb", "baseline_mb", "time_vs_trl", "mem_vs_trl", "budget_mb",
-               "fits_budget", "loss_value", "path", "activation_checkpointing", "model_params",
-               "device", "torch", "driver"]
+# one CSV for W4 and W5: a row per point, the JSON holds the rest
+CSV_COLUMNS = ["workload", "arch", "config", "provider", "activation_offloading", "tiled_mlp", "status", "reason",
+               "completion_len", "completions", "tokens", "prompt_len", "V", "H", "intermediate", "layers", "dtype",
+               "step_ms_median", "step_ms_min", "step_ms_max", "step_ms_n", "peak_extra_mb", "peak_total_mb",
+               "baseline_mb", "time_vs_trl", "mem_vs_trl", "budget_mb", "fits_budget", "loss_value", "path",
+               "activation_checkpointing", "model_params", "device", "torch", "driver"]
 
 
-def command(name: str, args, device: str, con, plan: Plan, measure, report_rows, columns=CSV_COLUMNS,
-            archs: dict | None = None) -> int:
+def command(name: str, args, device: str, con, plan: Plan, measure, report_rows, archs: dict | None = None) -> int:
     """``python -m bench w4`` / ``w5``: the plan with the command line's overrides, ``measure(plan, con)`` -> rows,
     ``report_rows(plan, rows, con, title, elapsed)`` -> the JSON's own fields (it prints the tables), then
     ``<prefix>.json`` and ``<prefix>.csv``."""
-    from bench import report
-
     env, mode = report.environment(device), report.mode(args)
     out_dir, prefix = report.out_dir(args, env["device_slug"], name), report.prefix(name, args)
-    try:
-        plan = with_overrides(plan, args, archs)
-    except ValueError as e:
-        con.print(f"[red]{e}[/red]")
-        return 2
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plan = replace(with_overrides(plan, args, archs), log=str(out_dir / f"{prefix}.rows.jsonl"))
     con.print(f"[bold]fastrl bench {name}[/bold] ({mode}) on {env['device']}: torch {env['torch']}, triton "
               f"{env['triton']}, driver {env['driver']}; architectures {', '.join(plan.shapes)}, configs "
               f"{', '.join(c.name for c in plan.configs)}; each point in a fresh process")
@@ -466,36 +426,11 @@ def command(name: str, args, device: str, con, plan: Plan, measure, report_rows,
                          f"{steps} after a warm-up", elapsed)
     payload = {"command": name, "mode": mode, "argv": list(getattr(args, "argv", []) or []), "env": env,
                "elapsed_s": elapsed, **fields}
-    # the CSV: a row per point in ``columns`` (W4's or W5's), the JSON holds the rest
-    written = [report.write_csv(out_dir / f"{prefix}.csv", rows, env, columns, nested=("step_ms",))]
+    written = [report.write_csv(out_dir / f"{prefix}.csv", rows, env, CSV_COLUMNS, nested=("step_ms",))]
     report.save_results(con, out_dir / f"{prefix}.json", payload, elapsed, written)
     return 1 if args.smoke and any(r["status"] == "error" for r in rows) else 0
 
 
 def cli(args, device: str, con) -> int:
     """``python -m bench w4`` (``bench/__main__.py`` parses the shared options and ``--lengths``, ``--budget-mb``)."""
-    from bench import report
-
     return command("w4", args, device, con, plan_for(device, report.mode(args)), sweep, _report)
-
-
-def session_rows(pts: list[dict], deadline: float, session) -> list[dict]:
-    """W4 at 4096 tokens (smoke: its tiny model) as the w4 command runs it, each point under half the time left:
-    the session's W4 section (``bench.session.run_w4``)."""
-    from bench.session_run import append_rows, stub
-
-    left = deadline + session.costs.grace - time.time()
-    if left <= 10:
-        out = [stub(p, "skipped", "the section's time ran out (--budget)") for p in pts]
-    else:
-        plan = replace(plan_for(session.device, "smoke" if session.smoke else "full"), timeout_s=int(left / 2),
-                       reps=1 if session.smoke else 3)
-        if not session.smoke:
-            plan.shapes = {a: replace(s, lengths=(4096,)) for a, s in plan.shapes.items()}
-        by = {r["provider"]: r for r in sweep(plan, session.con)}
-        out = [{**{k: p[k] for k in ("id", "section", "provider")}, "workload": f"W4-{r['completion_len']}",
-                "status": r["status"], "reason": r.get("reason", ""), "total_ms": r.get("step_ms"),
-                "extra_mb": r.get("peak_extra_mb"), "loss_value": r.get("loss_value"), "tokens": r.get("tokens"),
-                "path": r.get("path")} for p in pts for r in [by[p["provider"]]]]
-    append_rows(session.rows_path, out)
-    return out

@@ -1,18 +1,16 @@
 """W5 (bench/README.md): the longest completion whose GRPO step fits a memory budget, per architecture and trainer
-configuration; each point a W4 point (``bench.w4``) with fastrl's memory options, the lengths searched.
-
-    python -m bench w5 [--quick]     # CUDA: Qwen2.5-0.5B and 1.5B, budgets 24 and 80 GiB; CPU: scaled down, 280 MB
-    python -m bench w5 --workload 0.5B --budget-mb 24576 --providers trl,fastrl+both --lengths 4096,8192 --out DIR
-"""
+configuration; each point a W4 point (``bench.w4``) with fastrl's memory options, the lengths searched (``plan_for``:
+the shapes and budgets per device and mode)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, replace
 
-from bench.w4 import (GIB, QWEN25_05B, Config, Plan, W4Shape, add_ratios, command, measure_point, point_row,
-                      print_points)
+from bench import report
+from bench.w4 import (CSV_COLUMNS, GIB, QWEN25_05B, Config, Plan, W4Shape, add_ratios, command, measure_point,
+                      point_row, print_points)
 
-__all__ = ["CONFIGS", "plan_for", "longest_fit", "run", "summarize", "targets", "print_tables", "cli"]
+__all__ = ["CONFIGS", "CSV_COLUMNS", "plan_for", "longest_fit", "run", "summarize", "targets", "print_tables", "cli"]
 
 # Qwen2.5-1.5B (its config.json): tied embeddings, rope theta 1e6
 QWEN25_15B = dict(vocab=151936, hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960, tie_embeddings=True)
@@ -208,11 +206,10 @@ def print_tables(con, plan: Plan, rows: list[dict], summary: dict, tgt: dict, ti
     if not tgt.get("evaluated"):
         con.print(f"[yellow]no targets evaluated: {tgt.get('why')}[/yellow]")
     for c in tgt.get("checks", []):
-        where = f"target {c['arch']} @ {c['budget_mb'] / GIB:.0f} GiB"
-        con.print(f"[red]{where}: not evaluated[/red]" if not c["evaluated"] else
-                  f"{where}: {h} fits {c['length_ratio']:.2f}x trl's length (>= 3x"
-                  f"{', a lower bound' if c['lower_bound'] else ''}) at {_x(c['time_ratio'])} its step time (<= 1.1x): "
-                  + ("[green]PASS[/green]" if c["pass"] else "[red]FAIL[/red]"))
+        where = f"target {c['arch']} @ {c['budget_mb'] / GIB:.0f} GiB: {h}"
+        bound = " (a lower bound)" if c.get("lower_bound") else ""
+        report.judge(con, [(f"{where} length vs trl's{bound}", c.get("length_ratio"), 3, "", True),
+                           (f"{where} step time vs trl's", c.get("time_ratio"), 1.1)])
 
 
 def _report(plan: Plan, rows: list[dict], con, title: str, elapsed: float) -> dict:
@@ -223,16 +220,8 @@ def _report(plan: Plan, rows: list[dict], con, title: str, elapsed: float) -> di
     return {"plan": asdict(plan), "summary": summary, "targets": tgt, "rows": rows}
 
 
-CSV_COLUMNS = ["workload", "arch", "config", "provider", "activation_offloading", "tiled_mlp", "status", "reason",
-               "completion_len", "completions", "tokens", "prompt_len", "V", "H", "intermediate", "layers", "dtype",
-               "step_ms_median", "step_ms_min", "step_ms_max", "step_ms_n", "peak_extra_mb", "peak_total_mb",
-               "baseline_mb", "loss_value", "path", "activation_checkpointing", "model_params", "device", "torch",
-               "driver"]
-
 
 def cli(args, device: str, con) -> int:
     """``python -m bench w5`` (``bench/__main__.py`` parses the shared options and W5's)."""
-    from bench import report
-
-    return command("w5", args, device, con, plan_for(device, report.mode(args)), run, _report, CSV_COLUMNS,
-                   _shapes(device, ARCHS))
+    return command("w5", args, device, con, plan_for(device, report.mode(args)), run, _report,
+                   archs=_shapes(device, ARCHS))

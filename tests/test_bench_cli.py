@@ -106,7 +106,7 @@ def test_bench_cli_commands(tmp_path):
     errs = res["compile"]  # bad --variants / --shape: a clear error before any process starts
     assert "--variants: expected a comma list of fastrl-eager," in errs["compile --variants fastrl-eager,bogus"]
     assert errs["compile --variants fastrl-eager,bogus"].endswith("got 'bogus'")
-    assert "on cpu; got 'fastrl-compile-ro'" in errs["compile --variants fastrl-compile-ro"]  # CUDA graphs: CUDA only
+    assert "got 'fastrl-compile-ro'" in errs["compile --variants fastrl-compile-ro"]  # CUDA graphs: CUDA only
     assert errs["compile --shape 4,512,512"] == "--shape: expected B,T,H,V (four positive integers, e.g. " \
         "4,512,512,32768); got '4,512,512'"
     assert "got '4,512,0,32768'" in errs["compile --shape 4,512,0,32768"]

@@ -34,41 +34,43 @@ def test_gpu_estimates_are_the_documented_arithmetic():
     """docs/gpu-window.md sizes the window from these numbers, computed from the points each section plans (change
     both together)."""
     est = _estimates()
-    assert {s: round(v, 1) for s, v in est.items()} == {
-        "checks": 89.5, "tournament": 54.9, "divergence": 52.0, "keptset": 37.8, "w4": 70, "configs": 159.5,
-        "compile": 103}
+    assert {s: round(v, 2) for s, v in est.items()} == {
+        "w4": 70, "checks": 89.5, "tournament": 54.95, "divergence": 52.0, "keptset": 37.8, "profile": 26.3,
+        "budget": 19.05, "compile": 105, "configs": 159.5}
     assert [len(_tunable()[i]) for i in ("triton-fused", "triton-sm90")] == [6, 5]
     doc = " ".join((REPO / "docs" / "gpu-window.md").read_text().split())
-    for phrase in ("checks 7 + 33 x 2.5 = 89.5", "31 points in 30.95 = 54.95", "2 x 9 compiling = 52", "14 x 2.2 = 37.8",
-                   "11 x 8 compiling + 56 points in 59.5 = 159.5", "2 x 47 = 103",
-                   "Total 567 s", "checks to w4 (304 s + 20 s grace)", "7 + 3 x 2.5 = 14.5"):
+    for phrase in ("checks 7 + 33 x 2.5 = 89.5", "31 points in 30.95 = 54.95", "2 x 9 compiling = 52",
+                   "14 x 2.2 = 37.8",
+                   "profile 7 + 12 + 2 x (1.5 + 1.5 + 0.65) = 26.3", "budget 7 + 5 + 7 points in 7.05 = 19.05",
+                   "11 x 8 compiling + 56 points in 59.5 = 159.5", "2 + 2 + 2 x 47 = 105", "Total 614 s",
+                   "w4 to profile (331 s + 20 s grace)", "7 + 3 x 2.5 = 14.5"):
         assert phrase in doc, phrase
-    assert round(sum(est.values())) == 567
-    assert round(sum(est[s] for s in ("checks", "tournament", "divergence", "keptset", "w4"))) == 304
+    assert round(sum(est.values())) == 614
+    assert round(sum(est[s] for s in S.SECTIONS[:6])) == 331
     quick = S.points("checks", smoke=False, device="cuda", impls=IMPLS, tunable={}, quick_checks=True)
     assert S.estimate("checks", S.GPU_COSTS, quick) == 14.5 and len(quick) == 3
-    # the first call's session (about 360 s) keeps checks to w4 and leaves the rest to the second call
-    kept, dropped = S.fit(list(S.SECTIONS), est, 360 - S.GPU_COSTS.grace)
-    assert kept == ["checks", "tournament", "divergence", "keptset", "w4"]
-    assert [s for s, _ in dropped] == ["compile", "configs"] and "would not fit" in dropped[0][1]
+    # the first call's session (365 s after W5's 150) keeps w4 to profile and leaves the rest to the second call
+    kept, dropped = S.fit(list(S.SECTIONS), est, 365 - S.GPU_COSTS.grace)
+    assert kept == ["w4", "checks", "tournament", "divergence", "keptset", "profile"]
+    assert [s for s, _ in dropped] == ["configs", "compile", "budget"] and "would not fit" in dropped[0][1]
 
 
 def test_a_smaller_budget_drops_whole_sections_from_the_end():
     est = _estimates()
-    assert S.DROP_ORDER == ("compile", "configs", "w4", "keptset", "divergence")
-    for budget, gone in ((500, ["compile"]), (320, ["compile", "configs"]), (250, ["compile", "configs", "w4"]),
-                         (10, ["compile", "configs", "w4", "keptset"])):
+    assert S.DROP_ORDER == ("configs", "compile", "budget", "profile", "keptset", "divergence", "w4")
+    late = ["configs", "compile", "budget", "profile", "keptset", "divergence"]
+    for budget, gone in ((500, late[:1]), (400, late[:2]), (340, late[:3]), (300, late[:5]), (10, late)):
         kept, dropped = S.fit(list(S.SECTIONS), est, budget)
         assert [s for s, _ in dropped] == gone and kept == [s for s in S.SECTIONS if s not in gone]
     # the first section after the checks and the tournament runs what fits of it, never dropped whole at the start:
     # a second call of 150 s for the configurations measures the log-prob workloads' candidates first
     kept, dropped = S.fit(["checks", "configs", "compile"], est, 150)
     assert kept == ["checks", "configs"] and [s for s, _ in dropped] == ["compile"]
-    assert S._wanted("configs,w4") == (["checks", "w4", "configs"], True)  # quick checks: which kernels run
+    assert S._wanted("configs,w4") == (["w4", "checks", "configs"], True)  # quick checks: which kernels run
     assert S._wanted("checks,configs") == (["checks", "configs"], False)
     assert S._wanted("compile") == (["compile"], False)
     assert S._wanted(None) == (list(S.SECTIONS), False)
-    with pytest.raises(SystemExit, match="unknown gpu"):
+    with pytest.raises(SystemExit, match="--sections: expected a comma list of w4, checks, .*; got 'gpu'"):
         S._wanted("gpu")
 
 
@@ -103,7 +105,11 @@ def test_every_implementation_every_kernels_candidates_and_the_peers_are_planned
     kept = S.points("keptset", smoke=False, device="cuda", impls=IMPLS, tunable={})
     assert {(p["spec"]["N"], p["spec"]["H"], p["spec"]["K"]) for p in kept} == {(16384, 4096, 64), (16384, 896, 64)}
     assert [p["provider"] for p in S.points("compile", smoke=False, device="cuda", impls=IMPLS, tunable={})] == \
-        ["fastrl-eager", "fastrl-compile", "fastrl-compile-ro"]
+        ["fastrl-eager", "fastrl-nosync", "fastrl-compile", "fastrl-compile-ro"]
+    prof = S.points("profile", smoke=False, device="cuda", impls=IMPLS, tunable={})
+    assert [(p["workload"], p["provider"]) for p in prof] == [(w, p) for w, f in S.PROFILED for p in (f, "trl")]
+    budget = S.points("budget", smoke=False, device="cuda", impls=IMPLS, tunable={})
+    assert {p["memory_budget"] for p in budget} == {0.0625} and not any("implementation" in p for p in budget)
     # the checks: a bias at H=896, float32 and the divergence, for every implementation
     from bench.session_checks import CASES
 
@@ -146,7 +152,6 @@ def test_a_section_that_runs_long_drops_later_sections_from_the_end_not_its_own_
     run.costs = S.GPU_COSTS
     seen = {}
     monkeypatch.setattr(S, "run_points", lambda name, pts, deadline, r, bounds: seen.setdefault(name, deadline) and [])
-    monkeypatch.setattr(S, "run_w4", lambda pts, deadline, r: seen.setdefault("w4", deadline) and [])
     run.est = {"tournament": 50, "divergence": 50, "keptset": 20, "w4": 70, "configs": 160}
     run.pending = ["tournament", "divergence", "keptset", "w4", "configs"]
     run.end = time.time() + 500

@@ -45,9 +45,9 @@ def test_targets_over_several_session_calls(tmp_path):
     assert cli._targets_command(Namespace(paths=[str(tmp_path)]), "cpu", Console(file=out, width=200)) == 0
     text = out.getvalue()
     assert "call1/session.json" in text and "call2/session-rest.json" in text
-    assert "W1 time vs TRL: triton-hybrid (one pass) 0.72x (target <= 0.75x): PASS" in text
-    assert "W2 time vs TRL: triton-hybrid (one pass) 0.90x (target <= 0.85x): FAIL" in text
-    assert "0.08x" not in text  # the second call's W1 has no TRL row of its own: not evaluated there
+    assert "W1 time vs TRL: triton-hybrid (one pass) 0.720x (target <= 0.75x): PASS" in text
+    assert "W2 time vs TRL: triton-hybrid (one pass) 0.900x (target <= 0.85x): FAIL" in text
+    assert "0.08" not in text  # the second call's W1 has no TRL row of its own: not evaluated there
     assert "W3 time vs TRL: not evaluated" in text
     assert cli._targets_command(Namespace(paths=[str(tmp_path / "none")]), "cpu", Console(file=out)) == 2
     (tmp_path / "empty").mkdir()

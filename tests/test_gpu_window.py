@@ -93,7 +93,7 @@ def test_a_cut_call_returns_every_finished_row(tmp_path):
         assert all("begin" in r or "plan" in r or ("id" in r and "status" in r) for r in lines)
     assert counts == sorted(counts) and counts[-1] >= 2, counts
     lines, _ = _rows(out)
-    assert lines[0]["plan"]["wanted"][0] == "checks" and any(r.get("status") == "ok" for r in lines)
+    assert lines[0]["plan"]["wanted"][:2] == ["w4", "checks"] and any(r.get("status") == "ok" for r in lines)
     # the archive, refreshed in the background, is whole whenever it exists (replaced, never rewritten in place)
     for snap in copies + [out]:
         if (snap / "smoke.tgz").exists():
@@ -106,26 +106,40 @@ def test_call_two_needs_the_seconds_left_and_plans_inside_them(tmp_path):
         proc = subprocess.run(["bash", str(SCRIPT), *args], cwd=REPO, env=_env(tmp_path / "a"), capture_output=True,
                               text=True, timeout=60, check=False)
         assert proc.returncode == 2 and "SECONDS, the device seconds left in the window, is required" in proc.stdout
-    # 200 s left: the call plans 180 (its files must come back inside the window), the session 135 of them
-    proc = subprocess.run(["bash", str(SCRIPT), "rest", "200", "configs"], cwd=REPO,
+    # 240 s left: the call plans 220 (its files must come back inside the window): the GPU tests first, the session
+    # in the 55 s left; 150 s left: the tests get what the call has
+    proc = subprocess.run(["bash", str(SCRIPT), "rest", "240", "compile"], cwd=REPO,
                           env=_env(tmp_path / "b", PLAN_ONLY="1"), capture_output=True, text=True, timeout=60,
                           check=False)
     assert proc.returncode == 0 and proc.stdout.startswith(
-        "plan (180 s of the 200 s left): install ~30 s; python -m bench session --sections configs ~135 s"), proc.stdout
+        "plan (220 s of the 240 s left): install ~30 s; every GPU test file <= 120 s; python -m bench session "
+        "--sections compile in the ~55 s left (not under 30); pack 15 s"), proc.stdout
+    proc = subprocess.run(["bash", str(SCRIPT), "rest", "150"], cwd=REPO, env=_env(tmp_path / "d", PLAN_ONLY="1"),
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert "every GPU test file <= 85 s; python -m bench session --sections compile,configs in the ~0 s" in proc.stdout
     proc = subprocess.run(["bash", str(SCRIPT), "rest", "900"], cwd=REPO, env=_env(tmp_path / "c", PLAN_ONLY="1"),
                           capture_output=True, text=True, timeout=60, check=False)
     assert proc.stdout.startswith("plan (570 s of the 900 s left)")  # never past the command's limit
 
 
 def test_call_one_prints_the_plan_sized_to_the_window(tmp_path):
-    """The plan's arithmetic: 570 s less install, the two bounded test stages and the packing leave the session
-    360 s (docs/gpu-window.md sizes the session's sections on that)."""
+    """The plan's arithmetic: 570 s less install, W5's bound and the packing leave the session 365 s
+    (docs/gpu-window.md sizes the session's sections on that: tests/test_bench_session.py)."""
     proc = subprocess.run(["bash", str(SCRIPT), "window"], cwd=REPO, env=_env(tmp_path, PLAN_ONLY="1"),
                           capture_output=True, text=True, timeout=60, check=False)
     first = proc.stdout.splitlines()[0]
-    assert first == ("plan (570 s): install ~30 s; GPU kernel tests (tests/test_cuda_sm90.py, "
-                     "tests/test_cuda_kernels.py) <= 120 s; tests/test_cuda.py and the rest of the suite <= 45 s; "
-                     "python -m bench session ~360 s (what is left); pack 15 s"), first
+    assert first == ("plan (570 s): install ~30 s; W5 at 24 GiB (python -m bench w5) <= 150 s; python -m bench "
+                     "session ~365 s (W4 first; sections that do not fit are left to call 2); pack 15 s"), first
+
+
+def test_every_gpu_test_file_is_entered():
+    """Call 2 runs every tests/test_cuda*.py, the kept-rows kernels' file (on CUDA when there is one) and
+    tests/test_invariance.py once it exists, then test_divergence.py's CUDA tests; no CPU-only file."""
+    text = SCRIPT.read_text()
+    assert "GPU_TESTS=(tests/test_cuda*.py tests/test_kernels_kept_rows.py)" in text
+    assert "[ -e tests/test_invariance.py ] && GPU_TESTS+=(tests/test_invariance.py)" in text
+    assert "tests/test_divergence.py -k cuda" in text
+    assert len(list((REPO / "tests").glob("test_cuda*.py"))) >= 3
 
 
 @pytest.fixture(autouse=True)
