@@ -44,6 +44,7 @@ from fastrl.losses.one_pass import LossInputs, PolicyOptions
 from fastrl.ops import policy_run
 from fastrl.ops.custom_ops import host_sync_enabled
 from fastrl.ops.one_pass import IGNORE
+from fastrl.ops.sharded import is_vocab_sharded
 
 __all__ = ["policy_loss", "FusedPolicyLoss"]
 
@@ -198,9 +199,14 @@ def policy_loss(
     spec, bad = _loss_side(hidden, weight, targets, advantages, mask, config, old_logprobs, ref_logprobs,
                            importance_weights, num_items_in_batch, sampling_logprobs, ref_hidden, ref_weight, ref_bias,
                            chunk_tokens, check_finite, host_sync)
-    plan = policy_run.plan(spec, hidden, weight, bias, targets, logit_scale, softcap, backend, chunk_tokens, support,
-                           positions)
-    loss, metrics, logp = policy_run.run(plan)
+    if is_vocab_sharded(weight):  # tensor parallelism (DTensor Shard(0)): two passes on the shards
+        from fastrl.losses.sharded import run_sharded
+
+        loss, metrics, logp = run_sharded(spec, hidden, weight, bias, logit_scale, softcap, backend, support)
+    else:
+        plan = policy_run.plan(spec, hidden, weight, bias, targets, logit_scale, softcap, backend, chunk_tokens,
+                               support, positions)
+        loss, metrics, logp = policy_run.run(plan)
     loss = loss if bad is None else loss * torch.where(bad, float("nan"), 1.0).to(loss.dtype)
     if return_logprobs:
         return loss, metrics, torch.where(spec.in_mask, logp.detach().reshape(spec.in_mask.shape), 0.0)

@@ -44,6 +44,7 @@ from fastrl.ops._checks import (
 from fastrl.ops.backend import resolve_backend
 from fastrl.ops.config import LogitTransform, is_finite_number
 from fastrl.ops.custom_ops import host_sync_enabled
+from fastrl.ops.sharded import is_vocab_sharded
 from fastrl.ops.divergence_op import DivergenceOptions, divergence_backward_op, divergence_op
 from fastrl.ops.support import KeptSet
 
@@ -302,6 +303,16 @@ def fused_divergence(
         div = fastrl.fused_divergence(hidden, head.weight, teacher_hidden, teacher_head.weight, beta=0.5, mask=mask)
         (div.sum() / mask.sum()).backward()  # TRL's DistillationTrainer loss; grads to hidden and head.weight
     """
+    if is_vocab_sharded(weight) or is_vocab_sharded(teacher_weight):  # tensor parallelism (DTensor Shard(0))
+        if support is not None:
+            raise ValueError("support= is not implemented with a vocabulary-sharded head (DTensor Shard(0))")
+        from fastrl.ops.sharded_divergence import sharded_divergence
+
+        return sharded_divergence(
+            hidden, weight, teacher_hidden, teacher_weight, beta=beta, temperature=temperature, bias=bias,
+            teacher_bias=teacher_bias, logit_scale=logit_scale, teacher_logit_scale=teacher_logit_scale,
+            softcap=softcap, teacher_softcap=teacher_softcap, mask=mask, with_entropy=with_entropy,
+            check_finite=check_finite, backend=backend, host_sync=host_sync)
     sync = host_sync_enabled(host_sync)  # False while torch.compile traces: no host read here
     hidden, weight, bias = autocast_inputs(hidden, weight, bias)
     teacher_hidden, teacher_weight, teacher_bias = autocast_inputs(teacher_hidden, teacher_weight, teacher_bias)

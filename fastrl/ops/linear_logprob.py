@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from fastrl.ops import torch_backend
+from fastrl.ops import sharded, torch_backend
 from fastrl.ops.custom_ops import (
     PackedOptions, acc_dtype, define_op, empty_output, grad_rows, head_grads, head_grads_like, host_sync_enabled,
     input_grads, layout_of, live_rows, or_none, refuse_double_backward,
@@ -413,6 +413,15 @@ def fused_logprobs(
         logp, entropy = fastrl.fused_logprobs(hidden, lm_head.weight, targets, temperature=0.7)  # [B, T] each
         (logp.sum() + 0.01 * entropy.sum()).backward()  # fills hidden.grad and lm_head.weight.grad
     """
+    if sharded.is_vocab_sharded(weight):  # tensor parallelism: the head's rows spread over ranks (DTensor Shard(0))
+        if support is not None or return_kept_mass:
+            raise ValueError("support= and return_kept_mass= are not implemented for a vocabulary-sharded weight "
+                             "(DTensor Shard(0)); pass the full-softmax call, or gather the head")
+        return sharded.sharded_logprobs(
+            hidden, weight, targets, bias=bias, tf=LogitTransform(temperature=temperature, logit_scale=logit_scale,
+                                                                   softcap=softcap),
+            with_entropy=with_entropy, ignore_index=ignore_index, check_finite=check_finite, backend=backend,
+            vocab_chunk=vocab_chunk, host_sync=host_sync)
     hidden, weight, bias = autocast_inputs(hidden, weight, bias)
     check_linear_inputs(hidden, weight, targets, bias)
     bias = dense_bias(bias)
