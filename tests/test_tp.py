@@ -272,6 +272,68 @@ def _divergence_cases(res, mesh, world, rank):
                 _compare(res, f"divergence-b{beta}-{layout}-{dt}", fast, ref, truth, dt, rows)
 
 
+def _kept_sets(N, V, seed, world):
+    """Random kept sets holding each target; every 3rd token keeps ids of shard 0 only (its target moved there)."""
+    import fastrl
+    from fastrl.ops.sharded import chunk_range
+
+    g = torch.Generator().manual_seed(seed)
+    first = chunk_range(V, world, 0)[1]
+    targets, lists = [], []
+    for n in range(N):
+        if n % 3 == 0:
+            ids = torch.randperm(first, generator=g)[: 1 + n % 4].tolist()
+        else:
+            ids = torch.randperm(V, generator=g)[: 1 + n % 9].tolist()
+        lists.append(ids)
+        targets.append(ids[n % len(ids)])
+    targets = torch.tensor(targets)
+    targets[7::7] = -100
+    return fastrl.KeptSet.from_lists(lists, V), targets
+
+
+def _kept_cases(res, mesh, world, rank):
+    import fastrl
+    from fastrl.ops.sharded import chunk_range
+
+    N, H, V = 29, 16, 61
+    for dt in (torch.float64, torch.float32):
+        ks, targets = _kept_sets(N, V, seed=4, world=world)
+        hidden, weight, b, _ = _inputs(N, H, V, dt, True, seed=21)
+        v0, v1 = chunk_range(V, world, rank)
+
+        def run(h, w, bb):
+            return fastrl.fused_logprobs(h, w, targets, bias=bb, support=ks, temperature=0.9, softcap=6.0,
+                                         return_kept_mass=True)
+
+        truth = _grads(run, hidden.double(), weight.double().requires_grad_(), b.double().requires_grad_(), 2)
+        ref = _grads(run, hidden, weight.clone().requires_grad_(), b.clone().requires_grad_(), 2)
+        w_dt, b_dt = _distribute(mesh, weight, b)
+        fast = _grads(run, hidden, w_dt, b_dt, 2)
+        _compare(res, f"kept-{dt}", fast, ref, truth, dt, slice(v0, v1))
+    # the policy loss over the same support (two passes on the shards)
+    B, T = 1, N
+    config = fastrl.PolicyLossConfig(loss_type="dapo", beta=0.04, entropy_coef=0.01)
+    hidden, weight, b, _ = _inputs(N, H, V, torch.float64, True, seed=22)
+    mask = (targets != -100).reshape(B, T)
+    tg = torch.where(mask, targets.reshape(B, T), 0)
+    ref_lp = -torch.rand(B, T, dtype=torch.float64, generator=torch.Generator().manual_seed(5))  # same on every rank
+
+    def loss(h, w, bb):
+        out, metrics = fastrl.policy_loss(h.reshape(B, T, H), w, tg, torch.ones(B, dtype=torch.float64), mask,
+                                          config=config, bias=bb, support=ks, ref_logprobs=ref_lp)
+        loss.metrics = {k: v.item() for k, v in metrics.items()}
+        return (out,)
+
+    ref = _grads(loss, hidden, weight.clone().requires_grad_(), b.clone().requires_grad_(), 3)
+    m_ref = loss.metrics
+    w_dt, b_dt = _distribute(mesh, weight, b)
+    fast = _grads(loss, hidden, w_dt, b_dt, 3)
+    _compare(res, "kept-policy", fast, ref, ref, torch.float64, slice(*chunk_range(V, world, rank)))
+    res["kept-policy/metrics"] = {"kind": "exact", "err": max(abs(loss.metrics[k] - m_ref[k]) for k in m_ref)}
+    res["kept-policy/metric-names"] = {"kind": "exact", "err": float(sorted(m_ref) != sorted(loss.metrics))}
+
+
 def _worker(suite: str, out: Path) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -282,6 +344,7 @@ def _worker(suite: str, out: Path) -> None:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     res: dict = {}
     _logprob_cases(res, mesh, world, rank, counter)
+    _kept_cases(res, mesh, world, rank)
     if suite == "two":
         _policy_cases(res, mesh, world, rank)
         _divergence_cases(res, mesh, world, rank)
@@ -337,6 +400,11 @@ def test_logprobs_two_ranks(two):
 
 def test_logprobs_four_ranks_uneven_and_empty_shard(four):
     assert _check(four, "logprobs") >= 6 * 4 * 4
+
+
+@pytest.mark.parametrize("fixture", ["two", "four"])
+def test_kept_set_ids_on_one_shard_and_across(fixture, request):
+    assert _check(request.getfixturevalue(fixture), "kept-") >= 2 * (2 * 6 + 4)
 
 
 def test_policy_loss_two_ranks(two):

@@ -414,14 +414,12 @@ def fused_logprobs(
         (logp.sum() + 0.01 * entropy.sum()).backward()  # fills hidden.grad and lm_head.weight.grad
     """
     if sharded.is_vocab_sharded(weight):  # tensor parallelism: the head's rows spread over ranks (DTensor Shard(0))
-        if support is not None or return_kept_mass:
-            raise ValueError("support= and return_kept_mass= are not implemented for a vocabulary-sharded weight "
-                             "(DTensor Shard(0)); pass the full-softmax call, or gather the head")
         return sharded.sharded_logprobs(
             hidden, weight, targets, bias=bias, tf=LogitTransform(temperature=temperature, logit_scale=logit_scale,
                                                                    softcap=softcap),
             with_entropy=with_entropy, ignore_index=ignore_index, check_finite=check_finite, backend=backend,
-            vocab_chunk=vocab_chunk, host_sync=host_sync)
+            vocab_chunk=vocab_chunk, host_sync=host_sync, support=support, return_kept_mass=return_kept_mass,
+            positions=positions)
     hidden, weight, bias = autocast_inputs(hidden, weight, bias)
     check_linear_inputs(hidden, weight, targets, bias)
     bias = dense_bias(bias)

@@ -27,6 +27,7 @@ independent of V.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from dataclasses import dataclass
@@ -210,9 +211,13 @@ def sharded_logprobs(
     backend: str | None,
     vocab_chunk: int | None,
     host_sync: bool | None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    support=None,  # None, a KeptSet, or an identity SamplerRule
+    return_kept_mass: bool = False,
+    positions: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
     """``fastrl.fused_logprobs`` on a vocabulary-sharded head (checked here on the local shard; the same outputs
-    on every rank). Eager only: the ignored rows are dropped first (one host sync)."""
+    on every rank). Eager only: the ignored rows are dropped first (one host sync). With a ``KeptSet``: each rank
+    computes the kept ids in its rows (``fastrl.ops.sharded_kept``)."""
     from fastrl.ops.linear_logprob import LinearOptions
 
     if not host_sync_enabled(host_sync):
@@ -230,6 +235,7 @@ def sharded_logprobs(
     name = resolve_backend(hidden.device, backend, kind="logprob" if grad else "forward", H=hidden.shape[-1],
                            dtype=hidden.dtype, tensors=(hidden, w))
     check_triton_dtypes(name, hidden.dtype)
+    kept = _kept_support(support, hidden, weight, targets, tf, ignore_index, positions)
     lead = tuple(targets.shape)
     h = unit_stride(hidden.reshape(-1, hidden.shape[-1]))
     t = targets.reshape(-1).to(torch.int64).contiguous()
@@ -239,11 +245,42 @@ def sharded_logprobs(
     opts = LinearOptions(temperature=float(tf.temperature), logit_scale=float(tf.logit_scale),
                          softcap=None if tf.softcap is None else float(tf.softcap), backend=name,
                          with_entropy=with_entropy, vocab_chunk=vocab_chunk, ignore_index=ignore_index)
-    logp, ent, _ = ShardedLogprob.apply(h_live, unit_stride(w), b, t_live, shard, opts)
-    if idx is not None:
-        N = t.shape[0]
-        logp = logp.new_zeros((N,)).index_copy(0, idx, logp)
-        ent = None if ent is None else ent.new_zeros((N,)).index_copy(0, idx, ent)
+    w = unit_stride(w)
+    if kept is None:
+        logp, ent, lse = ShardedLogprob.apply(h_live, w, b, t_live, shard, opts)
+    else:
+        from fastrl.ops.sharded_kept import ShardedKept, local_entries
+
+        rows_kept = kept if idx is None else kept[idx]
+        rows, cols = local_entries(rows_kept.ids, rows_kept.offsets, shard.v0, shard.v0 + w.shape[0])
+        logp, ent, lse = ShardedKept.apply(h_live, w, b, t_live, rows, cols, shard, tf, with_entropy)
+    mass = None
+    if return_kept_mass:  # log of the full softmax's mass on the kept set: one more (forward-only) full pass
+        if kept is None:
+            mass = torch.zeros_like(lse)
+        else:
+            with torch.no_grad():
+                no_ent = dataclasses.replace(opts, with_entropy=False)
+                mass = lse - ShardedLogprob.apply(h_live, w, b, t_live, shard, no_ent)[2]
+    N = t.shape[0]
+    scatter = (lambda x: x) if idx is None else (lambda x: None if x is None else x.new_zeros((N,)).index_copy(0, idx, x))
+    logp, ent, mass = scatter(logp), scatter(ent), scatter(mass)
     if check_finite:
         check_finite_outputs(logp.detach(), None if ent is None else ent.detach(), live, h, lead)
-    return logp.reshape(lead), (ent.reshape(lead) if ent is not None else None)
+    out = (logp.reshape(lead), (ent.reshape(lead) if ent is not None else None))
+    return out + (mass.reshape(lead),) if return_kept_mass else out
+
+
+def _kept_support(support, hidden, weight, targets, tf, ignore_index, positions):
+    """The KeptSet to compute over (checked against the targets on the host), or None for the full softmax."""
+    if support is None:
+        return None
+    from fastrl.ops.kept import resolve_support
+    from fastrl.ops.support import SamplerRule
+
+    if isinstance(support, SamplerRule) and not support.is_identity:
+        raise ValueError("a SamplerRule support is not implemented with a vocabulary-sharded weight (DTensor "
+                         "Shard(0)): its replay (top-k / top-p across shards) would need the full logits rows; pass "
+                         "the KeptSet the sampler recorded (fastrl.KeptSet) instead")
+    kept, _, _ = resolve_support(support, hidden, weight, None, targets, tf, ignore_index, positions, True)
+    return kept
