@@ -334,6 +334,64 @@ def _kept_cases(res, mesh, world, rank):
     res["kept-policy/metric-names"] = {"kind": "exact", "err": float(sorted(m_ref) != sorted(loss.metrics))}
 
 
+def _rule_cases(res, mesh, world, rank):
+    """Rules replayed across shards (top_k with top_p / min_p, both orders, both tie rules, min_tokens) against the
+    unsharded replay; ties across shards from duplicated weight rows (row j and row j + V/2 equal)."""
+    import fastrl
+    from fastrl.ops.sharded import chunk_range
+
+    B, T, H, V = 3, 9, 16, 60
+    rules = {
+        "topk-vllm": fastrl.SamplerRule(top_k=5),
+        "topk-topp-minp-transformers": fastrl.SamplerRule(top_k=8, top_p=0.7, min_p=0.02, order="transformers"),
+        "topk-topp-vllm": fastrl.SamplerRule(top_k=12, top_p=0.8, min_p=0.01),
+        "ties-index": fastrl.SamplerRule(top_k=3, ties="index"),
+        "ties-keep": fastrl.SamplerRule(top_k=3),
+        "min-tokens": fastrl.SamplerRule(top_k=6, min_tokens=4, stop_token_ids=(1, 2, 45)),
+    }
+    for j, (name, rule) in enumerate(rules.items()):
+        g = torch.Generator().manual_seed(60 + j)
+        hidden = torch.randn(B, T, H, generator=g, dtype=torch.float64)
+        weight = torch.randn(V, H, generator=g, dtype=torch.float64) * 0.6
+        if name.startswith("ties"):
+            weight[V // 2:] = weight[: V // 2]  # every logit tied with one on the other shard
+        b = None if name.startswith("ties") else torch.randn(V, generator=g, dtype=torch.float64)
+        targets = torch.randint(0, V, (B, T), generator=g)
+        targets[1, 7:] = -100
+        v0, v1 = chunk_range(V, world, rank)
+
+        def run(h, w, bb):
+            return fastrl.fused_logprobs(h, w, targets, bias=bb, support=rule, temperature=0.8, return_kept_mass=True)
+
+        ref = _grads(run, hidden, weight.clone().requires_grad_(), None if b is None else b.clone().requires_grad_(),
+                     j)
+        w_dt, b_dt = _distribute(mesh, weight, b)
+        fast = _grads(run, hidden, w_dt, b_dt, j)
+        _compare(res, f"rule-{name}", fast, ref, ref, torch.float64, slice(v0, v1))
+    # the policy loss over a rule: loss, gradients and the sampling/* metrics
+    rule, config = rules["topk-topp-vllm"], fastrl.PolicyLossConfig(loss_type="grpo", entropy_coef=0.01)
+    mask = targets != -100
+
+    def loss(h, w, bb):
+        out, metrics = fastrl.policy_loss(h, w, torch.where(mask, targets, 0), torch.ones(B, dtype=torch.float64),
+                                          mask, config=config, bias=bb, support=rule)
+        loss.metrics = {k: v.item() for k, v in metrics.items()}
+        return (out,)
+
+    ref = _grads(loss, hidden, weight.clone().requires_grad_(), b.clone().requires_grad_(), 9)
+    m_ref = loss.metrics
+    w_dt, b_dt = _distribute(mesh, weight, b)
+    fast = _grads(loss, hidden, w_dt, b_dt, 9)
+    _compare(res, "rule-policy", fast, ref, ref, torch.float64, slice(*chunk_range(V, world, rank)))
+    res["rule-policy/metrics"] = {"kind": "exact", "err": max(abs(loss.metrics[k] - m_ref[k]) for k in m_ref)
+                                  + float(sorted(m_ref) != sorted(loss.metrics))}
+    try:  # top_p alone: refused by name
+        fastrl.fused_logprobs(hidden, w_dt, targets, support=fastrl.SamplerRule(top_p=0.9))
+        res["rule-refused/top_p-alone"] = {"kind": "exact", "err": 1.0}
+    except ValueError as e:
+        res["rule-refused/top_p-alone"] = {"kind": "exact", "err": float("without top_k" not in str(e))}
+
+
 def _worker(suite: str, out: Path) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -345,6 +403,7 @@ def _worker(suite: str, out: Path) -> None:
     res: dict = {}
     _logprob_cases(res, mesh, world, rank, counter)
     _kept_cases(res, mesh, world, rank)
+    _rule_cases(res, mesh, world, rank)
     if suite == "two":
         _policy_cases(res, mesh, world, rank)
         _divergence_cases(res, mesh, world, rank)
@@ -405,6 +464,11 @@ def test_logprobs_four_ranks_uneven_and_empty_shard(four):
 @pytest.mark.parametrize("fixture", ["two", "four"])
 def test_kept_set_ids_on_one_shard_and_across(fixture, request):
     assert _check(request.getfixturevalue(fixture), "kept-") >= 2 * (2 * 6 + 4)
+
+
+@pytest.mark.parametrize("fixture", ["two", "four"])
+def test_rules_replayed_across_shards(fixture, request):
+    assert _check(request.getfixturevalue(fixture), "rule-") >= 2 * (6 * 6 - 2 + 5 + 1)  # the ties cases: no bias
 
 
 def test_policy_loss_two_ranks(two):

@@ -202,7 +202,8 @@ def policy_loss(
     if is_vocab_sharded(weight):  # tensor parallelism (DTensor Shard(0)): two passes on the shards
         from fastrl.losses.sharded import run_sharded
 
-        loss, metrics, logp = run_sharded(spec, hidden, weight, bias, logit_scale, softcap, backend, support)
+        loss, metrics, logp = run_sharded(spec, hidden, weight, bias, logit_scale, softcap, backend, support,
+                                          positions)
     else:
         plan = policy_run.plan(spec, hidden, weight, bias, targets, logit_scale, softcap, backend, chunk_tokens,
                                support, positions)

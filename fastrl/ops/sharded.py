@@ -44,7 +44,7 @@ from fastrl.ops.custom_ops import host_sync_enabled
 from fastrl.ops.torch_backend import acc_dtype
 
 __all__ = ["VocabShard", "vocab_shard", "is_vocab_sharded", "local_replica", "sharded_logprobs", "merge_stats",
-           "all_reduce"]
+           "all_reduce", "resolve_sharded_support"]
 
 
 @dataclass(frozen=True)
@@ -235,7 +235,7 @@ def sharded_logprobs(
     name = resolve_backend(hidden.device, backend, kind="logprob" if grad else "forward", H=hidden.shape[-1],
                            dtype=hidden.dtype, tensors=(hidden, w))
     check_triton_dtypes(name, hidden.dtype)
-    kept = _kept_support(support, hidden, weight, targets, tf, ignore_index, positions)
+    kept = resolve_sharded_support(support, hidden, weight, bias, targets, tf, ignore_index, positions)[0]
     lead = tuple(targets.shape)
     h = unit_stride(hidden.reshape(-1, hidden.shape[-1]))
     t = targets.reshape(-1).to(torch.int64).contiguous()
@@ -263,8 +263,8 @@ def sharded_logprobs(
                 no_ent = dataclasses.replace(opts, with_entropy=False)
                 mass = lse - ShardedLogprob.apply(h_live, w, b, t_live, shard, no_ent)[2]
     N = t.shape[0]
-    scatter = (lambda x: x) if idx is None else (lambda x: None if x is None else x.new_zeros((N,)).index_copy(0, idx, x))
-    logp, ent, mass = scatter(logp), scatter(ent), scatter(mass)
+    if idx is not None:  # back to every token: 0 at the ignored ones
+        logp, ent, mass = (None if x is None else x.new_zeros((N,)).index_copy(0, idx, x) for x in (logp, ent, mass))
     if check_finite:
         check_finite_outputs(logp.detach(), None if ent is None else ent.detach(), live, h, lead)
     out = (logp.reshape(lead), (ent.reshape(lead) if ent is not None else None))
@@ -273,14 +273,28 @@ def sharded_logprobs(
 
 def _kept_support(support, hidden, weight, targets, tf, ignore_index, positions):
     """The KeptSet to compute over (checked against the targets on the host), or None for the full softmax."""
+    return resolve_sharded_support(support, hidden, weight, None, targets, tf, ignore_index, positions)[0]
+
+
+def resolve_sharded_support(support, hidden, weight, bias, targets, tf, ignore_index, positions
+                            ) -> tuple:  # (KeptSet | None, outside [targets' shape] bool | None)
+    """``fastrl.ops.kept.resolve_support`` for a vocabulary-sharded weight: a KeptSet checked as it is; a
+    SamplerRule replayed across the shards (``fastrl.ops.sharded_rules``: top_k rules), the target added where the
+    rule dropped it and ``outside`` marking those tokens; an identity rule: the full softmax."""
     if support is None:
-        return None
+        return None, None
     from fastrl.ops.kept import resolve_support
     from fastrl.ops.support import SamplerRule
 
     if isinstance(support, SamplerRule) and not support.is_identity:
-        raise ValueError("a SamplerRule support is not implemented with a vocabulary-sharded weight (DTensor "
-                         "Shard(0)): its replay (top-k / top-p across shards) would need the full logits rows; pass "
-                         "the KeptSet the sampler recorded (fastrl.KeptSet) instead")
-    kept, _, _ = resolve_support(support, hidden, weight, None, targets, tf, ignore_index, positions, True)
-    return kept
+        from fastrl.ops.rules import rule_positions
+        from fastrl.ops.sharded_rules import replay_sharded
+
+        pos = rule_positions(targets, support, positions)
+        t = targets.reshape(-1).to(torch.int64)
+        h = local_replica(hidden, "hidden").detach().reshape(-1, hidden.shape[-1])
+        with torch.no_grad():
+            kept, outside = replay_sharded(h, t, t != ignore_index, support, vocab_shard(weight, bias), tf, pos)
+        return kept, outside.reshape(targets.shape)
+    kept, outside, _ = resolve_support(support, hidden, weight, None, targets, tf, ignore_index, positions, True)
+    return kept, outside

@@ -119,7 +119,8 @@ class ShardedDivergence(torch.autograd.Function):
     def backward(ctx, g_div, g_ent):
         h, w, b, ht, wt, bt, lse_s, lse_t, c, ent = ctx.saved_tensors
         group, beta, tf_s, tf_t = ctx.args
-        need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], b is not None and ctx.needs_input_grad[2]
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_b = b is not None and ctx.needs_input_grad[2]
         cdt = lse_s.dtype
         g_div = torch.zeros_like(lse_s) if g_div is None else g_div.to(cdt)
         g_ent = None if (g_ent is None or ent is None) else g_ent.to(cdt)
