@@ -1,4 +1,5 @@
-"""fastrl.GRPOTrainer on a model loaded under transformers' tensor-parallel plan, two gloo processes (CPU).
+"""fastrl.GRPOTrainer and fastrl.DistillationTrainer on models loaded under transformers' tensor-parallel plan, two
+gloo processes (CPU).
 
 ``AutoModelForCausalLM.from_pretrained(path, tp_plan="auto")`` under ``torch.distributed.run`` shards a tiny Qwen2
 (4 heads, 2 KV heads, V = 161: uneven shards) over a 1-D "tp" mesh; its ``lm_head.weight`` is a DTensor placed
@@ -6,7 +7,8 @@
 instead (``fastrl.trainers._lm_head.call_with_head`` -> ``fastrl.ops.sharded``): the ``lm_head`` module is never
 called, and the loss and every parameter gradient (gathered with ``full_tensor``) equal the same trainer's on the
 model loaded whole, in the same process, for both fastrl paths (the one-pass policy loss; TRL's loss math on
-fastrl's log-probs) and with a reference model (beta != 0).
+fastrl's log-probs) and with a reference model (beta != 0); for distillation (beta 0.5, the JSD) with the student
+loaded under the plan and the teacher whole, then both under the plan.
 
 What does not run on a CPU: ``Trainer.train()`` with a TP model. transformers' ``Trainer`` builds accelerate's
 ``ParallelismConfig(tp_size=2)`` for a model whose ``tp_size > 1``, and accelerate 1.x refuses it on CPU processes
@@ -85,8 +87,49 @@ def _worker(out: Path) -> None:
         rel = {n: ((grads[n] - g).norm() / g.norm().clamp(min=1e-30)).item() for n, g in grads1.items()}
         result[name] = dict(loss=loss, loss_whole=loss1, grad_rel=rel, missing=sorted(set(grads1) - set(grads)),
                             lm_head_calls=len(calls))
+    result.update(_distillation(out, rank))
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     end_worker()
+
+
+def _distillation(out: Path, rank: int) -> dict:
+    """fastrl.DistillationTrainer with the student (and then the teacher too) loaded under the TP plan."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+
+    import test_distillation_trainer as D
+    from tiny import run_step
+
+    if rank == 0:
+        D.student_model(heads=4, kv_heads=2).save_pretrained(out / "student")
+        D.teacher_model(heads=4, kv_heads=2).save_pretrained(out / "teacher")
+    dist.barrier()
+    batch, result = D.make_batch(seed=3), {}
+
+    def load(name, tp):
+        kw = dict(tp_plan="auto") if tp else {}
+        return AutoModelForCausalLM.from_pretrained(out / name, attn_implementation="eager", **kw)
+
+    for case, teacher_tp in (("distill_tp_student", False), ("distill_tp_both", True)):
+        student, teacher = load("student", True), load("teacher", teacher_tp)
+        calls = []
+        for m in (student, teacher):
+            m.lm_head.register_forward_hook(lambda *a: calls.append(1))
+        hidden = [m for m in (student, teacher) if m.tp_size]
+        for m in hidden:  # accelerate's ParallelismConfig refuses CPU processes (module docstring)
+            m._tp_size = 1
+        trainer = D.ours(out / f"{case}-{rank}", model=student, teacher=teacher, beta=0.5)
+        for m in hidden:
+            m._tp_size = 2
+        loss, grads, _ = run_step(trainer, batch)
+        grads = {n: (g.full_tensor() if isinstance(g, DTensor) else g) for n, g in grads.items()}
+        loss1, grads1, _ = run_step(D.ours(out / f"{case}-whole-{rank}", model=load("student", False),
+                                           teacher=load("teacher", False), beta=0.5), batch)
+        rel = {n: ((grads[n] - g).norm() / g.norm().clamp(min=1e-30)).item() for n, g in grads1.items()}
+        result[case] = dict(loss=loss, loss_whole=loss1, grad_rel=rel, missing=sorted(set(grads1) - set(grads)),
+                            lm_head_calls=len(calls))
+    return result
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +152,8 @@ def test_model_loads_with_a_vocabulary_sharded_head(launched):
         assert head["local"] == [(V + 1) // 2 if rank == 0 else V // 2, H], head  # torch.chunk's uneven split
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_grpo_step_on_tp_model_equals_whole_model(launched, case):
+@pytest.mark.parametrize("case", [*CASES, "distill_tp_student", "distill_tp_both"])
+def test_step_on_tp_model_equals_whole_model(launched, case):
     for rank, res in enumerate(launched):
         r = res[case]
         assert r["lm_head_calls"] == 0, f"rank {rank}: the gathering lm_head module ran {r['lm_head_calls']} times"
