@@ -1,7 +1,7 @@
 """``policy_loss`` on a vocabulary-sharded LM head (tensor parallelism; ``fastrl.ops.sharded``).
 
 Under TP every loss type takes the two-pass route (path A): the per-token log-probs and entropies of the sharded
-head (``fastrl.ops.sharded.sharded_logprobs``: two all-reduces of O(N) numbers forward, one of the hidden gradient
+head (``fused_logprobs`` on it, ``fastrl.ops.sharded``: two all-reduces of O(N) numbers forward, one of the hidden gradient
 backward), then the loss arithmetic (``fastrl.losses.arithmetic``, the one definition of the loss) under autograd,
 identical on every rank. The one-pass route (path B) is not taken: its op holds a ``[chunk, V]`` tile of one
 process's whole vocabulary, so a sharded head falls back to two passes (8 N H V / P FLOPs per rank instead of
@@ -18,7 +18,8 @@ import torch
 from fastrl.ops.config import LogitTransform
 from fastrl.ops.one_pass import IGNORE
 from fastrl.ops.policy_run import LossSpec
-from fastrl.ops.sharded import resolve_sharded_support, sharded_logprobs
+from fastrl.ops.linear_logprob import fused_logprobs
+from fastrl.ops.sharded import resolve_sharded_support
 
 __all__ = ["run_sharded"]
 
@@ -33,9 +34,9 @@ def run_sharded(spec: LossSpec, hidden: torch.Tensor, weight, bias, logit_scale:
                          "(DTensor Shard(0)): use k1/k2/k3 with ref_logprobs over the same support")
     tf = LogitTransform(temperature=spec.temperature, logit_scale=logit_scale, softcap=softcap)
     kept, outside = resolve_sharded_support(support, hidden, weight, bias, spec.eff_targets, tf, IGNORE, positions)
-    logp, ent = sharded_logprobs(hidden, weight, spec.eff_targets, bias=bias, tf=tf, with_entropy=True,
-                                 ignore_index=IGNORE, check_finite=spec.check_finite, backend=backend,
-                                 vocab_chunk=None, host_sync=spec.host_sync, support=kept)
+    logp, ent = fused_logprobs(hidden, weight, spec.eff_targets, bias=bias, temperature=spec.temperature,
+                               logit_scale=logit_scale, softcap=softcap, with_entropy=True, ignore_index=IGNORE,
+                               check_finite=spec.check_finite, backend=backend, host_sync=spec.host_sync, support=kept)
     kl = None
     if spec.exact_kl:
         from fastrl.ops.divergence import fused_divergence

@@ -418,8 +418,9 @@ def fused_logprobs(
             hidden, weight, targets, bias=bias, tf=LogitTransform(temperature=temperature, logit_scale=logit_scale,
                                                                    softcap=softcap),
             with_entropy=with_entropy, ignore_index=ignore_index, check_finite=check_finite, backend=backend,
-            vocab_chunk=vocab_chunk, host_sync=host_sync, support=support, return_kept_mass=return_kept_mass,
-            positions=positions)
+            vocab_chunk=vocab_chunk, host_sync=host_sync, ops=sharded.LocalOps(linear_stats, linear_backward,
+                                                                               LinearOptions),
+            support=support, return_kept_mass=return_kept_mass, positions=positions)
     hidden, weight, bias = autocast_inputs(hidden, weight, bias)
     check_linear_inputs(hidden, weight, targets, bias)
     bias = dense_bias(bias)

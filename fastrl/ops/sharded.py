@@ -21,16 +21,15 @@ own shard of the weight (and bias) gradient, and the hidden-state gradient (a pa
 is all-reduced once. Bytes sent per token: 4 floats forward, H floats backward (the hidden gradient itself), both
 independent of V.
 
-``vocab_shard`` recognises such a head; ``import torch.distributed.tensor`` never happens at ``import fastrl``
-(a tensor can only be a DTensor once that module was imported by whoever made it).
+``fastrl.ops.sharded_base`` recognises such a head (``vocab_shard``) and holds the merge; ``fastrl.ops.sharded_kept``
+and ``fastrl.ops.sharded_rules`` compute over kept sets and replay sampler rules on the shards.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import sys
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -41,130 +40,37 @@ from fastrl.ops._checks import (
 from fastrl.ops.backend import resolve_backend
 from fastrl.ops.config import LogitTransform
 from fastrl.ops.custom_ops import host_sync_enabled
+from fastrl.ops.sharded_base import (  # noqa: F401 (re-exported: the names callers know this module by)
+    VocabShard, all_reduce, chunk_range, is_vocab_sharded, local_replica, merge_stats, vocab_shard,
+)
 from fastrl.ops.torch_backend import acc_dtype
 
 __all__ = ["VocabShard", "vocab_shard", "is_vocab_sharded", "local_replica", "sharded_logprobs", "merge_stats",
-           "all_reduce", "resolve_sharded_support"]
+           "all_reduce", "chunk_range", "resolve_sharded_support", "LocalOps"]
 
 
 @dataclass(frozen=True)
-class VocabShard:
-    """This rank's rows of a vocabulary-sharded head."""
+class LocalOps:
+    """The unsharded op's pieces this module runs on a shard, handed over by ``fastrl.ops.linear_logprob`` (which
+    imports this module: importing it back would be a cycle): its statistics and backward dispatch and options."""
 
-    weight: torch.Tensor  # [V_l, H] the local rows (differentiable view of the DTensor: to_local)
-    bias: torch.Tensor | None  # [V_l]
-    v0: int  # global id of the first local row
-    vocab: int  # V, the global vocabulary
-    group: object  # the mesh's process group
-    world: int  # P
-
-
-def _dtensor_types():
-    """(DTensor, Shard, Replicate) when torch.distributed.tensor was imported by someone, else None."""
-    if "torch.distributed.tensor" not in sys.modules:
-        return None
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    return DTensor, Shard, Replicate
-
-
-def is_vocab_sharded(weight) -> bool:
-    """Whether ``weight`` is a DTensor placed ``Shard(0)`` (cheap; no import of torch.distributed.tensor)."""
-    types_ = _dtensor_types()
-    if types_ is None or not isinstance(weight, types_[0]):
-        return False
-    return any(p == types_[1](0) for p in weight.placements)
-
-
-def chunk_range(V: int, P: int, rank: int) -> tuple[int, int]:
-    """``[v0, v1)`` of rank ``rank`` under ``torch.chunk``'s split of V rows in P pieces (DTensor's Shard(0))."""
-    per = math.ceil(V / P)
-    v0 = min(rank * per, V)
-    return v0, min(v0 + per, V)
-
-
-def local_replica(t, name: str):
-    """A plain tensor as it is; a DTensor placed ``Replicate()`` as its (differentiable) local tensor."""
-    types_ = _dtensor_types()
-    if types_ is None or t is None or not isinstance(t, types_[0]):
-        return t
-    if any(p != types_[2]() for p in t.placements):
-        raise ValueError(f"{name} must be replicated on the head's mesh (a plain tensor or a DTensor placed "
-                         f"Replicate()), got a DTensor placed {tuple(t.placements)}")
-    return t.to_local()
-
-
-def vocab_shard(weight, bias=None, *, weight_name: str = "weight", bias_name: str = "bias") -> VocabShard | None:
-    """This rank's shard of a head placed ``Shard(0)`` on a 1-D mesh; None for any other weight."""
-    if not is_vocab_sharded(weight):
-        return None
-    DTensor, Shard, _ = _dtensor_types()
-    mesh = weight.device_mesh
-    if mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
-        raise ValueError(f"{weight_name}: a vocabulary-sharded head must be a DTensor placed (Shard(0),) on a 1-D "
-                         f"device mesh, got placements {tuple(weight.placements)} on a {mesh.ndim}-D mesh")
-    V, P, rank = weight.shape[0], mesh.size(), mesh.get_local_rank()
-    v0, v1 = chunk_range(V, P, rank)
-    local = weight.to_local()
-    if local.shape[0] != v1 - v0:
-        raise ValueError(f"{weight_name}: rank {rank} holds {local.shape[0]} rows of V = {V}, expected "
-                         f"torch.chunk's {v1 - v0} (rows [{v0}, {v1}))")
-    b = None
-    if bias is not None:
-        if isinstance(bias, DTensor):
-            if tuple(bias.placements) == (Shard(0),) and bias.device_mesh == mesh:
-                b = bias.to_local()
-            else:
-                b = local_replica(bias, bias_name)[v0:v1]
-        else:
-            b = bias[v0:v1]
-        if b.shape[0] != v1 - v0:
-            raise ValueError(f"{bias_name} must be [V] = [{V}] like {weight_name}, got {b.shape[0]} local rows")
-    return VocabShard(local, b, v0, V, mesh.get_group(), P)
-
-
-def all_reduce(t: torch.Tensor, op: str, group) -> torch.Tensor:
-    """In-place all-reduce of ``t`` over the head's group (``op``: "sum" or "max"); the only collective here."""
-    import torch.distributed as dist
-
-    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
-    return t
-
-
-def merge_stats(lse_l: torch.Tensor, ent_l: torch.Tensor | None, zt_l: torch.Tensor | None, group
-                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Global (lse, entropy, target logit) [N] from each rank's shard statistics (lse_l = -inf on an empty shard):
-    one MAX and one SUM all-reduce of O(N) numbers."""
-    M = all_reduce(lse_l.clone(), "max", group)
-    e = torch.exp(lse_l - M)  # 0 on an empty shard
-    parts = [e]
-    if zt_l is not None:
-        parts.append(zt_l)
-    if ent_l is not None:
-        # the shard's mean logit relative to M, weighted by its share of the mass (0 where the shard is empty)
-        parts.append(torch.where(e > 0, e * ((lse_l - M) - ent_l), torch.zeros_like(e)))
-    S = all_reduce(torch.stack(parts), "sum", group)
-    log_s = torch.log(S[0])
-    lse = M + log_s
-    zt = S[1] if zt_l is not None else None
-    ent = log_s - S[-1] / S[0] if ent_l is not None else None
-    return lse, ent, zt
+    stats: Callable  # linear_stats(hidden, weight, bias, targets, tf, backend, with_entropy, vocab_chunk)
+    backward: Callable  # linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, opts, need)
+    options: type  # LinearOptions
 
 
 class ShardedLogprob(torch.autograd.Function):
     """(logp [A], entropy [A] | None) of live rows from this rank's vocabulary shard; see the module docstring."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, shard: VocabShard, opts):
-        from fastrl.ops.linear_logprob import linear_stats
-
+    def forward(ctx, hidden, weight, bias, targets, shard: VocabShard, opts, ops: LocalOps):
         local = targets - shard.v0  # outside [0, V_l): the target is on another rank (no logit, no indicator)
         Vl = weight.shape[0]
         cdt = acc_dtype(hidden.dtype)
         if Vl > 0:
             with torch.autocast(hidden.device.type, enabled=False):
-                lse_l, zt_l, ent_l = linear_stats(hidden, weight, bias, local, opts.tf, opts.backend,
-                                                  opts.with_entropy, opts.vocab_chunk)
+                lse_l, zt_l, ent_l = ops.stats(hidden, weight, bias, local, opts.tf, opts.backend,
+                                               opts.with_entropy, opts.vocab_chunk)
             zt_l = torch.where((local >= 0) & (local < Vl), zt_l, torch.zeros_like(zt_l))
         else:  # an empty shard (V < P): no mass, no target
             lse_l = torch.full(targets.shape, float("-inf"), dtype=cdt, device=hidden.device)
@@ -172,30 +78,28 @@ class ShardedLogprob(torch.autograd.Function):
             ent_l = torch.zeros_like(lse_l) if opts.with_entropy else None
         lse, ent, zt = merge_stats(lse_l, ent_l, zt_l, shard.group)
         ctx.save_for_backward(hidden, weight, bias, local, lse, ent)
-        ctx.shard, ctx.opts = shard, opts
+        ctx.shard, ctx.opts, ctx.ops = shard, opts, ops
         ctx.mark_non_differentiable(lse)
         return zt - lse, ent, lse
 
     @staticmethod
     def backward(ctx, grad_logp, grad_ent, _grad_lse):
-        from fastrl.ops.linear_logprob import linear_backward
-
         hidden, weight, bias, local, lse, ent = ctx.saved_tensors
         need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
         cdt = lse.dtype
         g_lp = None if grad_logp is None else grad_logp.to(cdt).contiguous()
         g_en = None if (grad_ent is None or ent is None) else grad_ent.to(cdt).contiguous()
         if g_lp is None and g_en is None:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         if weight.shape[0] > 0:
             with torch.autocast(hidden.device.type, enabled=False):
-                gh, gw, gb = linear_backward(hidden, weight, bias, local, lse, ent, g_lp, g_en, ctx.opts, need)
+                gh, gw, gb = ctx.ops.backward(hidden, weight, bias, local, lse, ent, g_lp, g_en, ctx.opts, need)
         else:
             gh = torch.zeros_like(hidden) if need[0] else None
             gw, gb = torch.zeros_like(weight) if need[1] else None, torch.zeros_like(bias) if need[2] else None
         if need[0]:  # each rank summed over its own columns: the full gradient is the sum over ranks
             gh = all_reduce(gh.to(cdt), "sum", ctx.shard.group).to(hidden.dtype)
-        return gh, gw, gb, None, None, None
+        return gh, gw, gb, None, None, None, None
 
 
 def sharded_logprobs(
@@ -211,15 +115,14 @@ def sharded_logprobs(
     backend: str | None,
     vocab_chunk: int | None,
     host_sync: bool | None,
-    support=None,  # None, a KeptSet, or an identity SamplerRule
+    ops: LocalOps,
+    support=None,  # None, a KeptSet or a SamplerRule
     return_kept_mass: bool = False,
     positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """``fastrl.fused_logprobs`` on a vocabulary-sharded head (checked here on the local shard; the same outputs
     on every rank). Eager only: the ignored rows are dropped first (one host sync). With a ``KeptSet``: each rank
     computes the kept ids in its rows (``fastrl.ops.sharded_kept``)."""
-    from fastrl.ops.linear_logprob import LinearOptions
-
     if not host_sync_enabled(host_sync):
         raise ValueError("a vocabulary-sharded head (DTensor Shard(0)) runs in eager only: host_sync must be None "
                          "or True outside torch.compile")
@@ -242,12 +145,12 @@ def sharded_logprobs(
     live = t != ignore_index
     idx = compact_rows(live)
     h_live, t_live = (h, t) if idx is None else (h.index_select(0, idx), t.index_select(0, idx))
-    opts = LinearOptions(temperature=float(tf.temperature), logit_scale=float(tf.logit_scale),
+    opts = ops.options(temperature=float(tf.temperature), logit_scale=float(tf.logit_scale),
                          softcap=None if tf.softcap is None else float(tf.softcap), backend=name,
                          with_entropy=with_entropy, vocab_chunk=vocab_chunk, ignore_index=ignore_index)
     w = unit_stride(w)
     if kept is None:
-        logp, ent, lse = ShardedLogprob.apply(h_live, w, b, t_live, shard, opts)
+        logp, ent, lse = ShardedLogprob.apply(h_live, w, b, t_live, shard, opts, ops)
     else:
         from fastrl.ops.sharded_kept import ShardedKept, local_entries
 
@@ -261,7 +164,7 @@ def sharded_logprobs(
         else:
             with torch.no_grad():
                 no_ent = dataclasses.replace(opts, with_entropy=False)
-                mass = lse - ShardedLogprob.apply(h_live, w, b, t_live, shard, no_ent)[2]
+                mass = lse - ShardedLogprob.apply(h_live, w, b, t_live, shard, no_ent, ops)[2]
     N = t.shape[0]
     if idx is not None:  # back to every token: 0 at the ignored ones
         logp, ent, mass = (None if x is None else x.new_zeros((N,)).index_copy(0, idx, x) for x in (logp, ent, mass))

@@ -32,7 +32,7 @@ from fastrl.ops._checks import (
 from fastrl.ops.backend import resolve_backend
 from fastrl.ops.config import LogitTransform
 from fastrl.ops.custom_ops import host_sync_enabled
-from fastrl.ops.sharded import all_reduce, local_replica, merge_stats, vocab_shard
+from fastrl.ops.sharded_base import all_reduce, local_replica, merge_stats, vocab_shard
 
 __all__ = ["sharded_divergence"]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from fastrl.ops.sharded import VocabShard, all_reduce, merge_stats
+from fastrl.ops.sharded_base import VocabShard, all_reduce, merge_stats
 from fastrl.ops.torch_backend import acc_dtype, upcast
 
 __all__ = ["ShardedKept", "local_entries"]

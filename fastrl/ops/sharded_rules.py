@@ -22,7 +22,7 @@ import math
 import torch
 
 from fastrl.ops import torch_backend as TB
-from fastrl.ops.sharded import VocabShard, all_reduce
+from fastrl.ops.sharded_base import VocabShard, all_reduce
 from fastrl.ops.support import KeptSet, SamplerRule
 
 __all__ = ["replay_sharded"]
