@@ -6,7 +6,12 @@ with ``distribute_tensor``) and writes each rank's errors to a JSON file; the te
 to the unsharded op within 1e-12; float32: no further from the float64 truth than the unsharded float32 op plus
 the tolerance of ``tests/test_logprobs.py``. Gradients: hidden states, each rank's shard of the weight and bias
 (against the rows of the full gradient). Uneven shards (V not divisible by P) and, on 4 ranks, an empty one (V < P).
-Bytes sent: every collective the ops call is counted; per token they are the same at two vocabularies.
+What runs: ``fused_logprobs`` (torch backend, and Triton under the interpreter), over a ``KeptSet`` (tokens whose
+ids all sit on one shard next to ones spread over all) and over ``SamplerRule`` s replayed across the shards (ties
+across shards included); ``policy_loss`` for several loss types, the k1/k2/k3 estimators and the exact KL with a
+sharded reference head, over a KeptSet and a rule; ``fused_divergence`` for beta 0, 1 and 0.4 with the student, the
+teacher or both sharded. Bytes sent: every collective the ops call is counted; per token they are the same at two
+vocabularies.
 """
 
 from __future__ import annotations
