@@ -40,6 +40,9 @@ CASES = {  # name -> fastrl.GRPOConfig overrides
     "one_pass": dict(one_pass_loss=True, beta=0.0),
     "trl_path": dict(one_pass_loss=False, beta=0.0),
     "one_pass_ref": dict(one_pass_loss=True, beta=0.04),
+    # sampling replay: the generation's rule (top_k, top_p, min_new_tokens) replayed across the shards
+    "rule_replay": dict(one_pass_loss=True, beta=0.0, sampling_replay="rule", top_k=5, top_p=0.9,
+                        generation_kwargs={"min_new_tokens": 2}),
 }
 
 
@@ -80,13 +83,14 @@ def _worker(out: Path) -> None:
         trainer = _trainer(tp, out / f"tp-{name}-{rank}", **kw)
         tp._tp_size = degree
         batch = make_batch(trainer, seed=10)  # the same batch on both ranks: TP ranks share their data
-        loss, grads, _ = run_step(trainer, batch)
+        loss, grads, metrics = run_step(trainer, batch)
         grads = {n: (g.full_tensor() if isinstance(g, DTensor) else g) for n, g in grads.items()}
         whole = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
-        loss1, grads1, _ = run_step(_trainer(whole, out / f"whole-{name}-{rank}", **kw), batch)
+        loss1, grads1, metrics1 = run_step(_trainer(whole, out / f"whole-{name}-{rank}", **kw), batch)
         rel = {n: ((grads[n] - g).norm() / g.norm().clamp(min=1e-30)).item() for n, g in grads1.items()}
         result[name] = dict(loss=loss, loss_whole=loss1, grad_rel=rel, missing=sorted(set(grads1) - set(grads)),
-                            lm_head_calls=len(calls))
+                            lm_head_calls=len(calls), metrics={k: float(v) for k, v in metrics.items()},
+                            metrics_whole={k: float(v) for k, v in metrics1.items()})
     result.update(_distillation(out, rank))
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     end_worker()
@@ -162,6 +166,12 @@ def test_step_on_tp_model_equals_whole_model(launched, case):
         assert not r["missing"], f"rank {rank}: no gradient for {r['missing']}"
         worst = max(r["grad_rel"].items(), key=lambda kv: kv[1])
         assert worst[1] <= REL, f"rank {rank}: gradient of {worst[0]} differs by {worst[1]:.2e} relative"
+        if "metrics" in r:  # the metrics the loss logged: same names, same values
+            assert sorted(r["metrics"]) == sorted(r["metrics_whole"]), (rank, sorted(r["metrics"]))
+            for k, v in r["metrics_whole"].items():
+                assert r["metrics"][k] == pytest.approx(v, rel=REL, abs=1e-6), (rank, k, r["metrics"][k], v)
+        if case == "rule_replay":  # the replay ran: its metrics are there
+            assert "sampling/label_outside_frac" in r["metrics"] and "sampling/kept_size_mean" in r["metrics"]
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:

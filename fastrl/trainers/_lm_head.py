@@ -367,6 +367,13 @@ def _support_head(model, support, K, mask: torch.Tensor, targets: torch.Tensor, 
             return out
         if isinstance(support, KeptSet):
             kept = support.to(h_.device)[b_idx.to(h_.device) * K + pos.to(h_.device)]
+        elif is_tensor_parallel_head(w_):  # the rule replayed across the vocabulary shards (fastrl.ops.sharded_rules)
+            from fastrl.ops.config import LogitTransform
+            from fastrl.ops.sharded import resolve_sharded_support
+
+            tf = LogitTransform(temperature=st.temperature, logit_scale=st.logit_scale, softcap=st.softcap)
+            with head_precision(h_, w_, b_, st) as (hh, ww, bb):
+                kept, outside = resolve_sharded_support(support, hh.detach(), ww, bb, targets, tf, -100, pos)
         else:
             from fastrl.ops.rules import replay_rule
 
