@@ -390,6 +390,17 @@ def _rule_cases(res, mesh, world, rank):
     _compare(res, "rule-policy", fast, ref, ref, torch.float64, slice(*chunk_range(V, world, rank)))
     res["rule-policy/metrics"] = {"kind": "exact", "err": max(abs(loss.metrics[k] - m_ref[k]) for k in m_ref)
                                   + float(sorted(m_ref) != sorted(loss.metrics))}
+    refusals = {  # each refused with a ValueError that names what is not supported
+        "host_sync": (lambda: fastrl.fused_logprobs(hidden, w_dt, targets, host_sync=False), "eager only"),
+        "divergence-support": (lambda: fastrl.fused_divergence(
+            hidden, w_dt, hidden, weight, support=fastrl.KeptSet.from_lists([[0]] * (B * T), V)), "support="),
+    }
+    for key, (call, words) in refusals.items():
+        try:
+            call()
+            res[f"rule-refused/{key}"] = {"kind": "exact", "err": 1.0}
+        except ValueError as e:
+            res[f"rule-refused/{key}"] = {"kind": "exact", "err": float(words not in str(e))}
     try:  # top_p alone: refused by name
         fastrl.fused_logprobs(hidden, w_dt, targets, support=fastrl.SamplerRule(top_p=0.9))
         res["rule-refused/top_p-alone"] = {"kind": "exact", "err": 1.0}
@@ -473,7 +484,7 @@ def test_kept_set_ids_on_one_shard_and_across(fixture, request):
 
 @pytest.mark.parametrize("fixture", ["two", "four"])
 def test_rules_replayed_across_shards(fixture, request):
-    assert _check(request.getfixturevalue(fixture), "rule-") >= 2 * (6 * 6 - 2 + 5 + 1)  # the ties cases: no bias
+    assert _check(request.getfixturevalue(fixture), "rule-") >= 2 * (6 * 6 - 2 + 5 + 3)  # the ties cases: no bias
 
 
 def test_policy_loss_two_ranks(two):
