@@ -86,7 +86,10 @@ def policy_loss(
     Args:
         hidden: ``[B, T, H]``, float32, bfloat16, float16 or float64: the last hidden states at the positions
             that predict the ``T`` completion tokens (in a causal LM, one position before each token).
-        weight: ``[V, H]``, the LM head's weight; ``hidden``'s dtype and device.
+        weight: ``[V, H]``, the LM head's weight; ``hidden``'s dtype and device. Or, under tensor parallelism, a
+            ``DTensor`` placed ``Shard(0)`` on a 1-D mesh (``hidden`` the same on every rank): each rank computes
+            its vocabulary rows, the statistics merged by O(N) all-reduces (``fastrl.ops.sharded``; eager only;
+            docs/scaling-out.md).
         targets: ``[B, T]``, int32 or int64: the completion token ids. Only positions inside ``mask`` are
             read; they must be in ``[0, V)``.
         advantages: ``[B]`` (one per completion, GRPO) or ``[B, T]`` (per token, PPO), floating; a constant

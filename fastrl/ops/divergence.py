@@ -245,7 +245,8 @@ def fused_divergence(
 
     Args:
         hidden, weight, bias: the student (float32/bf16/fp16/float64; one dtype and device). Gradients flow to
-            these three.
+            these three. Under tensor parallelism either weight (or both) may be a ``DTensor`` placed ``Shard(0)`` on
+            a 1-D mesh (``fastrl.ops.sharded_divergence``; eager only, no support; docs/scaling-out.md).
         teacher_hidden, teacher_weight, teacher_bias: the teacher, with its own hidden width ``H_t`` and the same
             vocabulary ``V`` and leading shape. It gets no gradient (its tensors are read detached).
         beta: in [0, 1]. temperature: > 0, divides both models' logits.

@@ -341,7 +341,10 @@ def fused_logprobs(
             at the positions that predict ``targets`` (in a causal LM, position ``t`` predicts token
             ``t + 1``). Under ``torch.autocast`` it is cast to the autocast dtype, as the LM-head matmul
             would be.
-        weight: ``[V, H]``, the LM head's weight; ``hidden``'s dtype and device.
+        weight: ``[V, H]``, the LM head's weight; ``hidden``'s dtype and device. Or, under tensor parallelism, a
+            ``DTensor`` placed ``Shard(0)`` on a 1-D mesh (``hidden`` the same on every rank): each rank computes
+            its vocabulary rows, the statistics merged by O(N) all-reduces (``fastrl.ops.sharded``; eager only;
+            docs/scaling-out.md).
         targets: ``hidden``'s leading shape (``[N]`` or ``[B, T]``), int32 or int64 (a dtype that holds
             ``ignore_index``): ids in ``[0, V)``, or ``ignore_index`` for "no token here".
         bias: ``[V]`` or None; ``hidden``'s dtype.
