@@ -174,6 +174,8 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             (_lazy("defaults", "add_options"),), _lazy("defaults", "command", device=False)),
     Command("sass", "compile every kernel for sm_90 without a GPU; fail on spills or missing HGMMA", (SASS,),
             _lazy("sass", "command", device=False)),
+    Command("tp", "a head sharded over the vocabulary on CPU processes: fastrl vs gathering the logits (per rank)",
+            (_lazy("tp", "add_options"),), _lazy("tp", "command")),
     Command("roofline", "the FLOPs and HBM bytes of every implementation per workload, and the time they imply at "
             "700 TFLOP/s and 4.3 TB/s", (_lazy("roofline", "add_options"),),
             _lazy("roofline", "command", device=False)),

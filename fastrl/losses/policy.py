@@ -44,6 +44,7 @@ from fastrl.losses.one_pass import LossInputs, PolicyOptions
 from fastrl.ops import policy_run
 from fastrl.ops.custom_ops import host_sync_enabled
 from fastrl.ops.one_pass import IGNORE
+from fastrl.ops.sharded import is_vocab_sharded
 
 __all__ = ["policy_loss", "FusedPolicyLoss"]
 
@@ -85,7 +86,10 @@ def policy_loss(
     Args:
         hidden: ``[B, T, H]``, float32, bfloat16, float16 or float64: the last hidden states at the positions
             that predict the ``T`` completion tokens (in a causal LM, one position before each token).
-        weight: ``[V, H]``, the LM head's weight; ``hidden``'s dtype and device.
+        weight: ``[V, H]``, the LM head's weight; ``hidden``'s dtype and device. Or, under tensor parallelism, a
+            ``DTensor`` placed ``Shard(0)`` on a 1-D mesh (``hidden`` the same on every rank): each rank computes
+            its vocabulary rows, the statistics merged by O(N) all-reduces (``fastrl.ops.sharded``; eager only;
+            docs/scaling-out.md).
         targets: ``[B, T]``, int32 or int64: the completion token ids. Only positions inside ``mask`` are
             read; they must be in ``[0, V)``.
         advantages: ``[B]`` (one per completion, GRPO) or ``[B, T]`` (per token, PPO), floating; a constant
@@ -199,9 +203,15 @@ def policy_loss(
     spec, bad = _loss_side(hidden, weight, targets, advantages, mask, config, old_logprobs, ref_logprobs,
                            importance_weights, num_items_in_batch, sampling_logprobs, ref_hidden, ref_weight, ref_bias,
                            chunk_tokens, check_finite, host_sync)
-    plan = policy_run.plan(spec, hidden, weight, bias, targets, logit_scale, softcap, backend, chunk_tokens, support,
-                           positions)
-    loss, metrics, logp = policy_run.run(plan)
+    if is_vocab_sharded(weight):  # tensor parallelism (DTensor Shard(0)): two passes on the shards
+        from fastrl.losses.sharded import run_sharded
+
+        loss, metrics, logp = run_sharded(spec, hidden, weight, bias, logit_scale, softcap, backend, support,
+                                          positions)
+    else:
+        plan = policy_run.plan(spec, hidden, weight, bias, targets, logit_scale, softcap, backend, chunk_tokens,
+                               support, positions)
+        loss, metrics, logp = policy_run.run(plan)
     loss = loss if bad is None else loss * torch.where(bad, float("nan"), 1.0).to(loss.dtype)
     if return_logprobs:
         return loss, metrics, torch.where(spec.in_mask, logp.detach().reshape(spec.in_mask.shape), 0.0)

@@ -44,6 +44,7 @@ from fastrl.ops._checks import (
 from fastrl.ops.backend import resolve_backend
 from fastrl.ops.config import LogitTransform, is_finite_number
 from fastrl.ops.custom_ops import host_sync_enabled
+from fastrl.ops.sharded import is_vocab_sharded
 from fastrl.ops.divergence_op import DivergenceOptions, divergence_backward_op, divergence_op
 from fastrl.ops.support import KeptSet
 
@@ -244,7 +245,8 @@ def fused_divergence(
 
     Args:
         hidden, weight, bias: the student (float32/bf16/fp16/float64; one dtype and device). Gradients flow to
-            these three.
+            these three. Under tensor parallelism either weight (or both) may be a ``DTensor`` placed ``Shard(0)`` on
+            a 1-D mesh (``fastrl.ops.sharded_divergence``; eager only, no support; docs/scaling-out.md).
         teacher_hidden, teacher_weight, teacher_bias: the teacher, with its own hidden width ``H_t`` and the same
             vocabulary ``V`` and leading shape. It gets no gradient (its tensors are read detached).
         beta: in [0, 1]. temperature: > 0, divides both models' logits.
@@ -303,6 +305,16 @@ def fused_divergence(
         div = fastrl.fused_divergence(hidden, head.weight, teacher_hidden, teacher_head.weight, beta=0.5, mask=mask)
         (div.sum() / mask.sum()).backward()  # TRL's DistillationTrainer loss; grads to hidden and head.weight
     """
+    if is_vocab_sharded(weight) or is_vocab_sharded(teacher_weight):  # tensor parallelism (DTensor Shard(0))
+        if support is not None:
+            raise ValueError("support= is not implemented with a vocabulary-sharded head (DTensor Shard(0))")
+        from fastrl.ops.sharded_divergence import sharded_divergence
+
+        return sharded_divergence(
+            hidden, weight, teacher_hidden, teacher_weight, beta=beta, temperature=temperature, bias=bias,
+            teacher_bias=teacher_bias, logit_scale=logit_scale, teacher_logit_scale=teacher_logit_scale,
+            softcap=softcap, teacher_softcap=teacher_softcap, mask=mask, with_entropy=with_entropy,
+            check_finite=check_finite, backend=backend, host_sync=host_sync)
     sync = host_sync_enabled(host_sync)  # False while torch.compile traces: no host read here
     hidden, weight, bias = autocast_inputs(hidden, weight, bias)
     teacher_hidden, teacher_weight, teacher_bias = autocast_inputs(teacher_hidden, teacher_weight, teacher_bias)

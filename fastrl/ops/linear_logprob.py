@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from fastrl.ops import torch_backend
+from fastrl.ops import sharded, torch_backend
 from fastrl.ops.custom_ops import (
     PackedOptions, acc_dtype, define_op, empty_output, grad_rows, head_grads, head_grads_like, host_sync_enabled,
     input_grads, layout_of, live_rows, or_none, refuse_double_backward,
@@ -374,7 +374,10 @@ def fused_logprobs(
             at the positions that predict ``targets`` (in a causal LM, position ``t`` predicts token
             ``t + 1``). Under ``torch.autocast`` it is cast to the autocast dtype, as the LM-head matmul
             would be.
-        weight: ``[V, H]``, the LM head's weight; ``hidden``'s dtype and device.
+        weight: ``[V, H]``, the LM head's weight; ``hidden``'s dtype and device. Or, under tensor parallelism, a
+            ``DTensor`` placed ``Shard(0)`` on a 1-D mesh (``hidden`` the same on every rank): each rank computes
+            its vocabulary rows, the statistics merged by O(N) all-reduces (``fastrl.ops.sharded``; eager only;
+            docs/scaling-out.md).
         targets: ``hidden``'s leading shape (``[N]`` or ``[B, T]``), int32 or int64 (a dtype that holds
             ``ignore_index``): ids in ``[0, V)``, or ``ignore_index`` for "no token here".
         bias: ``[V]`` or None; ``hidden``'s dtype.
@@ -447,6 +450,14 @@ def fused_logprobs(
         logp, entropy = fastrl.fused_logprobs(hidden, lm_head.weight, targets, temperature=0.7)  # [B, T] each
         (logp.sum() + 0.01 * entropy.sum()).backward()  # fills hidden.grad and lm_head.weight.grad
     """
+    if sharded.is_vocab_sharded(weight):  # tensor parallelism: the head's rows spread over ranks (DTensor Shard(0))
+        return sharded.sharded_logprobs(
+            hidden, weight, targets, bias=bias, tf=LogitTransform(temperature=temperature, logit_scale=logit_scale,
+                                                                   softcap=softcap),
+            with_entropy=with_entropy, ignore_index=ignore_index, check_finite=check_finite, backend=backend,
+            vocab_chunk=vocab_chunk, host_sync=host_sync, ops=sharded.LocalOps(linear_stats, linear_backward,
+                                                                               LinearOptions),
+            support=support, return_kept_mass=return_kept_mass, positions=positions)
     hidden, weight, bias = autocast_inputs(hidden, weight, bias)
     check_linear_inputs(hidden, weight, targets, bias)
     bias = dense_bias(bias)

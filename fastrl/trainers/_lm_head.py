@@ -15,7 +15,9 @@ distributed hooks stay armed:
   inside the model's forward, with the LM head gathered.
 * Without ``fused_lm_head`` the previous forward runs (generation is unchanged).
 
-The LM head is gathered as TRL gathers it: an FSDP2 ``DTensor`` weight with ``full_tensor()`` (differentiable:
+A head sharded over the vocabulary by transformers' tensor-parallel plan (a ``Shard(0)`` DTensor on the "tp" mesh) is
+never gathered: fastrl's ops take it as it is (``fastrl.ops.sharded``), and its ``colwise_gather_output`` module, which
+would gather ``[N, V]`` logits, is never called. Any other head is gathered as TRL gathers it: an FSDP2 ``DTensor`` weight with ``full_tensor()`` (differentiable:
 its gradient is reduce-scattered back), a DeepSpeed ZeRO-3 partitioned weight with ``GatheredParameters`` for
 the forward and again for the backward (``Zero3Recompute``: fastrl's autograd state keeps a reference to the
 weight, whose storage ZeRO-3 frees between the two).
@@ -43,6 +45,7 @@ __all__ = [
     "call_with_head",
     "head_precision",
     "head_settings_from_config",
+    "is_tensor_parallel_head",
     "is_zero3_param",
     "lm_head_logprobs",
     "support_stats",
@@ -142,10 +145,23 @@ class Zero3Recompute(torch.autograd.Function):
         return (None, next(it) if need_h else None, next(it) if need_w else None, next(it) if need_b else None)
 
 
+def is_tensor_parallel_head(weight) -> bool:
+    """A head sharded over the vocabulary by tensor parallelism (transformers' TP plan, ``colwise_gather_output``):
+    a DTensor placed ``Shard(0)`` on a 1-D mesh whose dimension is named "tp". fastrl's ops read it shard by shard
+    and never gather it (an FSDP2 shard, also ``Shard(0)``, lives on a mesh of another name and is gathered)."""
+    from fastrl.ops.sharded import is_vocab_sharded
+
+    if not is_vocab_sharded(weight):
+        return False
+    return tuple(weight.device_mesh.mesh_dim_names or ()) == ("tp",)
+
+
 def call_with_head(fn: Callable, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
     """``fn(hidden, weight, bias)`` (a tuple of tensors) with the LM head gathered however it is distributed."""
     from torch.distributed.tensor import DTensor
 
+    if is_tensor_parallel_head(weight):  # TP: fastrl's ops take the vocabulary shard as it is (fastrl.ops.sharded)
+        return tuple(fn(hidden, weight, bias))
     if isinstance(weight, DTensor):  # FSDP2 keeps a sharded DTensor outside its unshard window
         weight = weight.full_tensor()
         if bias is not None:
@@ -351,6 +367,13 @@ def _support_head(model, support, K, mask: torch.Tensor, targets: torch.Tensor, 
             return out
         if isinstance(support, KeptSet):
             kept = support.to(h_.device)[b_idx.to(h_.device) * K + pos.to(h_.device)]
+        elif is_tensor_parallel_head(w_):  # the rule replayed across the vocabulary shards (fastrl.ops.sharded_rules)
+            from fastrl.ops.config import LogitTransform
+            from fastrl.ops.sharded import resolve_sharded_support
+
+            tf = LogitTransform(temperature=st.temperature, logit_scale=st.logit_scale, softcap=st.softcap)
+            with head_precision(h_, w_, b_, st) as (hh, ww, bb):
+                kept, outside = resolve_sharded_support(support, hh.detach(), ww, bb, targets, tf, -100, pos)
         else:
             from fastrl.ops.rules import replay_rule
 

@@ -43,6 +43,7 @@ from fastrl.trainers._distributed import check_launch
 from fastrl.trainers._guards import check_forward_redirection, check_overrides
 from fastrl.trainers._lm_head import (
     HeadSettings,
+    is_tensor_parallel_head,
     is_zero3_param,
     zero3_gather_ctx,
     Zero3Recompute,
@@ -141,10 +142,11 @@ def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
 
 
 def _full(t: torch.Tensor | None) -> torch.Tensor | None:
-    """An FSDP2 ``DTensor`` gathered whole (a plain tensor as it is)."""
+    """An FSDP2 ``DTensor`` gathered whole (a plain tensor, or a tensor-parallel head that fastrl reads shard by
+    shard, as it is)."""
     from torch.distributed.tensor import DTensor
 
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return t.full_tensor() if isinstance(t, DTensor) and not is_tensor_parallel_head(t) else t
 
 
 def _vocab_rows(weight: torch.Tensor) -> int:
