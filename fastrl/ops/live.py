@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["LiveRows", "count_readable"]
+__all__ = ["LiveRows", "SortedRows", "count_readable", "live_first"]
 
 
 def count_readable(device: torch.device) -> bool:
@@ -33,6 +33,12 @@ def count_readable(device: torch.device) -> bool:
     (A CUDA tensor's value is read only by waiting for the stream, which a CUDA-graph capture forbids and the no-sync
     path promises not to do.)"""
     return device.type == "cpu"
+
+
+def live_first(live: torch.Tensor) -> torch.Tensor:  # [N] bool -> [N] int64
+    """The permutation that puts the live rows first, each group in row order (a stable sort: static shape, computed
+    where ``live`` is, no host read)."""
+    return torch.sort(torch.logical_not(live).to(torch.uint8), stable=True).indices
 
 
 @dataclass(frozen=True)
@@ -52,9 +58,7 @@ class LiveRows:
         count = int(live.sum())  # host memory: a read, not a synchronisation (count_readable)
         if count == N:
             return LiveRows(None, N, True)
-        # live rows first, each group in row order (stable): the first `count` entries are nonzero()'s ids
-        order = torch.sort(torch.logical_not(live).to(torch.uint8), stable=True).indices
-        return LiveRows(order[:count], N, True)
+        return LiveRows(live_first(live)[:count], N, True)  # the first `count` entries are nonzero()'s ids
 
     def take(self, x: torch.Tensor | None) -> torch.Tensor | None:  # [N, ...] -> [n, ...]
         return x if x is None or self.ids is None else x.index_select(0, self.ids)
@@ -65,3 +69,24 @@ class LiveRows:
             return x
         out = torch.full((self.n_rows, *x.shape[1:]), fill, dtype=x.dtype, device=x.device)
         return out.index_copy_(0, self.ids, x)
+
+
+@dataclass(frozen=True)
+class SortedRows:
+    """The rows of an op whose GEMMs run in Triton, on a device (the count unreadable): permuted live-first
+    (``order`` [N], a static shape) with the live count as a device tensor (``count`` [1] int32) that the kernels load:
+    a program or persistent work item whose first row is ``>= count`` skips its GEMM (``fastrl.kernels``'
+    ``live_count`` arguments). No host read: CUDA-graph safe."""
+
+    order: torch.Tensor  # [N] int64: sorted row i is row order[i]
+    count: torch.Tensor  # [1] int32 on the rows' device
+
+    @staticmethod
+    def of(live: torch.Tensor) -> SortedRows:  # [N] bool
+        return SortedRows(live_first(live), live.sum(dtype=torch.int32).reshape(1))
+
+    def take(self, x: torch.Tensor | None) -> torch.Tensor | None:  # [N, ...] rows -> sorted
+        return None if x is None else x.index_select(0, self.order)
+
+    def put(self, x: torch.Tensor | None) -> torch.Tensor | None:  # [N, ...] sorted -> rows (no autograd)
+        return None if x is None else torch.empty_like(x).index_copy_(0, self.order, x)
