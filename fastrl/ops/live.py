@@ -52,6 +52,9 @@ class LiveRows:
     ids: torch.Tensor | None
     n_rows: int
     known: bool  # the live count was read: ``ids`` None then means every row is live
+    # on a device (``known`` False), where the op's Triton GEMMs skip dead row blocks: ``ids`` is then every row,
+    # live first (``SortedRows.order``), and this the live count on the device ([1] int32)
+    count: torch.Tensor | None = None
 
     @staticmethod
     def of(live: torch.Tensor) -> LiveRows:  # [N] bool
@@ -62,6 +65,11 @@ class LiveRows:
         if count == N:
             return LiveRows(None, N, True)
         return LiveRows(live_first(live)[:count], N, True)  # the first `count` entries are nonzero()'s ids
+
+    @staticmethod
+    def sorted(live: torch.Tensor) -> LiveRows:  # [N] bool on a device: every row, live first, the count on it
+        rows = SortedRows.of(live)
+        return LiveRows(rows.order, live.numel(), False, rows.count)
 
     def take(self, x: torch.Tensor | None) -> torch.Tensor | None:  # [N, ...] -> [n, ...]
         return x if x is None or self.ids is None else x.index_select(0, self.ids)

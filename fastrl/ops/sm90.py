@@ -150,12 +150,14 @@ def chunk_stats(
     bias: torch.Tensor | None,  # [V]
     t_c: torch.Tensor,  # [n] int64
     tf: LogitTransform,
+    live_count: torch.Tensor | None = None,  # [1] int32 on the device: rows [count, n) dead (sorted last), skipped
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # lse [n], target logit [n], entropy [n]
-    """The chunk's statistics, leaving its scaled exps in ``tile`` for ``chunk_grad``."""
+    """The chunk's statistics, leaving its scaled exps in ``tile`` for ``chunk_grad`` (a dead row's are not written:
+    its incoming gradient is 0, and ``chunk_grad`` writes exact zeros where it is)."""
     n = h_c.shape[0]
     check_tensors(h_c)
     return PS.persistent_stats(h_c, weight, bias, t_c, with_entropy=True, exp_out=tile.e[:n, : tile.V],
-                               k_out=tile.k[:n], config=tile.config, **_tf_kw(tf))
+                               k_out=tile.k[:n], config=tile.config, live_count=live_count, **_tf_kw(tf))
 
 
 def chunk_grad(
