@@ -317,7 +317,7 @@ def test_device_count_compiled_sm90(tiles, monkeypatch):
 def test_device_count_one_pass_sm90(mask_name, tiles, monkeypatch):
     """The one-pass loss on triton-sm90 with the count on a device (token chunks): every row sorted live-first, the
     forward kernel's dead row blocks skipped (its gradient comes from the stored exps, no GEMM in Triton); loss,
-    metrics and gradients equal eager's, masked gradient rows exactly 0."""
+    metrics and gradients equal eager's, masked gradient rows exactly 0, and no op reads the host."""
     mask = device_masks()[mask_name]
     g = torch.Generator().manual_seed(2)
     h, w, b, targets = device_inputs(mask)
@@ -334,7 +334,26 @@ def test_device_count_one_pass_sm90(mask_name, tiles, monkeypatch):
     want = run_loss()  # on CPU tensors: the live rows alone, found by reading the count
     monkeypatch.setattr(live, "count_readable", lambda device: False)
     tiles[0] = 0
-    got = run_loss()
+    from test_compile import SYNC_OPS, RecordOps
+
+    with RecordOps() as rec:
+        got = run_loss()
+    assert "fastrl.policy_loss_one_pass" in rec.ops and not set(SYNC_OPS) & rec.ops, set(SYNC_OPS) & rec.ops
     assert tiles[0] == -(-int(mask.sum()) // 64) * -(-TV // 128), f"{mask_name}: {tiles[0]} tiles"
     assert_close(got, want, f"one-pass triton-sm90 device count, {mask_name} masked")
     assert (got[-3][~mask] == 0).all() and torch.isfinite(got[-2]).all()
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("backend", ("triton-fused", "triton-sm90"))
+def test_device_count_reads_nothing_on_the_host(backend, monkeypatch):
+    """The device path (sort, count, kernels' early exits, scatter back) runs no op that reads a device value on the
+    host (``tests/test_compile.py``'s recorder: CUDA-graph safe)."""
+    from test_compile import SYNC_OPS, RecordOps
+
+    mask = device_masks()["middle"]
+    monkeypatch.setattr(live, "count_readable", lambda device: False)
+    with RecordOps() as rec:
+        device_run(backend, mask, False)
+    assert "fastrl.linear_logprob" in rec.ops and "aten.sort" in rec.ops
+    assert not set(SYNC_OPS) & rec.ops, f"host reads on the device path: {set(SYNC_OPS) & rec.ops}"
