@@ -11,12 +11,13 @@ count costs a synchronisation:
   computes the live rows alone and scatters their results back (``LiveRows.ids``): a compiled loss over half-masked
   rows costs what eager's does;
 * the rows live on a device (CUDA, eager ``host_sync=False``, ``torch.compile``, CUDA-graph capture): the count is
-  never read (the issue's "no host read"; ``LiveRows.ids`` is None). Where the GEMMs run in Triton (the
-  ``fastrl::linear_logprob`` op on ``triton-fused`` and ``triton-sm90``: statistics and the backward's ``G``) the op
-  sorts the rows live-first and passes the count as a device tensor (``SortedRows``): a program or persistent work
-  item past it skips its GEMM, results are scattered back, nothing waits for the stream. Elsewhere (cuBLAS GEMMs,
-  whose shapes are host values: ``triton-hybrid``, ``torch``, the backward's two gradient GEMMs, the one-pass loss,
-  the divergence) every row is computed with the masked rows' hidden states zeroed.
+  never read (the issue's "no host read"; ``LiveRows.of`` gives ``ids`` None). Where the GEMMs run in Triton (the
+  ``fastrl::linear_logprob`` op on ``triton-fused`` and ``triton-sm90``: statistics and the backward's ``G``; the
+  one-pass loss's forward kernel on ``triton-sm90`` with token chunks) the op sorts the rows live-first and passes
+  the count as a device tensor (``SortedRows``, ``LiveRows.sorted``): a program or persistent work item past it
+  skips its GEMM, results are scattered back, nothing waits for the stream. Elsewhere (cuBLAS GEMMs, whose shapes
+  are host values: ``triton-hybrid``, ``torch``, the backward's two gradient GEMMs, whole-sequence chunks, the
+  divergence) every row is computed with the masked rows' hidden states zeroed.
 
 ``LiveRows.of`` finds the live rows with a stable sort of the mask (live rows first, in their order: a permutation,
 a static shape), so the ids equal ``nonzero``'s and every result equals eager's row for row.
