@@ -357,3 +357,19 @@ def test_device_count_reads_nothing_on_the_host(backend, monkeypatch):
         device_run(backend, mask, False)
     assert "fastrl.linear_logprob" in rec.ops and "aten.sort" in rec.ops
     assert not set(SYNC_OPS) & rec.ops, f"host reads on the device path: {set(SYNC_OPS) & rec.ops}"
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("mask_name", ("half", "middle"))
+def test_device_count_sm90_row_chunks(mask_name, tiles, monkeypatch):
+    """sm90's backward over row chunks (``MAX_ROWS`` rows each): each chunk's kernels get its own live count."""
+    from fastrl.ops import sm90
+
+    mask = device_masks()[mask_name]
+    want, _ = device_run("triton-sm90", mask, None)
+    monkeypatch.setattr(live, "count_readable", lambda device: False)
+    monkeypatch.setattr(sm90, "MAX_ROWS", 64)  # 3 chunks of one row block each
+    tiles[0] = 0
+    got, _ = device_run("triton-sm90", mask, False)
+    assert tiles[0] == 2 * -(-int(mask.sum()) // 64) * -(-TV // 128), tiles[0]
+    assert_close(got, want, f"triton-sm90 row chunks, {mask_name} masked")
