@@ -129,7 +129,7 @@ def _launch(spec: Spec, arch: int):
         HAS_BIAS=b, HAS_BS=b, HAS_BT=b, HAS_GB=b, HAS_SOFTCAP=c, S_SOFTCAP=c, T_SOFTCAP=c,
         HAS_ENTROPY=e, HAS_GENT=e, HAS_GE=e, HAS_GLOGP=True, HAS_GD=True, HAS_GW=True, STORE_EXP=spec.store_exp,
         USE_TMA=spec.tma, IN_PLACE=spec.dtype != "float32", FIRST=False, EMULATE_RNE=False, INTERP_BF16=False,
-        NUM_PROGS=132,  # an H100 SXM's SMs (the H200 has as many)
+        NUM_PROGS=132, HAS_COUNT=False,  # an H100 SXM's SMs (the H200 has as many)
         ATOMIC_GW=atomic, ATOMIC_GB=atomic and b, HAS_ROWS=spec.kernel == "kept_grad_rows",
         MODE=mode and getattr(divergence_fold, mode), DOT_PRECISION=linear_logprob.dot_precision(dtype),
         BLOCK_C=getattr(mod, "BLOCK_C", None), stride_ik=1, stride_yk=1, stride_gk=1, stride_rk=1,

@@ -173,17 +173,21 @@ def stats_fwd_kernel(
     h_ptr, w_ptr,  # the same tensors as plain pointers (target-row gathers)
     b_ptr, t_ptr,  # [V] bias (HAS_BIAS), [N] int64 targets
     m_ptr, s_ptr, u_ptr, zt_ptr,  # partial statistics, each [SPLITS, N] float32
+    count_ptr,  # [1] int32 (HAS_COUNT): rows [count, N) are dead (sorted last), their blocks skipped, not written
     N, V, H, v_per_split,
     stride_hn, stride_wv,
     logit_scale, softcap, inv_temp,
     # Meta-parameters
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ENTROPY: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ENTROPY: tl.constexpr, HAS_COUNT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     n0 = pid_n * BLOCK_N
+    if HAS_COUNT:  # the live count from the device (no host read): a block of dead rows costs no GEMM
+        if n0 >= tl.load(count_ptr):
+            return
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
 
@@ -276,6 +280,7 @@ def linear_stats(
     splits: int | None = None,
     use_tma: bool | None = None,  # None: whenever the tensors allow it
     config: KernelConfig | None = None,  # None: the table's (or the autotuner's) choice
+    live_count: torch.Tensor | None = None,  # [1] int32 on the device: rows [count, N) are dead (dead_rows_zero)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # lse [N], target z [N], entropy [N] or None
     """Row statistics of the transformed logits in one fused pass: log-sum-exp, target logit, entropy."""
     N, H = hidden.shape
@@ -298,11 +303,12 @@ def linear_stats(
         h_src, w_src = _sources(hidden, weight, cfg, use_tma)
         stats_fwd_kernel[(n_blocks, n_splits)](
             h_src, w_src, hidden, weight, bias if bias is not None else hidden, targets,
-            m, s, u, zt,
+            m, s, u, zt, live_count if live_count is not None else targets,
             N, V, H, v_per_split,
             hidden.stride(0), weight.stride(0),
             float(logit_scale), float(softcap or 1.0), 1.0 / float(temperature),
             HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, HAS_ENTROPY=with_entropy,
+            HAS_COUNT=live_count is not None,
             BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, USE_TMA=use_tma,
             DOT_PRECISION=dot_precision(hidden.dtype), INTERP_BF16=interp_bf16(hidden.dtype),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -312,7 +318,18 @@ def linear_stats(
     cfg = config or config_for("stats", hidden.device, H=H, V=V, dtype=hidden.dtype, use_tma=use_tma,
                                launch=launch, **variant)
     m, s, u, zt = launch(cfg).unbind(0)
-    return merge_partial_stats(m, s, u if with_entropy else None, zt)
+    return dead_rows_zero(live_count, *merge_partial_stats(m, s, u if with_entropy else None, zt))
+
+
+def dead_rows_zero(live_count: torch.Tensor | None, *xs: torch.Tensor | None) -> tuple:
+    """Row outputs [N] with the dead rows ``[count, N)`` (which the kernels skipped: never written) set to 0, what
+    an ignored row gives in eager; a device-side select, no host read."""
+    if live_count is None:
+        return xs
+    n = next(x for x in xs if x is not None).shape[0]
+    dead = torch.arange(n, device=live_count.device, dtype=torch.int32) >= live_count
+    zero = torch.zeros((), dtype=torch.float32, device=live_count.device)
+    return tuple(None if x is None else torch.where(dead, zero.to(x.dtype), x) for x in xs)
 
 
 def merge_partial_stats(
@@ -339,11 +356,13 @@ def grad_block_kernel(
     b_ptr, t_ptr,
     lse_ptr, ent_ptr, glogp_ptr, gent_ptr,  # [N] float32 each
     g_dst,  # [N, V_blk] out, the dtype of the GEMM that consumes it: a descriptor (USE_TMA) or a pointer
+    count_ptr,  # [1] int32 (HAS_COUNT): rows [count, N) are dead (sorted last): their blocks store zeros, no GEMM
     N, V_blk, H, v_offset,
     stride_hn, stride_wv, stride_gn,
     logit_scale, softcap, inv_temp,
     # Meta-parameters
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_GLOGP: tl.constexpr, HAS_GENT: tl.constexpr,
+    HAS_COUNT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr,
 ):
@@ -355,6 +374,11 @@ def grad_block_kernel(
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_v = v0 + tl.arange(0, BLOCK_V)
     n_ok = offs_n < N
+    if HAS_COUNT:  # a block of dead rows: G = 0 (the cuBLAS gradient GEMMs read every row), no GEMM
+        if n0 >= tl.load(count_ptr):
+            _store_g(g_dst, tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32), n0, v0, offs_v, n_ok, V_blk, stride_gn,
+                     BLOCK_N, USE_TMA, INTERP_BF16)
+            return
     y = dot_tile(h_src, w_src, n0, v0, N, V_blk, H, stride_hn, stride_wv,
                   BLOCK_N, BLOCK_V, BLOCK_H, USE_TMA, DOT_PRECISION, INTERP_BF16)
     if HAS_BIAS:
@@ -380,6 +404,12 @@ def grad_block_kernel(
     g = chain_transform(g, z, logit_scale, softcap, inv_temp, HAS_SOFTCAP)
     # rows with no upstream gradient (ignored targets) are exactly zero, even where their logits are not finite
     g = tl.where((live & n_ok)[:, None], g, 0.0)
+    _store_g(g_dst, g, n0, v0, offs_v, n_ok, V_blk, stride_gn, BLOCK_N, USE_TMA, INTERP_BF16)
+
+
+@triton.jit
+def _store_g(g_dst, g, n0, v0, offs_v, n_ok, V_blk, stride_gn,
+             BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, INTERP_BF16: tl.constexpr):
     if USE_TMA:
         # the TMA store clips rows and columns outside [N, V_blk]; no [BLOCK_N, BLOCK_V] pointer tile in registers
         g_dst.store([n0, v0], round_to(g, g_dst.dtype, INTERP_BF16))
@@ -406,6 +436,7 @@ def linear_grad_block(
     temperature: float,
     use_tma: bool | None = None,
     config: KernelConfig | None = None,
+    live_count: torch.Tensor | None = None,  # [1] int32 on the device: rows [count, N) are dead, their G 0, no GEMM
 ) -> torch.Tensor:
     N, H = hidden.shape
     V_blk = weight_blk.shape[0]
@@ -424,12 +455,12 @@ def linear_grad_block(
             lse, entropy if entropy is not None else dummy,
             grad_logp if grad_logp is not None else dummy,
             grad_entropy if grad_entropy is not None else dummy,
-            g_dst,
+            g_dst, live_count if live_count is not None else targets,
             N, V_blk, H, v_offset,
             hidden.stride(0), weight_blk.stride(0), out.stride(0),
             float(logit_scale), float(softcap or 1.0), 1.0 / float(temperature),
             HAS_BIAS=bias_blk is not None, HAS_SOFTCAP=softcap is not None,
-            HAS_GLOGP=grad_logp is not None, HAS_GENT=grad_entropy is not None,
+            HAS_GLOGP=grad_logp is not None, HAS_GENT=grad_entropy is not None, HAS_COUNT=live_count is not None,
             BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, USE_TMA=use_tma,
             DOT_PRECISION=dot_precision(hidden.dtype), INTERP_BF16=interp_bf16(hidden.dtype),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,

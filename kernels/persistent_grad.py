@@ -78,16 +78,28 @@ def persistent_grad_kernel(
     b_ptr, t_ptr,  # [V_blk] bias slice (HAS_BIAS), [N] int64 global target ids
     lse_ptr, ent_ptr, glogp_ptr, gent_ptr,  # [N] float32 each
     g_desc,  # [N, V_blk] out: G in the input dtype, a TMA descriptor with blocks [BLOCK_N, BLOCK_V // 2]
+    count_ptr,  # [1] int32 (HAS_COUNT): rows [count, N) are dead (sorted last): G = 0 there, stored without a GEMM
     N, V_blk, H, v_offset,
     logit_scale, softcap, inv_temp,
     # Meta-parameters
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_GLOGP: tl.constexpr, HAS_GENT: tl.constexpr,
+    HAS_COUNT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, NUM_PROGS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr,
 ):
     pid = tl.program_id(0)
     v_blocks = tl.cdiv(V_blk, BLOCK_V)
     n_items = tl.cdiv(N, BLOCK_N) * v_blocks
+    if HAS_COUNT:
+        # items are token-block major, so the live rows' items come first: the GEMM loop stops after them, and the
+        # dead blocks' G (read by the cuBLAS gradient GEMMs) is stored as zeros by a second loop with no GEMM
+        all_items = n_items
+        n_items = tl.cdiv(tl.minimum(tl.load(count_ptr), N), BLOCK_N) * v_blocks
+        zero = tl.zeros((BLOCK_N, BLOCK_V // 2), dtype=tl.float32)
+        for item in tl.range(n_items + pid, all_items, NUM_PROGS):
+            for half in tl.static_range(2):
+                g_desc.store([(item // v_blocks) * BLOCK_N, (item % v_blocks) * BLOCK_V + half * (BLOCK_V // 2)],
+                             round_to(zero, g_desc.dtype, INTERP_BF16))
     # consecutive items walk the vocabulary blocks of one token block: the programs of one moment share a few
     # token blocks and neighbouring weight panels (L2), as in persistent_stats
     for item in tl.range(pid, n_items, NUM_PROGS, flatten=True):
@@ -133,6 +145,7 @@ def persistent_grad_block(
     softcap: float | None,
     temperature: float,
     config: KernelConfig | None = None,
+    live_count: torch.Tensor | None = None,  # [1] int32 on the device: rows [count, N) are dead, their G 0, no GEMM
 ) -> torch.Tensor:
     N, H = hidden.shape
     V_blk = weight_blk.shape[0]
@@ -152,10 +165,11 @@ def persistent_grad_block(
             grad_logp if grad_logp is not None else dummy,
             grad_entropy if grad_entropy is not None else dummy,
             TensorDescriptor.from_tensor(out, [cfg.block_n, cfg.block_v // 2]),
+            live_count if live_count is not None else targets,
             N, V_blk, H, v_offset,
             float(logit_scale), float(softcap or 1.0), 1.0 / float(temperature),
             HAS_BIAS=bias_blk is not None, HAS_SOFTCAP=softcap is not None,
-            HAS_GLOGP=grad_logp is not None, HAS_GENT=grad_entropy is not None,
+            HAS_GLOGP=grad_logp is not None, HAS_GENT=grad_entropy is not None, HAS_COUNT=live_count is not None,
             BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, NUM_PROGS=progs,
             DOT_PRECISION=dot_precision(hidden.dtype), INTERP_BF16=interp_bf16(hidden.dtype),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,

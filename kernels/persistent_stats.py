@@ -33,7 +33,7 @@ import triton.language as tl
 
 from fastrl.kernels.linear_logprob import (
     INTERPRET, NEG_LARGE, TensorDescriptor, dot_precision, dot_tile, interp_bf16, round_to, load_target_logit,
-    transform_tile, merge_partial_stats, tma_ok,
+    transform_tile, merge_partial_stats, tma_ok, dead_rows_zero,
 )
 from fastrl.kernels.tuning import KernelConfig, config_for
 
@@ -52,16 +52,21 @@ def persistent_stats_kernel(
     zt_ptr,  # [N] float32 out: target logit
     e_desc,  # [N, V] scaled exp out (STORE_EXP): a TMA descriptor, blocks [BLOCK_N, BLOCK_V // 2]
     k_ptr,  # [N, cdiv(V, BLOCK_V)] float32 out: the power-of-two offset of each (row, vocabulary block)
+    count_ptr,  # [1] int32 (HAS_COUNT): rows [count, N) are dead (sorted last): their items are never visited
     N, V, H, n_splits, v_per_split,
     stride_hn, stride_wv, stride_k,
     logit_scale, softcap, inv_temp,
     # Meta-parameters
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ENTROPY: tl.constexpr, STORE_EXP: tl.constexpr,
+    HAS_COUNT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, NUM_PROGS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    n_items = tl.cdiv(N, BLOCK_N) * n_splits
+    if HAS_COUNT:  # items are token-block major, so the live rows' items come first: the loop stops after them
+        n_items = tl.cdiv(tl.minimum(tl.load(count_ptr), N), BLOCK_N) * n_splits
+    else:
+        n_items = tl.cdiv(N, BLOCK_N) * n_splits
     for item in tl.range(pid, n_items, NUM_PROGS):
         nb = item // n_splits
         sp = item % n_splits
@@ -190,9 +195,10 @@ def persistent_stats(
     k_out: torch.Tensor | None = None,  # [N, cdiv(V, BLOCK_V)] float32: their offsets
     splits: int | None = None,
     config: KernelConfig | None = None,
+    live_count: torch.Tensor | None = None,  # [1] int32 on the device: rows [count, N) are dead, skipped, 0 out
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # lse [N], target logit [N], entropy [N] or None
     """Log-sum-exp, target logit and entropy of the transformed logits, with no logit stored (unless ``exp_out``
-    asks for the scaled-exp tile of a one-pass loss)."""
+    asks for the scaled-exp tile of a one-pass loss; a dead row's exps and offsets are then left unwritten)."""
     N, H = hidden.shape
     V = weight.shape[0]
     assert TensorDescriptor is not None and tma_ok(hidden, weight) and targets.is_contiguous()
@@ -219,12 +225,12 @@ def persistent_stats(
             assert k_out.shape == exp_offsets_shape(N, V, cfg) and k_out.dtype == torch.float32
         persistent_stats_kernel[(progs,)](
             h_desc, w_desc, hidden, weight, bias if bias is not None else hidden, targets,
-            part, zt, e_desc, k_out if store_exp else zt,
+            part, zt, e_desc, k_out if store_exp else zt, live_count if live_count is not None else targets,
             N, V, H, n_splits, v_per_split,
             hidden.stride(0), weight.stride(0), k_out.stride(0) if store_exp else 0,
             float(logit_scale), float(softcap or 1.0), 1.0 / float(temperature),
             HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, HAS_ENTROPY=with_entropy,
-            STORE_EXP=store_exp, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, NUM_PROGS=progs,
+            STORE_EXP=store_exp, HAS_COUNT=live_count is not None, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, NUM_PROGS=progs,
             DOT_PRECISION=dot_precision(hidden.dtype), INTERP_BF16=interp_bf16(hidden.dtype),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
@@ -235,7 +241,7 @@ def persistent_stats(
     part, zt = launch(cfg)
     m, s, u = part.unbind(0)
     lse, _, entropy = merge_partial_stats(m, s, u if with_entropy else None, zt[None])
-    return lse, zt, entropy
+    return dead_rows_zero(live_count, lse, zt, entropy)
 
 
 # the interpreter flag is re-exported for the ops layer's CPU checks

@@ -10,7 +10,9 @@ live rows alone where their count is read without a synchronisation (rows in hos
   same rows meet the same GEMMs in the same order, else within float32 rounding (<= 1e-6 relative).
 * Masked rows give what they gave before: 0 log-prob and entropy, exactly 0 gradient rows, even when their hidden
   state holds NaN. On a device the count is never read (``tests/test_compile.py``'s host-read recorder, with the
-  count treated as on a device): every row is computed there, as the last test shows by counting.
+  count treated as on a device): the backends whose GEMMs run in Triton (triton-fused, triton-sm90) sort the rows
+  live-first and hand the kernels the live count as a device tensor, so dead row blocks skip their GEMM (counted as
+  the tiles ``dot_tile`` computes); the others compute every row, as the last test shows by counting.
 """
 
 from __future__ import annotations
@@ -21,7 +23,12 @@ from torch.profiler import ProfilerActivity, profile
 
 import fastrl
 from fastrl import PolicyLossConfig
+from fastrl.kernels import linear_logprob as kernels_lp
+from fastrl.kernels import persistent_grad, persistent_stats
+from fastrl.kernels.tuning import config_for
+from fastrl.ops import linear_logprob as op_lp
 from fastrl.ops import live
+from fastrl.reference import logprobs_reference
 
 B, T, H, V = 4, 10, 24, 200  # B*T = 40 rows: no dimension of a GEMM is ambiguous
 REL = 1e-6
@@ -197,3 +204,172 @@ def test_on_a_device_every_row_is_computed(monkeypatch):
     macs = gemm_macs(lambda: got.setdefault("r", run(step, x)))
     assert macs == 3 * B * T * H * V
     assert_close((got["r"][0], *got["r"][2]), (want[0], *want[2]), "every row computed")
+
+
+# Triton's real block sizes under the interpreter (64-row blocks): 3 row blocks, 3 vocabulary blocks
+TB, TT, TH, TV = 8, 24, 32, 300
+
+
+def device_masks() -> dict[str, torch.Tensor]:
+    full = torch.ones(TB, TT, dtype=torch.bool)
+    half, middle = full.clone(), full.clone()
+    half[:, TT // 2:] = False  # 96 live rows spread over every block: sorted, they fill blocks 0 and 1
+    middle[:, 5:19] = False
+    return {"half": half, "none": full, "all": torch.zeros(TB, TT, dtype=torch.bool), "middle": middle}
+
+
+@pytest.fixture
+def tiles(monkeypatch):
+    """Counts the logit tiles the Triton kernels compute (each ``dot_tile`` call is one [BLOCK_N, BLOCK_V] GEMM tile;
+    under the interpreter a kernel looks its helpers up in its module when it runs)."""
+    count = [0]
+    real = kernels_lp.dot_tile
+
+    def counted(*args):
+        count[0] += 1
+        return real(*args)
+
+    for mod in (kernels_lp, persistent_stats, persistent_grad):
+        monkeypatch.setattr(mod, "dot_tile", counted)
+    return count
+
+
+def device_inputs(mask: torch.Tensor):
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(TB, TT, TH, generator=g)
+    h[~mask] = float("nan")  # whatever a masked row holds must reach nothing
+    w, b = 0.3 * torch.randn(TV, TH, generator=g), 0.1 * torch.randn(TV, generator=g)
+    return h, w, b, torch.where(mask, torch.randint(0, TV, (TB, TT), generator=g), -100)
+
+
+def device_step(backend: str, host_sync):
+    def step(h, w, b, targets):
+        lp, ent = fastrl.fused_logprobs(h, w, targets, bias=b, temperature=0.7, softcap=4.0, backend=backend,
+                                        check_finite=False, host_sync=host_sync)
+        return lp.sum() + 0.3 * ent.sum(), lp, ent
+
+    return step
+
+
+def device_run(backend: str, mask: torch.Tensor, host_sync, step=None):
+    """((logp, entropy, grad hidden, grad weight, grad bias), the inputs) of a forward and backward."""
+    inputs = device_inputs(mask)
+    leaves = [x.clone().requires_grad_() for x in inputs[:3]]
+    loss, lp, ent = (step or device_step(backend, host_sync))(*leaves, inputs[3])
+    loss.backward()
+    return (lp.detach(), ent.detach(), *(x.grad for x in leaves)), inputs
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("mask_name", list(device_masks()))
+@pytest.mark.parametrize("backend", ("triton-fused", "triton-sm90"))
+def test_device_count_skips_dead_row_blocks(backend, mask_name, tiles, monkeypatch):
+    """Rows on a device (the count unreadable), no-sync path, Triton GEMMs: the rows are sorted live-first and every
+    program or persistent work item past the live count skips its GEMM (forward statistics and backward G); results
+    equal eager's (which drops the masked rows with a host sync), masked rows exactly 0, NaN there reaches nothing."""
+    mask = device_masks()[mask_name]
+    want, (h, w, b, targets) = device_run(backend, mask, None)  # eager: the masked rows compacted away
+    monkeypatch.setattr(live, "count_readable", lambda device: False)  # as on a device
+    tiles[0] = 0
+    got, _ = device_run(backend, mask, False)
+    computed = tiles[0]
+    monkeypatch.setattr(op_lp, "SKIPS_DEAD_ROWS", ())  # the same call computing every row (what cuBLAS paths do)
+    tiles[0] = 0
+    device_run(backend, mask, False)
+    every = tiles[0]
+
+    cfg = config_for("sm90_stats" if backend == "triton-sm90" else "stats", h.device, H=TH, V=TV, dtype=h.dtype,
+                     use_tma=True)
+    blocks, live_blocks = -(-mask.numel() // cfg.block_n), -(-int(mask.sum()) // cfg.block_n)
+    v_blocks = -(-TV // cfg.block_v)
+    assert every == 2 * blocks * v_blocks, (every, blocks, v_blocks)  # forward + backward G, every tile
+    assert computed == 2 * live_blocks * v_blocks, (
+        f"{backend}, {mask_name} masked: {computed} tiles computed, expected {2 * live_blocks * v_blocks} "
+        f"({live_blocks} live row blocks of {blocks})")
+    assert_close(got, want, f"{backend} device count, {mask_name} masked")
+    masked = ~mask
+    assert (got[0][masked] == 0).all() and (got[1][masked] == 0).all() and (got[2][masked] == 0).all()
+    assert all(torch.isfinite(x).all() for x in got[1:3] + got[3:])
+    if mask.any():  # against float64 (the live rows)
+        lp64, ent64 = logprobs_reference(torch.where(mask[..., None], h, 0.0), w, targets, bias=b, temperature=0.7,
+                                         softcap=4.0, dtype=torch.float64)
+        for x, ref in ((got[0], lp64), (got[1], ent64)):
+            assert (x[mask].double() - ref[mask]).abs().max() < 1e-5
+
+
+@pytest.mark.interpreter
+def test_device_count_compiled_sm90(tiles, monkeypatch):
+    """The same under ``torch.compile(fullgraph=True)``: no graph break, dead blocks skipped, eager's values."""
+    torch._dynamo.reset()
+    mask = device_masks()["middle"]
+    want, _ = device_run("triton-sm90", mask, None)
+    monkeypatch.setattr(live, "count_readable", lambda device: False)
+    compiled = torch.compile(device_step("triton-sm90", None), fullgraph=True, backend="aot_eager")
+    device_run("triton-sm90", mask, None, compiled)
+    tiles[0] = 0
+    got, _ = device_run("triton-sm90", mask, None, compiled)
+    assert tiles[0] == 2 * -(-int(mask.sum()) // 64) * -(-TV // 128), tiles[0]
+    assert_close(got, want, "triton-sm90 compiled, device count")
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("mask_name", list(device_masks()))
+def test_device_count_one_pass_sm90(mask_name, tiles, monkeypatch):
+    """The one-pass loss on triton-sm90 with the count on a device (token chunks): every row sorted live-first, the
+    forward kernel's dead row blocks skipped (its gradient comes from the stored exps, no GEMM in Triton); loss,
+    metrics and gradients equal eager's, masked gradient rows exactly 0, and no op reads the host."""
+    mask = device_masks()[mask_name]
+    g = torch.Generator().manual_seed(2)
+    h, w, b, targets = device_inputs(mask)
+    adv, old = torch.randn(TB, generator=g), -5.0 + 0.3 * torch.randn(TB, TT, generator=g)
+
+    def run_loss():
+        leaves = [x.clone().requires_grad_() for x in (h, w, b)]
+        loss, metrics = fastrl.policy_loss(leaves[0], leaves[1], targets.clamp(min=0), adv, mask, config=DAPO,
+                                           old_logprobs=old, ref_logprobs=old - 0.1, bias=leaves[2], softcap=4.0,
+                                           backend="triton-sm90", check_finite=False, host_sync=False)
+        loss.backward()
+        return (loss.detach(), *(m.detach() for m in metrics.values()), *(x.grad for x in leaves))
+
+    want = run_loss()  # on CPU tensors: the live rows alone, found by reading the count
+    monkeypatch.setattr(live, "count_readable", lambda device: False)
+    tiles[0] = 0
+    from test_compile import SYNC_OPS, RecordOps
+
+    with RecordOps() as rec:
+        got = run_loss()
+    assert "fastrl.policy_loss_one_pass" in rec.ops and not set(SYNC_OPS) & rec.ops, set(SYNC_OPS) & rec.ops
+    assert tiles[0] == -(-int(mask.sum()) // 64) * -(-TV // 128), f"{mask_name}: {tiles[0]} tiles"
+    assert_close(got, want, f"one-pass triton-sm90 device count, {mask_name} masked")
+    assert (got[-3][~mask] == 0).all() and torch.isfinite(got[-2]).all()
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("backend", ("triton-fused", "triton-sm90"))
+def test_device_count_reads_nothing_on_the_host(backend, monkeypatch):
+    """The device path (sort, count, kernels' early exits, scatter back) runs no op that reads a device value on the
+    host (``tests/test_compile.py``'s recorder: CUDA-graph safe)."""
+    from test_compile import SYNC_OPS, RecordOps
+
+    mask = device_masks()["middle"]
+    monkeypatch.setattr(live, "count_readable", lambda device: False)
+    with RecordOps() as rec:
+        device_run(backend, mask, False)
+    assert "fastrl.linear_logprob" in rec.ops and "aten.sort" in rec.ops
+    assert not set(SYNC_OPS) & rec.ops, f"host reads on the device path: {set(SYNC_OPS) & rec.ops}"
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("mask_name", ("half", "middle"))
+def test_device_count_sm90_row_chunks(mask_name, tiles, monkeypatch):
+    """sm90's backward over row chunks (``MAX_ROWS`` rows each): each chunk's kernels get its own live count."""
+    from fastrl.ops import sm90
+
+    mask = device_masks()[mask_name]
+    want, _ = device_run("triton-sm90", mask, None)
+    monkeypatch.setattr(live, "count_readable", lambda device: False)
+    monkeypatch.setattr(sm90, "MAX_ROWS", 64)  # 3 chunks of one row block each
+    tiles[0] = 0
+    got, _ = device_run("triton-sm90", mask, False)
+    assert tiles[0] == 2 * -(-int(mask.sum()) // 64) * -(-TV // 128), tiles[0]
+    assert_close(got, want, f"triton-sm90 row chunks, {mask_name} masked")

@@ -225,7 +225,7 @@ def policy_loss_one_pass(
                 pairs, rows = list(zip(chunks[0::2], chunks[1::2])), None
             else:  # no-sync: the live rows alone where their count is read without a sync (fastrl.ops.live)
                 pairs, rows = engine.nosync_chunks(t2.view(B, T) != engine.IGNORE, config.one_pass_granularity,
-                                                   o.chunk_rows)
+                                                   o.chunk_rows, o.backend)
             loss, metrics, grads, logp_all, ent_all, grad_kl, kl = engine.run(
                 h2, weight, bias, t2, o.tf(config), o.backend, pairs, need,
                 inputs.chunk_loss(config, B, T), compact=o.compact, ref=ref, live_rows=rows,

@@ -31,7 +31,8 @@ from fastrl.ops._checks import (
 from fastrl.ops._gemm import addmm_f32
 from fastrl.ops.backend import resolve_backend
 from fastrl.ops.config import LogitTransform
-from fastrl.ops.live import LiveRows
+from fastrl.ops import live
+from fastrl.ops.live import LiveRows, SortedRows
 
 __all__ = ["fused_logprobs", "run_logprobs", "linear_stats", "linear_backward", "host_sync_enabled",
            "LinearOptions"]
@@ -74,8 +75,10 @@ def linear_stats(
     backend: str,
     with_entropy: bool,
     vocab_chunk: int | None = None,
+    live_count: torch.Tensor | None = None,  # [1] int32 on the device, rows sorted live-first (SKIPS_DEAD_ROWS)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # lse [N], target logit [N], entropy [N]
-    """Row statistics of the transformed logits on the chosen (concrete) backend (no autograd)."""
+    """Row statistics of the transformed logits on the chosen (concrete) backend (no autograd); with
+    ``live_count`` the rows from it on are dead: skipped by the kernels, 0 in every output."""
     N = hidden.shape[0]
     if N == 0:
         e = hidden.new_zeros((0,), dtype=torch_backend.acc_dtype(hidden.dtype))
@@ -87,14 +90,15 @@ def linear_stats(
     if backend == "triton-sm90":
         from fastrl.ops import sm90
 
-        return sm90.linear_stats(hidden, weight, bias, targets, tf, with_entropy)
+        return sm90.linear_stats(hidden, weight, bias, targets, tf, with_entropy, live_count)
     if backend == "triton-fused":
         from fastrl.kernels.linear_logprob import linear_stats as fused_stats
 
         return fused_stats(
             hidden, weight, bias, targets, logit_scale=tf.logit_scale, softcap=tf.softcap,
-            temperature=tf.temperature, with_entropy=with_entropy,
+            temperature=tf.temperature, with_entropy=with_entropy, live_count=live_count,
         )
+    assert live_count is None, f"{backend} computes every row"
     return torch_backend.linear_stats(hidden, weight, bias, targets, tf, with_entropy=with_entropy)
 
 
@@ -109,6 +113,7 @@ def linear_backward(
     grad_entropy: torch.Tensor | None,  # [N]
     opts: LinearOptions,
     need: tuple[bool, bool, bool],  # (hidden, weight, bias)
+    live_count: torch.Tensor | None = None,  # [1] int32 on the device, rows sorted live-first (SKIPS_DEAD_ROWS)
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of ``sum(grad_logp * logp + grad_entropy * entropy)`` w.r.t. hidden, weight, bias.
 
@@ -129,12 +134,14 @@ def linear_backward(
         from fastrl.ops import sm90
 
         return sm90.linear_backward(hidden, weight, bias, targets, lse, entropy, grad_logp, grad_entropy,
-                                    opts.tf, need, opts.vocab_chunk)
-    return _sliced_backward(hidden, weight, bias, targets, lse, entropy, grad_logp, grad_entropy, opts, need)
+                                    opts.tf, need, opts.vocab_chunk, live_count)
+    assert live_count is None or opts.backend == "triton-fused", f"{opts.backend} computes every row"
+    return _sliced_backward(hidden, weight, bias, targets, lse, entropy, grad_logp, grad_entropy, opts, need,
+                            live_count)
 
 
 def _sliced_backward(hidden, weight, bias, targets, lse, entropy, grad_logp, grad_entropy, opts: LinearOptions,
-                     need: tuple[bool, bool, bool]):
+                     need: tuple[bool, bool, bool], live_count: torch.Tensor | None = None):
     """``linear_backward`` on the torch and triton-fused backends: one vocabulary slice's G at a time."""
     need_h, need_w, need_b = need
     N, H = hidden.shape
@@ -143,7 +150,8 @@ def _sliced_backward(hidden, weight, bias, targets, lse, entropy, grad_logp, gra
     grad_h = torch.zeros((N, H), dtype=cdt, device=hidden.device) if need_h else None
     grad_w = torch.empty_like(weight) if need_w else None
     grad_b = torch.empty((V,), dtype=cdt, device=hidden.device) if need_b else None
-    cols, h_mm, slice_grad = _slice_grads(hidden, weight, bias, targets, lse, entropy, grad_logp, grad_entropy, opts)
+    cols, h_mm, slice_grad = _slice_grads(hidden, weight, bias, targets, lse, entropy, grad_logp, grad_entropy, opts,
+                                          live_count)
     for v0 in range(0, V, cols):
         v1 = min(v0 + cols, V)
         G, w_mm = slice_grad(v0, v1)
@@ -163,7 +171,8 @@ def _sliced_backward(hidden, weight, bias, targets, lse, entropy, grad_logp, gra
     )
 
 
-def _slice_grads(hidden, weight, bias, targets, lse, entropy, grad_logp, grad_entropy, opts: LinearOptions):
+def _slice_grads(hidden, weight, bias, targets, lse, entropy, grad_logp, grad_entropy, opts: LinearOptions,
+                 live_count: torch.Tensor | None = None):
     """(columns per slice, hidden as the weight-gradient GEMM reads it, ``(v0, v1) -> (G [N, v1 - v0], W slice as
     the hidden-gradient GEMM reads it)``) of the torch or triton-fused backend."""
     N, V, tf = hidden.shape[0], weight.shape[0], opts.tf
@@ -180,7 +189,7 @@ def _slice_grads(hidden, weight, bias, targets, lse, entropy, grad_logp, grad_en
             b_blk = bias[v0:v1] if bias is not None else None
             K.linear_grad_block(
                 hidden, weight[v0:v1], b_blk, targets, v0, lse, entropy, grad_logp, grad_entropy, G,
-                logit_scale=tf.logit_scale, softcap=tf.softcap, temperature=tf.temperature,
+                logit_scale=tf.logit_scale, softcap=tf.softcap, temperature=tf.temperature, live_count=live_count,
             )
             return G, weight[v0:v1]
 
@@ -223,10 +232,14 @@ def linear_logprob(
         e = hidden.new_zeros((0,), dtype=acc_dtype(hidden.dtype))
         return e, e.clone(), e.clone()
     rows = _live(targets, o)
-    if rows is None:
-        logp, ent, lse = _stats_rows(hidden, weight, bias, targets, o)
-    else:  # the live rows alone, their results scattered back: 0 at the masked rows
+    dev = _sorted(targets, o) if rows is None else None
+    if rows is not None:  # the live rows alone, their results scattered back: 0 at the masked rows
         logp, ent, lse = (rows.put(x) for x in _stats_rows(rows.take(hidden), weight, bias, rows.take(targets), o))
+    elif dev is not None:  # sorted live-first, the dead row blocks skipped on the device, then unsorted
+        logp, ent, lse = (dev.put(x) for x in _stats_rows(dev.take(hidden), weight, bias, dev.take(targets), o,
+                                                         dev.count))
+    else:
+        logp, ent, lse = _stats_rows(hidden, weight, bias, targets, o)
     return logp, (ent if ent is not None else empty_output(logp)), lse
 
 
@@ -239,12 +252,25 @@ def _live(targets: torch.Tensor, o: LinearOptions) -> LiveRows | None:
     return rows if rows.ids is not None else None
 
 
-def _stats_rows(hidden, weight, bias, targets, o: LinearOptions):
+# the backends whose GEMMs of the statistics and of G run in Triton: a program reads the live count from the device
+SKIPS_DEAD_ROWS = ("triton-fused", "triton-sm90")
+
+
+def _sorted(targets: torch.Tensor, o: LinearOptions) -> SortedRows | None:
+    """The no-sync op's rows sorted live-first with the count on the device, where ``_live`` cannot read the count
+    and the backend's Triton GEMMs skip dead row blocks (``SKIPS_DEAD_ROWS``); else None."""
+    if o.all_live or o.backend not in SKIPS_DEAD_ROWS or targets.shape[0] == 0:
+        return None
+    return None if live.count_readable(targets.device) else SortedRows.of(targets != o.ignore_index)
+
+
+def _stats_rows(hidden, weight, bias, targets, o: LinearOptions, live_count: torch.Tensor | None = None):
     """(logp, entropy | None, lse) [N] of the rows handed in; on the no-sync path 0 at an ignored row (its hidden
     state zeroed first) and NaN at a counted row whose target is outside [0, V)."""
     active, h = live_rows(targets, hidden, o)
     with torch.autocast(hidden.device.type, enabled=False):
-        lse, zt, ent = linear_stats(h, weight, bias, targets, o.tf, o.backend, o.with_entropy, o.vocab_chunk)
+        lse, zt, ent = linear_stats(h, weight, bias, targets, o.tf, o.backend, o.with_entropy, o.vocab_chunk,
+                                    live_count)
     logp = zt - lse
     if active is not None:
         V = weight.shape[0]
@@ -312,24 +338,25 @@ def linear_logprob_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # grad hidden [N, H], weight [V, H], bias [V] (or [0])
     o = LinearOptions.unpack(opt_str, opt_float, opt_int)
     need = (need_hidden, need_weight, need_bias and bias is not None)
-    rows = _live(targets, o)
+    rows = _live(targets, o) or _sorted(targets, o)
     if rows is None:
         gh, gw, gb = _backward_rows(grad_logp, grad_entropy, hidden, weight, bias, targets, lse, entropy, o, need)
-    else:  # the live rows alone (the masked ones' gradient rows are 0)
+    else:  # the live rows alone, or all sorted live-first with the dead blocks skipped (the masked gradient rows 0)
         take = rows.take
         gh, gw, gb = _backward_rows(take(grad_logp), take(grad_entropy), take(hidden), weight, bias, take(targets),
-                                    take(lse), take(entropy), o, need)
+                                    take(lse), take(entropy), o, need, getattr(rows, "count", None))
         gh = rows.put(gh)
     return head_grads(gh, gw, gb, hidden, weight)
 
 
-def _backward_rows(grad_logp, grad_entropy, hidden, weight, bias, targets, lse, entropy, o: LinearOptions, need):
+def _backward_rows(grad_logp, grad_entropy, hidden, weight, bias, targets, lse, entropy, o: LinearOptions, need,
+                   live_count: torch.Tensor | None = None):
     """``linear_backward`` of the rows handed in (on the no-sync path the ignored ones zeroed: no gradient)."""
     active, h = live_rows(targets, hidden, o)
     cdt = lse.dtype
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
         return linear_backward(h, weight, bias, targets, lse, entropy, grad_rows(grad_logp, active, cdt),
-                               grad_rows(grad_entropy, active, cdt), o, need)
+                               grad_rows(grad_entropy, active, cdt), o, need, live_count)
 
 
 @linear_logprob_backward.register_fake

@@ -116,13 +116,17 @@ def plan_chunks(live: torch.Tensor, granularity: str, V: int, trained_head: bool
     return ([] if granularity == "token" or T <= rows else None), rows
 
 
-def nosync_chunks(live: torch.Tensor, granularity: str, chunk_rows: int) -> tuple[list[tuple[int, int]], LiveRows]:
+def nosync_chunks(live: torch.Tensor, granularity: str, chunk_rows: int,
+                  backend: str = "torch") -> tuple[list[tuple[int, int]], LiveRows]:
     """The no-sync op's chunks for ``live`` [B, T] (the tokens in the mask): ranges of live rows of ``chunk_rows``
     tokens (or of whole sequences) where the live count is read without a synchronisation (``fastrl.ops.live``), else
-    ``fixed_chunks`` over every row; with the ``LiveRows`` that ``run`` takes."""
+    ``fixed_chunks`` over every row (token chunks on ``triton-sm90``: of every row sorted live-first, the count on the
+    device, so the forward kernel skips dead row blocks); with the ``LiveRows`` that ``run`` takes."""
     B, T = live.shape
     rows = LiveRows.of(live.reshape(-1))
     if rows.ids is None:
+        if not rows.known and granularity == "token" and backend == "triton-sm90":
+            rows = LiveRows.sorted(live.reshape(-1))
         return fixed_chunks(B, T, granularity, chunk_rows), rows
     n = rows.ids.shape[0]
     if granularity == "token":
@@ -145,9 +149,10 @@ class Chunk:
 
     c0: int
     c1: int
-    rows: torch.Tensor | None  # the live rows' ids (compact), or None: rows c0:c1
+    rows: torch.Tensor | None  # the live rows' ids (compact, or every row sorted live-first), or None: rows c0:c1
     h: torch.Tensor  # [n, H]
     t: torch.Tensor  # [n]
+    count: torch.Tensor | None = None  # [1] int32 on the device: rows [count, n) are dead (sorted last), skipped
 
     def take(self, x: torch.Tensor) -> torch.Tensor:  # [N, ...] -> [n, ...]
         return x[self.c0 : self.c1] if self.rows is None else x.index_select(0, self.rows)
@@ -173,12 +178,15 @@ class ChunkLoss:
     logp_init: torch.Tensor | None = None
 
 
-def _chunk(hidden, targets, idx, live, c0: int, c1: int, compact: bool) -> Chunk:
+def _chunk(hidden, targets, idx, live, c0: int, c1: int, compact: bool, count: torch.Tensor | None = None) -> Chunk:
     rows = None if idx is None else idx[c0:c1]
     h = hidden[c0:c1] if rows is None else hidden.index_select(0, rows)
     if not compact:  # rows outside the mask: zeroed, so that whatever they hold cannot reach grad_W
-        h = torch.where(live[c0:c1, None], h, torch.zeros((), dtype=h.dtype, device=h.device))
-    return Chunk(c0, c1, rows, h, targets[c0:c1] if rows is None else targets.index_select(0, rows))
+        live_c = live[c0:c1] if rows is None else live.index_select(0, rows)
+        h = torch.where(live_c[:, None], h, torch.zeros((), dtype=h.dtype, device=h.device))
+    if count is not None:  # the chunk's own live count, on the device
+        count = count if c0 == 0 else (count - c0).clamp_(min=0)
+    return Chunk(c0, c1, rows, h, targets[c0:c1] if rows is None else targets.index_select(0, rows), count)
 
 
 def run(
@@ -207,12 +215,13 @@ def run(
     else:
         idx = None if live_rows is None else live_rows.ids
         compact = live_rows is not None and live_rows.known
+    count = None if compact or live_rows is None else live_rows.count
     rows = _Rows(hidden, loss.logp_init, ref is not None)
     tiles = _Tiles(hidden, weight, bias, tf, backend, max((c1 - c0 for c0, c1 in chunks), default=0), ref)
     acc = _Grads(hidden, weight, bias, need, single=len(chunks) == 1, direct=weight.dtype == tiles.cdt or tiles.triton,
                  triton=tiles.triton)
     for c0, c1 in chunks:
-        ck = _chunk(hidden, targets, idx, live, c0, c1, compact)
+        ck = _chunk(hidden, targets, idx, live, c0, c1, compact, count)
         ref_h = None if ref is None else _chunk(ref[0], targets, idx, live, c0, c1, compact).h
         st = tiles.stats(ck, ref_h)
         rows.put_(ck, st)
@@ -239,8 +248,12 @@ class _Rows:
         self.kl = torch.zeros(N, dtype=cdt, device=dev) if with_kl else None
 
     def put_(self, ck: Chunk, st: _Stats) -> None:
-        ck.put_(self.logp, st.zt - st.lse)
-        ck.put_(self.ent, st.ent)
+        logp, ent = st.zt - st.lse, st.ent
+        if ck.count is not None:  # dead rows (skipped on the device) keep their placeholders, as in eager
+            dead = torch.arange(logp.shape[0], device=logp.device, dtype=torch.int32) >= ck.count
+            logp, ent = torch.where(dead, ck.take(self.logp), logp), torch.where(dead, ck.take(self.ent), ent)
+        ck.put_(self.logp, logp)
+        ck.put_(self.ent, ent)
         if st.kl is not None:
             ck.put_(self.kl, st.kl)
 
@@ -284,7 +297,7 @@ class _Tiles:
         n, V = ck.h.shape[0], self.weight.shape[0]
         w, b, tf = self.weight, self.bias, self.tf
         if self.sm90:
-            return _Stats(None, *self.S.chunk_stats(self.exp_tile, ck.h, w, b, ck.t, tf))
+            return _Stats(None, *self.S.chunk_stats(self.exp_tile, ck.h, w, b, ck.t, tf, ck.count))
         z = self.zbuf[: n * V].view(n, V)
         if self.triton:
             # raw logits from cuBLAS in float32; the fold and G kernels apply bias and transform on the fly

@@ -74,9 +74,11 @@ def linear_stats(
     targets: torch.Tensor,  # [N] int64 contiguous
     tf: LogitTransform,
     with_entropy: bool,
+    live_count: torch.Tensor | None = None,  # [1] int32 on the device: rows [count, N) dead (sorted last), skipped
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # lse [N], target logit [N], entropy [N] | None
     check_tensors(hidden, weight)
-    return PS.persistent_stats(hidden, weight, bias, targets, with_entropy=with_entropy, **_tf_kw(tf))
+    return PS.persistent_stats(hidden, weight, bias, targets, with_entropy=with_entropy, live_count=live_count,
+                               **_tf_kw(tf))
 
 
 def linear_backward(
@@ -91,8 +93,11 @@ def linear_backward(
     tf: LogitTransform,
     need: tuple[bool, bool, bool],  # (hidden, weight, bias)
     vocab_chunk: int | None = None,
+    live_count: torch.Tensor | None = None,  # [1] int32 on the device: rows [count, N) dead (sorted last): G = 0
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:  # grad_h, grad_W, grad_b
-    """Gradients of ``sum(grad_logp * logp + grad_entropy * entropy)`` (path A): ``G`` slices from recomputed tiles."""
+    """Gradients of ``sum(grad_logp * logp + grad_entropy * entropy)`` (path A): ``G`` slices from recomputed tiles
+    (with ``live_count``, the dead row blocks' ``G`` stored as zeros without their GEMM; the cuBLAS GEMMs still see
+    every row)."""
     check_tensors(hidden, weight)
     N = hidden.shape[0]
     V = weight.shape[0]
@@ -109,11 +114,14 @@ def linear_backward(
     def part(x, n0, n1):
         return None if x is None else x[n0:n1]
 
+    def count_from(n0: int) -> torch.Tensor | None:  # the live count of the row chunk starting at n0 (device op)
+        return live_count if live_count is None or n0 == 0 else (live_count - n0).clamp_(min=0)
+
     def tile_grad(n0: int, n1: int, v0: int, v1: int) -> torch.Tensor:
         return PG.persistent_grad_block(
             hidden[n0:n1], weight[v0:v1], part(bias, v0, v1), targets[n0:n1], v0, lse[n0:n1],
             part(entropy, n0, n1), part(grad_logp, n0, n1), part(grad_entropy, n0, n1), buf[: n1 - n0, : v1 - v0],
-            **_tf_kw(tf),
+            live_count=count_from(n0), **_tf_kw(tf),
         )
 
     return sliced_backward(hidden, weight, bias, need, rows, cols, tile_grad)
@@ -142,12 +150,14 @@ def chunk_stats(
     bias: torch.Tensor | None,  # [V]
     t_c: torch.Tensor,  # [n] int64
     tf: LogitTransform,
+    live_count: torch.Tensor | None = None,  # [1] int32 on the device: rows [count, n) dead (sorted last), skipped
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # lse [n], target logit [n], entropy [n]
-    """The chunk's statistics, leaving its scaled exps in ``tile`` for ``chunk_grad``."""
+    """The chunk's statistics, leaving its scaled exps in ``tile`` for ``chunk_grad`` (a dead row's are not written:
+    its incoming gradient is 0, and ``chunk_grad`` writes exact zeros where it is)."""
     n = h_c.shape[0]
     check_tensors(h_c)
     return PS.persistent_stats(h_c, weight, bias, t_c, with_entropy=True, exp_out=tile.e[:n, : tile.V],
-                               k_out=tile.k[:n], config=tile.config, **_tf_kw(tf))
+                               k_out=tile.k[:n], config=tile.config, live_count=live_count, **_tf_kw(tf))
 
 
 def chunk_grad(
