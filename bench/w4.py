@@ -363,7 +363,8 @@ def print_points(con, rows: list[dict], title: str, plan: Plan, by=("completion_
     legend = (f"step ms: median (min-max); extra / peak MB: the step's peak over what it began with / in all; t/, m/: "
               f"time and extra memory against stock TRL at the same length; fits: {plan.budget_on} step memory "
               "within the budget (MB)")
-    shown = [{**r, "provider": r["config"], "workload": f"{r['workload']} x {r['completion_len'] or '-'}"} for r in rows]
+    shown = [{**r, "provider": r["config"], "workload": f"{r['workload']} x {r['completion_len'] or '-'}"}
+             for r in rows]  # the points that did not run: by config and length
     report.print_table(con, shown, title, columns, legend, section=lambda r: tuple(r[k] for k in by))
 
 
