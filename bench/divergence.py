@@ -241,9 +241,7 @@ def cli(args, device: str, con) -> int:
     report.print_table(con, rows, f"divergence ({report.mode(args)}) on {env['device']} | torch {env['torch']} | ms: "
                        f"median of {reps} runs")
     tg = targets(rows, device, con) if not args.smoke else {}
-    elapsed = time.perf_counter() - t0
     name = report.prefix("divergence", args) + (f"-n{args.tokens}.json" if args.tokens else ".json")
-    report.save_results(con, report.out_dir(args, env["device_slug"], "divergence") / name,
-                        {"command": "divergence", "argv": getattr(args, "argv", []), "env": env, "elapsed_s": elapsed,
-                         "reps": reps, "warmup": warmup, "targets": tg, "rows": rows}, elapsed)
+    report.save_results(con, report.out_dir(args, env["device_slug"], "divergence") / name, "divergence", args, env,
+                        t0, {"reps": reps, "warmup": warmup, "targets": tg, "rows": rows})
     return 1 if args.smoke and any(r.get("status") == "error" for r in rows) else 0

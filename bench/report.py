@@ -145,9 +145,12 @@ def write_json(path: Path, payload: dict) -> None:
         json.dump(payload, f, indent=1, default=str)
 
 
-def save_results(con, path: Path, payload: dict, elapsed: float, also: list | tuple = ()) -> None:
-    """Write a command's JSON and say so, with the other files it wrote and how long it took."""
-    write_json(path, payload)
+def save_results(con, path: Path, command: str, args, env: dict, t0: float, fields: dict, also=()) -> None:
+    """Write a command's JSON: its name, argv, environment and seconds since ``t0`` (``time.perf_counter``) beside
+    ``fields``; and say so, with the other files it wrote and how long it took."""
+    elapsed = time.perf_counter() - t0
+    write_json(path, {"command": command, "argv": list(getattr(args, "argv", []) or []), "env": env,
+                      "elapsed_s": elapsed, **fields})
     con.print("wrote " + ", ".join(str(p) for p in [path, *also]) + f"  ({elapsed:.0f} s)")
 
 

@@ -415,10 +415,8 @@ def command(name: str, args, device: str, con, plan: Plan, measure, report_rows,
     fields = report_rows(plan, rows, con, f"{name.upper()} ({mode}): one GRPO training step (compute_loss + backward) "
                          f"per point | {env['device']} | torch {env['torch']} | driver {env['driver']} | step ms: "
                          f"{steps} after a warm-up", elapsed)
-    payload = {"command": name, "mode": mode, "argv": list(getattr(args, "argv", []) or []), "env": env,
-               "elapsed_s": elapsed, **fields}
     written = [report.write_csv(out_dir / f"{prefix}.csv", rows, env, CSV_COLUMNS, nested=("step_ms",))]
-    report.save_results(con, out_dir / f"{prefix}.json", payload, elapsed, written)
+    report.save_results(con, out_dir / f"{prefix}.json", name, args, env, t0, {"mode": mode, **fields}, written)
     return 1 if args.smoke and any(r["status"] == "error" for r in rows) else 0
 
 
