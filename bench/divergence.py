@@ -8,13 +8,14 @@ import importlib.util
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, fields, replace
 
 import torch
 
 from bench import measure, report
 from bench.lmhead import add_ratios
 from bench.providers import Op
+from bench.workloads import Workload, flops
 
 BETAS = (0.0, 0.5, 1.0)
 KL_PROVIDERS = ("k3", "exact")  # the policy loss's KL term (workload KL-exact)
@@ -27,46 +28,26 @@ GPU_TARGETS = (0.8, None)
 REFERENCES = ("trl", "torch", "fastrl", "k3")  # every row's ratios against these rows of its workload
 
 
-@dataclass(frozen=True)
-class DivWorkload:
-    name: str
-    N: int
-    H: int  # student hidden width
-    Ht: int  # teacher hidden width (KL-exact: the reference's)
-    V: int
-    beta: float
-    dtype: str
-    note: str = ""
-    kind: str = "divergence"  # or "exact-kl": the policy loss with k3 vs the exact KL (beta is the loss's)
-
-    def flops(self) -> dict[str, float]:
-        """FLOPs of the chunked paths (docs/benchmarks.md); KL-exact: the exact provider's."""
-        div = self.kind == "divergence"
-        both = 2.0 * self.N * (self.H + self.Ht) * self.V
-        fwd = both * (2 if div and 0.0 < self.beta < 1.0 else 1)
-        bwd = 4.0 * self.N * self.H * self.V + (both if div else 0.0)
-        return {"fwd": fwd, "bwd": bwd, "total": fwd + bwd}
-
-
-def workloads(device: str, quick: bool = False, smoke: bool = False, betas=BETAS) -> list[DivWorkload]:
+def workloads(device: str, quick: bool = False, smoke: bool = False, betas=BETAS) -> list[Workload]:
     n = 512 if quick else 1024
-    base = (DivWorkload("D-smoke", 64, 32, 48, 1000, 0.0, "float32", note="plumbing only") if smoke else
-            DivWorkload("D", 16384, 896, 1536, 151936, 0.0, "bfloat16",
-                        note="student Qwen2.5-0.5B head, teacher Qwen2.5-1.5B head") if device == "cuda" else
-            DivWorkload("D", n, 256, 384, 65536, 0.0, "float32",
-                        note=f"CPU-scaled: issue 21's CPU shape (N=2048) at N={n}"))
+    base = (Workload("D-smoke", "divergence", 64, 32, 1000, "float32", note="plumbing only", Ht=48) if smoke else
+            Workload("D", "divergence", 16384, 896, 151936, "bfloat16", Ht=1536,
+                     note="student Qwen2.5-0.5B head, teacher Qwen2.5-1.5B head") if device == "cuda" else
+            Workload("D", "divergence", n, 256, 65536, "float32", Ht=384,
+                     note=f"CPU-scaled: issue 21's CPU shape (N=2048) at N={n}"))
     return [replace(base, name=f"{base.name}-b{b:g}", beta=float(b)) for b in betas]
 
 
-def kl_workloads(device: str, quick: bool = False, smoke: bool = False) -> list[DivWorkload]:
+def kl_workloads(device: str, quick: bool = False, smoke: bool = False) -> list[Workload]:
     """KL-exact: examples/exact_kl_cost.py's shape on a CPU, W2's head on CUDA."""
     n, h, v, dtype, note = ((64, 32, 1000, "float32", "plumbing only") if smoke else
                             (16384, 896, 151936, "bfloat16", "W2 head, 64 x 256 tokens") if device == "cuda" else
                             (1024 if quick else 2048, 512, 32768, "float32", f"{4 if quick else 8} x 256 tokens"))
-    return [DivWorkload("KL-exact-smoke" if smoke else "KL-exact", n, h, h, v, 0.04, dtype, note, "exact-kl")]
+    return [Workload("KL-exact-smoke" if smoke else "KL-exact", "exact-kl", n, h, v, dtype, note=note, Ht=h,
+                     beta=0.04)]
 
 
-def providers_for(wl: DivWorkload, chosen: list[str]) -> list[str]:
+def providers_for(wl: Workload, chosen: list[str]) -> list[str]:
     """Those of ``chosen`` that apply to ``wl`` (KL-exact: k3 / exact; otherwise the divergences)."""
     return [p for p in chosen if (p in KL_PROVIDERS) == (wl.kind == "exact-kl")]
 
@@ -80,7 +61,7 @@ def provider_unavailable(name: str, device: str) -> str | None:
     return None
 
 
-def make_inputs(wl: DivWorkload, device: torch.device, seed: int) -> dict:
+def make_inputs(wl: Workload, device: torch.device, seed: int) -> dict:
     """Random heads whose logits have unit scale, the teacher's a little sharper; a disjoint kept set of K ids per
     token (runs of one permutation of the vocabulary). KL-exact: B x 256 tokens, old and reference log-probs the
     policy's and the reference head's own."""
@@ -111,7 +92,7 @@ def make_inputs(wl: DivWorkload, device: torch.device, seed: int) -> dict:
     return x
 
 
-def build_op(wl: DivWorkload, provider: str, opts: dict) -> Op:
+def build_op(wl: Workload, provider: str, opts: dict) -> Op:
     """One provider's timed forward: the loss, and the per-token divergence where it returns one (as ``logp``, so the
     measuring code keeps it for its error); gradients to the student's hidden states and head."""
     import fastrl
@@ -150,7 +131,7 @@ def build_op(wl: DivWorkload, provider: str, opts: dict) -> Op:
               has_entropy=False, path="divergence")
 
 
-def _accuracy(wl: DivWorkload, provider: str, inp: dict, kept: dict, rows: int) -> dict:
+def _accuracy(wl: Workload, provider: str, inp: dict, kept: dict, rows: int) -> dict:
     """Errors against float64 on the first ``rows`` tokens: the per-token divergence and d(loss)/d(hidden), over the
     support for fastrl-kept64 (KL-exact: none here; tests/test_exact_kl.py checks the loss)."""
     from fastrl.reference import divergence_reference
@@ -174,7 +155,7 @@ def run_point(spec: dict) -> dict:
     """One (workload, provider) in this process: time and memory as ``bench.measure`` measures every op, errors
     against float64, and for ``exact`` the interleaved steps."""
     load0 = os.getloadavg()[0]
-    wl, device = DivWorkload(**spec["workload"]), torch.device(spec["device"])
+    wl, device = Workload.from_dict(spec["workload"]), torch.device(spec["device"])
     if device.type == "cpu" and spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
     why = provider_unavailable(spec["provider"], device.type)
@@ -193,7 +174,7 @@ def run_point(spec: dict) -> dict:
     return {**res, "loadavg": [load0, os.getloadavg()[0]]}
 
 
-def _interleaved(wl: DivWorkload, spec: dict, inp: dict, device: torch.device) -> dict:
+def _interleaved(wl: Workload, spec: dict, inp: dict, device: torch.device) -> dict:
     """k3 and exact steps alternately: the ratio judged is the median of the adjacent pairs' (a shared machine's load
     moves from process to process and from step to step)."""
     ops = {p: build_op(wl, p, spec.get("options", {})) for p in KL_PROVIDERS}
@@ -242,13 +223,14 @@ def cli(args, device: str, con) -> int:
     con.print(f"[bold]fastrl bench divergence[/bold] on {env['device']}: torch {env['torch']}, trl {env['trl']}, "
               f"liger {env['liger_kernel']}; {len(wls)} workloads x {len(provs)} providers, each in a fresh process")
     t0 = time.perf_counter()
-    rows = [{"workload": wl.name, "provider": p, **asdict(wl), "flops": wl.flops()}
+    phases = ("fwd", "bwd", "total")
+    rows = [{"workload": wl.name, "provider": p, **asdict(wl), "flops": {k: flops(wl, k) for k in phases}}
             for wl in wls for p in providers_for(wl, provs)]
     for r in rows:  # a provider that cannot run here needs no process to say so
         why = provider_unavailable(r["provider"], device)
         r.update({"status": "skipped", "reason": why} if why else {})
     todo = [r for r in rows if "status" not in r]
-    specs = [{"kind": "divergence", "workload": {f.name: r[f.name] for f in fields(DivWorkload)}, "device": device,
+    specs = [{"kind": "divergence", "workload": {f.name: r[f.name] for f in fields(Workload)}, "device": device,
               "provider": r["provider"], "reps": reps, "warmup": warmup, "n_sets": 1 if args.smoke else 2,
               "seed": 1234, "threads": args.threads,
               "options": {"fastrl_backend": args.fastrl_backend} if args.fastrl_backend else {},
@@ -259,9 +241,7 @@ def cli(args, device: str, con) -> int:
     report.print_table(con, rows, f"divergence ({report.mode(args)}) on {env['device']} | torch {env['torch']} | ms: "
                        f"median of {reps} runs")
     tg = targets(rows, device, con) if not args.smoke else {}
-    elapsed = time.perf_counter() - t0
     name = report.prefix("divergence", args) + (f"-n{args.tokens}.json" if args.tokens else ".json")
-    report.save_results(con, report.out_dir(args, env["device_slug"], "divergence") / name,
-                        {"command": "divergence", "argv": getattr(args, "argv", []), "env": env, "elapsed_s": elapsed,
-                         "reps": reps, "warmup": warmup, "targets": tg, "rows": rows}, elapsed)
+    report.save_results(con, report.out_dir(args, env["device_slug"], "divergence") / name, "divergence", args, env,
+                        t0, {"reps": reps, "warmup": warmup, "targets": tg, "rows": rows})
     return 1 if args.smoke and any(r.get("status") == "error" for r in rows) else 0

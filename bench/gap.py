@@ -131,10 +131,8 @@ def command(args, device: str, con) -> int:
             (res,) = run_fresh([spec], "cpu", args.timeout or 1200, run=fresh)
             rows.append({**c, **res, "status": res.get("status", "ok")})
             con.print(_line(rows[-1]))
-    elapsed = time.perf_counter() - t0
-    report.save_results(con, out_dir / f"{report.prefix('gap', args)}.json",
-                        {"command": "gap", "argv": getattr(args, "argv", []), "env": env, "model": shape,
-                         "steps": steps, "elapsed_s": elapsed, "rows": rows}, elapsed)
+    report.save_results(con, out_dir / f"{report.prefix('gap', args)}.json", "gap", args, env, t0,
+                        {"model": shape, "steps": steps, "rows": rows})
     return 1 if any(r["status"] != "ok" for r in rows) else 0
 
 

@@ -212,7 +212,5 @@ def cli(args, device: str, con) -> int:
     report.print_table(con, rows, f"keptset on {env['device']} | torch {env['torch']} | ms: median of {reps} (full "
                        f"path: of {full_reps})", COLUMNS, LEGEND)
     targets(rows, con)
-    elapsed = time.perf_counter() - t0
-    report.save_results(con, out, {"command": "keptset", "argv": getattr(args, "argv", []), "env": env,
-                                   "elapsed_s": elapsed, "rows": rows}, elapsed)
+    report.save_results(con, out, "keptset", args, env, t0, {"rows": rows})
     return 1 if args.smoke and any(r.get("status") != "ok" for r in rows) else 0

@@ -192,10 +192,8 @@ def cli(args, device: str, con) -> int:
     t0, log = time.perf_counter(), out_dir / f"{prefix}.rows.jsonl"
     log.unlink(missing_ok=True)
     rows, info = run(wls, provs, cfg, con, log=log)
-    elapsed = time.perf_counter() - t0
-    payload = {"command": args.command, "mode": cfg.mode, "argv": args.argv, "env": env,
-               "config": {**asdict(cfg), "rows_log": str(log)},
-               **info, "elapsed_s": elapsed, "workloads": [w.to_dict() for w in wls], "rows": rows}
+    payload = {"mode": cfg.mode, "config": {**asdict(cfg), "rows_log": str(log)}, **info,
+               "workloads": [w.to_dict() for w in wls], "rows": rows}
     con.print()  # the summary is printed last
     report.print_table(con, rows, f"{args.command} ({cfg.mode}) on {env['device']} | torch {env['torch']} | triton "
                        f"{env['triton']} | driver {env['driver']} | ms: median of "
@@ -209,5 +207,5 @@ def cli(args, device: str, con) -> int:
         written += report.plot([r for r in rows if r["group"] == group], out_dir / f"{prefix}-{group}.png",
                                f"{group} | {env['device']} | torch {env['torch']}",
                                (SWEEP_X.get(group, "tokens N"), "sweep_value"), panels)
-    report.save_results(con, out_dir / f"{prefix}.json", payload, elapsed, written)
+    report.save_results(con, out_dir / f"{prefix}.json", args.command, args, env, t0, payload, written)
     return 1 if args.smoke and any(r["status"] == "error" for r in rows) else 0

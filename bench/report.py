@@ -145,9 +145,12 @@ def write_json(path: Path, payload: dict) -> None:
         json.dump(payload, f, indent=1, default=str)
 
 
-def save_results(con, path: Path, payload: dict, elapsed: float, also: list | tuple = ()) -> None:
-    """Write a command's JSON and say so, with the other files it wrote and how long it took."""
-    write_json(path, payload)
+def save_results(con, path: Path, command: str, args, env: dict, t0: float, fields: dict, also=()) -> None:
+    """Write a command's JSON: its name, argv, environment and seconds since ``t0`` (``time.perf_counter``) beside
+    ``fields``; and say so, with the other files it wrote and how long it took."""
+    elapsed = time.perf_counter() - t0
+    write_json(path, {"command": command, "argv": list(getattr(args, "argv", []) or []), "env": env,
+                      "elapsed_s": elapsed, **fields})
     con.print("wrote " + ", ".join(str(p) for p in [path, *also]) + f"  ({elapsed:.0f} s)")
 
 
@@ -237,10 +240,10 @@ def _where(wls: dict) -> str:
 
 
 def print_table(con: Console, rows: list[dict], title: str, columns: tuple = SUMMARY_COLUMNS,
-                legend: str = SUMMARY_LEGEND) -> None:
+                legend: str = SUMMARY_LEGEND, section: Callable = lambda r: r["workload"]) -> None:
     """The summary within ``SUMMARY_WIDTH`` columns: one line per measured row ((header, justify, cell) per column),
-    a section per workload; then the legend, each workload's shape, each provider's notes, and the rows that did not
-    run (one line per reason). A committed run's ``floor`` rows (a retired matmul floor) are left out."""
+    a section per value of ``section``; then the legend, each workload's shape, each provider's notes, and the rows
+    that did not run (one line per reason). A committed run's ``floor`` rows (a retired matmul floor) are left out."""
     t = Table(title=title, box=box.SIMPLE_HEAD, header_style="bold", pad_edge=False)
     for header, just, _ in columns:
         t.add_column(header, justify=just, no_wrap=True)
@@ -248,13 +251,14 @@ def print_table(con: Console, rows: list[dict], title: str, columns: tuple = SUM
     notes: dict[tuple, dict] = {}  # (provider, note) -> its workloads, in order (a dict as an ordered set)
     not_run: dict[tuple, dict] = {}  # (provider, status, reason) -> its workloads
     for r in (r for r in rows if r.get("group") != "floor"):
-        shapes.setdefault(r["workload"], f"N={r['N']} H={r['H']} V={r['V']} {r['dtype']}")
+        if "N" in r:
+            shapes.setdefault(r["workload"], f"N={r['N']} H={r['H']} V={r['V']} {r['dtype']}")
         if r.get("status", "ok") != "ok":
             not_run.setdefault((r["provider"], r["status"], r.get("reason", "")), {})[r["workload"]] = None
             continue
-        if last not in (None, r["workload"]):
+        if last not in (None, section(r)):
             t.add_section()
-        last = r["workload"]
+        last = section(r)
         t.add_row(*(show(r) for _, _, show in columns))
         note = r.get("notes", "") + (f"; same measurement as {r['same_as']}" if r.get("same_as") else "")
         if note:

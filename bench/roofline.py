@@ -67,8 +67,8 @@ IMPLEMENTATIONS = {
               "sets (the worst case)", ("kept", "fastrl-kept")),
     "gather": ("fastrl's kept-set engine, per-row plan (built: fastrl.ops.kept_rows, fastrl.kernels.kept_rows; the "
                "default for disjoint sets, host_sync=False and torch.compile): each token gathers its K rows of W, "
-               "again for grad_h; grad_W by float32 atomics into a float32 buffer over the kept ids, cast and "
-               "scattered into the bf16 gradient", ("kept-gather",)),
+               "again for grad_h; grad_W by a sorted segment reduction into a float32 buffer over the kept ids, cast "
+               "and scattered into the bf16 gradient", ("kept-gather",)),
     "atomics": ("a fully fused backward (Cut Cross-Entropy's design): both gradient GEMMs in the tile kernel, "
                 "float32 atomics", ("cce",)),
 }
@@ -110,8 +110,8 @@ def _kept(w: Shape, impl: str) -> tuple[float, float, str] | None:
     if impl == "gather":  # the per-row plan as it runs on CUDA: kept_rows_bytes
         parts = kept_rows_bytes(w)
         slots = min(w.V, N * K)
-        how = (f"2 gathers of N K H bf16 rows, float32 atomics into [{slots}, H] slots, "
-               f"{parts['grad_W atomics'] / sum(parts.values()):.0%} of the bytes")
+        how = (f"2 gathers of N K H bf16 rows, sorted segment sums into [{slots}, H] slots, "
+               f"{parts['grad_W segment rows'] / sum(parts.values()):.0%} of the bytes")
         return 6.0 * N * K * H, sum(parts.values()), how
     return None
 
@@ -123,21 +123,29 @@ ENGINE_ENTRY_BYTES = 920
 
 def kept_rows_bytes(w: Shape) -> dict[str, float]:
     """HBM bytes of ``fused_logprobs(support=KeptSet)`` forward + backward on the per-row plan as it runs on CUDA (bf16
-    head, no bias, atomic scatter), beyond one read of hidden and W, by part (docs/roofline.md, "The kept set")."""
+    head, no bias, segment-sum dW), beyond one read of hidden and W, by part (docs/roofline.md, "The kept set")."""
     N, H, V, K = w.N, w.H, w.V, w.K
     E = N * K  # kept entries, every set K wide
     slots = min(V, E)  # _WeightSlots without a host read: min(V, nnz) float32 rows
-    fwd, bwd = KEPT_CONFIGS["kept_logits"], KEPT_CONFIGS["kept_backward"]
-    h_slices = math.ceil(H / bwd.block_h)  # backward programs per token, each reading the token's ids, G and rows
+    fwd, bwd, seg = (KEPT_CONFIGS[k] for k in ("kept_logits", "kept_backward", "kept_segment_dw"))
+    h_slices = math.ceil(H / bwd.block_h)  # backward programs per token, each reading the token's ids and G
+    # segment_dw_kernel: a block of seg.block_n sorted entries writes each key it starts once, its last one's tail
+    # summed by its owner: at most one row more per block than distinct keys
+    segments = min(E, slots + math.ceil(E / seg.block_n))
     return {
         "forward gather": E * H * S,  # logits_kernel: K rows of W per token
         # the forward reads h once per block of ids, the backward once more: all but one read are extra
         "hidden re-reads": math.ceil(K / fwd.block_v) * N * H * S,
         "logits y": E * (8 + 4),  # the kernel reads the padded ids, writes float32 y (read back: ENGINE_ENTRY_BYTES)
         "backward gather": E * H * S,  # backward_kernel: grad_h from the same rows
-        "ids, G, slot rows per H slice": h_slices * E * (8 + 4 + 8),
+        "ids, G per H slice": h_slices * E * (8 + 4),
         "grad_h float32": N * H * 4 * 2,  # written by the kernel, read by the cast to bf16
-        "grad_W atomics": E * H * 4 * 2,  # float32 read-modify-write per kept (entry, column)
+        # dW without atomics: the stable sort of the keys (rows masked, keys sorted, order, searchsorted's ends),
+        # then per H slice each entry's key, order and G, its hidden row read again, each segment's row read + written
+        "grad_W sort": E * 8 * 8,
+        "grad_W sorted keys per H slice": math.ceil(H / seg.block_h) * E * (8 + 8 + 4),
+        "grad_W hidden re-read": E * H * S,
+        "grad_W segment rows": segments * H * 4 * 2,
         **_slot_bytes(slots, H),
         "engine per entry": E * ENGINE_ENTRY_BYTES,
     }

@@ -40,12 +40,9 @@ KERNELS = {
     "div_stats": ("divergence_fold", "stats_kernel", "REVERSE_KL"),
     "div_jsd": ("divergence_fold", "jsd_kernel", None),
     "div_grad": ("divergence_fold", "grad_kernel", "JSD"),
-    # per-row kept sets: gather + multiply-reduce, no tensor cores by design (a matvec per token); "kept_grad"
-    # scatter-adds dW (and db) with atomics ("_rows": into the rows weight_rows names), "kept_grad_dh" is the
-    # deterministic path's dH half, "kept_segment_dw" its sorted fixed-order dW
+    # per-row kept sets: gather + multiply-reduce, no tensor cores by design (a matvec per token); "kept_grad_dh" is
+    # the backward's dH (no atomics, no bias), "kept_segment_dw" the sorted fixed-order dW and db
     "kept_logits": ("kept_rows", "logits_kernel", None),
-    "kept_grad": ("kept_rows", "backward_kernel", None),
-    "kept_grad_rows": ("kept_rows", "backward_kernel", None),
     "kept_grad_dh": ("kept_rows", "backward_kernel", None),
     "kept_segment_dw": ("kept_rows", "segment_dw_kernel", None),
 }
@@ -61,8 +58,7 @@ VARIANTS = (
     (("fold",), ("", "bias softcap")),
     (("grad_tile",), ("", "bias softcap", "float32")),
     (("kept_logits",), ("", "bias", "float16", "float32")),
-    (("kept_grad",), ("", "bias", "float32")),
-    (("kept_grad_rows", "kept_grad_dh"), ("",)),
+    (("kept_grad_dh",), ("", "float32")),
     (("kept_segment_dw",), ("", "bias", "float32")),
     (("div_stats", "div_jsd"), ("", "bias softcap")),
     (("div_grad",), ("", "bias softcap", "float32")),
@@ -122,7 +118,6 @@ def _launch(spec: Spec, arch: int):
                                         else "kept_backward"]
     else:  # elementwise: the module's column block and warps, 3 stages
         cfg = None
-    atomic = spec.kernel in ("kept_grad", "kept_grad_rows")
     b, c, e = spec.bias, spec.softcap, spec.entropy
     # every constexpr by name (a kernel takes those it has), and the unit strides a contiguous launch specialises
     values = dict(
@@ -130,9 +125,8 @@ def _launch(spec: Spec, arch: int):
         HAS_ENTROPY=e, HAS_GENT=e, HAS_GE=e, HAS_GLOGP=True, HAS_GD=True, HAS_GW=True, STORE_EXP=spec.store_exp,
         USE_TMA=spec.tma, IN_PLACE=spec.dtype != "float32", FIRST=False, EMULATE_RNE=False, INTERP_BF16=False,
         NUM_PROGS=132, HAS_COUNT=False,  # an H100 SXM's SMs (the H200 has as many)
-        ATOMIC_GW=atomic, ATOMIC_GB=atomic and b, HAS_ROWS=spec.kernel == "kept_grad_rows",
         MODE=mode and getattr(divergence_fold, mode), DOT_PRECISION=linear_logprob.dot_precision(dtype),
-        BLOCK_C=getattr(mod, "BLOCK_C", None), stride_ik=1, stride_yk=1, stride_gk=1, stride_rk=1,
+        BLOCK_C=getattr(mod, "BLOCK_C", None), stride_ik=1, stride_yk=1, stride_gk=1,
     )
     if cfg is None:
         values["BLOCK_V"] = 256
@@ -142,7 +136,7 @@ def _launch(spec: Spec, arch: int):
                       BLOCK_H=cfg.block_h)
         label, warps, stages = str(cfg), cfg.num_warps, cfg.num_stages
     fn = getattr(mod, name)
-    constexpr = {p.name for p in fn.params if p.is_constexpr} | {"stride_ik", "stride_yk", "stride_gk", "stride_rk"}
+    constexpr = {p.name for p in fn.params if p.is_constexpr} | {"stride_ik", "stride_yk", "stride_gk"}
     return fn, {a: values[a] for a in fn.arg_names if a in constexpr}, cfg, label, warps, stages
 
 
@@ -157,7 +151,7 @@ def _arg_type(a: str, spec: Spec, cfg) -> str:
         rows, cols = {"h": (n, h), "w": (v, h), "g": half if spec.kernel == "sm90_grad" else (n, v),
                       "e": half if spec.store_exp else (n, h)}[a[0]]
         return f"tensordesc<{ty}[{rows},{cols}]>"
-    if a in ("t_ptr", "ids_ptr", "rows_ptr", "order_ptr", "sid_ptr", "end_ptr"):
+    if a in ("t_ptr", "ids_ptr", "order_ptr", "sid_ptr", "end_ptr"):
         return "*i64"
     if a in ("h_ptr", "w_ptr", "b_ptr", "bs_ptr", "bt_ptr", "e_ptr") or (
             a == "g_ptr" and not spec.kernel.startswith("kept_")):  # G in place: the input dtype (float32 heads too)

@@ -11,7 +11,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.report import new_out_dir, pick
+from bench.report import out_dir, pick
 from bench.session_run import append_rows, run_points, stub
 
 __all__ = ["ALWAYS", "DROP_ORDER", "GPU_COSTS", "SECTIONS", "SMOKE_COSTS", "Costs", "SessionRun", "add_options",
@@ -213,7 +213,7 @@ class SessionRun:
         self.interpret, self.quiet = device == "cpu", False  # a smoke run interprets the kernels; rows echoed
         self.costs = SMOKE_COSTS if self.smoke else GPU_COSTS
         self.budget = args.budget or DEFAULT_BUDGET["smoke" if self.smoke else "cuda"]
-        self.out = Path(args.out or new_out_dir(env["device_slug"], "session-smoke" if self.smoke else "session"))
+        self.out = out_dir(args, env["device_slug"], "session")
         self.out.mkdir(parents=True, exist_ok=True)
         self.rows_path = self.out / f"{args.name}.rows.jsonl"  # next to the JSON: what a cut call still returns
         self.rows_path.write_text("")
@@ -318,14 +318,13 @@ def command(args, device: str, con) -> int:
     import torch
 
     from bench import report
-    from bench.provenance import provenance
     from bench.session_report import print_summary
     from fastrl.kernels.tuning import device_family
 
     if device != "cuda" and not args.smoke:
         con.print("[red]`python -m bench session` measures on a GPU; add --smoke to run its plumbing on a CPU[/red]")
         return 2
-    env = {**report.environment(device), **provenance(), "family": device_family(torch.device(device))}
+    env = {**report.environment(device), "family": device_family(torch.device(device))}  # environment: provenance
     run = SessionRun(args, device, con, env)
     smoke = " (smoke)" if run.smoke else ""
     con.print(f"[bold]fastrl bench session[/bold]{smoke} on {env['device']} ({env['family']}): torch {env['torch']}, "

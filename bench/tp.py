@@ -16,6 +16,10 @@ from pathlib import Path
 
 import torch
 
+from bench import report
+from bench.measure import rss_mb
+from bench.session_run import append_rows
+
 METHODS = ("fastrl-sharded", "gather-logits", "fastrl-1proc")
 
 
@@ -25,10 +29,6 @@ def add_options(ap) -> None:
                                 ("--reps", 2, "timed repetitions after one warm-up")):
         ap.add_argument(flag, type=int, default=default, help=f"{what} (default {default})")
     ap.add_argument("--out", default="bench/results/cpu-amd-epyc-2c/tp.json", help="results file")
-
-
-def _rss_mb() -> float:
-    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def _step(method: str, h, w, t, mesh):
@@ -58,11 +58,11 @@ def worker(method: str, N: int, H: int, V: int, reps: int, out: str) -> None:
         mesh = dist.init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
         w = distribute_tensor(w, mesh, [Shard(0)])
     w.requires_grad_()
-    before, times, peak, done = _rss_mb(), [], [0.0], threading.Event()
+    before, times, peak, done = rss_mb(), [], [0.0], threading.Event()
 
     def sample():  # RSS every 2 ms while the steps run (torch releases the GIL inside its ops)
         while not done.wait(0.002):
-            peak[0] = max(peak[0], _rss_mb())
+            peak[0] = max(peak[0], rss_mb())
 
     threading.Thread(target=sample, daemon=True).start()
     for _ in range(reps + 1):
@@ -71,14 +71,14 @@ def worker(method: str, N: int, H: int, V: int, reps: int, out: str) -> None:
         h.grad = w.grad = None
         times.append(time.perf_counter() - t0)
     done.set()
-    with open(out, "a") as f:
-        f.write(json.dumps(dict(method=method, rank=0 if single else dist.get_rank(), seconds=statistics.median(
-            times[1:]), peak_extra_mb=max(peak[0], _rss_mb()) - before)) + "\n")
+    append_rows(Path(out), [dict(method=method, rank=0 if single else dist.get_rank(),
+                                 seconds=statistics.median(times[1:]), peak_extra_mb=max(peak[0], rss_mb()) - before)])
 
 
 def command(args, device, con) -> int:
     N, H, V, P = args.tokens, args.hidden, args.vocab, args.procs
     rows_file = Path(args.out).with_suffix(".rows.jsonl")
+    rows_file.parent.mkdir(parents=True, exist_ok=True)
     rows_file.unlink(missing_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FASTRL_BACKEND": "torch"}
     torchrun = ["-m", "torch.distributed.run", f"--nproc_per_node={P}", f"--master_port={36500 + os.getpid() % 999}"]
@@ -88,8 +88,8 @@ def command(args, device, con) -> int:
     rows = [json.loads(line) for line in rows_file.read_text().splitlines()]
     worst = lambda m, k: max(r[k] for r in rows if r["method"] == m)  # noqa: E731 (the slowest / heaviest rank)
     summary = {m: dict(seconds=worst(m, "seconds"), peak_extra_mb=worst(m, "peak_extra_mb")) for m in METHODS}
-    result = dict(N=N, H=H, V=V, P=P, torch=torch.__version__, cpu=os.uname().machine, rows=rows, per_rank=summary)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    report.write_json(Path(args.out), dict(N=N, H=H, V=V, P=P, env=report.environment("cpu"), rows=rows,
+                                           per_rank=summary))
     for m, s in summary.items():
         con.print(f"{m:16s} {s['seconds']:8.2f} s  {s['peak_extra_mb']:9.1f} MB peak extra (worst rank)")
     return 0

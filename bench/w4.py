@@ -343,38 +343,29 @@ def sweep(plan: Plan, con) -> list[dict]:
     return rows
 
 
-def _fmt(x, f: str) -> str:
-    return "" if x is None else format(x, f)
+def _step_ms(r: dict) -> str:
+    sm = r["step_ms"]
+    return f"{sm['median']:.0f}" + (f" [{sm['min']:.0f}-{sm['max']:.0f}]" if sm.get("n", 1) > 1 else "")
 
 
 def print_points(con, rows: list[dict], title: str, plan: Plan, by=("completion_len",)) -> None:
-    """One line per point; a section per value of ``by``; a "fits" column per budget of the plan."""
-    from rich.markup import escape
-    from rich.table import Table
-
-    t = Table(title=title, header_style="bold")
-    for col in ("shape", "config", "completion", "step ms [min-max]", "extra MB", "peak MB", "x trl time / mem",
-                *[f"fits {b:.0f} MB" for b in plan.budgets_mb], "notes"):
-        t.add_column(col, justify="left" if col in ("shape", "config", "notes") else "right", overflow="fold")
-    last = None
-    for r in rows:
-        if last is not None and tuple(r[k] for k in by) != last:
-            t.add_section()
-        last = tuple(r[k] for k in by)
-        head = (r["arch"], r["config"], f"{r['completions']} x {r['completion_len']}" if r["completion_len"] else "")
-        if r["status"] != "ok":
-            style = "red" if r["status"] == "error" else "yellow"
-            t.add_row(*head, "", "", _fmt(r.get("peak_total_mb"), ".0f"), "",
-                      *["no" if r["status"] == "oom" else "" for _ in plan.budgets_mb],
-                      f"[{style}]{r['status']}: {escape(r['reason'])}[/{style}]")
-            continue
-        sm = r["step_ms"]
-        spread = f" [{sm['min']:.0f}-{sm['max']:.0f}]" if sm.get("n", 1) > 1 else ""
-        t.add_row(*head, f"{sm['median']:.0f}{spread}", f"{r['peak_extra_mb']:.1f}", f"{r['peak_total_mb']:.1f}",
-                  f"{r['time_vs_trl']:.2f} / {_fmt(r['mem_vs_trl'], '.3f')}" if "time_vs_trl" in r else "",
-                  *["yes" if r[f"peak_{plan.budget_on}_mb"] <= b else "no" for b in plan.budgets_mb],
-                  escape(f"path {r.get('path', '?')}; loss {r.get('loss_value', float('nan')):+.5f}"))
-    con.print(t)
+    """One line per measured point (``report.print_table``), a section per value of ``by``, a "fits" column per budget
+    of the plan; then the points that did not run or ran out of memory, one line per reason."""
+    cell = report.cell
+    fits = tuple((f"fits {b:.0f}", "right", lambda r, b=b: "yes" if r[f"peak_{plan.budget_on}_mb"] <= b else "no")
+                 for b in plan.budgets_mb)
+    columns = (("shape", "left", cell("arch", "")), ("config", "left", cell("config", "")),
+               ("completion", "right", lambda r: f"{r['completions']} x {r['completion_len']}"),
+               ("step ms", "right", _step_ms), ("extra MB", "right", cell("peak_extra_mb", ".1f")),
+               ("peak MB", "right", cell("peak_total_mb", ".1f")), ("t/trl", "right", cell("time_vs_trl", ".2f")),
+               ("m/trl", "right", cell("mem_vs_trl", ".3f")), *fits, ("path", "left", cell("path", "")),
+               ("loss", "right", cell("loss_value", "+.5f")))
+    legend = (f"step ms: median (min-max); extra / peak MB: the step's peak over what it began with / in all; t/, m/: "
+              f"time and extra memory against stock TRL at the same length; fits: {plan.budget_on} step memory "
+              "within the budget (MB)")
+    shown = [{**r, "provider": r["config"], "workload": f"{r['workload']} x {r['completion_len'] or '-'}"}
+             for r in rows]  # the points that did not run: by config and length
+    report.print_table(con, shown, title, columns, legend, section=lambda r: tuple(r[k] for k in by))
 
 
 def _report(plan: Plan, rows: list[dict], con, title: str, elapsed: float) -> dict:
@@ -424,10 +415,8 @@ def command(name: str, args, device: str, con, plan: Plan, measure, report_rows,
     fields = report_rows(plan, rows, con, f"{name.upper()} ({mode}): one GRPO training step (compute_loss + backward) "
                          f"per point | {env['device']} | torch {env['torch']} | driver {env['driver']} | step ms: "
                          f"{steps} after a warm-up", elapsed)
-    payload = {"command": name, "mode": mode, "argv": list(getattr(args, "argv", []) or []), "env": env,
-               "elapsed_s": elapsed, **fields}
     written = [report.write_csv(out_dir / f"{prefix}.csv", rows, env, CSV_COLUMNS, nested=("step_ms",))]
-    report.save_results(con, out_dir / f"{prefix}.json", payload, elapsed, written)
+    report.save_results(con, out_dir / f"{prefix}.json", name, args, env, t0, {"mode": mode, **fields}, written)
     return 1 if args.smoke and any(r["status"] == "error" for r in rows) else 0
 
 

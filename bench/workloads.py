@@ -1,8 +1,10 @@
 """Workloads (docs/design.md: W1-W3, C1), the token / vocabulary / hidden-size sweeps, and their cost model.
 
 A workload is a shape, a dtype and a kind of work: ``logprob`` (path A: per-token log-prob and entropy, forward +
-backward of ``sum(logp) + 0.01 * sum(entropy)``), ``loss`` (W1's GRPO policy loss, forward + backward) or ``forward``
-(path C: log-probs, no gradient). CPU runs scale the GPU workloads down by fixed factors, each saying so in its note.
+backward of ``sum(logp) + 0.01 * sum(entropy)``), ``loss`` (W1's GRPO policy loss, forward + backward), ``forward``
+(path C: log-probs, no gradient), or ``bench divergence``'s ``divergence`` (a student's head against a teacher's of
+width ``Ht`` at ``beta``) and ``exact-kl`` (the policy loss with k3 against the exact KL to a reference head).
+CPU runs scale the GPU workloads down by fixed factors, each saying so in its note.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from dataclasses import asdict, dataclass, replace
 __all__ = ["Workload", "KINDS", "C1", "C1_LOSS", "gpu_workloads", "cpu_workloads", "smoke_workloads", "select", "flops",
            "bytes_moved", "tiny"]
 
-KINDS = ("logprob", "loss", "forward")
+KINDS = ("logprob", "loss", "forward", "divergence", "exact-kl")
 ENTROPY_COEF = 0.01  # weight of the entropy term in the logprob workloads' loss and in the GRPO loss
 
 
@@ -28,6 +30,8 @@ class Workload:
     group: str = "core"  # "core" | "sweep-tokens" | "sweep-vocab" | "sweep-hidden" | "sweep-loss-h4096" | ...
     note: str = ""  # what this is, and how it was scaled from the GPU definition
     frozen_head: bool = False  # the LM head needs no gradient (LoRA): only hidden's gradient is computed
+    Ht: int = 0  # divergence / exact-kl: the teacher's (reference's) hidden width
+    beta: float = 0.0  # divergence: the JSD's beta; exact-kl: the loss's KL weight
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -59,6 +63,10 @@ def flops(wl: Workload, phase: str) -> float:
     """Useful FLOPs of one phase: 'fwd' 2NHV, 'bwd' 4NHV, 'total' 6NHV (forward-only: 2NHV total; a frozen head
     has no weight-gradient GEMM: 'bwd' 2NHV, 'total' 4NHV)."""
     nhv = float(wl.N) * wl.H * wl.V
+    if wl.kind in ("divergence", "exact-kl"):  # the chunked paths' (docs/benchmarks.md); exact-kl: the exact provider's
+        div, both = wl.kind == "divergence", 2.0 * wl.N * (wl.H + wl.Ht) * wl.V
+        fwd = both * (2 if div and 0.0 < wl.beta < 1.0 else 1)
+        return {"fwd": fwd, "bwd": 4 * nhv + both * div, "total": fwd + 4 * nhv + both * div}[phase]
     bwd = 0.0 if wl.kind == "forward" else 2 * nhv if wl.frozen_head else 4 * nhv
     return {"fwd": 2 * nhv, "bwd": bwd, "total": 2 * nhv + bwd}[phase]
 

@@ -75,7 +75,7 @@ def test_bench_cli_commands(tmp_path):
     assert proc.returncode == 0 and line, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
     res = json.loads(line[len("RESULT "):])
     assert res["commands"] == ["run", "c1", "w4", "w5", "keptset", "divergence", "gap", "compile", "targets",
-                               "session", "defaults", "sass", "roofline"]
+                               "session", "defaults", "sass", "tp", "roofline"]
     assert "--budget" in res["help"]["session"] and "--sections" in res["help"]["session"]
     assert "--check" in res["help"]["defaults"]
     assert "--results" in res["help"]["roofline"] and "4.3 TB/s" in res["help"]["roofline"]
