@@ -24,7 +24,7 @@ from fastrl.kernels import logits_fold as F
 from fastrl.ops import torch_backend as _TB
 from fastrl.ops._gemm import addmm_f32, mm_f32
 from fastrl.ops.budget import O_N_BYTES, memory_budget, tile_budget
-from fastrl.ops.config import LogitTransform
+from fastrl.ops.config import LogitTransform, get_batch_invariant
 
 __all__ = ["linear_stats", "linear_backward", "sliced_backward", "tile_columns"]
 
@@ -37,6 +37,12 @@ ROWS = 4096  # tokens per statistics tile (TRL's token tile; cuBLAS is at full s
 # output, 4096 FLOP/B. (A roofline choice, not yet timed on a GPU; up to 16384 tokens nothing changes.)
 MAX_ROWS = 1 << 14
 _ALIGN = 256
+# The batch-invariant mode's statistics tile (``fastrl.set_batch_invariant``): cuBLAS (and MKL) pick a GEMM's kernel,
+# and so the order of an output's inner sum, by its shape, so every GEMM has INVARIANT_ROWS rows (the last block
+# padded with zero rows) and INVARIANT_COLS columns (the last one narrower, the same for every N): a 32 MB float32
+# tile. Costs the padded rows (a batch of 1 token computes 1024) and GEMMs narrower than ROWS.
+INVARIANT_ROWS = 1024
+INVARIANT_COLS = 8192
 
 
 def tile_columns(rows: int, vocab: int, requested: int | None = None, room: int | None = None) -> int:
@@ -69,6 +75,8 @@ def linear_stats(
     with_entropy: bool,
     vocab_chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # lse [N], target logit [N], entropy [N] | None
+    if get_batch_invariant():
+        return _invariant_stats(hidden, weight, bias, targets, tf, with_entropy, vocab_chunk)
     N = hidden.shape[0]
     V = weight.shape[0]
     rows = min(N, ROWS)
@@ -84,6 +92,41 @@ def linear_stats(
             F.fold_tile(y, None if bias is None else bias[v0:v1], targets[n0:n1], v0, part, first=v0 == 0,
                         with_entropy=with_entropy, **_transform_kw(tf))
     return F.finish_stats(stats, with_entropy)
+
+
+def _invariant_stats(
+    hidden: torch.Tensor,  # [N, H]
+    weight: torch.Tensor,  # [V, H]
+    bias: torch.Tensor | None,  # [V] contiguous
+    targets: torch.Tensor,  # [N] int64 contiguous
+    tf: LogitTransform,
+    with_entropy: bool,
+    vocab_chunk: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # lse [N], target logit [N], entropy [N] | None
+    """``linear_stats`` over fixed ``[INVARIANT_ROWS, INVARIANT_COLS]`` tiles (``vocab_chunk`` columns when given),
+    whatever N and the memory budget: a token's statistics are a function of its own row (batch invariant)."""
+    N, H = hidden.shape
+    V = weight.shape[0]
+    rows, cols = INVARIANT_ROWS, max(1, min(vocab_chunk or INVARIANT_COLS, V))
+    n_pad = -(-N // rows) * rows
+    buf = torch.empty(rows * cols, dtype=torch.float32, device=hidden.device)
+    stats = torch.empty((4, n_pad), dtype=torch.float32, device=hidden.device)
+    pad_h = torch.zeros((rows, H), dtype=hidden.dtype, device=hidden.device) if n_pad != N else None
+    pad_t = torch.full((rows,), -1, dtype=targets.dtype, device=targets.device) if n_pad != N else None
+    for n0 in range(0, N, rows):
+        n1 = min(n0 + rows, N)
+        h_b, t_b = hidden[n0:n1], targets[n0:n1]
+        if n1 - n0 < rows:  # the last block, padded: every GEMM has the same shape
+            pad_h[: n1 - n0], pad_t[: n1 - n0] = h_b, t_b
+            h_b, t_b = pad_h, pad_t
+        part = stats[:, n0 : n0 + rows]
+        for v0 in range(0, V, cols):
+            v1 = min(v0 + cols, V)
+            y = mm_f32(h_b, weight[v0:v1].T, out=buf[: rows * (v1 - v0)].view(rows, v1 - v0))
+            F.fold_tile(y, None if bias is None else bias[v0:v1], t_b, v0, part, first=v0 == 0,
+                        with_entropy=with_entropy, **_transform_kw(tf))
+    lse, zt, ent = F.finish_stats(stats, with_entropy)
+    return lse[:N], zt[:N], (ent[:N] if ent is not None else None)
 
 
 def linear_backward(

@@ -29,7 +29,7 @@ from fastrl.ops._checks import (
 )
 from fastrl.ops._gemm import addmm_f32
 from fastrl.ops.backend import resolve_backend
-from fastrl.ops.config import LogitTransform
+from fastrl.ops.config import LogitTransform, invariant_splits
 
 __all__ = ["fused_logprobs", "run_logprobs", "linear_stats", "linear_backward", "host_sync_enabled",
            "LinearOptions"]
@@ -91,7 +91,7 @@ def linear_stats(
 
         return fused_stats(
             hidden, weight, bias, targets, logit_scale=tf.logit_scale, softcap=tf.softcap,
-            temperature=tf.temperature, with_entropy=with_entropy,
+            temperature=tf.temperature, with_entropy=with_entropy, splits=invariant_splits(),
         )
     return torch_backend.linear_stats(hidden, weight, bias, targets, tf, with_entropy=with_entropy)
 
