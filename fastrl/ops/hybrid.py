@@ -26,7 +26,7 @@ from fastrl.ops._gemm import addmm_f32, mm_f32
 from fastrl.ops.budget import O_N_BYTES, memory_budget, tile_budget
 from fastrl.ops.config import LogitTransform, get_batch_invariant
 
-__all__ = ["linear_stats", "linear_backward", "sliced_backward", "tile_columns"]
+__all__ = ["linear_stats", "linear_backward", "sliced_backward", "tile_columns", "chunk_logits_f32"]
 
 ROWS = 4096  # tokens per statistics tile (TRL's token tile; cuBLAS is at full speed there)
 # Tokens per backward tile before the rows are chunked as well. A tile of E elements (the budget) holds E / rows
@@ -40,8 +40,9 @@ _ALIGN = 256
 # The batch-invariant mode's statistics tile (``fastrl.set_batch_invariant``): cuBLAS (and MKL) pick a GEMM's kernel,
 # and so the order of an output's inner sum, by its shape, so every GEMM has INVARIANT_ROWS rows (the last block
 # padded with zero rows) and INVARIANT_COLS columns (the last one narrower, the same for every N): a 32 MB float32
-# tile. Costs the padded rows (a batch of 1 token computes 1024) and GEMMs narrower than ROWS.
-INVARIANT_ROWS = 1024
+# tile on CUDA. Costs the padded rows (a batch of 1 token computes 1024) and GEMMs narrower than ROWS. On a CPU (the
+# interpreter) 128 rows: MKL is at full speed there, and the interpreter's cost follows the padded rows.
+INVARIANT_ROWS = {"cuda": 1024, "cpu": 128}
 INVARIANT_COLS = 8192
 
 
@@ -107,7 +108,8 @@ def _invariant_stats(
     whatever N and the memory budget: a token's statistics are a function of its own row (batch invariant)."""
     N, H = hidden.shape
     V = weight.shape[0]
-    rows, cols = INVARIANT_ROWS, max(1, min(vocab_chunk or INVARIANT_COLS, V))
+    rows = INVARIANT_ROWS["cuda" if hidden.device.type == "cuda" else "cpu"]
+    cols = max(1, min(vocab_chunk or INVARIANT_COLS, V))
     n_pad = -(-N // rows) * rows
     buf = torch.empty(rows * cols, dtype=torch.float32, device=hidden.device)
     stats = torch.empty((4, n_pad), dtype=torch.float32, device=hidden.device)
@@ -127,6 +129,35 @@ def _invariant_stats(
                         with_entropy=with_entropy, **_transform_kw(tf))
     lse, zt, ent = F.finish_stats(stats, with_entropy)
     return lse[:N], zt[:N], (ent[:N] if ent is not None else None)
+
+
+def chunk_logits_f32(
+    hidden: torch.Tensor,  # [n, H] a one-pass chunk's tokens
+    weight: torch.Tensor,  # [V, H]
+    out: torch.Tensor,  # [n, V] float32
+) -> torch.Tensor:
+    """The raw float32 logits of a one-pass chunk: one GEMM, or in the batch-invariant mode the GEMMs of
+    ``_invariant_stats`` (fixed ``[INVARIANT_ROWS, INVARIANT_COLS]`` tiles, the last row block padded, through one
+    32 MB tile on CUDA), so a row's logits follow neither the chunk's length nor its neighbours."""
+    if not get_batch_invariant():
+        return mm_f32(hidden, weight.T, out=out)
+    n, H = hidden.shape
+    V = weight.shape[0]
+    rows = INVARIANT_ROWS["cuda" if hidden.device.type == "cuda" else "cpu"]
+    cols = min(INVARIANT_COLS, V)
+    tile = torch.empty(rows * cols, dtype=torch.float32, device=hidden.device)
+    pad = torch.zeros((rows, H), dtype=hidden.dtype, device=hidden.device) if n % rows else None
+    for n0 in range(0, n, rows):
+        n1 = min(n0 + rows, n)
+        h_b = hidden[n0:n1]
+        if n1 - n0 < rows:
+            pad[: n1 - n0] = h_b
+            h_b = pad
+        for v0 in range(0, V, cols):
+            v1 = min(v0 + cols, V)
+            y = mm_f32(h_b, weight[v0:v1].T, out=tile[: rows * (v1 - v0)].view(rows, v1 - v0))
+            out[n0:n1, v0:v1] = y[: n1 - n0]
+    return out
 
 
 def linear_backward(

@@ -22,7 +22,7 @@ import torch
 
 from fastrl.ops import torch_backend as TB
 from fastrl.ops._checks import compact_rows
-from fastrl.ops._gemm import addmm_f32, compensated_addmm_, mm_f32
+from fastrl.ops._gemm import addmm_f32, compensated_addmm_
 from fastrl.ops.backend import is_triton
 from fastrl.ops.budget import fit_one_pass_rows, memory_budget, one_pass_rows, tile_budget
 from fastrl.ops.config import LogitTransform
@@ -241,9 +241,10 @@ class _Tiles:
         self.triton, self.sm90 = is_triton(backend), backend == "triton-sm90"
         if self.triton:
             from fastrl.kernels import logits_fold as F
+            from fastrl.ops import hybrid as HY
             from fastrl.ops import sm90 as S
 
-            self.F, self.S = F, S
+            self.F, self.S, self.H = F, S, HY
         # sm90: scaled exps in the input dtype instead of float32 logits (fastrl.ops.sm90)
         self.zbuf = torch.empty(0 if self.sm90 else chunk * V, dtype=cdt, device=dev)
         self.zrbuf = torch.empty(chunk * V, dtype=cdt, device=dev) if ref is not None else None
@@ -260,7 +261,7 @@ class _Tiles:
         z = self.zbuf[: n * V].view(n, V)
         if self.triton:
             # raw logits from cuBLAS in float32; the fold and G kernels apply bias and transform on the fly
-            mm_f32(ck.h, w.T, out=z)
+            self.H.chunk_logits_f32(ck.h, w, out=z)  # fixed row blocks in the batch-invariant mode
             st = self.stats_buf[:, :n]
             self.F.fold_tile(z, b, ck.t, 0, st, first=True, with_entropy=True, **self.tkw)
             return _Stats(z, *self.F.finish_stats(st, True))
