@@ -99,7 +99,7 @@ tests() {  # tests() LIMIT WHAT FILES...: pytest -v (no xdist), each verdict in 
         "$(wc -l <"$OUT/tests-failures.txt") failed (tests-failures.txt)"
 }
 
-GPU_TESTS=(tests/test_cuda_sm90.py tests/test_cuda_kernels.py tests/test_cuda.py)
+GPU_TESTS=(tests/test_cuda_sm90.py tests/test_cuda_kernels.py tests/test_cuda.py tests/test_invariance.py)
 cuda_then_rest() {  # cuda_then_rest LIMIT FILES...: those GPU test files, then the suite without GPU_TESTS, in LIMIT s
     # (two pytest runs: given a file and its folder, pytest collects in the folder's order, not the file first)
     local end=$((SECONDS + $1))
@@ -127,13 +127,13 @@ case "$STAGE" in
     window)
         install
         tests "$TESTS_KERNELS_S" "GPU kernels" tests/test_cuda_sm90.py tests/test_cuda_kernels.py
-        cuda_then_rest "$TESTS_REST_S" tests/test_cuda.py
+        cuda_then_rest "$TESTS_REST_S" tests/test_cuda.py tests/test_invariance.py
         session session ;;
     rest)
         install
         session session-rest --sections "${3:-configs,compile}"
         [ "$(left)" -gt 60 ] && cuda_then_rest $(($(left) - PACK_S)) tests/test_cuda_sm90.py \
-            tests/test_cuda_kernels.py tests/test_cuda.py ;;
+            tests/test_cuda_kernels.py tests/test_cuda.py tests/test_invariance.py ;;
     w5)
         install
         timeout --foreground $(($(left) - 20)) python3 -m bench w5 --no-plots --out "$OUT" --workload 0.5B \
