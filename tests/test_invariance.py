@@ -192,7 +192,7 @@ def test_policy_loss_terms_batch_invariant(impl):
                 _assert_same("k3 KL term", kl[where], kl1[: where.numel()], ctx)
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("impl", ["torch", "triton", "triton-sm90"])
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 def test_divergence_batch_invariant(impl, beta):
     _skip_unless_runs(impl)
