@@ -102,6 +102,7 @@ def _batch(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 def _assert_same(name: str, got: torch.Tensor, want: torch.Tensor, context: str) -> None:
     if not torch.equal(got, want):
+        got, want = got.reshape(-1), want.reshape(-1)
         bad = (got != want).nonzero()[0].tolist()
         raise AssertionError(f"{name} not bitwise equal {context} at probe {bad}: got {got.tolist()}, "
                              f"alone {want.tolist()} (diff {(got - want).abs().max().item():.3g})")
@@ -156,7 +157,7 @@ def test_logprobs_invariant_under_budgets_and_chunks():
             _check_batches(("log-prob", "entropy"), fn, batches=(7, 1000), context=f" at a {memory}-byte budget")
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton-hybrid"])
+@pytest.mark.parametrize("impl", ["torch", "triton-hybrid", "triton-sm90"])
 def test_policy_loss_terms_batch_invariant(impl):
     """policy_loss's per-token log-probs (the one-pass engine: one chunk, many chunks, a small byte budget) are those
     of fused_logprobs alone (torch: bitwise path A's), and so are its per-token k3 KL terms."""
@@ -190,6 +191,36 @@ def test_policy_loss_terms_batch_invariant(impl):
                     _assert_same("policy_loss log-prob vs fused_logprobs", lp[where], alone[0][: where.numel()], ctx)
                 _assert_same("policy_loss log-prob", lp[where], lp1[: where.numel()], ctx)
                 _assert_same("k3 KL term", kl[where], kl1[: where.numel()], ctx)
+
+
+def test_exact_kl_term_batch_invariant():
+    """The exact KL inside the one-pass chunks (torch backend): with one live token and the others computed but
+    masked (host_sync=False: no compaction, so they share its chunk), the ``kl`` metric is that token's KL; the same
+    alone, in batches of 7, 64 and 1000, in one chunk or chunks of 16."""
+    d = _data(V["torch"])
+    cfg = fastrl.PolicyLossConfig(loss_type="dapo", beta=0.04, kl_estimator="exact")
+    g = torch.Generator().manual_seed(3)
+    ref_h, ref_w = torch.randn(1000, H, generator=g).to(DEVICE), (torch.randn(V["torch"], H, generator=g) * 0.3).to(DEVICE)
+
+    def kl_of(rows, live_row, chunk_tokens):
+        n = rows.numel()
+        live = torch.zeros(1, n, dtype=torch.bool, device=DEVICE)
+        live[0, live_row] = True
+        h = d["h"][rows].clone().requires_grad_(True)
+        _, metrics = fastrl.policy_loss(
+            h[None], d["w"], d["t"][rows][None], torch.ones(1, device=DEVICE), live, config=cfg,
+            ref_hidden=ref_h[rows][None], ref_weight=ref_w, backend="torch",
+            chunk_tokens=chunk_tokens, host_sync=False)
+        return metrics["kl"]
+
+    with _mode():
+        alone = [kl_of(torch.tensor([p], device=DEVICE), 0, None) for p in range(PROBES)]
+        for chunk_tokens in (None, 16):
+            for n in (7, 64, 1000):
+                rows, _, where = _batch(n, seed=n + 2)
+                for p in range(min(n, PROBES)):
+                    _assert_same("exact KL", kl_of(rows, int(where[p]), chunk_tokens), alone[p],
+                                 f"in a batch of {n} (chunk_tokens={chunk_tokens})")
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton", "triton-sm90"])
@@ -290,7 +321,7 @@ def test_logprob_gradients_deterministic(impl):
     _grads_twice(run)
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton-hybrid"])
+@pytest.mark.parametrize("impl", ["torch", "triton-hybrid", "triton-sm90"])
 def test_policy_loss_gradients_deterministic(impl):
     _skip_unless_runs(impl)
     d = _data(_vocab(impl))

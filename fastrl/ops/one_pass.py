@@ -31,6 +31,7 @@ __all__ = ["IGNORE", "ChunkLoss", "Chunk", "chunk_budget", "live_chunks", "plan_
            "tile_stats_kl", "tile_grad_kl_"]
 
 IGNORE = -100  # the target id of a row outside the mask (the ops' ignore_index)
+EXACT_KL_COLUMNS = 1024  # vocabulary columns per block of the exact KL's passes over a chunk's tiles (_block_columns)
 
 
 def chunk_budget(V: int, device: torch.device, trained_head: bool, requested: int | None, backend: str = "torch",
@@ -380,10 +381,10 @@ def tile_stats_kl(
 
 
 def _block_columns(z: torch.Tensor) -> int:
-    """Vocabulary columns per block of an [n, V] tile: the ``exact-kl`` budget (a CPU core's L2: the passes over a
-    block then run from cache)."""
-    n, V = z.shape
-    return TB.tile_columns(n, V, tile_elems=tile_budget("exact-kl", z.device).elems)
+    """Vocabulary columns per block of an [n, V] tile: ``EXACT_KL_COLUMNS`` whatever n, so a row's sums are added in
+    one order in every chunk (batch invariant); at the CPU's 256-row chunks a block is the ``exact-kl`` budget's
+    1 MB (a core's L2: the passes over a block then run from cache)."""
+    return min(z.shape[1], EXACT_KL_COLUMNS)
 
 
 def _lse(z: torch.Tensor) -> torch.Tensor:  # [n, V] -> [n], blockwise (no tile-sized temporary)
