@@ -373,3 +373,25 @@ def test_kept_gradients_deterministic(impl, overlap):
         return (lp * d["ref"][:n]).sum() + ent.sum() * 0.1, (h, w)
 
     _grads_twice(run)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the switch
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_set_batch_invariant_api():
+    from fastrl.ops import config
+
+    assert fastrl.set_batch_invariant is config.set_batch_invariant and "set_batch_invariant" in fastrl.__all__
+    prev = fastrl.set_batch_invariant(True)
+    try:
+        assert fastrl.get_batch_invariant() and config.invariant_splits() == config.INVARIANT_SPLITS
+        assert fastrl.set_batch_invariant(False) is True and config.invariant_splits() is None
+        with pytest.raises(TypeError, match="set_batch_invariant takes a bool, got int"):
+            fastrl.set_batch_invariant(1)
+        with pytest.raises(ValueError, match="FASTRL_BATCH_INVARIANT must be 0/1"):
+            config._parse_flag("maybe")
+        assert config._parse_flag("on") and not config._parse_flag("")
+    finally:
+        fastrl.set_batch_invariant(prev)
