@@ -59,7 +59,7 @@ def forward(student, teacher, opts, mode: int):
     if not get_batch_invariant():
         rows = min(max(N, 1), hybrid.ROWS)
         return _forward(student, teacher, opts, mode, rows, _cols(rows, V))
-    rows = hybrid.INVARIANT_ROWS["cuda" if student.h.device.type == "cuda" else "cpu"]
+    rows = hybrid.invariant_rows(student.h.device)
     n_pad = -(-N // rows) * rows
     out = _forward(_padded(student, n_pad), _padded(teacher, n_pad), opts, mode, rows, min(INVARIANT_COLUMNS, V))
     return tuple(None if x is None else x[:N] for x in out)

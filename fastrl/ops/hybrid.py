@@ -26,7 +26,7 @@ from fastrl.ops._gemm import addmm_f32, mm_f32
 from fastrl.ops.budget import O_N_BYTES, memory_budget, tile_budget
 from fastrl.ops.config import LogitTransform, get_batch_invariant
 
-__all__ = ["linear_stats", "linear_backward", "sliced_backward", "tile_columns", "chunk_logits_f32"]
+__all__ = ["linear_stats", "linear_backward", "sliced_backward", "tile_columns", "chunk_logits_f32", "invariant_rows"]
 
 ROWS = 4096  # tokens per statistics tile (TRL's token tile; cuBLAS is at full speed there)
 # Tokens per backward tile before the rows are chunked as well. A tile of E elements (the budget) holds E / rows
@@ -104,31 +104,44 @@ def _invariant_stats(
     with_entropy: bool,
     vocab_chunk: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # lse [N], target logit [N], entropy [N] | None
-    """``linear_stats`` over fixed ``[INVARIANT_ROWS, INVARIANT_COLS]`` tiles (``vocab_chunk`` columns when given),
-    whatever N and the memory budget: a token's statistics are a function of its own row (batch invariant)."""
-    N, H = hidden.shape
-    V = weight.shape[0]
-    rows = INVARIANT_ROWS["cuda" if hidden.device.type == "cuda" else "cpu"]
-    cols = max(1, min(vocab_chunk or INVARIANT_COLS, V))
+    """``linear_stats`` over the fixed tiles of ``_invariant_tiles`` (``vocab_chunk`` columns when given), whatever N
+    and the memory budget: a token's statistics are a function of its own row (batch invariant)."""
+    N = hidden.shape[0]
+    rows = invariant_rows(hidden.device)
     n_pad = -(-N // rows) * rows
-    buf = torch.empty(rows * cols, dtype=torch.float32, device=hidden.device)
     stats = torch.empty((4, n_pad), dtype=torch.float32, device=hidden.device)
-    pad_h = torch.zeros((rows, H), dtype=hidden.dtype, device=hidden.device) if n_pad != N else None
-    pad_t = torch.full((rows,), -1, dtype=targets.dtype, device=targets.device) if n_pad != N else None
-    for n0 in range(0, N, rows):
-        n1 = min(n0 + rows, N)
-        h_b, t_b = hidden[n0:n1], targets[n0:n1]
-        if n1 - n0 < rows:  # the last block, padded: every GEMM has the same shape
-            pad_h[: n1 - n0], pad_t[: n1 - n0] = h_b, t_b
-            h_b, t_b = pad_h, pad_t
-        part = stats[:, n0 : n0 + rows]
-        for v0 in range(0, V, cols):
-            v1 = min(v0 + cols, V)
-            y = mm_f32(h_b, weight[v0:v1].T, out=buf[: rows * (v1 - v0)].view(rows, v1 - v0))
-            F.fold_tile(y, None if bias is None else bias[v0:v1], t_b, v0, part, first=v0 == 0,
-                        with_entropy=with_entropy, **_transform_kw(tf))
+    t_pad = torch.full((n_pad,), -1, dtype=targets.dtype, device=targets.device)  # padding rows: no target logit
+    t_pad[:N] = targets
+    for n0, _, v0, v1, y in _invariant_tiles(hidden, weight, vocab_chunk):
+        F.fold_tile(y, None if bias is None else bias[v0:v1], t_pad[n0 : n0 + rows], v0, stats[:, n0 : n0 + rows],
+                    first=v0 == 0, with_entropy=with_entropy, **_transform_kw(tf))
     lse, zt, ent = F.finish_stats(stats, with_entropy)
     return lse[:N], zt[:N], (ent[:N] if ent is not None else None)
+
+
+def invariant_rows(device: torch.device) -> int:
+    """Rows per GEMM of the batch-invariant mode on ``device``'s kind (``INVARIANT_ROWS``)."""
+    return INVARIANT_ROWS["cuda" if device.type == "cuda" else "cpu"]
+
+
+def _invariant_tiles(hidden: torch.Tensor, weight: torch.Tensor, cols: int | None = None):
+    """``(n0, n1, v0, v1, raw float32 logits [INVARIANT_ROWS, v1 - v0])`` over blocks of ``INVARIANT_ROWS`` rows (the
+    last one padded with zero rows: its rows past ``n1`` are padding), each block's vocabulary tiles of ``cols``
+    (default ``INVARIANT_COLS``) columns in order: every GEMM one shape whatever N. One reused tile."""
+    N, H = hidden.shape
+    V = weight.shape[0]
+    rows, cols = invariant_rows(hidden.device), max(1, min(cols or INVARIANT_COLS, V))
+    buf = torch.empty(rows * cols, dtype=torch.float32, device=hidden.device)
+    pad = torch.zeros((rows, H), dtype=hidden.dtype, device=hidden.device) if N % rows else None
+    for n0 in range(0, N, rows):
+        n1 = min(n0 + rows, N)
+        h_b = hidden[n0:n1]
+        if n1 - n0 < rows:  # the last block, padded: every GEMM has the same shape
+            pad[: n1 - n0] = h_b
+            h_b = pad
+        for v0 in range(0, V, cols):
+            v1 = min(v0 + cols, V)
+            yield n0, n1, v0, v1, mm_f32(h_b, weight[v0:v1].T, out=buf[: rows * (v1 - v0)].view(rows, v1 - v0))
 
 
 def chunk_logits_f32(
@@ -137,26 +150,12 @@ def chunk_logits_f32(
     out: torch.Tensor,  # [n, V] float32
 ) -> torch.Tensor:
     """The raw float32 logits of a one-pass chunk: one GEMM, or in the batch-invariant mode the GEMMs of
-    ``_invariant_stats`` (fixed ``[INVARIANT_ROWS, INVARIANT_COLS]`` tiles, the last row block padded, through one
-    32 MB tile on CUDA), so a row's logits follow neither the chunk's length nor its neighbours."""
+    ``_invariant_tiles`` (through one 32 MB tile on CUDA), so a row's logits follow neither the chunk's length nor
+    its neighbours."""
     if not get_batch_invariant():
         return mm_f32(hidden, weight.T, out=out)
-    n, H = hidden.shape
-    V = weight.shape[0]
-    rows = INVARIANT_ROWS["cuda" if hidden.device.type == "cuda" else "cpu"]
-    cols = min(INVARIANT_COLS, V)
-    tile = torch.empty(rows * cols, dtype=torch.float32, device=hidden.device)
-    pad = torch.zeros((rows, H), dtype=hidden.dtype, device=hidden.device) if n % rows else None
-    for n0 in range(0, n, rows):
-        n1 = min(n0 + rows, n)
-        h_b = hidden[n0:n1]
-        if n1 - n0 < rows:
-            pad[: n1 - n0] = h_b
-            h_b = pad
-        for v0 in range(0, V, cols):
-            v1 = min(v0 + cols, V)
-            y = mm_f32(h_b, weight[v0:v1].T, out=tile[: rows * (v1 - v0)].view(rows, v1 - v0))
-            out[n0:n1, v0:v1] = y[: n1 - n0]
+    for n0, n1, v0, v1, y in _invariant_tiles(hidden, weight):
+        out[n0:n1, v0:v1] = y[: n1 - n0]
     return out
 
 
