@@ -144,6 +144,21 @@ def test_logprobs_batch_invariant(impl):
         _check_batches(("log-prob", "entropy", "k3 KL"), fn, batches=_batches(impl))
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton-sm90"])
+def test_logprobs_no_sync_batch_invariant(impl):
+    """The no-sync path (``host_sync=False``, as under torch.compile): masked rows are computed with zeroed hidden
+    states instead of being dropped, so a probe shares its tiles with them; still the same bits."""
+    _skip_unless_runs(impl)
+    d = _data(_vocab(impl))
+
+    def fn(rows, live):
+        t = torch.where(live, d["t"][rows], -100)
+        return fastrl.fused_logprobs(d["h"][rows], d["w"], t, backend=impl, host_sync=False)
+
+    with _mode():
+        _check_batches(("log-prob", "entropy"), fn, batches=_batches(impl)[1:])
+
+
 def test_logprobs_invariant_under_budgets_and_chunks():
     """The torch backend's tiles never follow the budget or the vocab chunk of the caller's budget."""
     d = _data(V["torch"])
