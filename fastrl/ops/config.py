@@ -27,13 +27,14 @@ _BATCH_INVARIANT: bool = _parse_flag(os.environ.get(_INVARIANT_ENV))
 
 
 def set_batch_invariant(enabled: bool) -> bool:
-    """Batch-invariant mode for the Triton backends (``fastrl.set_batch_invariant``); returns the previous setting.
+    """Batch-invariant mode (``fastrl.set_batch_invariant``); returns the previous setting.
 
-    On: a token's log-prob, entropy, loss terms and divergence are bitwise the same whatever else shares its batch,
-    on ``triton-hybrid`` (GEMMs over fixed 128-row blocks, fixed vocabulary tiles), ``triton-sm90`` (a vocabulary split
-    count that depends on V only) and ``triton-fused`` (already so). The ``torch`` backend is batch invariant
-    always, so this changes nothing there. Also ``FASTRL_BATCH_INVARIANT=1`` before fastrl is imported.
-    docs/functions.md, "Reproducibility", lists what is guaranteed and what it costs."""
+    On: a token's log-prob, entropy, loss terms and divergence are bitwise the same whatever else shares its batch on
+    every backend: ``triton-hybrid`` computes its GEMMs over fixed padded row blocks and vocabulary tiles,
+    ``triton-fused`` and ``triton-sm90`` use ``INVARIANT_SPLITS`` vocabulary splits whatever N, and a ``KeptSet`` takes
+    the per-row plan. The ``torch`` backend's full-softmax paths are batch invariant either way. Also
+    ``FASTRL_BATCH_INVARIANT=1`` before fastrl is imported. docs/functions.md, "Reproducibility", lists what is
+    guaranteed and what it costs."""
     global _BATCH_INVARIANT
     if not isinstance(enabled, bool):
         raise TypeError(f"set_batch_invariant takes a bool, got {type(enabled).__name__}")
