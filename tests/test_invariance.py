@@ -17,12 +17,16 @@ from __future__ import annotations
 import contextlib
 import os
 
-import pytest
-import torch
+# cuBLAS under torch.use_deterministic_algorithms(True) needs a fixed workspace (PyTorch raises otherwise); read when
+# the check runs, so setting it here, before any test of this file, is enough on a CUDA machine
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
-import fastrl
-from fastrl.losses.arithmetic import kl_estimate
-from fastrl.ops import budget
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import fastrl  # noqa: E402
+from fastrl.losses.arithmetic import kl_estimate  # noqa: E402
+from fastrl.ops import budget  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = torch.cuda.is_available() and not INTERPRET
