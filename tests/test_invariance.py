@@ -17,8 +17,9 @@ from __future__ import annotations
 import contextlib
 import os
 
-# cuBLAS under torch.use_deterministic_algorithms(True) needs a fixed workspace (PyTorch raises otherwise); read when
-# the check runs, so setting it here, before any test of this file, is enough on a CUDA machine
+# cuBLAS under torch.use_deterministic_algorithms(True) needs a fixed workspace configuration (PyTorch raises at the
+# call otherwise); set before this file's first test (an earlier CUDA test file of the same run may already have
+# created cuBLAS's workspace, but PyTorch's check reads the variable at each call)
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import pytest  # noqa: E402
