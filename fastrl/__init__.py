@@ -20,6 +20,8 @@ _LAZY = {
     "fused_divergence": "fastrl.ops.divergence",
     "set_memory_budget": "fastrl.ops.budget",
     "get_memory_budget": "fastrl.ops.budget",
+    "set_batch_invariant": "fastrl.ops.config",
+    "get_batch_invariant": "fastrl.ops.config",
     "PolicyLossConfig": "fastrl.losses.config",
     "policy_loss": "fastrl.losses.policy",
     "FusedPolicyLoss": "fastrl.losses.policy",

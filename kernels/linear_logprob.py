@@ -338,14 +338,24 @@ def merge_partial_stats(
     u: torch.Tensor | None,  # [S, N] sum exp(z - m) (z - m)
     zt: torch.Tensor,  # [S, N] target logit (0 in splits that do not hold the target)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Merge per-split online statistics into lse [N], target logit [N] and entropy [N]."""
+    """Merge per-split online statistics into lse [N], target logit [N] and entropy [N].
+
+    The splits are added one at a time, in split order, with elementwise ops: a reduction over dim 0 of ``[S, N]``
+    sums a row's splits in an order that can depend on N and on the row's position (its vector lane on a CPU, the
+    CUDA reduction's block shape), which made a token's entropy change in its last bit with the batch."""
     M = m.max(dim=0).values
     alpha = torch.exp(m - M)
-    S = (alpha * s).sum(0)
+    a_s = alpha * s
+    S = a_s[0].clone()
+    for i in range(1, a_s.shape[0]):
+        S += a_s[i]
     lse = M + torch.log(S)
     entropy = None
     if u is not None:
-        U = (alpha * (u + (m - M) * s)).sum(0)
+        terms = alpha * (u + (m - M) * s)
+        U = terms[0].clone()
+        for i in range(1, terms.shape[0]):
+            U += terms[i]
         entropy = torch.log(S) - U / S
     return lse, zt.sum(0), entropy
 

@@ -118,21 +118,33 @@ def div_stats_kernel(
         tl.store(out + 5 * plane, s_t, mask=n_ok)
 
 
+def _ordered_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x.sum(dim)``, the slices added one at a time in order: a reduction's order may follow the other dimension's
+    length and a row's position in it (its vector lane, the CUDA kernel's block), which would make a token's value
+    depend on its batch."""
+    parts = x.unbind(dim)
+    out = parts[0].clone()
+    for p in parts[1:]:
+        out += p
+    return out
+
+
 def merge_div_partials(part: torch.Tensor, mode: int) -> torch.Tensor:  # [6, S, N] -> [6, N]
     """Combine per-split statistics: each split's sums re-based to the common maxima (the cross term of the forward
-    KL scales with the teacher's factor and shifts by both, as one more tile would in the kernel)."""
+    KL scales with the teacher's factor and shifts by both, as one more tile would in the kernel), added in split
+    order."""
     m_s, s_s, u_s, c, m_t, s_t = part.unbind(0)
     M_s, M_t = m_s.max(0).values, m_t.max(0).values
     sh_s, sh_t = m_s - M_s, m_t - M_t
     a_s, a_t = torch.exp(sh_s), torch.exp(sh_t)
-    U = (a_s * (u_s + sh_s * s_s)).sum(0)
+    U = _ordered_sum(a_s * (u_s + sh_s * s_s), 0)
     if mode == 0:
-        C = (a_t * (c + (sh_t - sh_s) * s_t)).sum(0)
+        C = _ordered_sum(a_t * (c + (sh_t - sh_s) * s_t), 0)
     elif mode == 1:
-        C = (a_s * (c + (sh_s - sh_t) * s_s)).sum(0)
+        C = _ordered_sum(a_s * (c + (sh_s - sh_t) * s_s), 0)
     else:
         C = torch.zeros_like(M_s)
-    return torch.stack([M_s, (a_s * s_s).sum(0), U, C, M_t, (a_t * s_t).sum(0)])
+    return torch.stack([M_s, _ordered_sum(a_s * s_s, 0), U, C, M_t, _ordered_sum(a_t * s_t, 0)])
 
 
 @triton.jit
@@ -250,20 +262,22 @@ def _flags(student, teacher, cfg: KernelConfig) -> dict:
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def _grid(N: int, V: int, cfg: KernelConfig, device) -> tuple[int, int, int]:
-    """(programs, splits, v_per_split) of a split-vocabulary persistent launch."""
+def _grid(N: int, V: int, cfg: KernelConfig, device, splits: int | None = None) -> tuple[int, int, int]:
+    """(programs, splits, v_per_split) of a split-vocabulary persistent launch (``splits``: that many, whatever N)."""
     n_blocks, v_blocks = triton.cdiv(N, cfg.block_n), triton.cdiv(V, cfg.block_v)
     progs = num_programs(device, n_blocks * v_blocks)
-    v_per_split = triton.cdiv(v_blocks, choose_splits(n_blocks, v_blocks, progs)) * cfg.block_v
+    n_splits = max(1, min(splits, v_blocks)) if splits else choose_splits(n_blocks, v_blocks, progs)
+    v_per_split = triton.cdiv(v_blocks, n_splits) * cfg.block_v
     n_splits = triton.cdiv(V, v_per_split)
     return min(progs, n_blocks * n_splits), n_splits, v_per_split
 
 
-def div_stats(student, teacher, mode: int, with_entropy: bool, cfg: KernelConfig) -> torch.Tensor:  # [6, N]
+def div_stats(student, teacher, mode: int, with_entropy: bool, cfg: KernelConfig,
+              splits: int | None = None) -> torch.Tensor:  # [6, N]
     """(m_s, s_s, u_s, c, m_t, s_t) of every row over the whole vocabulary (``divergence._Head``s, inputs'
-    dtype)."""
+    dtype); ``splits``: the vocabulary split count (None: chosen for N)."""
     N, V = student.h.shape[0], student.weight.shape[0]
-    progs, n_splits, v_per_split = _grid(N, V, cfg, student.h.device)
+    progs, n_splits, v_per_split = _grid(N, V, cfg, student.h.device, splits)
     part = torch.empty((6, n_splits, N), dtype=torch.float32, device=student.h.device)
     bs = student.bias if student.bias is not None else part
     bt = teacher.bias if teacher.bias is not None else part
@@ -274,10 +288,11 @@ def div_stats(student, teacher, mode: int, with_entropy: bool, cfg: KernelConfig
     return merge_div_partials(part, mode)
 
 
-def div_jsd(student, teacher, lse_s, lse_t, beta: float, cfg: KernelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def div_jsd(student, teacher, lse_s, lse_t, beta: float, cfg: KernelConfig,
+            splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(KL(p_s || m), KL(p_t || m)) [N] each, ``m = (1 - beta) p_s + beta p_t``."""
     N, V = student.h.shape[0], student.weight.shape[0]
-    progs, n_splits, v_per_split = _grid(N, V, cfg, student.h.device)
+    progs, n_splits, v_per_split = _grid(N, V, cfg, student.h.device, splits)
     part = torch.empty((2, n_splits, N), dtype=torch.float32, device=student.h.device)
     bs = student.bias if student.bias is not None else part
     bt = teacher.bias if teacher.bias is not None else part
@@ -285,7 +300,7 @@ def div_jsd(student, teacher, lse_s, lse_t, beta: float, cfg: KernelConfig) -> t
         *_descs(student, teacher, student.weight, teacher.weight, cfg), bs, bt, lse_s, lse_t, part,
         N, V, student.h.shape[1], teacher.h.shape[1], n_splits, v_per_split, float(beta),
         *_tf_args(student, teacher), NUM_PROGS=progs, **_flags(student, teacher, cfg))
-    kl_sm, kl_tm = part.sum(1).unbind(0)
+    kl_sm, kl_tm = _ordered_sum(part, 1).unbind(0)
     return kl_sm, kl_tm
 
 

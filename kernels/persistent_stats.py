@@ -230,7 +230,8 @@ def persistent_stats(
             hidden.stride(0), weight.stride(0), k_out.stride(0) if store_exp else 0,
             float(logit_scale), float(softcap or 1.0), 1.0 / float(temperature),
             HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, HAS_ENTROPY=with_entropy,
-            STORE_EXP=store_exp, HAS_COUNT=live_count is not None, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, NUM_PROGS=progs,
+            STORE_EXP=store_exp, HAS_COUNT=live_count is not None, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v,
+            BLOCK_H=cfg.block_h, NUM_PROGS=progs,
             DOT_PRECISION=dot_precision(hidden.dtype), INTERP_BF16=interp_bf16(hidden.dtype),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )

@@ -1,13 +1,64 @@
-"""The scalar options of the logits transform, carried as one frozen object."""
+"""The scalar options of the logits transform, carried as one frozen object; the batch-invariant mode's switch."""
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["LogitTransform", "Head"]
+__all__ = ["LogitTransform", "Head", "set_batch_invariant", "get_batch_invariant", "invariant_splits",
+           "INVARIANT_SPLITS"]
+
+_INVARIANT_ENV = "FASTRL_BATCH_INVARIANT"
+
+
+def _parse_flag(value: str | None) -> bool:
+    v = (value or "").strip().lower()
+    if v in ("", "0", "false", "no", "off"):
+        return False
+    if v in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{_INVARIANT_ENV} must be 0/1 (or true/false, yes/no, on/off), got {value!r}")
+
+
+_BATCH_INVARIANT: bool = _parse_flag(os.environ.get(_INVARIANT_ENV))
+
+
+def set_batch_invariant(enabled: bool) -> bool:
+    """Batch-invariant mode (``fastrl.set_batch_invariant``); returns the previous setting.
+
+    On: a token's log-prob, entropy, loss terms and divergence are bitwise the same whatever else shares its batch on
+    every backend: ``triton-hybrid`` computes its GEMMs over fixed padded row blocks and vocabulary tiles,
+    ``triton-fused`` and ``triton-sm90`` use ``INVARIANT_SPLITS`` vocabulary splits whatever N, and a ``KeptSet`` takes
+    the per-row plan. The ``torch`` backend's full-softmax paths are batch invariant either way. Also
+    ``FASTRL_BATCH_INVARIANT=1`` before fastrl is imported. docs/functions.md, "Reproducibility", lists what is
+    guaranteed and what it costs."""
+    global _BATCH_INVARIANT
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_batch_invariant takes a bool, got {type(enabled).__name__}")
+    previous, _BATCH_INVARIANT = _BATCH_INVARIANT, enabled
+    return previous
+
+
+def get_batch_invariant() -> bool:
+    """Whether the batch-invariant mode is on (``set_batch_invariant`` or ``FASTRL_BATCH_INVARIANT``)."""
+    return _BATCH_INVARIANT
+
+
+# Vocabulary splits of the split-vocabulary statistics kernels (``triton-fused``'s and ``triton-sm90``'s) in the
+# batch-invariant mode. Their default split count follows N (enough programs for every SM), and a row's statistics
+# merge per split, so it changed a token's last bits with the batch; a fixed count makes the splits a function of V
+# alone. 8: the persistent kernel's floor of 4 doubled, so a few-token batch still spreads over some programs (the
+# cost on a GPU is not measured yet).
+INVARIANT_SPLITS = 8
+
+
+def invariant_splits() -> int | None:
+    """The split count the statistics kernels must use now: ``INVARIANT_SPLITS`` in the batch-invariant mode, else
+    None (their own choice)."""
+    return INVARIANT_SPLITS if _BATCH_INVARIANT else None
 
 
 def is_finite_number(v) -> bool:

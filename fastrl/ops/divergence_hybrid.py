@@ -22,11 +22,13 @@ from fastrl.kernels import divergence_fold as K
 from fastrl.ops import hybrid, torch_backend
 from fastrl.ops._gemm import mm_f32
 from fastrl.ops.budget import tile_budget
+from fastrl.ops.config import Head, get_batch_invariant
 from fastrl.ops.divergence_stats import finish_stats
 
 __all__ = ["forward", "backward"]
 
 COLUMNS: int | None = None  # vocabulary columns per slice (None: as many as the tile budget allows); tests shrink it
+INVARIANT_COLUMNS = 4096  # the batch-invariant mode's: two 16 MB float32 tiles of 1024 rows on CUDA
 
 
 def _cols(rows: int, V: int) -> int:
@@ -49,11 +51,32 @@ def _bias(head, v0, v1):
 def forward(student, teacher, opts, mode: int):
     """(divergence, entropy | None, lse_s, lse_t, aux) [N] float32, as ``divergence_torch.forward``.
 
-    ``student`` / ``teacher`` are ``fastrl.ops.config.Head``s whose ``h`` keeps the input dtype (cuBLAS reads bf16)."""
+    ``student`` / ``teacher`` are ``fastrl.ops.config.Head``s whose ``h`` keeps the input dtype (cuBLAS reads bf16).
+    In the batch-invariant mode (``fastrl.set_batch_invariant``) every GEMM has ``hybrid.INVARIANT_ROWS`` rows (the
+    hidden states padded with zero rows) and ``INVARIANT_COLUMNS`` columns, so a token's divergence follows neither
+    N nor the budget."""
+    N, V = student.h.shape[0], student.weight.shape[0]
+    if not get_batch_invariant():
+        rows = min(max(N, 1), hybrid.ROWS)
+        return _forward(student, teacher, opts, mode, rows, _cols(rows, V))
+    rows = hybrid.invariant_rows(student.h.device)
+    n_pad = -(-N // rows) * rows
+    out = _forward(_padded(student, n_pad), _padded(teacher, n_pad), opts, mode, rows, min(INVARIANT_COLUMNS, V))
+    return tuple(None if x is None else x[:N] for x in out)
+
+
+def _padded(head, n_pad: int):
+    N = head.h.shape[0]
+    if N == n_pad:
+        return head
+    h = head.h.new_zeros((n_pad, head.h.shape[1]))
+    h[:N] = head.h
+    return Head(h, head.weight, head.bias, head.tf, head.dtype)
+
+
+def _forward(student, teacher, opts, mode: int, rows: int, cols: int):
     N, V = student.h.shape[0], student.weight.shape[0]
     dev = student.h.device
-    rows = min(max(N, 1), hybrid.ROWS)
-    cols = _cols(rows, V)
     bufs = [torch.empty(rows * cols, dtype=torch.float32, device=dev) for _ in range(2)]
     stats = torch.empty((6, N), dtype=torch.float32, device=dev)
     kw = dict(student=student.tf, teacher=teacher.tf)

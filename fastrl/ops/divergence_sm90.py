@@ -17,6 +17,7 @@ import torch
 from fastrl.kernels import persistent_divergence as PD
 from fastrl.kernels.tuning import KernelConfig, config_for
 from fastrl.ops import hybrid
+from fastrl.ops.config import invariant_splits
 from fastrl.ops.divergence_stats import JSD, finish_stats
 from fastrl.ops.sm90 import check_tensors
 
@@ -34,11 +35,12 @@ def forward(student, teacher, opts, mode: int):
     """(divergence, entropy | None, lse_s, lse_t, aux) [N] float32, as ``divergence_hybrid.forward``."""
     check_tensors(student.h, student.weight, teacher.h, teacher.weight)
     cfg = _config(student, teacher)
-    stats = PD.div_stats(student, teacher, mode, opts.with_entropy, cfg)
+    splits = invariant_splits()  # fixed in the batch-invariant mode, else chosen for N
+    stats = PD.div_stats(student, teacher, mode, opts.with_entropy, cfg, splits)
     div, entropy, lse_s, lse_t = finish_stats(stats, mode, opts.with_entropy)
     if mode != JSD:  # a KL: it is also what the backward needs
         return div, entropy, lse_s, lse_t, div
-    kl_sm, kl_tm = PD.div_jsd(student, teacher, lse_s.contiguous(), lse_t.contiguous(), opts.beta, cfg)
+    kl_sm, kl_tm = PD.div_jsd(student, teacher, lse_s.contiguous(), lse_t.contiguous(), opts.beta, cfg, splits)
     return opts.beta * kl_tm + (1.0 - opts.beta) * kl_sm, entropy, lse_s, lse_t, kl_sm
 
 

@@ -11,6 +11,10 @@ heads and forms the student's ``G = dD/dy`` (docs/design.md, "Divergences"):
   that the softmax Jacobian removes);
 * the student's entropy: ``-p_s (log p_s + H)``.
 
+The forward walks fixed ``[ROW_BLOCK, VOCAB_TILE]`` tiles (the hidden states padded to whole row blocks), so a
+token's divergence and entropy are bitwise the same in any batch (``fastrl.ops.torch_backend``'s docstring says
+why); the backward's tiles follow N and the budget (deterministic run to run, not batch invariant).
+
 ``forward`` / ``backward`` have the interface of ``fastrl.ops.divergence_hybrid`` and ``fastrl.ops.divergence_sm90``
 (``fastrl.ops.config.Head``s whose ``h`` keeps the input dtype; ``opts`` the op's ``DivergenceOptions``, read for
 ``beta``, ``with_entropy``, ``mode`` and the student's transform): they upcast both heads to the compute dtype
@@ -27,7 +31,7 @@ import torch
 from fastrl.ops.budget import tile_budget
 from fastrl.ops.config import Head
 from fastrl.ops.divergence_stats import FORWARD_KL, REVERSE_KL, finish_stats, finite_max, log_mix
-from fastrl.ops.torch_backend import acc_dtype, tile_columns
+from fastrl.ops.torch_backend import ROW_BLOCK, VOCAB_TILE, acc_dtype, tile_columns
 
 __all__ = ["forward", "backward", "divergence_forward", "divergence_backward"]
 
@@ -44,15 +48,37 @@ class _Tile:
 
 
 def _tiles(N: int, V: int) -> Iterator[_Tile]:
-    """The [rows, cols] tiles that cover every (token, id) pair once, each row's tiles in vocabulary order."""
+    """The backward's [rows, cols] tiles: every row at once, as many columns as the ``divergence`` budget allows, in
+    vocabulary order (the gradients need determinism, not batch invariance)."""
     cols = tile_columns(N, V, tile_elems=tile_budget("divergence").elems)
     for v0 in range(0, V, cols):
         yield _Tile(slice(0, N), v0, min(v0 + cols, V))
 
 
-def _buffers(N: int, V: int, cdt: torch.dtype, dev: torch.device) -> list[torch.Tensor]:
+def _invariant_tiles(N_pad: int, V: int) -> Iterator[_Tile]:
+    """The forward's tiles: blocks of ``ROW_BLOCK`` rows (``N_pad`` a multiple of it) x ``VOCAB_TILE`` columns, each
+    row block's tiles in vocabulary order. Every GEMM and every fold has one shape whatever N, so a token's divergence
+    is a function of its own rows alone (batch invariant: ``fastrl.ops.torch_backend``'s docstring says why)."""
+    cols = min(VOCAB_TILE, V)
+    for n0 in range(0, N_pad, ROW_BLOCK):
+        for v0 in range(0, V, cols):
+            yield _Tile(slice(n0, n0 + ROW_BLOCK), v0, min(v0 + cols, V))
+
+
+def _padded(head: Head, N_pad: int) -> Head:
+    """``head`` with its hidden states padded with zero rows to ``N_pad`` rows (no copy when none are needed)."""
+    N = head.hidden.shape[0]
+    if N == N_pad:
+        return head
+    h = head.hidden.new_zeros((N_pad, head.hidden.shape[1]))
+    h[:N] = head.hidden
+    return Head(h, head.weight, head.bias, head.tf, head.dtype)
+
+
+def _buffers(N: int, V: int, cdt: torch.dtype, dev: torch.device, elems: int | None = None) -> list[torch.Tensor]:
     """The five flat tile buffers (both heads' logits, three scratch), each as large as the largest tile."""
-    elems = max(N, 1) * tile_columns(N, V, tile_elems=tile_budget("divergence").elems)
+    if elems is None:
+        elems = max(N, 1) * tile_columns(N, V, tile_elems=tile_budget("divergence").elems)
     return [torch.empty(elems, dtype=cdt, device=dev) for _ in range(5)]
 
 
@@ -124,25 +150,27 @@ def divergence_forward(
     N, V = student.h.shape[0], student.weight.shape[0]
     cdt, dev = student.hidden.dtype, student.h.device
     mode = opts.mode
-    st = torch.zeros((6, N), dtype=cdt, device=dev)
+    N_pad = -(-N // ROW_BLOCK) * ROW_BLOCK
+    student, teacher = _padded(student, N_pad), _padded(teacher, N_pad)
+    st = torch.zeros((6, N_pad), dtype=cdt, device=dev)
     st[0].fill_(float("-inf"))
     st[4].fill_(float("-inf"))
-    bufs = _buffers(N, V, cdt, dev)
-    for tile in _tiles(N, V):
+    bufs = _buffers(N, V, cdt, dev, elems=ROW_BLOCK * min(VOCAB_TILE, V))
+    for tile in _invariant_tiles(N_pad, V):
         zs, zt = _tile_logits(student, tile, bufs[3]), _tile_logits(teacher, tile, bufs[4])
         _fold(zs, zt, st[:, tile.rows], mode, opts.with_entropy, bufs)
     div, entropy, lse_s, lse_t = finish_stats(st, mode, opts.with_entropy)
     if div is not None:  # a KL: it is also what the backward needs
         aux = div
     else:
-        div = torch.zeros(N, dtype=cdt, device=dev)
-        aux = torch.zeros(N, dtype=cdt, device=dev)
-        for tile in _tiles(N, V):
+        div = torch.zeros(N_pad, dtype=cdt, device=dev)
+        aux = torch.zeros(N_pad, dtype=cdt, device=dev)
+        for tile in _invariant_tiles(N_pad, V):
             zs, zt = _tile_logits(student, tile, bufs[3]), _tile_logits(teacher, tile, bufs[4])
             j, k = _jsd_terms(zs, zt, lse_s[tile.rows], lse_t[tile.rows], opts.beta, bufs)
             div[tile.rows] += j
             aux[tile.rows] += k
-    return div, entropy, lse_s, lse_t, aux
+    return tuple(None if x is None else x[:N] for x in (div, entropy, lse_s, lse_t, aux))
 
 
 def _student_grad(zs, zt, lse_s, lse_t, aux, entropy, gd, ge, opts, bufs) -> torch.Tensor:

@@ -24,9 +24,9 @@ from fastrl.kernels import logits_fold as F
 from fastrl.ops import torch_backend as _TB
 from fastrl.ops._gemm import addmm_f32, mm_f32
 from fastrl.ops.budget import O_N_BYTES, memory_budget, tile_budget
-from fastrl.ops.config import LogitTransform
+from fastrl.ops.config import LogitTransform, get_batch_invariant
 
-__all__ = ["linear_stats", "linear_backward", "sliced_backward", "tile_columns"]
+__all__ = ["linear_stats", "linear_backward", "sliced_backward", "tile_columns", "chunk_logits_f32", "invariant_rows"]
 
 ROWS = 4096  # tokens per statistics tile (TRL's token tile; cuBLAS is at full speed there)
 # Tokens per backward tile before the rows are chunked as well. A tile of E elements (the budget) holds E / rows
@@ -37,6 +37,13 @@ ROWS = 4096  # tokens per statistics tile (TRL's token tile; cuBLAS is at full s
 # output, 4096 FLOP/B. (A roofline choice, not yet timed on a GPU; up to 16384 tokens nothing changes.)
 MAX_ROWS = 1 << 14
 _ALIGN = 256
+# The batch-invariant mode's statistics tile (``fastrl.set_batch_invariant``): cuBLAS (and MKL) pick a GEMM's kernel,
+# and so the order of an output's inner sum, by its shape, so every GEMM has INVARIANT_ROWS rows (the last block
+# padded with zero rows) and INVARIANT_COLS columns (the last one narrower, the same for every N): a 32 MB float32
+# tile on CUDA. Costs the padded rows (a batch of 1 token computes 1024) and GEMMs narrower than ROWS. On a CPU (the
+# interpreter) 128 rows: MKL is at full speed there, and the interpreter's cost follows the padded rows.
+INVARIANT_ROWS = {"cuda": 1024, "cpu": 128}
+INVARIANT_COLS = 8192
 
 
 def tile_columns(rows: int, vocab: int, requested: int | None = None, room: int | None = None) -> int:
@@ -69,6 +76,8 @@ def linear_stats(
     with_entropy: bool,
     vocab_chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # lse [N], target logit [N], entropy [N] | None
+    if get_batch_invariant():
+        return _invariant_stats(hidden, weight, bias, targets, tf, with_entropy, vocab_chunk)
     N = hidden.shape[0]
     V = weight.shape[0]
     rows = min(N, ROWS)
@@ -84,6 +93,70 @@ def linear_stats(
             F.fold_tile(y, None if bias is None else bias[v0:v1], targets[n0:n1], v0, part, first=v0 == 0,
                         with_entropy=with_entropy, **_transform_kw(tf))
     return F.finish_stats(stats, with_entropy)
+
+
+def _invariant_stats(
+    hidden: torch.Tensor,  # [N, H]
+    weight: torch.Tensor,  # [V, H]
+    bias: torch.Tensor | None,  # [V] contiguous
+    targets: torch.Tensor,  # [N] int64 contiguous
+    tf: LogitTransform,
+    with_entropy: bool,
+    vocab_chunk: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # lse [N], target logit [N], entropy [N] | None
+    """``linear_stats`` over the fixed tiles of ``_invariant_tiles`` (``vocab_chunk`` columns when given), whatever N
+    and the memory budget: a token's statistics are a function of its own row (batch invariant)."""
+    N = hidden.shape[0]
+    rows = invariant_rows(hidden.device)
+    n_pad = -(-N // rows) * rows
+    stats = torch.empty((4, n_pad), dtype=torch.float32, device=hidden.device)
+    t_pad = torch.full((n_pad,), -1, dtype=targets.dtype, device=targets.device)  # padding rows: no target logit
+    t_pad[:N] = targets
+    for n0, _, v0, v1, y in _invariant_tiles(hidden, weight, vocab_chunk):
+        F.fold_tile(y, None if bias is None else bias[v0:v1], t_pad[n0 : n0 + rows], v0, stats[:, n0 : n0 + rows],
+                    first=v0 == 0, with_entropy=with_entropy, **_transform_kw(tf))
+    lse, zt, ent = F.finish_stats(stats, with_entropy)
+    return lse[:N], zt[:N], (ent[:N] if ent is not None else None)
+
+
+def invariant_rows(device: torch.device) -> int:
+    """Rows per GEMM of the batch-invariant mode on ``device``'s kind (``INVARIANT_ROWS``)."""
+    return INVARIANT_ROWS["cuda" if device.type == "cuda" else "cpu"]
+
+
+def _invariant_tiles(hidden: torch.Tensor, weight: torch.Tensor, cols: int | None = None):
+    """``(n0, n1, v0, v1, raw float32 logits [INVARIANT_ROWS, v1 - v0])`` over blocks of ``INVARIANT_ROWS`` rows (the
+    last one padded with zero rows: its rows past ``n1`` are padding), each block's vocabulary tiles of ``cols``
+    (default ``INVARIANT_COLS``) columns in order: every GEMM one shape whatever N. One reused tile."""
+    N, H = hidden.shape
+    V = weight.shape[0]
+    rows, cols = invariant_rows(hidden.device), max(1, min(cols or INVARIANT_COLS, V))
+    buf = torch.empty(rows * cols, dtype=torch.float32, device=hidden.device)
+    pad = torch.zeros((rows, H), dtype=hidden.dtype, device=hidden.device) if N % rows else None
+    for n0 in range(0, N, rows):
+        n1 = min(n0 + rows, N)
+        h_b = hidden[n0:n1]
+        if n1 - n0 < rows:  # the last block, padded: every GEMM has the same shape
+            pad[: n1 - n0] = h_b
+            h_b = pad
+        for v0 in range(0, V, cols):
+            v1 = min(v0 + cols, V)
+            yield n0, n1, v0, v1, mm_f32(h_b, weight[v0:v1].T, out=buf[: rows * (v1 - v0)].view(rows, v1 - v0))
+
+
+def chunk_logits_f32(
+    hidden: torch.Tensor,  # [n, H] a one-pass chunk's tokens
+    weight: torch.Tensor,  # [V, H]
+    out: torch.Tensor,  # [n, V] float32
+) -> torch.Tensor:
+    """The raw float32 logits of a one-pass chunk: one GEMM, or in the batch-invariant mode the GEMMs of
+    ``_invariant_tiles`` (through one 32 MB tile on CUDA), so a row's logits follow neither the chunk's length nor
+    its neighbours."""
+    if not get_batch_invariant():
+        return mm_f32(hidden, weight.T, out=out)
+    for n0, n1, v0, v1, y in _invariant_tiles(hidden, weight):
+        out[n0:n1, v0:v1] = y[: n1 - n0]
+    return out
 
 
 def linear_backward(

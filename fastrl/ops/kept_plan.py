@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from fastrl.ops.budget import kept_capacity
+from fastrl.ops.config import get_batch_invariant
 
 __all__ = ["Unit", "KeptPlan", "PlanChoice", "RowBucket", "chunk_plan", "host_bounds", "fixed_shape", "union_bound",
            "bucket_width", "rows_count", "choose", "decode", "UNION_ADVANTAGE"]
@@ -244,6 +245,8 @@ def choose(ids: torch.Tensor, offsets: torch.Tensor, V: int, width: int | None, 
 
     if overlap is False and width is not None:
         return rows(None, "the set says its rows share few ids (KeptSet.overlap=False)")
+    if get_batch_invariant() and width is not None:  # a union tile's GEMM width follows the other rows' ids
+        return rows(None, "batch-invariant mode (fastrl.set_batch_invariant): a row's logits from its own ids only")
     if not sync:
         fixed = union_bound(N, nnz, V, tile_elems, cap) if counted else None
         if overlap is None and width is not None:

@@ -29,6 +29,7 @@ import importlib.util
 import torch
 
 from fastrl.ops.backend import cuda_f32_out, is_triton
+from fastrl.ops.config import get_batch_invariant
 from fastrl.ops.torch_backend import acc_dtype
 
 __all__ = ["rows_logits", "rows_backward", "kernels_for", "chunk_rows"]
@@ -89,7 +90,10 @@ def rows_logits(
         n = r1 - r0
         # the gather: K rows of W per token
         w = torch.index_select(weight, 0, safe[r0:r1].reshape(-1), out=buf[: n * K]).view(n, K, H)
-        out[r0:r1] = _bmm_f32(w, hidden[r0:r1, :, None], cdt).squeeze(2)
+        if get_batch_invariant():  # bmm's sum order follows the batch count; a product and a row sum do not
+            out[r0:r1] = w.to(cdt).mul_(hidden[r0:r1, None, :].to(cdt)).sum(-1)
+        else:
+            out[r0:r1] = _bmm_f32(w, hidden[r0:r1, :, None], cdt).squeeze(2)
     if bias is not None:
         out += bias.index_select(0, safe.reshape(-1)).view(N, K).to(cdt)
     return out.masked_fill_(pad, float("-inf"))

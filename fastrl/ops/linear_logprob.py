@@ -30,7 +30,7 @@ from fastrl.ops._checks import (
 )
 from fastrl.ops._gemm import addmm_f32
 from fastrl.ops.backend import resolve_backend
-from fastrl.ops.config import LogitTransform
+from fastrl.ops.config import LogitTransform, invariant_splits
 from fastrl.ops import live
 from fastrl.ops.live import LiveRows, SortedRows
 
@@ -97,6 +97,7 @@ def linear_stats(
         return fused_stats(
             hidden, weight, bias, targets, logit_scale=tf.logit_scale, softcap=tf.softcap,
             temperature=tf.temperature, with_entropy=with_entropy, live_count=live_count,
+            splits=invariant_splits(),
         )
     assert live_count is None, f"{backend} computes every row"
     return torch_backend.linear_stats(hidden, weight, bias, targets, tf, with_entropy=with_entropy)

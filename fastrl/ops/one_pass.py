@@ -22,7 +22,7 @@ import torch
 
 from fastrl.ops import torch_backend as TB
 from fastrl.ops._checks import compact_rows
-from fastrl.ops._gemm import addmm_f32, compensated_addmm_, mm_f32
+from fastrl.ops._gemm import addmm_f32, compensated_addmm_
 from fastrl.ops.backend import is_triton
 from fastrl.ops.budget import fit_one_pass_rows, memory_budget, one_pass_rows, tile_budget
 from fastrl.ops.config import LogitTransform
@@ -32,6 +32,7 @@ __all__ = ["IGNORE", "ChunkLoss", "Chunk", "chunk_budget", "live_chunks", "plan_
            "fixed_chunks", "run", "tile_stats_kl", "tile_grad_kl_"]
 
 IGNORE = -100  # the target id of a row outside the mask (the ops' ignore_index)
+EXACT_KL_COLUMNS = 1024  # vocabulary columns per block of the exact KL's passes over a chunk's tiles (_block_columns)
 
 
 def chunk_budget(V: int, device: torch.device, trained_head: bool, requested: int | None, backend: str = "torch",
@@ -282,9 +283,10 @@ class _Tiles:
         self.triton, self.sm90 = is_triton(backend), backend == "triton-sm90"
         if self.triton:
             from fastrl.kernels import logits_fold as F
+            from fastrl.ops import hybrid as HY
             from fastrl.ops import sm90 as S
 
-            self.F, self.S = F, S
+            self.F, self.S, self.H = F, S, HY
         # sm90: scaled exps in the input dtype instead of float32 logits (fastrl.ops.sm90)
         self.zbuf = torch.empty(0 if self.sm90 else chunk * V, dtype=cdt, device=dev)
         self.zrbuf = torch.empty(chunk * V, dtype=cdt, device=dev) if ref is not None else None
@@ -301,7 +303,7 @@ class _Tiles:
         z = self.zbuf[: n * V].view(n, V)
         if self.triton:
             # raw logits from cuBLAS in float32; the fold and G kernels apply bias and transform on the fly
-            mm_f32(ck.h, w.T, out=z)
+            self.H.chunk_logits_f32(ck.h, w, out=z)  # fixed row blocks in the batch-invariant mode
             st = self.stats_buf[:, :n]
             self.F.fold_tile(z, b, ck.t, 0, st, first=True, with_entropy=True, **self.tkw)
             return _Stats(z, *self.F.finish_stats(st, True))
@@ -420,10 +422,10 @@ def tile_stats_kl(
 
 
 def _block_columns(z: torch.Tensor) -> int:
-    """Vocabulary columns per block of an [n, V] tile: the ``exact-kl`` budget (a CPU core's L2: the passes over a
-    block then run from cache)."""
-    n, V = z.shape
-    return TB.tile_columns(n, V, tile_elems=tile_budget("exact-kl", z.device).elems)
+    """Vocabulary columns per block of an [n, V] tile: ``EXACT_KL_COLUMNS`` whatever n, so a row's sums are added in
+    one order in every chunk (batch invariant); at the CPU's 256-row chunks a block is the ``exact-kl`` budget's
+    1 MB (a core's L2: the passes over a block then run from cache)."""
+    return min(z.shape[1], EXACT_KL_COLUMNS)
 
 
 def _lse(z: torch.Tensor) -> torch.Tensor:  # [n, V] -> [n], blockwise (no tile-sized temporary)

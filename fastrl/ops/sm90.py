@@ -19,7 +19,10 @@ interpreter on CPU tensors) and 16-byte aligned rows (``H`` a multiple of 8 in b
 falls back silently: ``backend="triton-sm90"`` on an older GPU or with unaligned tensors raises and names the backends
 that run there (``backend="triton"`` or ``"triton-fused"``). ``backend="auto"`` never picks this backend: only a
 committed GPU measurement may make it a default. Deterministic: no atomics, a fixed reduction order per launch
-configuration.
+configuration. The statistics' vocabulary split count follows N (``choose_splits``: enough work items for every
+program), so a token's log-prob changes in its last bits with the batch; in the batch-invariant mode
+(``fastrl.set_batch_invariant``) it is ``fastrl.ops.config.INVARIANT_SPLITS`` whatever N, a function of V alone (each row block's
+programs are independent and the splits merge in a fixed order, so the rows are then batch invariant).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from fastrl.kernels import persistent_grad as PG
 from fastrl.kernels import persistent_stats as PS
 from fastrl.kernels.linear_logprob import tma_ok
 from fastrl.kernels.tuning import KernelConfig, config_for
-from fastrl.ops.config import LogitTransform
+from fastrl.ops.config import LogitTransform, invariant_splits
 from fastrl.ops.budget import grad_columns, memory_budget
 from fastrl.ops.hybrid import MAX_ROWS, sliced_backward
 
@@ -78,6 +81,7 @@ def linear_stats(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # lse [N], target logit [N], entropy [N] | None
     check_tensors(hidden, weight)
     return PS.persistent_stats(hidden, weight, bias, targets, with_entropy=with_entropy, live_count=live_count,
+                               splits=invariant_splits(),
                                **_tf_kw(tf))
 
 
@@ -157,7 +161,8 @@ def chunk_stats(
     n = h_c.shape[0]
     check_tensors(h_c)
     return PS.persistent_stats(h_c, weight, bias, t_c, with_entropy=True, exp_out=tile.e[:n, : tile.V],
-                               k_out=tile.k[:n], config=tile.config, live_count=live_count, **_tf_kw(tf))
+                               k_out=tile.k[:n], config=tile.config, live_count=live_count,
+                               splits=invariant_splits(), **_tf_kw(tf))
 
 
 def chunk_grad(
