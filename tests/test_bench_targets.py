@@ -64,7 +64,7 @@ def test_keptset_points_and_one_point_in_process():
 
     pts = keptset.points("cpu", smoke=False, quick=False)
     kept = {(p["K"], p["sets"]) for p in pts if p["mode"] == "kept"}
-    assert kept == {(k, s) for k in (20, 64, 512) for s in ("zipf", "uniform")}
+    assert kept == {(k, s) for k in (20, 64, 512) for s in ("zipf", "uniform")} | {(128, "ragged")}
     assert {p["mode"] for p in pts} == {"full", "kept", "rule", "replay", "rule-p", "nosync", "loss", "loss-kept"}
     assert all(p["V"] == 151936 for p in pts)
     assert {p["shape"] for p in keptset.points("cuda", False, False)} == {"W1-kept", "W2-kept"}
