@@ -37,9 +37,7 @@ def small_tiles(monkeypatch):
     12 ids and 64-element tiles: many units per token chunk, chunks split (the seams of the kept-set engine)."""
     monkeypatch.setitem(budget.BUDGETS, "divergence", budget.TileBudget(elems=16 * 128, live=5))
     monkeypatch.setitem(budget.BUDGETS, "kept", {"cpu": budget.TileBudget(elems=64, live=2, cap=12)})
-    orig = divergence_torch.tile_columns
-    monkeypatch.setattr(divergence_torch, "tile_columns", lambda n, v, requested=None, multiple=128, tile_elems=0: orig(
-        n, v, 64 if requested is None else requested, multiple, tile_elems))
+    monkeypatch.setattr(divergence_torch, "VOCAB_TILE", 64)  # the torch backend's fixed vocabulary tile
 
 
 def make(lead=(37,), H=16, Ht=24, V=300, dtype=torch.float32, bias=True, seed=0, spread=1.0, device="cpu"):

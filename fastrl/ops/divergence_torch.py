@@ -13,7 +13,8 @@ heads and forms the student's ``G = dD/dy`` (docs/design.md, "Divergences"):
 
 The forward walks fixed ``[ROW_BLOCK, VOCAB_TILE]`` tiles (the hidden states padded to whole row blocks), so a
 token's divergence and entropy are bitwise the same in any batch (``fastrl.ops.torch_backend``'s docstring says
-why); the backward's tiles follow N and the budget (deterministic run to run, not batch invariant).
+why); the backward recomputes the logits in the same tiles, one ``[N, VOCAB_TILE]`` slice of G at a time
+(deterministic run to run).
 
 ``forward`` / ``backward`` have the interface of ``fastrl.ops.divergence_hybrid`` and ``fastrl.ops.divergence_sm90``
 (``fastrl.ops.config.Head``s whose ``h`` keeps the input dtype; ``opts`` the op's ``DivergenceOptions``, read for
@@ -28,10 +29,9 @@ from typing import Iterator
 
 import torch
 
-from fastrl.ops.budget import tile_budget
 from fastrl.ops.config import Head
 from fastrl.ops.divergence_stats import FORWARD_KL, REVERSE_KL, finish_stats, finite_max, log_mix
-from fastrl.ops.torch_backend import ROW_BLOCK, VOCAB_TILE, acc_dtype, tile_columns
+from fastrl.ops.torch_backend import ROW_BLOCK, VOCAB_TILE, acc_dtype
 
 __all__ = ["forward", "backward", "divergence_forward", "divergence_backward"]
 
@@ -45,14 +45,6 @@ class _Tile:
     @property
     def shape(self) -> tuple[int, int]:
         return self.rows.stop - self.rows.start, self.v1 - self.v0
-
-
-def _tiles(N: int, V: int) -> Iterator[_Tile]:
-    """The backward's [rows, cols] tiles: every row at once, as many columns as the ``divergence`` budget allows, in
-    vocabulary order (the gradients need determinism, not batch invariance)."""
-    cols = tile_columns(N, V, tile_elems=tile_budget("divergence").elems)
-    for v0 in range(0, V, cols):
-        yield _Tile(slice(0, N), v0, min(v0 + cols, V))
 
 
 def _invariant_tiles(N_pad: int, V: int) -> Iterator[_Tile]:
@@ -75,11 +67,9 @@ def _padded(head: Head, N_pad: int) -> Head:
     return Head(h, head.weight, head.bias, head.tf, head.dtype)
 
 
-def _buffers(N: int, V: int, cdt: torch.dtype, dev: torch.device, elems: int | None = None) -> list[torch.Tensor]:
-    """The five flat tile buffers (both heads' logits, three scratch), each as large as the largest tile."""
-    if elems is None:
-        elems = max(N, 1) * tile_columns(N, V, tile_elems=tile_budget("divergence").elems)
-    return [torch.empty(elems, dtype=cdt, device=dev) for _ in range(5)]
+def _buffers(V: int, cdt: torch.dtype, dev: torch.device) -> list[torch.Tensor]:
+    """The five flat tile buffers (both heads' logits, three scratch), each one ``[ROW_BLOCK, VOCAB_TILE]`` tile."""
+    return [torch.empty(ROW_BLOCK * min(VOCAB_TILE, V), dtype=cdt, device=dev) for _ in range(5)]
 
 
 def _weight_block(head: Head, tile: _Tile) -> torch.Tensor:  # [C, H] in the compute dtype (the upcast hidden's)
@@ -155,7 +145,7 @@ def divergence_forward(
     st = torch.zeros((6, N_pad), dtype=cdt, device=dev)
     st[0].fill_(float("-inf"))
     st[4].fill_(float("-inf"))
-    bufs = _buffers(N, V, cdt, dev, elems=ROW_BLOCK * min(VOCAB_TILE, V))
+    bufs = _buffers(V, cdt, dev)
     for tile in _invariant_tiles(N_pad, V):
         zs, zt = _tile_logits(student, tile, bufs[3]), _tile_logits(teacher, tile, bufs[4])
         _fold(zs, zt, st[:, tile.rows], mode, opts.with_entropy, bufs)
@@ -205,7 +195,10 @@ def divergence_backward(
     need: tuple[bool, bool, bool],  # (hidden, weight, bias)
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Student gradients, vocabulary-sliced: each slice's G [N, C] is formed once, ``grad_W[slice] = G^T h`` is one
-    GEMM written once (no float32 [V, H] buffer), ``grad_h += G W[slice]`` accumulates in the compute dtype."""
+    GEMM written once (no float32 [V, H] buffer), ``grad_h += G W[slice]`` accumulates in the compute dtype. The
+    slices are the forward's ``VOCAB_TILE`` columns and G's logits are recomputed in the forward's
+    ``[ROW_BLOCK, VOCAB_TILE]`` tiles: bitwise the logits the forward's statistics came from (a GEMM of another shape
+    rounds differently, and a log-sum-exp off by an ulp scales every probability of its row alike)."""
     need_h, need_w, need_b = need
     h, weight, bias = student.h, student.weight, student.bias
     N, V = h.shape[0], weight.shape[0]
@@ -213,23 +206,31 @@ def divergence_backward(
     grad_h = torch.zeros_like(h) if need_h else None
     grad_b = torch.zeros((V,), dtype=cdt, device=dev) if need_b else None
     grad_w = torch.empty_like(weight) if need_w else None
-    bufs = _buffers(N, V, cdt, dev)
-    for tile in _tiles(N, V):
-        r = tile.rows
-        w = _weight_block(student, tile)
-        zs, zt = _tile_logits(student, tile, bufs[3], w), _tile_logits(teacher, tile, bufs[4])
-        g = _student_grad(zs, zt, lse_s[r], lse_t[r], aux[r], None if entropy is None else entropy[r],
-                          None if grad_div is None else grad_div[r], None if grad_ent is None else grad_ent[r],
-                          opts, bufs)
+    N_pad, cols = -(-N // ROW_BLOCK) * ROW_BLOCK, min(VOCAB_TILE, V)
+    padded_s, padded_t = _padded(student, N_pad), _padded(teacher, N_pad)
+    bufs = _buffers(V, cdt, dev)
+    g_slice = torch.empty((N, cols), dtype=cdt, device=dev)
+    for v0 in range(0, V, cols):
+        v1 = min(v0 + cols, V)
+        g = g_slice[:, : v1 - v0]
+        w = _weight_block(student, _Tile(slice(0, N), v0, v1))
+        for n0 in range(0, N, ROW_BLOCK):
+            n1 = min(n0 + ROW_BLOCK, N)
+            r, tile = slice(n0, n1), _Tile(slice(n0, n0 + ROW_BLOCK), v0, v1)
+            zs = _tile_logits(padded_s, tile, bufs[3], w)[: n1 - n0]
+            zt = _tile_logits(padded_t, tile, bufs[4])[: n1 - n0]
+            g[r] = _student_grad(zs, zt, lse_s[r], lse_t[r], aux[r], None if entropy is None else entropy[r],
+                                 None if grad_div is None else grad_div[r], None if grad_ent is None else grad_ent[r],
+                                 opts, bufs)
         if need_h:
-            grad_h[r].addmm_(g, w)
+            grad_h.addmm_(g, w)
         if need_w:
             if grad_w.dtype == cdt:
-                torch.mm(g.T, h, out=grad_w[tile.v0 : tile.v1])  # written once, no temporary
+                torch.mm(g.T, h, out=grad_w[v0:v1])  # written once, no temporary
             else:
-                grad_w[tile.v0 : tile.v1] = torch.mm(g.T, h)
+                grad_w[v0:v1] = torch.mm(g.T, h)
         if need_b:
-            grad_b[tile.v0 : tile.v1] = g.sum(0)
+            grad_b[v0:v1] = g.sum(0)
     return (
         grad_h.to(student.dtype) if need_h else None,
         grad_w if need_w else None,
