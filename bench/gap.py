@@ -47,7 +47,7 @@ def reward_len(completions, **kwargs):
 
 def run_config(spec: dict) -> dict:
     """One configuration in this fresh process (``bench.session_points.run_spec``, ``{"kind": "gap"}``)."""
-    from bench import vllm_cpu
+    from fastrl import testing_vllm as vllm_cpu
 
     vllm_cpu.prepare()
     import torch
@@ -104,7 +104,7 @@ def add_options(ap) -> None:
 
 def command(args, device: str, con) -> int:
     """Each configuration in a fresh process, its table line printed as it finishes; ``gap.json``."""
-    from bench import vllm_cpu
+    from fastrl import testing_vllm as vllm_cpu
 
     if vllm_cpu.vllm_version() is None:
         con.print("[red]`python -m bench gap` needs vLLM: run it with the vLLM environment's python "

@@ -18,9 +18,10 @@ with an offender (it must be reported) and once without (nothing reported), so n
    calls with a string are not seen). An import names the module it imports: ``from p import n`` names ``p.n``
    when that is a module of the project and ``p`` otherwise; the parent packages a dotted import runs first are
    not counted. (a) No cycle among the modules of ``fastrl`` (``kernels/`` included). (b) The layers, top first:
-   ``bench`` > ``fastrl/__init__.py``, ``fastrl/demo.py``, ``fastrl/reference.py``, ``fastrl/testing.py`` >
-   ``fastrl/trainers`` > ``fastrl/losses`` > ``fastrl/ops`` > ``kernels`` > ``fastrl/_extras.py`` and
-   ``fastrl/_options.py`` (leaves that import nothing of the project); no module imports a module of a higher layer.
+   ``bench`` > ``fastrl/__init__.py``, ``fastrl/demo.py``, ``fastrl/reference.py``, ``fastrl/testing.py``,
+   ``fastrl/testing_vllm.py`` > ``fastrl/trainers`` > ``fastrl/losses`` > ``fastrl/ops`` > ``kernels`` >
+   ``fastrl/_extras.py`` and ``fastrl/_options.py`` (leaves that import nothing of the project); no module imports
+   a module of a higher layer.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ MAX_LINES = 80
 # the layers, by dotted prefix (the longest prefix that matches decides); a higher number is a higher layer
 LAYERS = {
     "bench": 6,
-    "fastrl": 5,  # fastrl/__init__.py, demo.py, reference.py, testing.py
+    "fastrl": 5,  # fastrl/__init__.py, demo.py, reference.py, testing.py, testing_vllm.py
     "fastrl.trainers": 4,
     "fastrl.losses": 3,
     "fastrl.ops": 2,

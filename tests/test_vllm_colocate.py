@@ -33,7 +33,7 @@ from datasets import Dataset  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 import fastrl  # noqa: E402
-from bench import vllm_cpu  # noqa: E402
+from fastrl import testing_vllm as vllm_cpu  # noqa: E402
 from fastrl.losses.config import PolicyLossConfig  # noqa: E402
 from fastrl.reference import masked_logprobs_reference, policy_loss_from_logprobs  # noqa: E402
 from fastrl.trainers import grpo_vllm  # noqa: E402

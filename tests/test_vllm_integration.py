@@ -4,7 +4,7 @@ with the top-k/top-p rule replayed (``apply_rule(order="vllm")``) on the same mo
 
 Runs in the vLLM environment (``bash .ci/vllm-env.sh``; ``.ci/run`` runs it there, where a missing vLLM fails);
 skipped, saying so, anywhere else (tests/vllm_harness.py). vLLM returns sampling masks only from its Model Runner
-V2, which needs Triton with a backend for the device: without a GPU or triton-cpu, ``bench.vllm_cpu.prepare`` runs
+V2, which needs Triton with a backend for the device: without a GPU or triton-cpu, ``fastrl.testing_vllm.prepare`` runs
 vLLM's Triton kernels in Triton's interpreter and routes top-k/top-p to vLLM's own PyTorch implementation. All the
 code that computes, gathers and returns the masks is vLLM's.
 """

@@ -24,7 +24,7 @@ from trl.generation import vllm_generation  # noqa: E402
 from vllm import envs  # noqa: E402
 
 import fastrl  # noqa: E402
-from bench import vllm_cpu  # noqa: E402
+from fastrl import testing_vllm as vllm_cpu  # noqa: E402
 from fastrl.trainers.grpo_vllm import runner_v2_problem  # noqa: E402
 
 

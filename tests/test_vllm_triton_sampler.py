@@ -24,7 +24,7 @@ from vllm_harness import require_vllm
 
 vllm = require_vllm()
 
-from bench import vllm_cpu  # noqa: E402
+from fastrl import testing_vllm as vllm_cpu  # noqa: E402
 from fastrl.ops.rules import apply_rule  # noqa: E402
 from fastrl.ops.support import SamplerRule  # noqa: E402
 

@@ -35,9 +35,9 @@ PROMPTS = ["the quick brown fox", "what is two plus two", "hello world", "the la
 
 
 def require_vllm():
-    """Import vLLM (after ``bench.vllm_cpu.prepare``) for a test module: a module-level skip where vLLM is not
+    """Import vLLM (after ``fastrl.testing_vllm.prepare``) for a test module: a module-level skip where vLLM is not
     installed, a failure where it must be (``FASTRL_REQUIRE_VLLM=1``, CI's vLLM environment)."""
-    from bench import vllm_cpu
+    from fastrl import testing_vllm as vllm_cpu
 
     if vllm_cpu.vllm_version() is None:
         if REQUIRED:

