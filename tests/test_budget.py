@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import fastrl
 from fastrl.ops import one_pass
-from fastrl.ops import budget, divergence_torch, hybrid, kept, rules, torch_backend
+from fastrl.ops import budget, divergence_hybrid, divergence_torch, hybrid, kept, rules, torch_backend
 from fastrl.ops.budget import TileBudget, tile_budget
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,9 +52,11 @@ def test_every_path_reads_its_budget(monkeypatch):
     _shrink(monkeypatch, "one-pass", elems=5 * 1000)
     _shrink(monkeypatch, "one-pass-frozen", elems=3 * 1000)
     assert one_pass.chunk_budget(1000, cpu, True, None) == 5 and one_pass.chunk_budget(1000, cpu, False, None) == 3
-    _shrink(monkeypatch, "divergence", elems=8 * 128)
-    assert [(t.rows.start, t.v0, t.v1) for t in divergence_torch._tiles(8, 300)] == [(0, 0, 128), (0, 128, 256),
-                                                                                      (0, 256, 300)]
+    _shrink(monkeypatch, "divergence-hybrid", elems=8 * 256)
+    assert divergence_hybrid._cols(8, 10_000) == 256
+    # the torch backend's divergence walks fixed [ROW_BLOCK, VOCAB_TILE] tiles (batch invariance), not a budget
+    assert [(t.rows.start, t.v0, t.v1) for t in divergence_torch._invariant_tiles(256, 3000)] == [
+        (0, 0, 2048), (0, 2048, 3000), (128, 0, 2048), (128, 2048, 3000)]
     # the kept-set engine (fused_logprobs / policy_loss / fused_divergence over a support): its unit cap and tile
     ks = fastrl.KeptSet.from_lists([[i] for i in range(10)], 100)
     _shrink(monkeypatch, "kept", elems=1 << 20, cap=3)

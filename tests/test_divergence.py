@@ -35,7 +35,6 @@ TRANSFORMS = {
 def small_tiles(monkeypatch):
     """Tiles of 64 columns: every row walks several vocabulary tiles (the online re-basing); kept-set units of at most
     12 ids and 64-element tiles: many units per token chunk, chunks split (the seams of the kept-set engine)."""
-    monkeypatch.setitem(budget.BUDGETS, "divergence", budget.TileBudget(elems=16 * 128, live=5))
     monkeypatch.setitem(budget.BUDGETS, "kept", {"cpu": budget.TileBudget(elems=64, live=2, cap=12)})
     monkeypatch.setattr(divergence_torch, "VOCAB_TILE", 64)  # the torch backend's fixed vocabulary tile
 

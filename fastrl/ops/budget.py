@@ -31,9 +31,6 @@ path                      device  tile    live  why
                                                 columns for the statistics, 16384 x 4096 in the backward
                                                 (``hybrid.MAX_ROWS``: 1024 FLOP/B on grad_h).
 ``divergence-hybrid``     any     128 MB  2     the same budget shared by both heads' tiles.
-``divergence``            any     4 MB    5     torch backend of ``fused_divergence``: both heads' logits
-                                                and three scratch tiles, 20 MB, in a CPU's L2/L3; >= 128
-                                                columns per GEMM.
 ``kept``                  cpu     16 MB   2     the kept-set engine (``kept``): a union unit's ``[rows,
                           cuda    256 MB        |U|]`` logits tile and its G in the backward (``cap``
                                                 bounds a unit's ids: at most ``max(cap, K)`` logits per
@@ -144,7 +141,6 @@ BUDGETS: dict[str, TileBudget | dict[str, TileBudget]] = {
     "logprob": TileBudget(elems=16 * _MB, live=2),
     "hybrid": TileBudget(elems=256 * _MB, live=1),
     "divergence-hybrid": TileBudget(elems=128 * _MB, live=2),
-    "divergence": TileBudget(elems=4 * _MB, live=5),
     "kept": {"cpu": TileBudget(elems=16 * _MB, live=2, cap=2048),
              "cuda": TileBudget(elems=256 * _MB, live=2, cap=8192)},
     "rule": {"cpu": TileBudget(elems=16 * _MB, live=4), "cuda": TileBudget(elems=128 * _MB, live=4)},
