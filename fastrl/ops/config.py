@@ -134,3 +134,13 @@ class Head:
     def upcast(self, cdt: torch.dtype) -> "Head":
         """The same head with its hidden states in ``cdt`` (once; a no-op for float32), ``dtype`` kept."""
         return Head(self.hidden.to(cdt), self.weight, self.bias, self.tf, self.dtype)
+
+    def padded(self, rows: int) -> "Head":
+        """The same head with its hidden states padded with zero rows to ``rows`` (no copy when none are needed): the
+        batch-invariant paths' whole row blocks."""
+        N = self.hidden.shape[0]
+        if N == rows:
+            return self
+        h = self.hidden.new_zeros((rows, self.hidden.shape[1]))
+        h[:N] = self.hidden
+        return Head(h, self.weight, self.bias, self.tf, self.dtype)

@@ -22,7 +22,7 @@ from fastrl.kernels import divergence_fold as K
 from fastrl.ops import hybrid, torch_backend
 from fastrl.ops._gemm import mm_f32
 from fastrl.ops.budget import tile_budget
-from fastrl.ops.config import Head, get_batch_invariant
+from fastrl.ops.config import get_batch_invariant
 from fastrl.ops.divergence_stats import finish_stats
 
 __all__ = ["forward", "backward"]
@@ -61,17 +61,8 @@ def forward(student, teacher, opts, mode: int):
         return _forward(student, teacher, opts, mode, rows, _cols(rows, V))
     rows = hybrid.invariant_rows(student.h.device)
     n_pad = -(-N // rows) * rows
-    out = _forward(_padded(student, n_pad), _padded(teacher, n_pad), opts, mode, rows, min(INVARIANT_COLUMNS, V))
+    out = _forward(student.padded(n_pad), teacher.padded(n_pad), opts, mode, rows, min(INVARIANT_COLUMNS, V))
     return tuple(None if x is None else x[:N] for x in out)
-
-
-def _padded(head, n_pad: int):
-    N = head.h.shape[0]
-    if N == n_pad:
-        return head
-    h = head.h.new_zeros((n_pad, head.h.shape[1]))
-    h[:N] = head.h
-    return Head(h, head.weight, head.bias, head.tf, head.dtype)
 
 
 def _forward(student, teacher, opts, mode: int, rows: int, cols: int):

@@ -57,16 +57,6 @@ def _invariant_tiles(N_pad: int, V: int) -> Iterator[_Tile]:
             yield _Tile(slice(n0, n0 + ROW_BLOCK), v0, min(v0 + cols, V))
 
 
-def _padded(head: Head, N_pad: int) -> Head:
-    """``head`` with its hidden states padded with zero rows to ``N_pad`` rows (no copy when none are needed)."""
-    N = head.hidden.shape[0]
-    if N == N_pad:
-        return head
-    h = head.hidden.new_zeros((N_pad, head.hidden.shape[1]))
-    h[:N] = head.hidden
-    return Head(h, head.weight, head.bias, head.tf, head.dtype)
-
-
 def _buffers(V: int, cdt: torch.dtype, dev: torch.device) -> list[torch.Tensor]:
     """The five flat tile buffers (both heads' logits, three scratch), each one ``[ROW_BLOCK, VOCAB_TILE]`` tile."""
     return [torch.empty(ROW_BLOCK * min(VOCAB_TILE, V), dtype=cdt, device=dev) for _ in range(5)]
@@ -141,7 +131,7 @@ def divergence_forward(
     cdt, dev = student.hidden.dtype, student.h.device
     mode = opts.mode
     N_pad = -(-N // ROW_BLOCK) * ROW_BLOCK
-    student, teacher = _padded(student, N_pad), _padded(teacher, N_pad)
+    student, teacher = student.padded(N_pad), teacher.padded(N_pad)
     st = torch.zeros((6, N_pad), dtype=cdt, device=dev)
     st[0].fill_(float("-inf"))
     st[4].fill_(float("-inf"))
@@ -207,7 +197,7 @@ def divergence_backward(
     grad_b = torch.zeros((V,), dtype=cdt, device=dev) if need_b else None
     grad_w = torch.empty_like(weight) if need_w else None
     N_pad, cols = -(-N // ROW_BLOCK) * ROW_BLOCK, min(VOCAB_TILE, V)
-    padded_s, padded_t = _padded(student, N_pad), _padded(teacher, N_pad)
+    padded_s, padded_t = student.padded(N_pad), teacher.padded(N_pad)
     bufs = _buffers(V, cdt, dev)
     g_slice = torch.empty((N, cols), dtype=cdt, device=dev)
     for v0 in range(0, V, cols):
