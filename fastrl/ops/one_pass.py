@@ -14,7 +14,6 @@ policy's and the KL per row from the pair (``tile_stats_kl``), its gradient adde
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
